@@ -1,0 +1,56 @@
+"""Shared helpers for the launchers: output allocation, argument checks, launch settings, FP8 constants."""
+
+import os
+
+import torch
+import triton
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0  # largest finite e4m3fn value; kernels clamp to it before the cast (the interpreter does not saturate)
+FP8_AMAX_EPS = 1e-12  # an all-zero row gets scale eps / 448 instead of 0
+
+
+def poison_outputs() -> bool:
+    """Tests set QWEN_IMAGE_FAST_POISON=1: every launcher output then starts as NaN, so an unwritten element fails."""
+    return os.environ.get("QWEN_IMAGE_FAST_POISON") == "1"
+
+
+def new_output(shape, dtype: torch.dtype, device) -> torch.Tensor:
+    out = torch.empty(shape, dtype=dtype, device=device)
+    if poison_outputs():
+        out.fill_(float("nan"))  # float8_e4m3fn has a NaN code too
+    return out
+
+
+def check_tensor(name: str, t: torch.Tensor, *, dtypes=None, ndim=None, shape=None, device=None):
+    """Raise ValueError naming the argument, its value and what is allowed."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if ndim is not None and t.dim() not in ((ndim,) if isinstance(ndim, int) else ndim):
+        raise ValueError(f"{name} must have {ndim} dims, got shape {tuple(t.shape)}")
+    if shape is not None and tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(t.shape)}")
+    if dtypes is not None and t.dtype not in dtypes:
+        raise ValueError(f"{name} has dtype {t.dtype}; allowed: {', '.join(str(d) for d in dtypes)}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name} is on {t.device}, expected {device} (same device as the other inputs)")
+    if t.dim() and t.stride(-1) != 1:
+        raise ValueError(f"{name} must be contiguous in its last dim, got strides {t.stride()}")
+
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def row_launch(n_cols: int) -> dict:
+    """Block width and warps for kernels that keep one row of `n_cols` in registers."""
+    block = triton.next_power_of_2(n_cols)
+    num_warps = 4 if block <= 2048 else 8 if block <= 8192 else 16
+    return dict(BLOCK_N=block, num_warps=num_warps)
+
+
+def rel_rms_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """RMS(out - ref) / RMS(ref) in fp64; NaN anywhere gives inf."""
+    out, ref = out.double(), ref.double()
+    if not torch.isfinite(out).all():
+        return float("inf")
+    return ((out - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt().clamp_min(1e-30)).item()

@@ -1,0 +1,62 @@
+"""Split the joint attention output into its two streams and quantize each to rowwise FP8.
+
+o: [B, S, D] (D = heads * head_dim) holds, per sample, the first stream in rows [0, split) and the second in
+[split, S). Returns each stream's rows as [B * len, D] e4m3 with fp32 per-row scales, the operands of the two
+output projections (`to_add_out` for text, `to_out.0` for image in diffusers `QwenDoubleStreamAttnProcessor2_0`,
+which slices `joint_hidden_states[:, :seq_txt]` / `[:, seq_txt:]`). One pass: o is read once, never copied.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from ._utils import FLOAT_DTYPES, FP8_AMAX_EPS, FP8_DTYPE, FP8_MAX, check_tensor, new_output, row_launch
+from .fp8 import check_q_dtype, fp8_quantize_row, quantize_fp8_rowwise_ref
+
+
+@triton.jit
+def _attn_split_fp8_kernel(O, Q1, S1, Q2, S2, seq_len, split, N, BLOCK_N: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    b = row // seq_len
+    t = row % seq_len
+    cols = tl.arange(0, BLOCK_N)
+    mask = cols < N
+    o = tl.load(O + row * N + cols, mask=mask, other=0.0).to(tl.float32)
+    q, scale = fp8_quantize_row(o, FP8_MAX, FP8_AMAX_EPS)
+    if t < split:
+        out_row = b * split + t
+        tl.store(Q1 + out_row * N + cols, q.to(Q1.dtype.element_ty), mask=mask)
+        tl.store(S1 + out_row, scale)
+    else:
+        out_row = b * (seq_len - split) + t - split
+        tl.store(Q2 + out_row * N + cols, q.to(Q2.dtype.element_ty), mask=mask)
+        tl.store(S2 + out_row, scale)
+
+
+def attn_split_fp8(o: torch.Tensor, split: int, q_dtype=FP8_DTYPE):
+    """o: [B, S, D] or [B, S, H, Dh], contiguous. Returns (q1 [B*split, D], s1 [B*split, 1],
+    q2 [B*(S-split), D], s2 [B*(S-split), 1])."""
+    check_tensor("o", o, dtypes=FLOAT_DTYPES, ndim=(3, 4))
+    check_q_dtype(q_dtype)
+    if not o.is_contiguous():
+        raise ValueError(f"o must be contiguous, got shape {tuple(o.shape)} strides {o.stride()}")
+    b, s = o.shape[:2]
+    if not 0 <= split <= s:
+        raise ValueError(f"split={split} must lie in [0, S={s}]")
+    o = o.reshape(b, s, -1)
+    d = o.shape[-1]
+    q1 = new_output((b * split, d), q_dtype, o.device)
+    s1 = new_output((b * split, 1), torch.float32, o.device)
+    q2 = new_output((b * (s - split), d), q_dtype, o.device)
+    s2 = new_output((b * (s - split), 1), torch.float32, o.device)
+    if b * s:
+        _attn_split_fp8_kernel[(b * s,)](O=o, Q1=q1, S1=s1, Q2=q2, S2=s2, seq_len=s, split=split, N=d, **row_launch(d))
+    return q1, s1, q2, s2
+
+
+def attn_split_fp8_ref(o: torch.Tensor, split: int, q_dtype=FP8_DTYPE):
+    """The semantics attn_split_fp8 must reproduce (pure PyTorch)."""
+    o = o.reshape(*o.shape[:2], -1)
+    first, second = o[:, :split], o[:, split:]
+    return (*quantize_fp8_rowwise_ref(first.reshape(-1, o.shape[-1]), q_dtype),
+            *quantize_fp8_rowwise_ref(second.reshape(-1, o.shape[-1]), q_dtype))

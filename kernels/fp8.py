@@ -1,0 +1,112 @@
+"""Rowwise FP8 (e4m3fn): per-row quantization and the scaled GEMM that consumes it.
+
+Quantization of a row x: scale = max(amax(|x|), 1e-12) / 448; q = e4m3(clamp(x / scale, -448, 448)).
+Activations are quantized per token (row of [M, K]), weights per output channel (row of [N, K]), and
+fp8_linear computes (q_x * s_x) @ (q_w * s_w).T + bias with fp32 accumulation, as torchao's PerRow
+`Float8DynamicActivationFloat8WeightConfig` does through the same `torch._scaled_mm`.
+
+`q_dtype=torch.float32` makes the kernels store the clamped pre-cast values instead of e4m3 codes: the Triton
+interpreter mis-rounds fp32 -> fp8 near powers of two, so CPU tests check those values and the scales, and the
+GPU tests check exact e4m3 codes.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from ._utils import FLOAT_DTYPES, FP8_AMAX_EPS, FP8_DTYPE, FP8_MAX, check_tensor, new_output, row_launch
+
+Q_DTYPES = (FP8_DTYPE, torch.float32)
+
+
+@triton.jit
+def fp8_quantize_row(y, FP8_MAX: tl.constexpr, AMAX_EPS: tl.constexpr):
+    """y: [BLOCK_N] fp32 with masked lanes = 0. Returns (clamped y / scale, scale)."""
+    scale = tl.maximum(tl.max(tl.abs(y), axis=0), AMAX_EPS) / FP8_MAX
+    return tl.clamp(y / scale, -FP8_MAX, FP8_MAX), scale
+
+
+@triton.jit
+def _quantize_fp8_rowwise_kernel(X, Q, S, stride_x, stride_q, N, BLOCK_N: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_N)
+    mask = cols < N
+    x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    q, scale = fp8_quantize_row(x, FP8_MAX, FP8_AMAX_EPS)
+    tl.store(Q + row * stride_q + cols, q.to(Q.dtype.element_ty), mask=mask)
+    tl.store(S + row, scale)
+
+
+def check_q_dtype(q_dtype: torch.dtype):
+    if q_dtype not in Q_DTYPES:
+        raise ValueError(f"q_dtype={q_dtype}; allowed: {FP8_DTYPE} (e4m3 codes) or torch.float32 (pre-cast values)")
+
+
+def quantize_fp8_rowwise(x: torch.Tensor, q_dtype: torch.dtype = FP8_DTYPE) -> tuple[torch.Tensor, torch.Tensor]:
+    """x: [..., N] float. Returns q [..., N] (q_dtype) and scale [..., 1] fp32, x ~= q * scale."""
+    check_tensor("x", x, dtypes=FLOAT_DTYPES)
+    check_q_dtype(q_dtype)
+    n = x.shape[-1]
+    x2 = x.reshape(-1, n)
+    q = new_output(x2.shape, q_dtype, x.device)
+    s = new_output((x2.shape[0], 1), torch.float32, x.device)
+    if x2.shape[0]:
+        _quantize_fp8_rowwise_kernel[(x2.shape[0],)](
+            X=x2, Q=q, S=s, stride_x=x2.stride(0), stride_q=q.stride(0), N=n, **row_launch(n)
+        )
+    return q.view(x.shape), s.view(*x.shape[:-1], 1)
+
+
+def quantize_fp8_rowwise_ref(x: torch.Tensor, q_dtype: torch.dtype = FP8_DTYPE) -> tuple[torch.Tensor, torch.Tensor]:
+    """The semantics quantize_fp8_rowwise must reproduce (pure PyTorch)."""
+    xf = x.float()
+    scale = xf.abs().amax(dim=-1, keepdim=True).clamp_min(FP8_AMAX_EPS) / FP8_MAX
+    return (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(q_dtype), scale
+
+
+def dequantize_fp8_rowwise(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """fp32 values that q [..., N] with scale [..., 1] stands for."""
+    return q.float() * scale
+
+
+def fp8_linear(
+    x_q: torch.Tensor,
+    x_scale: torch.Tensor,
+    w_q: torch.Tensor,
+    w_scale: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """x_q: [M, K] e4m3 with x_scale [M, 1] fp32 (per token); w_q: [N, K] e4m3 with w_scale [N] fp32 (per output
+    channel); bias: [N] in out_dtype or None. Returns [M, N] out_dtype.
+
+    CUDA: one `torch._scaled_mm` (fp32 accumulate, both scales and the bias in its epilogue). CPU: fp8_linear_ref
+    (dequantize, fp32 matmul), for tests and references only. A GPU without FP8 tensor cores raises."""
+    check_tensor("x_q", x_q, dtypes=(FP8_DTYPE,), ndim=2)
+    m, k = x_q.shape
+    check_tensor("x_scale", x_scale, dtypes=(torch.float32,), shape=(m, 1))
+    check_tensor("w_q", w_q, dtypes=(FP8_DTYPE,), ndim=2)
+    n = w_q.shape[0]
+    if w_q.shape[1] != k:
+        raise ValueError(f"w_q has shape {tuple(w_q.shape)}; its in-features must equal x_q's K={k}")
+    check_tensor("w_scale", w_scale, dtypes=(torch.float32,), shape=(n,))
+    if bias is not None:
+        check_tensor("bias", bias, dtypes=(out_dtype,), shape=(n,))
+    if x_q.device.type != "cuda":
+        return fp8_linear_ref(x_q, x_scale, w_q, w_scale, bias, out_dtype)
+    if torch.cuda.get_device_capability(x_q.device) < (8, 9):
+        name = torch.cuda.get_device_name(x_q.device)
+        raise RuntimeError(f"fp8_linear needs FP8 tensor cores (compute capability >= 8.9); {name} has none. "
+                           "Use the BF16 mode (fp8=False) on this GPU.")
+    if k % 16 or n % 16:
+        raise ValueError(f"torch._scaled_mm needs K and N divisible by 16, got K={k}, N={n}")
+    # w_q.t() is the column-major [K, N] operand _scaled_mm wants; w_scale as [1, N] selects rowwise scaling.
+    return torch._scaled_mm(x_q, w_q.t(), scale_a=x_scale, scale_b=w_scale[None, :], bias=bias, out_dtype=out_dtype)
+
+
+def fp8_linear_ref(x_q, x_scale, w_q, w_scale, bias=None, out_dtype=torch.bfloat16) -> torch.Tensor:
+    """The semantics fp8_linear must reproduce: dequantize both operands and multiply in fp32."""
+    out = dequantize_fp8_rowwise(x_q, x_scale) @ dequantize_fp8_rowwise(w_q, w_scale[:, None]).t()
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(out_dtype)

@@ -1,0 +1,47 @@
+"""GELU (tanh approximation) + rowwise FP8 quantization of the MLP hidden, the operand of the second MLP GEMM.
+
+y = gelu_tanh(h) = h * sigmoid(2 * sqrt(2/pi) * (h + 0.044715 h^3)), rounded to h's dtype as
+`F.gelu(h, approximate="tanh")` returns it (diffusers `FeedForward(activation_fn="gelu-approximate")`), then
+quantized per row (kernels/fp8.py). h * sigmoid(2u) equals 0.5 h (1 + tanh(u)) and needs no libdevice tanh.
+"""
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from ._utils import FLOAT_DTYPES, FP8_AMAX_EPS, FP8_DTYPE, FP8_MAX, check_tensor, new_output, row_launch
+from .fp8 import check_q_dtype, fp8_quantize_row, quantize_fp8_rowwise_ref
+
+SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
+
+
+@triton.jit
+def _gelu_fp8_kernel(H, Q, S, stride_h, N, SQRT_2_OVER_PI: tl.constexpr, BLOCK_N: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_N)
+    mask = cols < N
+    h = tl.load(H + row * stride_h + cols, mask=mask, other=0.0).to(tl.float32)
+    y = h * tl.sigmoid(2.0 * SQRT_2_OVER_PI * (h + 0.044715 * h * h * h))
+    y = y.to(H.dtype.element_ty).to(tl.float32)
+    q, scale = fp8_quantize_row(y, FP8_MAX, FP8_AMAX_EPS)
+    tl.store(Q + row * N + cols, q.to(Q.dtype.element_ty), mask=mask)
+    tl.store(S + row, scale)
+
+
+def gelu_fp8(h: torch.Tensor, q_dtype=FP8_DTYPE) -> tuple[torch.Tensor, torch.Tensor]:
+    """h: [M, N] (rows may be strided). Returns q [M, N] (q_dtype) and scale [M, 1] fp32 of gelu_tanh(h)."""
+    check_tensor("h", h, dtypes=FLOAT_DTYPES, ndim=2)
+    check_q_dtype(q_dtype)
+    m, n = h.shape
+    q = new_output((m, n), q_dtype, h.device)
+    s = new_output((m, 1), torch.float32, h.device)
+    if m:
+        _gelu_fp8_kernel[(m,)](H=h, Q=q, S=s, stride_h=h.stride(0), N=n, SQRT_2_OVER_PI=SQRT_2_OVER_PI, **row_launch(n))
+    return q, s
+
+
+def gelu_fp8_ref(h: torch.Tensor, q_dtype=FP8_DTYPE) -> tuple[torch.Tensor, torch.Tensor]:
+    """The semantics gelu_fp8 must reproduce (pure PyTorch)."""
+    return quantize_fp8_rowwise_ref(torch.nn.functional.gelu(h, approximate="tanh"), q_dtype)

@@ -1,0 +1,142 @@
+"""LayerNorm (no affine) + adaptive modulation, optionally quantized to rowwise FP8 for the next GEMM.
+
+y = layer_norm(x, eps) * (1 + scale[g]) + shift[g], where g is the modulation row of the token: its sample
+(row // L) by default, or `mod_row[row]` when each token picks its own row (diffusers' `zero_cond_t`, where
+condition-image tokens use the t=0 modulation). Matches diffusers `QwenImageTransformerBlock`:
+`self._modulate(self.img_norm1(x), mod1)` with `nn.LayerNorm(dim, elementwise_affine=False, eps=1e-6)`, whose
+output is in x's dtype before the modulation; the kernel rounds there too, then modulates in fp32 and rounds once.
+
+The `_fp8` form writes e4m3 rows and their fp32 scales (kernels/fp8.py) instead of y, so the modulated
+activations never reach HBM in bf16.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from ._utils import FLOAT_DTYPES, FP8_AMAX_EPS, FP8_DTYPE, FP8_MAX, check_tensor, new_output, row_launch
+from .fp8 import check_q_dtype, fp8_quantize_row, quantize_fp8_rowwise_ref
+
+
+@triton.jit
+def layer_norm_modulate_row(x, mask, shift, scale, N, eps, LN_DTYPE: tl.constexpr):
+    """x, shift, scale: [BLOCK_N] fp32, masked lanes 0 (so y is 0 there). LayerNorm output rounds to LN_DTYPE."""
+    mean = tl.sum(x, axis=0) / N
+    xc = tl.where(mask, x - mean, 0.0)
+    var = tl.sum(xc * xc, axis=0) / N
+    xn = (xc * tl.rsqrt(var + eps)).to(LN_DTYPE).to(tl.float32)
+    return xn * (1.0 + scale) + shift
+
+
+@triton.jit
+def load_mod_row(MOD_ROW, row, rows_per_sample, HAS_MOD_ROW: tl.constexpr):
+    """The modulation row of token `row`: its own entry in MOD_ROW, else its sample index."""
+    if HAS_MOD_ROW:
+        g = tl.load(MOD_ROW + row).to(tl.int64)
+    else:
+        g = row // rows_per_sample
+    return g
+
+
+@triton.jit
+def store_row(Y, Y_SCALE, row, stride_y, cols, mask, y, QUANT_FP8: tl.constexpr):
+    """Store y [BLOCK_N] fp32 (already rounded to the activation dtype) as is, or as rowwise FP8 + scale."""
+    if QUANT_FP8:
+        q, s = fp8_quantize_row(y, FP8_MAX, FP8_AMAX_EPS)
+        tl.store(Y + row * stride_y + cols, q.to(Y.dtype.element_ty), mask=mask)
+        tl.store(Y_SCALE + row, s)
+    else:
+        tl.store(Y + row * stride_y + cols, y.to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _layer_norm_modulate_kernel(
+    X, SHIFT, SCALE, MOD_ROW, Y, Y_SCALE,
+    stride_x, stride_shift, stride_scale, stride_y, rows_per_sample, N, eps,
+    HAS_MOD_ROW: tl.constexpr, QUANT_FP8: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_N)
+    mask = cols < N
+    g = load_mod_row(MOD_ROW, row, rows_per_sample, HAS_MOD_ROW)
+    x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    shift = tl.load(SHIFT + g * stride_shift + cols, mask=mask, other=0.0).to(tl.float32)
+    scale = tl.load(SCALE + g * stride_scale + cols, mask=mask, other=0.0).to(tl.float32)
+    y = layer_norm_modulate_row(x, mask, shift, scale, N, eps, X.dtype.element_ty)
+    y = y.to(X.dtype.element_ty).to(tl.float32)  # upstream's modulated activations are in x's dtype
+    store_row(Y, Y_SCALE, row, stride_y, cols, mask, y, QUANT_FP8)
+
+
+def check_modulation(x: torch.Tensor, mod_row: torch.Tensor | None, **mods: torch.Tensor) -> int:
+    """Validate x [B, L, D] (rows contiguous), per-token mod_row [B*L] and each [G, D] modulation table.
+    Returns the number of table rows G."""
+    check_tensor("x", x, dtypes=FLOAT_DTYPES, ndim=3)
+    b, l, d = x.shape
+    if not x.is_contiguous():
+        raise ValueError(f"x must be contiguous [B, L, D], got shape {tuple(x.shape)} strides {x.stride()}")
+    n_rows = None
+    for name, t in mods.items():
+        check_tensor(name, t, dtypes=FLOAT_DTYPES, ndim=2, device=x.device)
+        if t.shape[1] != d:
+            raise ValueError(f"{name} has shape {tuple(t.shape)}; its width must equal x's D={d}")
+        if n_rows is not None and t.shape[0] != n_rows:
+            raise ValueError(f"{name} has {t.shape[0]} rows, the other modulation tensors {n_rows}")
+        n_rows = t.shape[0]
+    if mod_row is None:
+        if n_rows != b:
+            raise ValueError(f"modulation tables have {n_rows} rows; without mod_row they need one per sample (B={b})")
+    else:
+        check_tensor("mod_row", mod_row, dtypes=(torch.int32, torch.int64), shape=(b * l,), device=x.device)
+    return n_rows
+
+
+def layer_norm_modulate(x, shift, scale, *, mod_row=None, eps: float = 1e-6) -> torch.Tensor:
+    """x: [B, L, D]; shift, scale: [B, D] (or [G, D] with mod_row: int [B*L]); rows may be strided views of a
+    larger modulation tensor. Returns y [B, L, D] in x.dtype."""
+    check_modulation(x, mod_row, shift=shift, scale=scale)
+    y = new_output(x.shape, x.dtype, x.device)
+    _launch(x, shift, scale, mod_row, eps, y, None)
+    return y
+
+
+def layer_norm_modulate_fp8(x, shift, scale, *, mod_row=None, eps: float = 1e-6, q_dtype=FP8_DTYPE):
+    """As layer_norm_modulate, quantized per token: returns q [B*L, D] (q_dtype) and scale [B*L, 1] fp32, the
+    operand form of fp8_linear. q_dtype=torch.float32 stores the pre-cast values (interpreter tests)."""
+    check_modulation(x, mod_row, shift=shift, scale=scale)
+    check_q_dtype(q_dtype)
+    m, d = x.shape[0] * x.shape[1], x.shape[2]
+    q = new_output((m, d), q_dtype, x.device)
+    s = new_output((m, 1), torch.float32, x.device)
+    _launch(x, shift, scale, mod_row, eps, q, s)
+    return q, s
+
+
+def _launch(x, shift, scale, mod_row, eps, y, y_scale):
+    b, l, d = x.shape
+    if b * l == 0:
+        return
+    _layer_norm_modulate_kernel[(b * l,)](
+        X=x, SHIFT=shift, SCALE=scale, MOD_ROW=mod_row, Y=y, Y_SCALE=y_scale,
+        stride_x=d, stride_shift=shift.stride(0), stride_scale=scale.stride(0), stride_y=d,
+        rows_per_sample=l, N=d, eps=eps,
+        HAS_MOD_ROW=mod_row is not None, QUANT_FP8=y_scale is not None, **row_launch(d),
+    )
+
+
+def gather_modulation(t: torch.Tensor, x: torch.Tensor, mod_row: torch.Tensor | None) -> torch.Tensor:
+    """[G, D] modulation table -> the [B, L or 1, D] values each token of x [B, L, D] uses."""
+    if mod_row is None:
+        return t[:, None, :]
+    return t[mod_row.long()].view(x.shape)
+
+
+def layer_norm_modulate_ref(x, shift, scale, *, mod_row=None, eps: float = 1e-6) -> torch.Tensor:
+    """The semantics layer_norm_modulate must reproduce, with diffusers' casts (all in x's dtype)."""
+    xn = torch.nn.functional.layer_norm(x, (x.shape[-1],), eps=eps)
+    shift, scale = gather_modulation(shift, x, mod_row), gather_modulation(scale, x, mod_row)
+    return xn * (1 + scale) + shift
+
+
+def layer_norm_modulate_fp8_ref(x, shift, scale, *, mod_row=None, eps: float = 1e-6, q_dtype=FP8_DTYPE):
+    y = layer_norm_modulate_ref(x, shift, scale, mod_row=mod_row, eps=eps)
+    return quantize_fp8_rowwise_ref(y.reshape(-1, x.shape[-1]), q_dtype)
