@@ -1,5 +1,8 @@
 """Helpers shared by the tests (tests/ is on sys.path through pytest's rootdir conftest)."""
 
+import os
+
+import pytest
 import torch
 
 from qwen_image_fast.kernels._utils import rel_rms_error
@@ -7,11 +10,13 @@ from qwen_image_fast.kernels._utils import rel_rms_error
 # Scale-aware error bound (RMS of difference / RMS of reference) for a kernel against its reference.
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.5e-2}
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-GPU = "cuda"
-
-
-def device_for(marker: str) -> str:
-    return "cuda" if marker == "gpu" else "cpu"
+# Kernel tests run on the CPU under Triton's interpreter (conftest turns it on when there is no GPU) and on CUDA.
+# On a GPU machine the interpreter is off, so Triton cannot launch on CPU tensors: the CPU cases skip there.
+DEVICES = [
+    pytest.param("cpu", marks=pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                                 reason="Triton interpreter off (GPU machine)")),
+    pytest.param("cuda", marks=pytest.mark.gpu),
+]
 
 
 def assert_close(out: torch.Tensor, ref: torch.Tensor, tol: float, what: str = ""):

@@ -1,11 +1,10 @@
 import pytest
 import torch
-from helpers import DTYPES, TOL, assert_close
+from helpers import DEVICES, DTYPES, TOL, assert_close
 
 from qwen_image_fast.kernels.attn_split_fp8 import attn_split_fp8, attn_split_fp8_ref
 from qwen_image_fast.kernels.fp8 import dequantize_fp8_rowwise
 
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
 def test_ref_splits_like_diffusers():

@@ -1,6 +1,6 @@
 import pytest
 import torch
-from helpers import TOL, assert_close
+from helpers import DEVICES, TOL, assert_close
 
 from qwen_image_fast.kernels._utils import FP8_DTYPE, FP8_MAX
 from qwen_image_fast.kernels.fp8 import (
@@ -11,7 +11,6 @@ from qwen_image_fast.kernels.fp8 import (
     quantize_fp8_rowwise_ref,
 )
 
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 # e4m3 keeps 3 mantissa bits: a rounding error of at most 2^-4 relative, ~2.5% RMS on normal data.
 FP8_TOL = 4e-2
 

@@ -1,12 +1,11 @@
 import pytest
 import torch
 from diffusers.models.attention import FeedForward
-from helpers import DTYPES, TOL, assert_close
+from helpers import DEVICES, DTYPES, TOL, assert_close
 
 from qwen_image_fast.kernels.gelu_fp8 import gelu_fp8, gelu_fp8_ref
 from qwen_image_fast.kernels.fp8 import quantize_fp8_rowwise_ref
 
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

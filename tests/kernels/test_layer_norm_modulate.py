@@ -1,7 +1,7 @@
 import pytest
 import torch
 from diffusers.models.transformers.transformer_qwenimage import QwenImageTransformerBlock
-from helpers import DTYPES, TOL, assert_close
+from helpers import DEVICES, DTYPES, TOL, assert_close
 
 from qwen_image_fast.kernels.layer_norm_modulate import (
     layer_norm_modulate,
@@ -10,7 +10,6 @@ from qwen_image_fast.kernels.layer_norm_modulate import (
     layer_norm_modulate_ref,
 )
 
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 SHAPES = [(1, 1, 48), (2, 37, 123), (1, 3, 3072)]  # (B, L, D); 3072 is the DiT width
 
 

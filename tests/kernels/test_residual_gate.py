@@ -1,6 +1,6 @@
 import pytest
 import torch
-from helpers import DTYPES, TOL, assert_close
+from helpers import DEVICES, DTYPES, TOL, assert_close
 
 from qwen_image_fast.kernels.residual_gate import (
     residual_gate,
@@ -11,7 +11,6 @@ from qwen_image_fast.kernels.residual_gate import (
     residual_gate_ref,
 )
 
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 SHAPES = [(1, 1, 48), (2, 37, 123), (1, 3, 3072)]
 
 

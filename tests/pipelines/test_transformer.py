@@ -1,0 +1,227 @@
+"""The fast transformer against diffusers' QwenImageTransformer2DModel: BF16 mode exactly (fp32 compute), FP8 mode
+against an independent per-row FP8 emulation of the same linears applied to the stock model."""
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+from diffusers import QwenImageTransformer2DModel
+from helpers import assert_close
+
+from qwen_image_fast.kernels._utils import rel_rms_error
+from qwen_image_fast.kernels.fp8 import dequantize_fp8_rowwise, quantize_fp8_rowwise_ref
+from qwen_image_fast.pipelines.qwen_image.transformer import (
+    FP8_LINEARS,
+    FastQwenImageTransformer,
+    FastTransformerConfig,
+)
+
+IMG_SHAPES = {  # per sample: [(frames, latent h / 2, latent w / 2), condition images...]
+    "square": [(1, 4, 4)],
+    "wide": [(1, 2, 6)],
+    "odd": [(1, 3, 5)],
+    "edit": [(1, 4, 4), (1, 2, 2)],  # a condition image: zero_cond_t gives its tokens the t=0 modulation
+}
+
+
+def tiny_stock(zero_cond_t=False, num_layers=2, seed=0, device="cpu", **overrides):
+    torch.manual_seed(seed)
+    kwargs = dict(
+        patch_size=2,
+        in_channels=16,  # 64
+        out_channels=4,  # 16
+        num_layers=num_layers,  # 60
+        attention_head_dim=16,  # 128
+        num_attention_heads=3,  # 24
+        joint_attention_dim=16,  # 3584
+        axes_dims_rope=(8, 4, 4),  # (16, 56, 56)
+        zero_cond_t=zero_cond_t,
+    )
+    kwargs.update(overrides)
+    model = QwenImageTransformer2DModel(**kwargs).to(device).eval()
+    with torch.no_grad():  # non-trivial biases and norm weights, so a dropped one shows
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    return model
+
+
+def make_inputs(model, shape_name, batch=2, txt_len=7, padded=False, device="cpu", dtype=torch.float32):
+    shapes = [IMG_SHAPES[shape_name]] * batch
+    img_len = sum(f * h * w for f, h, w in shapes[0])
+    cfg = model.config
+    x = torch.randn(batch, img_len, cfg.in_channels, device=device, dtype=dtype)
+    e = torch.randn(batch, txt_len, cfg.joint_attention_dim, device=device, dtype=dtype)
+    t = torch.linspace(0.2, 0.9, batch, device=device, dtype=dtype)
+    mask = None
+    if padded:  # sample 1 has a shorter prompt: right padding, as the tokenizer and pipeline produce
+        mask = torch.ones(batch, txt_len, dtype=torch.long, device=device)
+        mask[-1, txt_len // 2 :] = 0
+    return dict(hidden_states=x, encoder_hidden_states=e, encoder_hidden_states_mask=mask, timestep=t,
+                img_shapes=shapes)
+
+
+@torch.no_grad()
+def run(model, inputs):
+    return model(**inputs).sample
+
+
+@pytest.mark.parametrize("zero_cond_t", [False, True])
+@pytest.mark.parametrize("padded", [False, True])
+@pytest.mark.parametrize("shape_name", ["square", "wide", "odd", "edit"])
+def test_bf16_mode_matches_diffusers(zero_cond_t, padded, shape_name):
+    stock = tiny_stock(zero_cond_t)
+    fast = FastQwenImageTransformer.from_diffusers(stock, FastTransformerConfig(fp8=False))
+    inputs = make_inputs(stock, shape_name, padded=padded)
+    assert_close(run(fast, inputs), run(stock, inputs), 1e-5, "fast bf16-mode vs diffusers (fp32)")
+
+
+def test_padded_keys_are_not_attended():
+    # Garbage in the padded text positions must not change the output (they are masked as keys).
+    stock = tiny_stock()
+    fast = FastQwenImageTransformer.from_diffusers(stock, FastTransformerConfig(fp8=False))
+    inputs = make_inputs(stock, "square", padded=True)
+    out = run(fast, inputs)
+    inputs["encoder_hidden_states"][-1, 4:] = torch.randn_like(inputs["encoder_hidden_states"][-1, 4:]) * 100
+    assert torch.equal(run(fast, inputs)[-1], out[-1])
+    assert_close(out, run(stock, inputs), 1e-5)
+
+
+def test_left_padded_mask_is_refused():
+    stock = tiny_stock()
+    fast = FastQwenImageTransformer.from_diffusers(stock, FastTransformerConfig(fp8=False))
+    inputs = make_inputs(stock, "square", padded=True)
+    inputs["encoder_hidden_states_mask"] = inputs["encoder_hidden_states_mask"].flip(1)
+    with pytest.raises(RuntimeError, match="right-padded"):
+        run(fast, inputs)
+
+
+class FakeQuantLinear(nn.Module):
+    """Independent FP8 emulation: per-token activation and per-channel weight e4m3 round trips, fp32 matmul."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.linear = linear
+
+    def forward(self, x):
+        q, s = quantize_fp8_rowwise_ref(x.reshape(-1, x.shape[-1]))
+        w_q, w_s = quantize_fp8_rowwise_ref(self.linear.weight)
+        out = dequantize_fp8_rowwise(q, s) @ dequantize_fp8_rowwise(w_q, w_s).t() + self.linear.bias.float()
+        return out.to(x.dtype).view(*x.shape[:-1], -1)
+
+
+def emulate_fp8(stock, names=FP8_LINEARS):
+    model = copy.deepcopy(stock)
+    for block in model.transformer_blocks:
+        a = block.attn
+        slots = {
+            "img_qkv": [(a, "to_q"), (a, "to_k"), (a, "to_v")],
+            "txt_qkv": [(a, "add_q_proj"), (a, "add_k_proj"), (a, "add_v_proj")],
+            "img_out": [(a.to_out, 0)], "txt_out": [(a, "to_add_out")],
+            "img_fc1": [(block.img_mlp.net[0], "proj")], "img_fc2": [(block.img_mlp.net, 2)],
+            "txt_fc1": [(block.txt_mlp.net[0], "proj")], "txt_fc2": [(block.txt_mlp.net, 2)],
+        }
+        for name in names:
+            for parent, key in slots[name]:
+                if isinstance(key, int):
+                    parent[key] = FakeQuantLinear(parent[key])
+                else:
+                    setattr(parent, key, FakeQuantLinear(getattr(parent, key)))
+    return model
+
+
+@pytest.mark.parametrize("zero_cond_t,padded", [(False, False), (False, True), (True, True)])
+def test_fp8_mode_no_worse_than_emulation(zero_cond_t, padded):
+    stock = tiny_stock(zero_cond_t, num_layers=3)
+    fast = FastQwenImageTransformer.from_diffusers(stock, FastTransformerConfig(fp8=True))
+    inputs = make_inputs(stock, "edit" if zero_cond_t else "square", padded=padded)
+    ref = run(stock, inputs)
+    ours, emulated = run(fast, inputs), run(emulate_fp8(stock), inputs)
+    err_ours, err_emulated = rel_rms_error(ours, ref), rel_rms_error(emulated, ref)
+    assert 1e-3 < err_emulated < 0.2, err_emulated  # FP8 really changed something, and not everything
+    assert err_ours <= err_emulated * 1.02, (err_ours, err_emulated)
+    assert rel_rms_error(ours, emulated) < 0.25 * err_emulated  # the same function, up to fp32 rounding
+
+
+def test_policy_keeps_named_linears_in_bf16():
+    stock = tiny_stock(num_layers=3)
+    config = FastTransformerConfig(fp8=True, bf16_linears=("img_fc2", "txt_out"))
+    fast = FastQwenImageTransformer.from_diffusers(stock, config)
+    for blk in fast.blocks:
+        assert {name: getattr(blk, name).fp8 for name in FP8_LINEARS} == {
+            name: name not in ("img_fc2", "txt_out") for name in FP8_LINEARS}
+    inputs = make_inputs(stock, "square", padded=True)
+    ref = run(stock, inputs)
+    err = rel_rms_error(run(fast, inputs), ref)
+    err_emulated = rel_rms_error(run(emulate_fp8(stock, [n for n in FP8_LINEARS if n not in config.bf16_linears]),
+                                     inputs), ref)
+    assert err <= err_emulated * 1.02, (err, err_emulated)
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match=r"bf16_linears=\['img_mlp'\]; allowed: img_qkv"):
+        FastTransformerConfig(bf16_linears=("img_mlp",))
+    with pytest.raises(ValueError, match="attention='flash'; allowed: auto, fa4, cudnn, sdpa"):
+        FastTransformerConfig(attention="flash")
+    stock = tiny_stock(num_layers=1)
+    with pytest.raises(ValueError, match="attention='fa4' needs a CUDA device"):
+        FastQwenImageTransformer.from_diffusers(stock, FastTransformerConfig(attention="fa4"))
+
+
+def test_stock_model_unchanged_and_usable():
+    stock = tiny_stock()
+    inputs = make_inputs(stock, "square")
+    before = run(stock, inputs)
+    state = {k: v.clone() for k, v in stock.state_dict().items()}
+    FastQwenImageTransformer.from_diffusers(stock, FastTransformerConfig(fp8=True))
+    assert all(torch.equal(state[k], v) for k, v in stock.state_dict().items())
+    assert torch.equal(run(stock, inputs), before)
+
+
+def test_forward_signature_and_output_match_diffusers():
+    import inspect
+
+    stock = tiny_stock(num_layers=1)
+    fast = FastQwenImageTransformer.from_diffusers(stock, FastTransformerConfig(fp8=False))
+    ours = list(inspect.signature(fast.forward).parameters)
+    upstream = list(inspect.signature(QwenImageTransformer2DModel.forward).parameters)[1:]
+    assert ours == upstream
+    inputs = make_inputs(stock, "square")
+    out = fast(**inputs, return_dict=False)
+    assert isinstance(out, tuple) and out[0].shape == (2, 16, 16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("padded", [False, True])
+def test_real_width_on_gpu(fp8, padded):
+    """Real widths (3072 = 24 x 128, MLP 12288, text 3584), 2 blocks, 1024x1024 latents (4096 tokens), bf16."""
+    stock = QwenImageTransformer2DModel(num_layers=2).to("cuda", torch.bfloat16).eval()
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, p in stock.named_parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.02)
+    fast = FastQwenImageTransformer.from_diffusers(stock, FastTransformerConfig(fp8=fp8))
+    batch, txt_len = 2, 218
+    inputs = dict(
+        hidden_states=torch.randn(batch, 4096, 64, device="cuda", dtype=torch.bfloat16),
+        encoder_hidden_states=torch.randn(batch, txt_len, 3584, device="cuda", dtype=torch.bfloat16),
+        encoder_hidden_states_mask=None, timestep=torch.tensor([0.5, 0.5], device="cuda", dtype=torch.bfloat16),
+        img_shapes=[[(1, 64, 64)]] * batch,
+    )
+    if padded:
+        inputs["encoder_hidden_states_mask"] = torch.ones(batch, txt_len, dtype=torch.long, device="cuda")
+        inputs["encoder_hidden_states_mask"][1, 150:] = 0
+    ref32 = run(stock.float(), {k: v.float() if torch.is_tensor(v) and v.is_floating_point() else v
+                                for k, v in inputs.items()})
+    stock.to(torch.bfloat16)
+    ref = run(stock, inputs)
+    err_stock_bf16 = rel_rms_error(ref, ref32)
+    err = rel_rms_error(run(fast, inputs), ref32)
+    if fp8:
+        err_emulated = rel_rms_error(run(emulate_fp8(stock), inputs), ref32)
+        assert err <= err_emulated * 1.1, (err, err_emulated)
+    else:
+        assert err <= 2 * err_stock_bf16 + 1e-3, (err, err_stock_bf16)
