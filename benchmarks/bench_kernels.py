@@ -1,0 +1,229 @@
+"""Kernel benchmark (GPU): every op of the kernel core at the real shapes, against its eager reference and
+torch.compile(reference), with the error vs the reference beside each timing.
+
+    python3 benchmarks/bench_kernels.py [--out DIR]
+
+Shapes: DiT rows B=2 x (4096 image + 218 text) = 8628 by 3072, the 12288-wide MLP hidden, 24 heads x 128;
+Qwen3.5 hidden 4096, 16 query heads x 256 with 64 rotary dims, gated norm over 32 value heads x 128.
+Bytes are the fewest an op must move (each input read once, each output written once); GB/s is also given as
+a fraction of the device-to-device copy bandwidth measured in the same run. Appends to results/kernels.jsonl.
+"""
+
+import argparse
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import append_results, bench_ms, copy_bandwidth_gbps, environment, matmul_tflops  # noqa: E402
+
+from qwen_image_fast.kernels._utils import rel_rms_error  # noqa: E402
+from qwen_image_fast.kernels.attn_split_fp8 import attn_split_fp8, attn_split_fp8_ref  # noqa: E402
+from qwen_image_fast.kernels.fp8 import (  # noqa: E402
+    fp8_linear,
+    quantize_fp8_rowwise,
+    quantize_fp8_rowwise_ref,
+)
+from qwen_image_fast.kernels.gelu_fp8 import gelu_fp8, gelu_fp8_ref  # noqa: E402
+from qwen_image_fast.kernels.layer_norm_modulate import (  # noqa: E402
+    layer_norm_modulate,
+    layer_norm_modulate_fp8,
+    layer_norm_modulate_fp8_ref,
+    layer_norm_modulate_ref,
+)
+from qwen_image_fast.kernels.qkv_pack import qkv_pack, qkv_pack_ref  # noqa: E402
+from qwen_image_fast.kernels.residual_gate import (  # noqa: E402
+    residual_gate,
+    residual_gate_layer_norm_modulate_fp8,
+    residual_gate_layer_norm_modulate_fp8_ref,
+    residual_gate_ref,
+)
+from qwen_image_fast.kernels.rms_norm import (  # noqa: E402
+    add_rms_norm,
+    add_rms_norm_ref,
+    gated_rms_norm,
+    gated_rms_norm_ref,
+    rms_norm,
+    rms_norm_ref,
+)
+from qwen_image_fast.kernels.rope import (  # noqa: E402
+    rope_qwen_image,
+    rope_qwen_image_ref,
+    rope_rotate_half,
+    rope_rotate_half_ref,
+)
+
+BF16 = torch.bfloat16
+B, L_IMG, L_TXT, D, H, HD, MLP = 2, 4096, 218, 3072, 24, 128, 12288
+ROWS = B * (L_IMG + L_TXT)  # 8628
+TOL_BF16, TOL_FP8 = 1.5e-2, 4e-2
+
+
+@dataclass
+class Case:
+    op: str
+    shape: str
+    args: tuple
+    ours: Callable
+    ref: Callable
+    fp8_outputs: bool = False  # outputs are (q, scale) pairs: compared dequantized
+    moved: int | None = None  # bytes, when not simply all args read + all outputs written
+
+
+def nbytes(obj) -> int:
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, (tuple, list)):
+        return sum(nbytes(o) for o in obj)
+    return 0
+
+
+def comparable(out, fp8_outputs: bool) -> list[torch.Tensor]:
+    """Flatten an op's outputs into tensors to compare; FP8 (q, scale) pairs become q * scale."""
+    outs = list(out) if isinstance(out, (tuple, list)) else [out]
+    if not fp8_outputs:
+        return [o.float() for o in outs]
+    result, i = [], 0
+    while i < len(outs):
+        if outs[i].dtype == torch.float8_e4m3fn:
+            result.append(outs[i].float() * outs[i + 1])
+            i += 2
+        else:
+            result.append(outs[i].float())
+            i += 1
+    return result
+
+
+def make_cases() -> list[Case]:
+    dev = "cuda"
+    g = torch.Generator(device=dev).manual_seed(0)
+
+    def rnd(*shape, dtype=BF16, scale=1.0):
+        return (torch.randn(*shape, generator=g, device=dev) * scale).to(dtype)
+
+    x_dit = rnd(B, L_IMG + L_TXT, D)
+    mod = rnd(B, 6 * D, scale=0.5)
+    shift, scale, gate = mod[:, :D], mod[:, D : 2 * D], mod[:, 2 * D : 3 * D]
+    residual = rnd(B, L_IMG + L_TXT, D, scale=4.0)
+    freqs = torch.view_as_real(torch.polar(torch.ones(L_IMG, HD // 2, device=dev),
+                                           torch.rand(L_IMG, HD // 2, generator=g, device=dev) * 6.28))
+    qkv = rnd(B, L_IMG, 3 * H * HD)
+    joint = [torch.zeros(B, L_IMG + L_TXT, H, HD, device=dev, dtype=BF16) for _ in range(3)]
+    w_head = rnd(HD, scale=0.1) + 1
+    q35_x, q35_res = rnd(8192, 4096), rnd(8192, 4096)
+    q35_w = rnd(4096, scale=0.1)
+    q35_heads = rnd(1, 8192, 16, 256)
+    cos_sin = torch.rand(2, 1, 8192, 64, generator=g, device=dev).to(BF16)
+    gdn_o, gdn_z = rnd(8192 * 32, 128), rnd(8192 * 32, 128)
+    dit = f"{B}x{L_IMG + L_TXT}x{D}"
+    return [
+        Case("rms_norm_diffusers", f"{ROWS * H}x{HD}", (x_dit.view(-1, HD), w_head), rms_norm, rms_norm_ref),
+        Case("rms_norm_zero_centered", "8192x4096", (q35_x, q35_w, 1e-6, True), rms_norm, rms_norm_ref),
+        Case("add_rms_norm_zero_centered", "8192x4096", (q35_x, q35_res, q35_w, 1e-6, True),
+             add_rms_norm, add_rms_norm_ref),
+        Case("gated_rms_norm", f"{8192 * 32}x128", (gdn_o, gdn_z, w_head), gated_rms_norm, gated_rms_norm_ref),
+        Case("layer_norm_modulate", dit, (x_dit, shift, scale), layer_norm_modulate, layer_norm_modulate_ref),
+        Case("layer_norm_modulate_fp8", dit, (x_dit, shift, scale), layer_norm_modulate_fp8,
+             layer_norm_modulate_fp8_ref, fp8_outputs=True),
+        Case("residual_gate", dit, (residual, x_dit, gate), residual_gate, residual_gate_ref),
+        Case("residual_gate_layer_norm_modulate_fp8", dit, (residual, x_dit, gate, shift, scale),
+             residual_gate_layer_norm_modulate_fp8, residual_gate_layer_norm_modulate_fp8_ref, fp8_outputs=True),
+        Case("rope_qwen_image", f"{B}x{L_IMG}x{H}x{HD}", (qkv[..., : H * HD].unflatten(-1, (H, HD)), freqs),
+             rope_qwen_image, rope_qwen_image_ref),
+        Case("rope_rotate_half", "1x8192x16x256 (R=64)", (q35_heads, cos_sin[0], cos_sin[1]),
+             rope_rotate_half, rope_rotate_half_ref),
+        Case("qkv_pack", f"{B}x{L_IMG}x{3 * H * HD} -> {B}x{L_IMG + L_TXT}x{H}x{HD}",
+             (qkv, w_head, w_head, freqs, *joint, 0), qkv_pack_written(qkv_pack, joint, L_IMG),
+             qkv_pack_written(qkv_pack_ref, joint, L_IMG), moved=2 * nbytes(qkv) + nbytes(freqs)),
+        Case("attn_split_fp8", dit, (x_dit, L_IMG), attn_split_fp8, attn_split_fp8_ref, fp8_outputs=True),
+        Case("gelu_fp8", f"{ROWS}x{MLP}", (rnd(ROWS, MLP, scale=2.0),), gelu_fp8, gelu_fp8_ref, fp8_outputs=True),
+        Case("quantize_fp8_rowwise", f"{ROWS}x{D}", (x_dit.view(-1, D),), quantize_fp8_rowwise,
+             quantize_fp8_rowwise_ref, fp8_outputs=True),
+    ]
+
+
+def qkv_pack_written(fn, joint, n_rows):
+    """qkv_pack writes into buffers; as a benchmarked function return the rows it wrote."""
+    def run(*args):
+        fn(*args)
+        return tuple(t[:, :n_rows] for t in joint)
+    return run
+
+
+def gemm_rows(env) -> list[dict]:
+    """fp8_linear at the four DiT GEMM shapes (M = 8628 tokens) vs bf16 F.linear: TF/s and error."""
+    rows = []
+    for name, n, k in (("qkv", 3 * D, D), ("out", D, D), ("fc1", MLP, D), ("fc2", D, MLP)):
+        x = torch.randn(ROWS, k, device="cuda", dtype=BF16)
+        w = torch.randn(n, k, device="cuda", dtype=BF16) * k**-0.5
+        bias = torch.randn(n, device="cuda", dtype=BF16) * 0.1
+        ref = torch.nn.functional.linear(x.float(), w.float(), bias.float())
+        x_q, x_s = quantize_fp8_rowwise(x)
+        w_q, w_s = quantize_fp8_rowwise(w)
+        for impl, fn in (("bf16_linear", lambda: torch.nn.functional.linear(x, w, bias)),
+                         ("fp8_linear", lambda: fp8_linear(x_q, x_s, w_q, w_s.view(-1), bias))):
+            err = rel_rms_error(fn(), ref)
+            ok = err <= (TOL_FP8 if impl == "fp8_linear" else TOL_BF16)
+            ms = bench_ms(fn) if ok else None
+            tflops = 2 * ROWS * n * k / ms / 1e9 if ok else None
+            rows.append(dict(env, bench="kernels", op=f"gemm_{name}", shape=f"{ROWS}x{k}->{n}", impl=impl,
+                             ms=ms, tflops=tflops, rel_err=err, ok=ok))
+    return rows
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", type=Path, default=None, help="also append the results here")
+    args = parser.parse_args()
+    env = environment()
+    copy_bw = copy_bandwidth_gbps()
+    env.update(copy_gbps=copy_bw, bf16_tflops=matmul_tflops(8192, 8192, 8192, fp8=False),
+               fp8_tflops=matmul_tflops(8192, 8192, 8192, fp8=True))
+    print(f"{env['gpu']}: copy {copy_bw:.0f} GB/s, bf16 {env['bf16_tflops']:.0f} TF/s, "
+          f"fp8 rowwise {env['fp8_tflops']:.0f} TF/s")
+    rows = []
+    for case in make_cases():
+        expected = comparable(case.ref(*case.args), case.fp8_outputs)
+        tol = TOL_FP8 if case.fp8_outputs else TOL_BF16
+        compiled = torch.compile(case.ref, dynamic=False)
+        for impl, fn in (("eager", case.ref), ("compile", compiled), ("triton", case.ours)):
+            row = dict(env, bench="kernels", op=case.op, shape=case.shape, impl=impl, ms=None, gbps=None,
+                       frac_of_copy_bw=None, rel_err=None, ok=False)
+            rows.append(row)
+            try:
+                out = fn(*case.args)
+            except Exception as e:  # recorded and shown; the other ops still run
+                row["error"] = f"{type(e).__name__}: {e}"[:500]
+                continue
+            got = comparable(out, case.fp8_outputs)
+            row["rel_err"] = max(rel_rms_error(a, b) for a, b in zip(got, expected))
+            row["ok"] = row["rel_err"] <= tol
+            if row["ok"]:  # no speed on a failed check
+                moved = case.moved or nbytes(case.args) + nbytes(out)
+                row["ms"] = bench_ms(lambda: fn(*case.args))
+                row["gbps"] = moved / row["ms"] / 1e6
+                row["frac_of_copy_bw"] = row["gbps"] / copy_bw
+    rows += gemm_rows(env)
+    append_results("kernels", rows, args.out)
+    by_op = {}
+    for r in rows:
+        by_op.setdefault((r["op"], r["shape"]), {})[r["impl"]] = r
+    print(f"{'op':40} {'impl':12} {'ms':>8} {'GB/s':>7} {'copy%':>6} {'TF/s':>6} {'rel_err':>9}  vs compile")
+    for (op, shape), impls in by_op.items():
+        for impl, r in impls.items():
+            if not r["ok"]:
+                print(f"{op:40} {impl:12} CHECK FAILED rel_err {r['rel_err']} {r.get('error', '')}")
+                continue
+            speedup = ""
+            if impl == "triton" and impls.get("compile", {}).get("ms"):
+                speedup = f"{impls['compile']['ms'] / r['ms']:.2f}x"
+            gb = f"{r['gbps']:7.0f} {100 * r['frac_of_copy_bw']:5.0f}%" if r.get("gbps") else " " * 14
+            tf = f"{r['tflops']:6.0f}" if r.get("tflops") else " " * 6
+            print(f"{op:40} {impl:12} {r['ms']:8.4f} {gb} {tf} {r['rel_err']:9.2e}  {speedup}")
+
+
+if __name__ == "__main__":
+    main()

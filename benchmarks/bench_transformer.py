@@ -1,0 +1,259 @@
+"""Transformer benchmark (GPU): the 60-block Qwen-Image transformer, stock diffusers vs torch.compile vs torchao
+FP8 vs ours, one process, the same random weights (normal(0, 0.02), biases 0, norm weights 1) and inputs.
+
+    python3 benchmarks/bench_transformer.py [--impls ...] [--shapes ...] [--out DIR]
+
+Per row: median ms per forward (>= 5 runs after warm-up), achieved TF/s (linear FLOPs of every token plus
+attention over the keys each sample really has), rel-RMS error of the output vs diffusers-eager, peak GiB
+allocated while it ran (everything resident at the time: the notes column says what else was). Also measures
+the floor of each shape: linear FLOPs at the rowwise-FP8 _scaled_mm rate of this GPU plus attention alone.
+Appends to results/transformer.jsonl.
+"""
+
+import argparse
+import gc
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import append_results, bench_ms, environment  # noqa: E402
+
+from qwen_image_fast.kernels._utils import rel_rms_error  # noqa: E402
+from qwen_image_fast.pipelines.qwen_image.attention import TextMask, joint_attention, resolve_backend  # noqa: E402
+from qwen_image_fast.pipelines.qwen_image.transformer import (  # noqa: E402
+    FastQwenImageTransformer,
+    FastTransformerConfig,
+)
+
+BF16 = torch.bfloat16
+TXT_LEN, PADDED_TXT_LEN = 218, 150
+D, LAYERS = 3072, 60
+LINEAR_FLOPS_PER_TOKEN = 2 * 12 * D * D * LAYERS  # QKV 3D^2 + out D^2 + MLP 8D^2 per block and token
+# (resolution, batch, padded): padded = the last sample's prompt has 150 of 218 tokens (batched CFG)
+SHAPES = {
+    "1024x1024-b1": ("1024x1024", 1, False),
+    "1024x1024-b2": ("1024x1024", 2, False),
+    "1024x1024-b2-padded": ("1024x1024", 2, True),
+    "1328x1328-b2": ("1328x1328", 2, False),
+    "1664x928-b2": ("1664x928", 2, False),
+}
+IMPLS = ("diffusers-eager", "ours-bf16", "ours-fp8", "ours-fp8-cudnn", "diffusers-compile", "torchao-fp8-compile")
+
+
+def make_stock(seed: int = 0):
+    """Full-size QwenImageTransformer2DModel, random weights, built straight on the GPU in bf16."""
+    from diffusers import QwenImageTransformer2DModel
+    from diffusers.models.transformers.transformer_qwenimage import QwenEmbedRope
+
+    with torch.device("meta"):
+        model = QwenImageTransformer2DModel()
+    model = model.to(BF16).to_empty(device="cuda")
+    model.pos_embed = QwenEmbedRope(theta=10000, axes_dim=list(model.config.axes_dims_rope), scale_rope=True)
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.zero_()
+            elif "norm" in name:
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02, generator=g)
+    return model.eval()
+
+
+def make_inputs(shape_key: str, seed: int = 1) -> dict:
+    resolution, batch, padded = SHAPES[shape_key]
+    w, h = map(int, resolution.split("x"))
+    lh, lw = h // 16, w // 16  # VAE /8, then 2x2 patches
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    inputs = dict(
+        hidden_states=torch.randn(batch, lh * lw, 64, generator=g, device="cuda").to(BF16),
+        encoder_hidden_states=torch.randn(batch, TXT_LEN, 3584, generator=g, device="cuda").to(BF16),
+        encoder_hidden_states_mask=None,
+        timestep=torch.full((batch,), 0.6, device="cuda", dtype=BF16),
+        img_shapes=[[(1, lh, lw)]] * batch,
+    )
+    if padded:
+        mask = torch.ones(batch, TXT_LEN, dtype=torch.long, device="cuda")
+        mask[-1, PADDED_TXT_LEN:] = 0
+        inputs["encoder_hidden_states_mask"] = mask
+    return inputs
+
+
+def flops(inputs: dict) -> float:
+    batch, img_len = inputs["hidden_states"].shape[:2]
+    mask = inputs["encoder_hidden_states_mask"]
+    txt = [TXT_LEN] * batch if mask is None else mask.sum(1).tolist()
+    seq = img_len + TXT_LEN
+    linear = LINEAR_FLOPS_PER_TOKEN * batch * seq
+    attention = sum(4 * seq * (img_len + t) * D * LAYERS for t in txt)
+    return linear + attention
+
+
+def attention_floor_ms(inputs: dict, backend: str) -> float:
+    """60 x one joint attention at this shape, alone."""
+    batch, img_len = inputs["hidden_states"].shape[:2]
+    seq = img_len + TXT_LEN
+    q, k, v = (torch.randn(batch, seq, 24, 128, device="cuda", dtype=BF16) for _ in range(3))
+    mask = inputs["encoder_hidden_states_mask"]
+    text_mask = None if mask is None else TextMask(mask, img_len)
+    return LAYERS * bench_ms(lambda: joint_attention(q, k, v, text_mask, backend))
+
+
+def fp8_gemm_tflops() -> float:
+    """Rowwise-FP8 _scaled_mm at the DiT's fc1 shape (8192 tokens x 3072 -> 12288)."""
+    a = torch.randn(8192, D, device="cuda").to(torch.float8_e4m3fn)
+    b = torch.randn(4 * D, D, device="cuda").to(torch.float8_e4m3fn)
+    sa, sb = torch.rand(8192, 1, device="cuda") + 0.5, torch.rand(1, 4 * D, device="cuda") + 0.5
+    ms = bench_ms(lambda: torch._scaled_mm(a, b.t(), scale_a=sa, scale_b=sb, out_dtype=BF16))
+    return 2 * 8192 * D * 4 * D / ms / 1e9
+
+
+def time_forward(model, inputs, runs: int = 7) -> tuple[float, torch.Tensor, float]:
+    """(median ms over `runs` after 2 warm-ups, output, peak GiB allocated)."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    with torch.no_grad():
+        for _ in range(2):
+            out = model(**inputs).sample
+        times = []
+        for _ in range(runs):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            out = model(**inputs).sample
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2], out, torch.cuda.max_memory_allocated() / 2**30
+
+
+def free():
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def quantize_torchao(stock):
+    from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow, quantize_
+
+    # the same linears ours runs in FP8: the blocks' attention and MLP, not img_mod/txt_mod
+    def is_block_linear(module, fqn):
+        return isinstance(module, torch.nn.Linear) and fqn.startswith("transformer_blocks.") and "_mod" not in fqn
+
+    quantize_(stock, Float8DynamicActivationFloat8WeightConfig(granularity=PerRow()), filter_fn=is_block_linear)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--impls", nargs="+", default=list(IMPLS), choices=IMPLS)
+    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--profile", action="store_true", help="print ours-fp8's top kernels at 1024x1024 B=2")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    torch._dynamo.config.cache_size_limit = 64
+    env = environment()
+    env["fp8_gemm_tflops"] = fp8_gemm_tflops()
+    print(f"{env['gpu']}: rowwise-FP8 _scaled_mm {env['fp8_gemm_tflops']:.0f} TF/s at 8192x3072x12288")
+
+    inputs = {key: make_inputs(key) for key in args.shapes}
+    rows, refs, floors = [], {}, {}
+    fa4_or_cudnn = resolve_backend("auto", torch.device("cuda"))
+    for key in args.shapes:  # linear FLOPs at this GPU's FP8 GEMM rate + attention measured alone
+        batch, img_len = inputs[key]["hidden_states"].shape[:2]
+        linear_ms = LINEAR_FLOPS_PER_TOKEN * batch * (img_len + TXT_LEN) / env["fp8_gemm_tflops"] / 1e9
+        floors[key] = linear_ms + attention_floor_ms(inputs[key], fa4_or_cudnn)
+
+    def record(impl, attention, key, model, notes=""):
+        resolution, batch, padded = SHAPES[key]
+        t0 = time.time()
+        ms, out, peak = time_forward(model, inputs[key])
+        if impl == "diffusers-eager":
+            refs[key] = out
+        err = rel_rms_error(out, refs[key])
+        row = dict(env, bench="transformer", impl=impl, attention=attention, resolution=resolution, batch=batch,
+                   padded_text=padded, ms=ms, tflops=flops(inputs[key]) / ms / 1e9, rel_err=err, peak_gib=peak,
+                   floor_ms=floors[key], ms_over_floor=ms / floors[key], notes=notes)
+        rows.append(row)
+        append_results("transformer", [row], args.out)
+        print(f"{impl:22} {attention:8} {key:20} {ms:8.1f} ms {row['tflops']:6.0f} TF/s  rel_err {err:.2e}  "
+              f"peak {peak:5.1f} GiB  floor {floors[key]:6.1f} ms  ({time.time() - t0:.0f} s) {notes}", flush=True)
+        del out
+
+    stock = make_stock()
+    for key in args.shapes:  # the reference every row is compared with
+        record("diffusers-eager", "sdpa-default", key, stock, "stock model only")
+    if "ours-bf16" in args.impls:
+        ours = FastQwenImageTransformer.from_diffusers(stock, FastTransformerConfig(fp8=False))
+        for key in args.shapes:
+            record("ours-bf16", ours.attention_backend, key, ours, "shares the stock's weights but fused QKV")
+        del ours
+        free()
+    if "ours-fp8" in args.impls or "ours-fp8-cudnn" in args.impls:
+        stock.to("cpu")  # build from a CPU model: never two BF16 copies on the GPU
+        free()
+        torch.cuda.reset_peak_memory_stats()
+        t0 = time.time()
+        ours = FastQwenImageTransformer.from_diffusers(stock, FastTransformerConfig(fp8=True), device="cuda")
+        torch.cuda.synchronize()
+        build = dict(build_s=time.time() - t0, build_peak_gib=torch.cuda.max_memory_allocated() / 2**30,
+                     resident_gib=torch.cuda.memory_allocated() / 2**30)
+        print(f"ours-fp8 built from a CPU model in {build['build_s']:.0f} s: peak {build['build_peak_gib']:.1f} GiB,"
+              f" resident {build['resident_gib']:.1f} GiB (FP8 block linears + BF16 img_mod/txt_mod/embedders)")
+        env.update(build)
+        if "ours-fp8" in args.impls:
+            for key in args.shapes:
+                record("ours-fp8", ours.attention_backend, key, ours, "ours alone on the GPU")
+        if "ours-fp8-cudnn" in args.impls:
+            ours.attention_backend = "cudnn"
+            for key in args.shapes:
+                record("ours-fp8", "cudnn", key, ours, "ours alone on the GPU")
+            ours.attention_backend = fa4_or_cudnn
+        if args.profile:
+            profile(ours, inputs.get("1024x1024-b2") or next(iter(inputs.values())), args.out)
+        del ours
+        free()
+        stock.to("cuda")
+        free()
+    if "diffusers-compile" in args.impls:
+        stock.compile_repeated_blocks(fullgraph=True)
+        for key in args.shapes:
+            record("diffusers-compile", "sdpa-default", key, stock, "compile_repeated_blocks(fullgraph=True)")
+        del stock
+        free()
+        torch._dynamo.reset()
+        stock = make_stock()
+    if "torchao-fp8-compile" in args.impls:
+        quantize_torchao(stock)
+        stock.compile_repeated_blocks(fullgraph=True)
+        for key in args.shapes:
+            record("torchao-fp8-compile", "sdpa-default", key, stock, "PerRow on block attn+MLP linears")
+    print_table(rows)
+
+
+def profile(model, inputs, out_dir):
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    with torch.no_grad():
+        model(**inputs)
+        torch.cuda.synchronize()
+        with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+            model(**inputs)
+            torch.cuda.synchronize()
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=20, max_name_column_width=70)
+    print(table)
+    if out_dir:
+        (out_dir / "profile_ours_fp8.txt").write_text(table)
+
+
+def print_table(rows):
+    print(f"\n{'impl':22} {'attn':8} {'res':10} {'B':>2} {'pad':>4} {'ms':>8} {'TF/s':>6} {'rel_err':>9} "
+          f"{'GiB':>6} {'x floor':>7}")
+    for r in rows:
+        print(f"{r['impl']:22} {r['attention']:8} {r['resolution']:10} {r['batch']:2d} {str(r['padded_text']):>4} "
+              f"{r['ms']:8.1f} {r['tflops']:6.0f} {r['rel_err']:9.2e} {r['peak_gib']:6.1f} {r['ms_over_floor']:7.2f}")
+
+
+if __name__ == "__main__":
+    main()

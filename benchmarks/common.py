@@ -1,0 +1,77 @@
+"""Shared by the GPU benchmarks: timing, hardware ceilings measured in the same run, and the results log."""
+
+import datetime
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import torch
+import triton
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def bench_ms(fn, warmup_ms: int = 50, rep_ms: int = 300) -> float:
+    """Median milliseconds of fn() with CUDA events (triton.testing.do_bench), after warm-up."""
+    return triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
+
+
+def copy_bandwidth_gbps(n_bytes: int = 2 << 30) -> float:
+    """Device-to-device copy of a 2 GiB buffer: (bytes read + bytes written) / time."""
+    src = torch.empty(n_bytes, dtype=torch.uint8, device="cuda").random_()
+    dst = torch.empty_like(src)
+    ms = bench_ms(lambda: dst.copy_(src))
+    return 2 * n_bytes / ms / 1e6
+
+
+def matmul_tflops(m: int, n: int, k: int, fp8: bool) -> float:
+    """TF/s of one large GEMM on random data: bf16 torch.mm, or rowwise-FP8 torch._scaled_mm."""
+    a = torch.randn(m, k, device="cuda")
+    b = torch.randn(n, k, device="cuda")
+    if fp8:
+        a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn)
+        sa, sb = torch.ones(m, 1, device="cuda"), torch.ones(1, n, device="cuda")
+        ms = bench_ms(lambda: torch._scaled_mm(a8, b8.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16))
+    else:
+        a16, b16 = a.bfloat16(), b.bfloat16()
+        ms = bench_ms(lambda: a16 @ b16.t())
+    return 2 * m * n * k / ms / 1e9
+
+
+def environment() -> dict:
+    import importlib.metadata as md
+
+    def version(name):
+        try:
+            return md.version(name)
+        except md.PackageNotFoundError:
+            return None
+
+    def git(*args):
+        try:
+            return subprocess.run(["git", *args], capture_output=True, text=True, cwd=RESULTS.parent).stdout.strip()
+        except OSError:
+            return ""
+
+    return {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        # the device machine gets the work tree without .git: the command passes the commit in BENCH_COMMIT
+        "commit": os.environ.get("BENCH_COMMIT") or git("rev-parse", "--short", "HEAD") or None,
+        "dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "diffusers": version("diffusers"),
+        "torchao": version("torchao"),
+        "flash_attn_4": version("flash-attn-4"),
+    }
+
+
+def append_results(name: str, rows: list[dict], out_dir: Path | None = None):
+    """Append one JSON object per row to results/<name>.jsonl (and to out_dir, when the run's files travel back)."""
+    for folder in filter(None, (RESULTS, out_dir)):
+        folder.mkdir(parents=True, exist_ok=True)
+        with open(folder / f"{name}.jsonl", "a") as f:
+            for row in rows:
+                f.write(json.dumps(row) + "\n")

@@ -1,0 +1,120 @@
+"""Fused-QKV epilogue of Qwen-Image's joint attention, for one stream (image or text).
+
+From the fused projection qkv = cat([to_q(x), to_k(x), to_v(x)], -1) of L tokens, writes rows
+[seq_offset, seq_offset + L) of the joint [B, S, H, D] buffers:
+    q = rope(rms_norm(q) * w_q),  k = rope(rms_norm(k) * w_k),  v = v
+Matches diffusers' QwenDoubleStreamAttnProcessor2_0 up to its torch.cat([text, image]): RMSNorm as in diffusers
+(normalize in fp32, cast to the weight's dtype, multiply by the weight in that dtype), then
+`apply_rotary_emb_qwen(use_real=False)` (rope_qwen_image: fp32 complex multiply, cast back). The kernel rounds to the
+dtype at the same two places before the fp32 rotation.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from ._utils import FLOAT_DTYPES, check_tensor
+from .rms_norm import rms_norm_ref
+from .rope import head_block, load_freqs, rope_interleaved, rope_qwen_image_ref
+
+
+@triton.jit
+def _rms_norm_diffusers(x, w, eps, HEAD_DIM: tl.constexpr):
+    """x: [BLOCK_H, BLOCK_D] fp32 with masked lanes 0; w: [BLOCK_D] in the output dtype. Returns fp32 values that are
+    exactly representable in that dtype, as diffusers' RMSNorm output is."""
+    rstd = tl.rsqrt(tl.sum(x * x, axis=1) / HEAD_DIM + eps)  # [BLOCK_H]
+    n = (x * rstd[:, None]).to(w.dtype).to(tl.float32)
+    return (n * w.to(tl.float32)[None, :]).to(w.dtype).to(tl.float32)
+
+
+@triton.jit
+def _qkv_pack_kernel(
+    QKV, WQ, WK, F, Q, K, V, L, H, seq_offset, eps,
+    stride_qkv_b, stride_qkv_l, stride_f_tok, stride_f_pair, stride_out_b, stride_out_s,
+    HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)  # b * L + l
+    b = row // L
+    l = row % L
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    cols = tl.arange(0, BLOCK_D)
+    mask = (heads[:, None] < H) & (cols[None, :] < HEAD_DIM)  # [BLOCK_H, BLOCK_D]
+    head_cols = heads[:, None] * HEAD_DIM + cols[None, :]  # [BLOCK_H, BLOCK_D]; same layout in qkv and the outputs
+    src = QKV + b * stride_qkv_b + l * stride_qkv_l + head_cols
+    dst = b * stride_out_b + (seq_offset + l) * stride_out_s + head_cols
+    cos, sin = load_freqs(F + l * stride_f_tok, stride_f_pair, HEAD_DIM, BLOCK_D)  # [BLOCK_D // 2] each
+
+    w_q = tl.load(WQ + cols, mask=cols < HEAD_DIM, other=0.0)  # [BLOCK_D]
+    q = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+    q = rope_interleaved(_rms_norm_diffusers(q, w_q, eps, HEAD_DIM), cos, sin, BLOCK_H, BLOCK_D)
+    tl.store(Q + dst, q.to(Q.dtype.element_ty), mask=mask)
+
+    w_k = tl.load(WK + cols, mask=cols < HEAD_DIM, other=0.0)
+    k = tl.load(src + H * HEAD_DIM, mask=mask, other=0.0).to(tl.float32)
+    k = rope_interleaved(_rms_norm_diffusers(k, w_k, eps, HEAD_DIM), cos, sin, BLOCK_H, BLOCK_D)
+    tl.store(K + dst, k.to(K.dtype.element_ty), mask=mask)
+
+    v = tl.load(src + 2 * H * HEAD_DIM, mask=mask, other=0.0)
+    tl.store(V + dst, v, mask=mask)
+
+
+def _check_qkv_pack_args(qkv, norm_q_weight, norm_k_weight, freqs, q_out, k_out, v_out, seq_offset):
+    """Validate the arguments of qkv_pack; returns (B, L, H, D)."""
+    check_tensor("q_out", q_out, dtypes=FLOAT_DTYPES, ndim=4)
+    b, s, h, d = q_out.shape
+    for name, t in (("q_out", q_out), ("k_out", k_out), ("v_out", v_out)):
+        check_tensor(name, t, dtypes=(q_out.dtype,), shape=q_out.shape, device=q_out.device)
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous, got strides {t.stride()}")
+    if d % 2:
+        raise ValueError(f"head dim D={d} (from q_out's shape {tuple(q_out.shape)}) must be even for RoPE pairs")
+    check_tensor("qkv", qkv, dtypes=(q_out.dtype,), ndim=3, device=q_out.device)
+    if qkv.shape[0] != b or qkv.shape[2] != 3 * h * d:
+        raise ValueError(f"qkv has shape {tuple(qkv.shape)}; expected [B={b}, L, 3 * H * D = {3 * h * d}] "
+                         f"(H={h}, D={d} from q_out's shape {tuple(q_out.shape)})")
+    n_tok = qkv.shape[1]
+    check_tensor("norm_q_weight", norm_q_weight, dtypes=(q_out.dtype,), shape=(d,), device=q_out.device)
+    check_tensor("norm_k_weight", norm_k_weight, dtypes=(q_out.dtype,), shape=(d,), device=q_out.device)
+    check_tensor("freqs", freqs, dtypes=(torch.float32,), shape=(n_tok, d // 2, 2), device=q_out.device)
+    if not 0 <= seq_offset <= s - n_tok:
+        raise ValueError(f"seq_offset={seq_offset} with L={n_tok} rows does not fit the joint buffers' S={s}: "
+                         f"need 0 <= seq_offset <= {s - n_tok}")
+    return b, n_tok, h, d
+
+
+def qkv_pack(
+    qkv: torch.Tensor,
+    norm_q_weight: torch.Tensor,
+    norm_k_weight: torch.Tensor,
+    freqs: torch.Tensor,
+    q_out: torch.Tensor,
+    k_out: torch.Tensor,
+    v_out: torch.Tensor,
+    seq_offset: int,
+    eps: float = 1e-6,
+) -> None:
+    """qkv: [B, L, 3 * H * D], last dim contiguous; norm_q_weight, norm_k_weight: [D] in qkv's dtype; freqs:
+    [L, D // 2, 2] fp32 (cos, sin); q_out, k_out, v_out: contiguous [B, S, H, D] in qkv's dtype. Writes rows
+    [seq_offset, seq_offset + L) of the three buffers and nothing else."""
+    b, n_tok, h, d = _check_qkv_pack_args(qkv, norm_q_weight, norm_k_weight, freqs, q_out, k_out, v_out, seq_offset)
+    if b * n_tok * h == 0:
+        return
+    block_h = head_block(h)
+    _qkv_pack_kernel[(b * n_tok, triton.cdiv(h, block_h))](
+        QKV=qkv, WQ=norm_q_weight, WK=norm_k_weight, F=freqs, Q=q_out, K=k_out, V=v_out,
+        L=n_tok, H=h, seq_offset=seq_offset, eps=eps,
+        stride_qkv_b=qkv.stride(0), stride_qkv_l=qkv.stride(1),
+        stride_f_tok=freqs.stride(0), stride_f_pair=freqs.stride(1),
+        stride_out_b=q_out.stride(0), stride_out_s=q_out.stride(1),
+        HEAD_DIM=d, BLOCK_H=block_h, BLOCK_D=triton.next_power_of_2(d),
+    )
+
+
+def qkv_pack_ref(qkv, norm_q_weight, norm_k_weight, freqs, q_out, k_out, v_out, seq_offset, eps=1e-6) -> None:
+    """The semantics qkv_pack must reproduce (pure PyTorch), writing the same rows of the same buffers."""
+    _, n_tok, h, d = _check_qkv_pack_args(qkv, norm_q_weight, norm_k_weight, freqs, q_out, k_out, v_out, seq_offset)
+    q, k, v = qkv.unflatten(-1, (3, h, d)).unbind(2)  # [B, L, H, D] each
+    rows = slice(seq_offset, seq_offset + n_tok)
+    q_out[:, rows] = rope_qwen_image_ref(rms_norm_ref(q, norm_q_weight, eps), freqs)
+    k_out[:, rows] = rope_qwen_image_ref(rms_norm_ref(k, norm_k_weight, eps), freqs)
+    v_out[:, rows] = v

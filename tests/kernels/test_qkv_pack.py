@@ -1,0 +1,115 @@
+import pytest
+import torch
+from diffusers.models.transformers import transformer_qwenimage
+from diffusers.models.transformers.transformer_qwenimage import QwenEmbedRope, QwenImageTransformerBlock
+
+from helpers import DEVICES, DTYPES, TOL, assert_close
+from qwen_image_fast.kernels.qkv_pack import qkv_pack, qkv_pack_ref
+
+SENTINEL = 7.0  # pre-filled into the joint buffers; rows outside [seq_offset, seq_offset + L) must keep it
+
+
+def joint_buffers(b, s, h, d, dtype, device):
+    return [torch.full((b, s, h, d), SENTINEL, dtype=dtype, device=device) for _ in range(3)]
+
+
+def upstream_joint_qkv(block, img, txt, image_rotary_emb, monkeypatch):
+    """Runs the block's attention processor and captures the joint [B, S, H, D] q, k, v it hands to attention."""
+    captured = {}
+
+    def capture(query, key, value, **kwargs):
+        captured.update(q=query, k=key, v=value)
+        return query
+
+    monkeypatch.setattr(transformer_qwenimage, "dispatch_attention_fn", capture)
+    block.attn(hidden_states=img, encoder_hidden_states=txt, image_rotary_emb=image_rotary_emb)
+    return captured["q"], captured["k"], captured["v"]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_qkv_pack_ref_matches_diffusers(dtype, device, monkeypatch):
+    torch.manual_seed(0)
+    b, h, d = 2, 3, 16  # Qwen-Image: H=24, D=128
+    block = QwenImageTransformerBlock(dim=h * d, num_attention_heads=h, attention_head_dim=d)  # dim 3072
+    for norm in (block.attn.norm_q, block.attn.norm_k, block.attn.norm_added_q, block.attn.norm_added_k):
+        norm.weight.data = 1.0 + 0.3 * torch.randn(d)  # upstream initializes them to ones
+    block = block.to(device=device, dtype=dtype)
+    frame_hw, l_txt = (1, 4, 6), 7  # 24 image tokens; Qwen-Image at 1328x1328: 4096 image + up to ~218 text
+    rope = QwenEmbedRope(10000, [8, 4, 4], scale_rope=True)  # [16, 56, 56]
+    img_freqs, txt_freqs = rope([frame_hw], device=torch.device(device), max_txt_seq_len=l_txt)
+    l_img = img_freqs.shape[0]
+    img = torch.randn(b, l_img, h * d, device=device).to(dtype)
+    txt = torch.randn(b, l_txt, h * d, device=device).to(dtype)
+    with torch.no_grad():
+        joint = upstream_joint_qkv(block, img, txt, (img_freqs, txt_freqs), monkeypatch)  # [text, image] rows
+        attn = block.attn
+        img_qkv = torch.cat([attn.to_q(img), attn.to_k(img), attn.to_v(img)], dim=-1)
+        txt_qkv = torch.cat([attn.add_q_proj(txt), attn.add_k_proj(txt), attn.add_v_proj(txt)], dim=-1)
+    img_args = (img_qkv, attn.norm_q.weight.detach(), attn.norm_k.weight.detach(), torch.view_as_real(img_freqs))
+    txt_args = (txt_qkv, attn.norm_added_q.weight.detach(), attn.norm_added_k.weight.detach(),
+                torch.view_as_real(txt_freqs))
+
+    out = joint_buffers(b, l_txt + l_img, h, d, dtype, device)
+    qkv_pack_ref(*txt_args, *out, seq_offset=0)
+    qkv_pack_ref(*img_args, *out, seq_offset=l_txt)
+    for name, got, expected in zip("qkv", out, joint):
+        assert torch.equal(got, expected), f"{name} (text first) differs from diffusers"
+
+    out = joint_buffers(b, l_txt + l_img, h, d, dtype, device)
+    qkv_pack_ref(*img_args, *out, seq_offset=0)
+    qkv_pack_ref(*txt_args, *out, seq_offset=l_img)
+    for name, got, expected in zip("qkv", out, joint):
+        assert torch.equal(got, torch.cat([expected[:, l_txt:], expected[:, :l_txt]], dim=1)), f"{name} (image first)"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "b, l, h, d, s, seq_offset, pad",
+    [
+        (1, 1, 3, 16, 1, 0, 0),  # one token filling the whole buffer
+        (1, 1, 3, 16, 5, 4, 0),  # the last row
+        (2, 37, 3, 16, 45, 5, 8),  # odd L in the middle; qkv rows strided (pad columns)
+        (1, 4, 2, 24, 6, 2, 0),  # D=24: masked tail of the [BLOCK_H, 32] tile
+        (1, 3, 24, 128, 5, 1, 0),  # Qwen-Image: H=24, D=128, three head blocks
+    ],
+)
+def test_qkv_pack_matches_ref(b, l, h, d, s, seq_offset, pad, dtype, device):
+    if device == "cuda":
+        l, s = 64 * l, 64 * s
+    qkv = torch.randn(b, l, 3 * h * d + pad, device=device).to(dtype)[..., : 3 * h * d]
+    w_q = (1.0 + 0.3 * torch.randn(d, device=device)).to(dtype)
+    w_k = (1.0 + 0.3 * torch.randn(d, device=device)).to(dtype)
+    freqs = torch.view_as_real(torch.polar(torch.ones(l, d // 2), 6.0 * torch.rand(l, d // 2))).to(device)
+    out = joint_buffers(b, s, h, d, dtype, device)
+    ref = joint_buffers(b, s, h, d, dtype, device)
+    qkv_pack(qkv, w_q, w_k, freqs, *out, seq_offset=seq_offset)
+    qkv_pack_ref(qkv, w_q, w_k, freqs, *ref, seq_offset=seq_offset)
+    rows = slice(seq_offset, seq_offset + l)
+    for name, got, expected in zip("qkv", out, ref):
+        assert_close(got[:, rows], expected[:, rows], TOL[dtype], f"qkv_pack {name} {(b, l, h, d)} {dtype}")
+        outside = torch.cat([got[:, :seq_offset], got[:, seq_offset + l :]], dim=1)
+        assert (outside == SENTINEL).all(), f"{name}: a row outside [{seq_offset}, {seq_offset + l}) was written"
+    assert torch.equal(out[2][:, rows], qkv[..., 2 * h * d :].unflatten(-1, (h, d))), "v must be copied exactly"
+
+
+def test_qkv_pack_validation():
+    b, l, h, d, s = 1, 4, 2, 16, 6
+    qkv, w = torch.randn(b, l, 3 * h * d), torch.ones(d)
+    freqs = torch.randn(l, d // 2, 2)
+    out = joint_buffers(b, s, h, d, torch.float32, "cpu")
+    with pytest.raises(ValueError, match=r"qkv has shape \(1, 4, 95\); expected \[B=1, L, 3 \* H \* D = 96\]"):
+        qkv_pack(qkv[..., :95], w, w, freqs, *out, seq_offset=0)
+    with pytest.raises(ValueError, match=r"freqs must have shape \(4, 8, 2\), got \(4, 16, 2\)"):
+        qkv_pack(qkv, w, w, torch.randn(l, d, 2), *out, seq_offset=0)
+    with pytest.raises(ValueError, match=r"seq_offset=3 with L=4 rows does not fit the joint buffers' S=6"):
+        qkv_pack(qkv, w, w, freqs, *out, seq_offset=3)
+    with pytest.raises(ValueError, match=r"seq_offset=-1"):
+        qkv_pack(qkv, w, w, freqs, *out, seq_offset=-1)
+    with pytest.raises(ValueError, match=r"norm_k_weight has dtype torch.float16"):
+        qkv_pack(qkv, w, w.half(), freqs, *out, seq_offset=0)
+    with pytest.raises(ValueError, match=r"v_out must have shape \(1, 6, 2, 16\), got \(1, 5, 2, 16\)"):
+        qkv_pack(qkv, w, w, freqs, *out[:2], out[2][:, :5], seq_offset=0)
+    for t in out:
+        assert (t == SENTINEL).all()
