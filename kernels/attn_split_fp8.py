@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import FLOAT_DTYPES, FP8_AMAX_EPS, FP8_DTYPE, FP8_MAX, check_tensor, new_output, row_launch
+from ._utils import FLOAT_DTYPES, FP8_DTYPE, check_tensor, new_output, row_launch
 from .fp8 import check_q_dtype, fp8_quantize_row, quantize_fp8_rowwise_ref
 
 
@@ -22,7 +22,7 @@ def _attn_split_fp8_kernel(O, Q1, S1, Q2, S2, seq_len, split, N, BLOCK_N: tl.con
     cols = tl.arange(0, BLOCK_N)
     mask = cols < N
     o = tl.load(O + row * N + cols, mask=mask, other=0.0).to(tl.float32)
-    q, scale = fp8_quantize_row(o, FP8_MAX, FP8_AMAX_EPS)
+    q, scale = fp8_quantize_row(o)
     if t < split:
         out_row = b * split + t
         tl.store(Q1 + out_row * N + cols, q.to(Q1.dtype.element_ty), mask=mask)

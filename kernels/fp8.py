@@ -19,11 +19,16 @@ from ._utils import FLOAT_DTYPES, FP8_AMAX_EPS, FP8_DTYPE, FP8_MAX, check_tensor
 Q_DTYPES = (FP8_DTYPE, torch.float32)
 
 
+# Globals a @triton.jit function reads must be tl.constexpr.
+_FP8_MAX = tl.constexpr(FP8_MAX)
+_FP8_AMAX_EPS = tl.constexpr(FP8_AMAX_EPS)
+
+
 @triton.jit
-def fp8_quantize_row(y, FP8_MAX: tl.constexpr, AMAX_EPS: tl.constexpr):
+def fp8_quantize_row(y):
     """y: [BLOCK_N] fp32 with masked lanes = 0. Returns (clamped y / scale, scale)."""
-    scale = tl.maximum(tl.max(tl.abs(y), axis=0), AMAX_EPS) / FP8_MAX
-    return tl.clamp(y / scale, -FP8_MAX, FP8_MAX), scale
+    scale = tl.maximum(tl.max(tl.abs(y), axis=0), _FP8_AMAX_EPS) / _FP8_MAX
+    return tl.clamp(y / scale, -_FP8_MAX, _FP8_MAX), scale
 
 
 @triton.jit
@@ -32,7 +37,7 @@ def _quantize_fp8_rowwise_kernel(X, Q, S, stride_x, stride_q, N, BLOCK_N: tl.con
     cols = tl.arange(0, BLOCK_N)
     mask = cols < N
     x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    q, scale = fp8_quantize_row(x, FP8_MAX, FP8_AMAX_EPS)
+    q, scale = fp8_quantize_row(x)
     tl.store(Q + row * stride_q + cols, q.to(Q.dtype.element_ty), mask=mask)
     tl.store(S + row, scale)
 

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import FLOAT_DTYPES, FP8_AMAX_EPS, FP8_DTYPE, FP8_MAX, check_tensor, new_output, row_launch
+from ._utils import FLOAT_DTYPES, FP8_DTYPE, check_tensor, new_output, row_launch
 from .fp8 import check_q_dtype, fp8_quantize_row, quantize_fp8_rowwise_ref
 
 
@@ -42,7 +42,7 @@ def load_mod_row(MOD_ROW, row, rows_per_sample, HAS_MOD_ROW: tl.constexpr):
 def store_row(Y, Y_SCALE, row, stride_y, cols, mask, y, QUANT_FP8: tl.constexpr):
     """Store y [BLOCK_N] fp32 (already rounded to the activation dtype) as is, or as rowwise FP8 + scale."""
     if QUANT_FP8:
-        q, s = fp8_quantize_row(y, FP8_MAX, FP8_AMAX_EPS)
+        q, s = fp8_quantize_row(y)
         tl.store(Y + row * stride_y + cols, q.to(Y.dtype.element_ty), mask=mask)
         tl.store(Y_SCALE + row, s)
     else:
