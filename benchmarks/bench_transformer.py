@@ -23,6 +23,7 @@ from common import append_results, bench_ms, environment  # noqa: E402
 
 from qwen_image_fast.kernels._utils import rel_rms_error  # noqa: E402
 from qwen_image_fast.pipelines.qwen_image.attention import TextMask, joint_attention, resolve_backend  # noqa: E402
+from qwen_image_fast.pipelines.qwen_image.cuda_graph import GraphedForward  # noqa: E402
 from qwen_image_fast.pipelines.qwen_image.transformer import (  # noqa: E402
     FastQwenImageTransformer,
     FastTransformerConfig,
@@ -40,7 +41,8 @@ SHAPES = {
     "1328x1328-b2": ("1328x1328", 2, False),
     "1664x928-b2": ("1664x928", 2, False),
 }
-IMPLS = ("diffusers-eager", "ours-bf16", "ours-fp8", "ours-fp8-cudnn", "diffusers-compile", "torchao-fp8-compile")
+IMPLS = ("diffusers-eager", "ours-bf16", "ours-fp8", "ours-fp8-cudnn", "ours-fp8-graph", "ours-fp8-fastacc",
+         "diffusers-compile", "torchao-fp8-compile")
 
 
 def make_stock(seed: int = 0):
@@ -190,7 +192,7 @@ def main():
             record("ours-bf16", ours.attention_backend, key, ours, "shares the stock's weights but fused QKV")
         del ours
         free()
-    if "ours-fp8" in args.impls or "ours-fp8-cudnn" in args.impls:
+    if any(impl.startswith("ours-fp8") for impl in args.impls):
         stock.to("cpu")  # build from a CPU model: never two BF16 copies on the GPU
         free()
         torch.cuda.reset_peak_memory_stats()
@@ -210,6 +212,22 @@ def main():
             for key in args.shapes:
                 record("ours-fp8", "cudnn", key, ours, "ours alone on the GPU")
             ours.attention_backend = fa4_or_cudnn
+        if "ours-fp8-graph" in args.impls:
+            graphed = GraphedForward(ours)
+            for key in args.shapes:
+                record("ours-fp8-graph", ours.attention_backend, key, graphed, "CUDA-graph replay; ours alone")
+            del graphed
+        if "ours-fp8-fastacc" in args.impls:
+            for blk in ours.blocks:
+                for module in blk.modules():
+                    if hasattr(module, "fast_accum"):
+                        module.fast_accum = True
+            for key in args.shapes:
+                record("ours-fp8-fastacc", ours.attention_backend, key, ours, "use_fast_accum=True; ours alone")
+            for blk in ours.blocks:
+                for module in blk.modules():
+                    if hasattr(module, "fast_accum"):
+                        module.fast_accum = False
         if args.profile:
             profile(ours, inputs.get("1024x1024-b2") or next(iter(inputs.values())), args.out)
         del ours

@@ -4,6 +4,7 @@ import os
 
 import torch
 import triton
+import triton.language as tl
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite e4m3fn value; kernels clamp to it before the cast (the interpreter does not saturate)
@@ -54,3 +55,18 @@ def rel_rms_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     if not torch.isfinite(out).all():
         return float("inf")
     return ((out - ref).pow(2).mean().sqrt() / ref.pow(2).mean().sqrt().clamp_min(1e-30)).item()
+
+
+@triton.jit
+def round_to(x, DTYPE: tl.constexpr):
+    """fp32 x -> the fp32 value of x rounded to DTYPE (round to nearest even), as a cast to DTYPE and back.
+    bf16 through integer ops: a float convert instruction runs at a quarter of the ALU rate, and this runs on
+    every element of the memory-bound kernels (it is also exact under the interpreter, whose cast truncates)."""
+    if DTYPE == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        return bits.to(tl.float32, bitcast=True)
+    elif DTYPE == tl.float16:
+        return x.to(tl.float16).to(tl.float32)
+    else:
+        return x

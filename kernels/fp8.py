@@ -1,6 +1,7 @@
 """Rowwise FP8 (e4m3fn): per-row quantization and the scaled GEMM that consumes it.
 
-Quantization of a row x: scale = max(amax(|x|), 1e-12) / 448; q = e4m3(clamp(x / scale, -448, 448)).
+Quantization of a row x: a = max(amax(|x|), 1e-12); scale = a / 448; q = e4m3(clamp(x * (448 / a), -448, 448))
+(one division per row, not per element).
 Activations are quantized per token (row of [M, K]), weights per output channel (row of [N, K]), and
 fp8_linear computes (q_x * s_x) @ (q_w * s_w).T + bias with fp32 accumulation, as torchao's PerRow
 `Float8DynamicActivationFloat8WeightConfig` does through the same `torch._scaled_mm`.
@@ -27,8 +28,8 @@ _FP8_AMAX_EPS = tl.constexpr(FP8_AMAX_EPS)
 @triton.jit
 def fp8_quantize_row(y):
     """y: [BLOCK_N] fp32 with masked lanes = 0. Returns (clamped y / scale, scale)."""
-    scale = tl.maximum(tl.max(tl.abs(y), axis=0), _FP8_AMAX_EPS) / _FP8_MAX
-    return tl.clamp(y / scale, -_FP8_MAX, _FP8_MAX), scale
+    amax = tl.maximum(tl.max(tl.abs(y), axis=0), _FP8_AMAX_EPS)
+    return tl.clamp(y * (_FP8_MAX / amax), -_FP8_MAX, _FP8_MAX), amax / _FP8_MAX
 
 
 @triton.jit
@@ -65,8 +66,8 @@ def quantize_fp8_rowwise(x: torch.Tensor, q_dtype: torch.dtype = FP8_DTYPE) -> t
 def quantize_fp8_rowwise_ref(x: torch.Tensor, q_dtype: torch.dtype = FP8_DTYPE) -> tuple[torch.Tensor, torch.Tensor]:
     """The semantics quantize_fp8_rowwise must reproduce (pure PyTorch)."""
     xf = x.float()
-    scale = xf.abs().amax(dim=-1, keepdim=True).clamp_min(FP8_AMAX_EPS) / FP8_MAX
-    return (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(q_dtype), scale
+    amax = xf.abs().amax(dim=-1, keepdim=True).clamp_min(FP8_AMAX_EPS)
+    return (xf * (FP8_MAX / amax)).clamp(-FP8_MAX, FP8_MAX).to(q_dtype), amax / FP8_MAX
 
 
 def dequantize_fp8_rowwise(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -81,12 +82,15 @@ def fp8_linear(
     w_scale: torch.Tensor,
     bias: torch.Tensor | None = None,
     out_dtype: torch.dtype = torch.bfloat16,
+    fast_accum: bool = False,
 ) -> torch.Tensor:
     """x_q: [M, K] e4m3 with x_scale [M, 1] fp32 (per token); w_q: [N, K] e4m3 with w_scale [N] fp32 (per output
     channel); bias: [N] in out_dtype or None. Returns [M, N] out_dtype.
 
     CUDA: one `torch._scaled_mm` (fp32 accumulate, both scales and the bias in its epilogue). CPU: fp8_linear_ref
-    (dequantize, fp32 matmul), for tests and references only. A GPU without FP8 tensor cores raises."""
+    (dequantize, fp32 matmul), for tests and references only. A GPU without FP8 tensor cores raises.
+    fast_accum: Hopper's faster FP8 accumulation (cuBLAS promotes partial sums to fp32 less often), as torchao's
+    inference default; no effect on the CPU path."""
     check_tensor("x_q", x_q, dtypes=(FP8_DTYPE,), ndim=2)
     m, k = x_q.shape
     check_tensor("x_scale", x_scale, dtypes=(torch.float32,), shape=(m, 1))
@@ -106,7 +110,8 @@ def fp8_linear(
     if k % 16 or n % 16:
         raise ValueError(f"torch._scaled_mm needs K and N divisible by 16, got K={k}, N={n}")
     # w_q.t() is the column-major [K, N] operand _scaled_mm wants; w_scale as [1, N] selects rowwise scaling.
-    return torch._scaled_mm(x_q, w_q.t(), scale_a=x_scale, scale_b=w_scale[None, :], bias=bias, out_dtype=out_dtype)
+    return torch._scaled_mm(x_q, w_q.t(), scale_a=x_scale, scale_b=w_scale[None, :], bias=bias, out_dtype=out_dtype,
+                            use_fast_accum=fast_accum)
 
 
 def fp8_linear_ref(x_q, x_scale, w_q, w_scale, bias=None, out_dtype=torch.bfloat16) -> torch.Tensor:

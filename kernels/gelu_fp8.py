@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import FLOAT_DTYPES, FP8_DTYPE, check_tensor, new_output, row_launch
+from ._utils import FLOAT_DTYPES, FP8_DTYPE, check_tensor, new_output, round_to, row_launch
 from .fp8 import check_q_dtype, fp8_quantize_row, quantize_fp8_rowwise_ref
 
 SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
@@ -24,7 +24,7 @@ def _gelu_fp8_kernel(H, Q, S, stride_h, N, SQRT_2_OVER_PI: tl.constexpr, BLOCK_N
     mask = cols < N
     h = tl.load(H + row * stride_h + cols, mask=mask, other=0.0).to(tl.float32)
     y = h * tl.sigmoid(2.0 * SQRT_2_OVER_PI * (h + 0.044715 * h * h * h))
-    y = y.to(H.dtype.element_ty).to(tl.float32)
+    y = round_to(y, H.dtype.element_ty)
     q, scale = fp8_quantize_row(y)
     tl.store(Q + row * N + cols, q.to(Q.dtype.element_ty), mask=mask)
     tl.store(S + row, scale)

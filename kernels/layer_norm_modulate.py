@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import FLOAT_DTYPES, FP8_DTYPE, check_tensor, new_output, row_launch
+from ._utils import FLOAT_DTYPES, FP8_DTYPE, check_tensor, new_output, round_to, row_launch
 from .fp8 import check_q_dtype, fp8_quantize_row, quantize_fp8_rowwise_ref
 
 
@@ -24,7 +24,7 @@ def layer_norm_modulate_row(x, mask, shift, scale, N, eps, LN_DTYPE: tl.constexp
     mean = tl.sum(x, axis=0) / N
     xc = tl.where(mask, x - mean, 0.0)
     var = tl.sum(xc * xc, axis=0) / N
-    xn = (xc * tl.rsqrt(var + eps)).to(LN_DTYPE).to(tl.float32)
+    xn = round_to(xc * tl.rsqrt(var + eps), LN_DTYPE)
     return xn * (1.0 + scale) + shift
 
 
@@ -63,7 +63,7 @@ def _layer_norm_modulate_kernel(
     shift = tl.load(SHIFT + g * stride_shift + cols, mask=mask, other=0.0).to(tl.float32)
     scale = tl.load(SCALE + g * stride_scale + cols, mask=mask, other=0.0).to(tl.float32)
     y = layer_norm_modulate_row(x, mask, shift, scale, N, eps, X.dtype.element_ty)
-    y = y.to(X.dtype.element_ty).to(tl.float32)  # upstream's modulated activations are in x's dtype
+    y = round_to(y, X.dtype.element_ty)  # upstream's modulated activations are in x's dtype
     store_row(Y, Y_SCALE, row, stride_y, cols, mask, y, QUANT_FP8)
 
 

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import FP8_DTYPE, check_tensor, new_output, row_launch
+from ._utils import FP8_DTYPE, check_tensor, new_output, round_to, row_launch
 from .fp8 import check_q_dtype, quantize_fp8_rowwise_ref
 from .layer_norm_modulate import (
     check_modulation,
@@ -37,13 +37,13 @@ def _residual_gate_kernel(
     x = tl.load(X + row * N + cols, mask=mask, other=0.0).to(tl.float32)
     gate = tl.load(GATE + g * stride_gate + cols, mask=mask, other=0.0).to(tl.float32)
     dtype = RES_OUT.dtype.element_ty
-    r = (res + (gate * x).to(dtype).to(tl.float32)).to(dtype)
-    tl.store(RES_OUT + row * N + cols, r, mask=mask)
+    r = round_to(res + round_to(gate * x, dtype), dtype)  # fp32 holding a `dtype` value
+    tl.store(RES_OUT + row * N + cols, r.to(dtype), mask=mask)
     if HAS_NORM:
         shift = tl.load(SHIFT + g * stride_shift + cols, mask=mask, other=0.0).to(tl.float32)
         scale = tl.load(SCALE + g * stride_scale + cols, mask=mask, other=0.0).to(tl.float32)
-        y = layer_norm_modulate_row(r.to(tl.float32), mask, shift, scale, N, eps, dtype)
-        store_row(Y, Y_SCALE, row, N, cols, mask, y.to(dtype).to(tl.float32), QUANT_FP8)
+        y = layer_norm_modulate_row(r, mask, shift, scale, N, eps, dtype)
+        store_row(Y, Y_SCALE, row, N, cols, mask, round_to(y, dtype), QUANT_FP8)
 
 
 def _check(residual, x):

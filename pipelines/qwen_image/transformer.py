@@ -43,10 +43,12 @@ FP8_LINEARS = ("img_qkv", "img_out", "img_fc1", "img_fc2", "txt_qkv", "txt_out",
 class FastTransformerConfig:
     """fp8: run FP8_LINEARS in rowwise FP8 (False: BF16 mode, every GEMM in the model's dtype).
     bf16_linears: those of FP8_LINEARS kept in the model's dtype anyway (e.g. ("img_fc2",), which other engines
-    found sensitive). attention: "auto" | "fa4" | "cudnn" | "sdpa"."""
+    found sensitive). fp8_fast_accum: cuBLAS's faster FP8 accumulation on Hopper (torchao's default).
+    attention: "auto" | "fa4" | "cudnn" | "sdpa"."""
 
     fp8: bool = True
     bf16_linears: tuple[str, ...] = ()
+    fp8_fast_accum: bool = False
     attention: str = "auto"
 
     def __post_init__(self):
@@ -68,9 +70,9 @@ class FastLinear(nn.Module):
     """y = x @ W.T + b from a stock nn.Linear weight [N, K]: kept as is (BF16 mode; shares the stock tensor when
     already on `device`) or quantized once to e4m3 with a per-output-channel fp32 scale."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, fp8: bool, device):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, fp8: bool, device, fast_accum: bool = False):
         super().__init__()
-        self.fp8 = fp8
+        self.fp8, self.fast_accum = fp8, fast_accum
         self.out_dtype = weight.dtype
         weight = weight.detach().to(device)
         self.bias = None if bias is None else nn.Parameter(bias.detach().to(device), requires_grad=False)
@@ -85,7 +87,7 @@ class FastLinear(nn.Module):
         """x: [M, K] (BF16 mode) or (q [M, K], scale [M, 1]) (FP8). Returns [M, N] in the bias/weight dtype."""
         if self.fp8:
             q, s = x
-            return fp8_linear(q, s, self.weight_q, self.weight_scale, self.bias, self.out_dtype)
+            return fp8_linear(q, s, self.weight_q, self.weight_scale, self.bias, self.out_dtype, self.fast_accum)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -114,12 +116,12 @@ class FastBlock(nn.Module):
         ):
             qkv_w = torch.cat([q.weight.to(device), k.weight.to(device), v.weight.to(device)])  # [3HD, D]
             qkv_b = torch.cat([q.bias.to(device), k.bias.to(device), v.bias.to(device)])
-            setattr(self, f"{stream}_qkv", FastLinear(qkv_w, qkv_b, config.is_fp8(f"{stream}_qkv"), device))
-            del qkv_w, qkv_b
-            setattr(self, f"{stream}_out", FastLinear(out.weight, out.bias, config.is_fp8(f"{stream}_out"), device))
             fc1, fc2 = mlp.net[0].proj, mlp.net[2]
-            setattr(self, f"{stream}_fc1", FastLinear(fc1.weight, fc1.bias, config.is_fp8(f"{stream}_fc1"), device))
-            setattr(self, f"{stream}_fc2", FastLinear(fc2.weight, fc2.bias, config.is_fp8(f"{stream}_fc2"), device))
+            for name, weight, bias in (("qkv", qkv_w, qkv_b), ("out", out.weight, out.bias),
+                                       ("fc1", fc1.weight, fc1.bias), ("fc2", fc2.weight, fc2.bias)):
+                fp8 = config.is_fp8(f"{stream}_{name}")
+                setattr(self, f"{stream}_{name}", FastLinear(weight, bias, fp8, device, config.fp8_fast_accum))
+            del qkv_w, qkv_b
         # diffusers RMSNorm weights for QK-norm, [D] each
         self.norm_q = attn.norm_q.weight.detach().to(device)
         self.norm_k = attn.norm_k.weight.detach().to(device)
