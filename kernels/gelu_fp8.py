@@ -23,7 +23,8 @@ def _gelu_fp8_kernel(H, Q, S, stride_h, N, SQRT_2_OVER_PI: tl.constexpr, BLOCK_N
     cols = tl.arange(0, BLOCK_N)
     mask = cols < N
     h = tl.load(H + row * stride_h + cols, mask=mask, other=0.0).to(tl.float32)
-    y = h * tl.sigmoid(2.0 * SQRT_2_OVER_PI * (h + 0.044715 * h * h * h))
+    # h * sigmoid(2u) with a fast division: an IEEE division per element made this kernel compute-bound
+    y = tl.fdiv(h, 1.0 + tl.exp(-2.0 * SQRT_2_OVER_PI * (h + 0.044715 * h * h * h)), ieee_rounding=False)
     y = round_to(y, H.dtype.element_ty)
     q, scale = fp8_quantize_row(y)
     tl.store(Q + row * N + cols, q.to(Q.dtype.element_ty), mask=mask)

@@ -11,8 +11,8 @@ With n(x) = x.float() * rsqrt(mean(x.float() ** 2, -1) + eps) over the last dim:
 - gated_rms_norm(x, gate, w): transformers `Qwen3_5RMSNormGated` (Gated-DeltaNet output norm)
       y = ((w * n(x).to(x.dtype)) * silu(gate.float())).to(x.dtype)
 
-One kernel does all of them (one program per row, the row held in registers); constexpr switches select the
-residual add, the zero-centred weight and the gate. The kernel computes in fp32 and rounds where upstream
+One kernel does all of them (rows held in registers, several rows per program when rows are narrow, as the
+128-wide per-head norms are); constexpr switches select the residual add, the zero-centred weight and the gate. The kernel computes in fp32 and rounds where upstream
 rounds (`.to(dtype).to(tl.float32)`). Rows up to MAX_N wide; wider rows would need a looped two-pass kernel.
 """
 
@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import FLOAT_DTYPES, check_tensor, new_output, row_launch
+from ._utils import FLOAT_DTYPES, check_tensor, new_output, round_to, row_launch
 
 MAX_N = 65536  # past this a register-resident row spills badly (row_launch gives at most 16 warps)
 
@@ -29,30 +29,30 @@ MAX_N = 65536  # past this a register-resident row spills badly (row_launch give
 def _rms_norm_fwd_kernel(
     X, R, G, W, Y, R_OUT,
     stride_x, stride_r, stride_g, stride_y, stride_r_out,
-    N, eps,
-    HAS_RESIDUAL: tl.constexpr, ZERO_CENTERED: tl.constexpr, HAS_GATE: tl.constexpr, BLOCK_N: tl.constexpr,
+    M, N, eps,
+    HAS_RESIDUAL: tl.constexpr, ZERO_CENTERED: tl.constexpr, HAS_GATE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
     cols = tl.arange(0, BLOCK_N)
-    mask = cols < N
-    x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)  # [BLOCK_N]
+    mask = (rows[:, None] < M) & (cols[None, :] < N)  # [BLOCK_M, BLOCK_N]
+    x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
-        r = tl.load(R + row * stride_r + cols, mask=mask, other=0.0).to(tl.float32)
-        s = (x + r).to(R_OUT.dtype.element_ty)  # upstream adds in the model dtype
-        tl.store(R_OUT + row * stride_r_out + cols, s, mask=mask)
-        x = s.to(tl.float32)
-    rstd = tl.rsqrt(tl.sum(x * x, axis=0) / N + eps)
-    xn = x * rstd
-    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+        r = tl.load(R + rows[:, None] * stride_r + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        x = round_to(x + r, R_OUT.dtype.element_ty)  # upstream adds in the model dtype
+        tl.store(R_OUT + rows[:, None] * stride_r_out + cols[None, :], x.to(R_OUT.dtype.element_ty), mask=mask)
+    rstd = tl.rsqrt(tl.sum(x * x, axis=1) / N + eps)  # [BLOCK_M]
+    xn = x * rstd[:, None]
+    w = tl.load(W + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]  # [1, BLOCK_N]
     if ZERO_CENTERED:
         y = xn * (1.0 + w)
     else:
-        y = xn.to(Y.dtype.element_ty).to(tl.float32) * w
+        y = round_to(xn, Y.dtype.element_ty) * w
     if HAS_GATE:
-        y = y.to(W.dtype.element_ty).to(tl.float32)  # w * n(x) is rounded to w's dtype before the gate
-        g = tl.load(G + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
-        y = y * (g * tl.sigmoid(g))
-    tl.store(Y + row * stride_y + cols, y.to(Y.dtype.element_ty), mask=mask)
+        y = round_to(y, W.dtype.element_ty)  # w * n(x) is rounded to w's dtype before the gate
+        g = tl.load(G + rows[:, None] * stride_g + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        y = y * tl.fdiv(g, 1.0 + tl.exp(-g), ieee_rounding=False)  # silu; an IEEE division per element is slow
+    tl.store(Y + rows[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
 
 
 def _check_x(x: torch.Tensor):
@@ -82,13 +82,15 @@ def _launch(x, residual, gate, weight, eps, zero_centered):
     y = new_output((m, n), x.dtype, x.device)  # [M, N]
     r_out = new_output((m, n), x.dtype, x.device) if residual is not None else y
     if m and n:
-        _rms_norm_fwd_kernel[(m,)](
+        block_n = triton.next_power_of_2(n)
+        block_m = max(1, 2048 // block_n)  # narrow rows: a [BLOCK_M, BLOCK_N] tile of ~2048 elements a program
+        _rms_norm_fwd_kernel[(triton.cdiv(m, block_m),)](
             X=x2, R=r2, G=g2, W=weight, Y=y, R_OUT=r_out,
             stride_x=x2.stride(0), stride_r=r2.stride(0), stride_g=g2.stride(0),
             stride_y=y.stride(0), stride_r_out=r_out.stride(0),
-            N=n, eps=eps,
+            M=m, N=n, eps=eps,
             HAS_RESIDUAL=residual is not None, ZERO_CENTERED=zero_centered, HAS_GATE=gate is not None,
-            **row_launch(n),
+            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=row_launch(block_m * block_n)["num_warps"],
         )
     return y.view(x.shape), (r_out.view(x.shape) if residual is not None else None)
 

@@ -231,7 +231,8 @@ def test_real_width_on_gpu(fp8, padded):
 def test_cuda_graph_replay_matches_eager():
     from qwen_image_fast.pipelines.qwen_image.cuda_graph import GraphedForward
 
-    stock = tiny_stock(num_layers=2, device="cuda", num_attention_heads=4, attention_head_dim=32)
+    stock = tiny_stock(num_layers=2, device="cuda", num_attention_heads=4, attention_head_dim=32,
+                       axes_dims_rope=(8, 12, 12))  # the rotary axes must add up to the head dim
     fast = FastQwenImageTransformer.from_diffusers(stock.to(torch.bfloat16), FastTransformerConfig(fp8=True))
     graphed = GraphedForward(fast)
     for padded in (False, True):
