@@ -29,7 +29,8 @@ _FP8_AMAX_EPS = tl.constexpr(FP8_AMAX_EPS)
 def fp8_quantize_row(y):
     """y: [BLOCK_N] fp32 with masked lanes = 0. Returns (clamped y / scale, scale)."""
     amax = tl.maximum(tl.max(tl.abs(y), axis=0), _FP8_AMAX_EPS)
-    return tl.clamp(y * (_FP8_MAX / amax), -_FP8_MAX, _FP8_MAX), amax / _FP8_MAX
+    inv = tl.div_rn(_FP8_MAX + 0.0 * amax, amax)  # IEEE, as the reference's tensor division
+    return tl.clamp(y * inv, -_FP8_MAX, _FP8_MAX), amax / _FP8_MAX
 
 
 @triton.jit
@@ -67,7 +68,8 @@ def quantize_fp8_rowwise_ref(x: torch.Tensor, q_dtype: torch.dtype = FP8_DTYPE) 
     """The semantics quantize_fp8_rowwise must reproduce (pure PyTorch)."""
     xf = x.float()
     amax = xf.abs().amax(dim=-1, keepdim=True).clamp_min(FP8_AMAX_EPS)
-    return (xf * (FP8_MAX / amax)).clamp(-FP8_MAX, FP8_MAX).to(q_dtype), amax / FP8_MAX
+    inv = torch.full_like(amax, FP8_MAX) / amax  # tensor / tensor: IEEE division on every device
+    return (xf * inv).clamp(-FP8_MAX, FP8_MAX).to(q_dtype), amax / FP8_MAX
 
 
 def dequantize_fp8_rowwise(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

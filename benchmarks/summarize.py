@@ -1,0 +1,64 @@
+"""Print markdown tables of the latest benchmark rows (per op/shape/impl, or per transformer impl/shape) from
+results/*.jsonl, for benchmarks/RESULTS.md.
+
+    python3 benchmarks/summarize.py
+"""
+
+import json
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def latest(name: str, key) -> dict:
+    rows = {}
+    for line in (RESULTS / f"{name}.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        rows[key(row)] = row  # later lines win
+    return rows
+
+
+def fmt(value, spec):
+    return "-" if value is None else format(value, spec)
+
+
+def kernels_table() -> str:
+    rows = latest("kernels", lambda r: (r["op"], r["shape"], r["impl"]))
+    ops = dict.fromkeys((op, shape) for op, shape, _ in rows)
+    out = ["| op | shape | eager ms | compile ms | ours ms | ours GB/s | % of copy | vs compile | rel_err | commit |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
+    for op, shape in ops:
+        if op.startswith("gemm_"):
+            continue
+        e, c, t = (rows.get((op, shape, impl), {}) for impl in ("eager", "compile", "triton"))
+        speedup = c["ms"] / t["ms"] if c.get("ms") and t.get("ms") else None
+        pct = 100 * t["frac_of_copy_bw"] if t.get("frac_of_copy_bw") else None
+        out.append(f"| {op} | {shape} | {fmt(e.get('ms'), '.4f')} | {fmt(c.get('ms'), '.4f')} | "
+                   f"{fmt(t.get('ms'), '.4f')} | {fmt(t.get('gbps'), '.0f')} | {fmt(pct, '.0f')}% | "
+                   f"{fmt(speedup, '.2f')}x | {fmt(t.get('rel_err'), '.1e')} | {t.get('commit')} |")
+    out += ["", "| GEMM (M=8628) | shape | bf16 F.linear ms | TF/s | fp8_linear ms | TF/s | fp8 rel_err |",
+            "|---|---|---|---|---|---|---|"]
+    for op, shape in ops:
+        if op.startswith("gemm_"):
+            b, f = rows[(op, shape, "bf16_linear")], rows[(op, shape, "fp8_linear")]
+            out.append(f"| {op} | {shape} | {fmt(b['ms'], '.3f')} | {fmt(b['tflops'], '.0f')} | {fmt(f['ms'], '.3f')} | "
+                       f"{fmt(f['tflops'], '.0f')} | {fmt(f['rel_err'], '.1e')} |")
+    return "\n".join(out)
+
+
+def transformer_table() -> str:
+    rows = latest("transformer", lambda r: (r["impl"], r["attention"], r["resolution"], r["batch"], r["padded_text"]))
+    out = ["| impl | attention | resolution | B | padded text | ms | TF/s | rel_err vs eager | peak GiB | x floor "
+           "| commit |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows.values():
+        out.append(f"| {r['impl']} | {r['attention']} | {r['resolution']} | {r['batch']} | {r['padded_text']} | "
+                   f"{r['ms']:.1f} | {r['tflops']:.0f} | {r['rel_err']:.2e} | {r['peak_gib']:.1f} | "
+                   f"{r['ms_over_floor']:.2f} | {r['commit']} |")
+    return "\n".join(out)
+
+
+if __name__ == "__main__":
+    print("## Kernels\n")
+    print(kernels_table())
+    print("\n## Transformer\n")
+    print(transformer_table())
