@@ -1,4 +1,4 @@
-"""Warps per program for the row kernels at the DiT shape (8628 x 3072 bf16): which num_warps row_launch should
+"""Warps per program for the row kernels at the DiT shape (8628 x 3072 bf16): which num_warps rows_launch should
 pick. Prints GB/s per setting; the checked outputs are compared with the default setting's.
 
     python3 benchmarks/sweep_row_warps.py
@@ -15,7 +15,7 @@ from common import bench_ms, copy_bandwidth_gbps  # noqa: E402
 import qwen_image_fast.kernels.attn_split_fp8 as attn_split_mod  # noqa: E402
 import qwen_image_fast.kernels.layer_norm_modulate as ln_mod  # noqa: E402
 import qwen_image_fast.kernels.residual_gate as res_mod  # noqa: E402
-from qwen_image_fast.kernels._utils import rel_rms_error, row_launch  # noqa: E402
+from qwen_image_fast.kernels._utils import rel_rms_error, rows_launch  # noqa: E402
 
 
 def main():
@@ -38,13 +38,13 @@ def main():
         default = [t.float() for t in fn()]
         line = []
         for warps in (2, 4, 8, 16, 32):
-            module.row_launch = lambda n, w=warps: dict(row_launch(n), num_warps=w)
+            module.rows_launch = lambda m, n, w=warps: (rows_launch(m, n)[0], dict(rows_launch(m, n)[1], num_warps=w))
             out = [t.float() for t in fn()]
             err = max(rel_rms_error(a, r) for a, r in zip(out, default))
             ms = bench_ms(fn)
             line.append(f"w{warps}: {n_bytes / ms / 1e6:5.0f} GB/s ({100 * n_bytes / ms / 1e6 / copy_bw:3.0f}%) "
                         f"err {err:.0e}")
-        module.row_launch = row_launch
+        module.rows_launch = rows_launch
         print(f"{name:40} " + " | ".join(line))
 
 

@@ -49,6 +49,14 @@ def row_launch(n_cols: int) -> dict:
     return dict(BLOCK_N=block, num_warps=num_warps)
 
 
+def rows_launch(n_rows: int, n_cols: int) -> tuple[tuple[int], dict]:
+    """Grid and settings for kernels that hold a [BLOCK_M, BLOCK_N] tile of whole rows in registers: one row per
+    program at the real widths (>= 2048), several narrow rows per program (~2048 elements a tile)."""
+    settings = row_launch(n_cols)
+    block_m = max(1, 2048 // settings["BLOCK_N"])
+    return (triton.cdiv(n_rows, block_m),), dict(settings, BLOCK_M=block_m)
+
+
 def rel_rms_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     """RMS(out - ref) / RMS(ref) in fp64; NaN anywhere gives inf."""
     out, ref = out.double(), ref.double()

@@ -10,27 +10,25 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import FLOAT_DTYPES, FP8_DTYPE, check_tensor, new_output, row_launch
-from .fp8 import check_q_dtype, fp8_quantize_row, quantize_fp8_rowwise_ref
+from ._utils import FLOAT_DTYPES, FP8_DTYPE, check_tensor, new_output, rows_launch
+from .fp8 import check_q_dtype, fp8_quantize_rows, quantize_fp8_rowwise_ref, tile_rows
 
 
 @triton.jit
-def _attn_split_fp8_kernel(O, Q1, S1, Q2, S2, seq_len, split, N, BLOCK_N: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    b = row // seq_len
-    t = row % seq_len
-    cols = tl.arange(0, BLOCK_N)
-    mask = cols < N
-    o = tl.load(O + row * N + cols, mask=mask, other=0.0).to(tl.float32)
-    q, scale = fp8_quantize_row(o)
-    if t < split:
-        out_row = b * split + t
-        tl.store(Q1 + out_row * N + cols, q.to(Q1.dtype.element_ty), mask=mask)
-        tl.store(S1 + out_row, scale)
-    else:
-        out_row = b * (seq_len - split) + t - split
-        tl.store(Q2 + out_row * N + cols, q.to(Q2.dtype.element_ty), mask=mask)
-        tl.store(S2 + out_row, scale)
+def _attn_split_fp8_kernel(O, Q1, S1, Q2, S2, seq_len, split, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    rows, cols, mask = tile_rows(M, N, BLOCK_M, BLOCK_N)
+    b = rows // seq_len
+    t = rows % seq_len
+    o = tl.load(O + rows[:, None] * N + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    q, scale = fp8_quantize_rows(o)
+    first = t < split  # [BLOCK_M]: which stream each row goes to
+    row1 = b * split + t  # the row's index in the first stream's output
+    row2 = b * (seq_len - split) + t - split
+    in_bounds = rows < M
+    tl.store(Q1 + row1[:, None] * N + cols[None, :], q.to(Q1.dtype.element_ty), mask=mask & first[:, None])
+    tl.store(S1 + row1, scale, mask=in_bounds & first)
+    tl.store(Q2 + row2[:, None] * N + cols[None, :], q.to(Q2.dtype.element_ty), mask=mask & ~first[:, None])
+    tl.store(S2 + row2, scale, mask=in_bounds & ~first)
 
 
 def attn_split_fp8(o: torch.Tensor, split: int, q_dtype=FP8_DTYPE):
@@ -50,7 +48,9 @@ def attn_split_fp8(o: torch.Tensor, split: int, q_dtype=FP8_DTYPE):
     q2 = new_output((b * (s - split), d), q_dtype, o.device)
     s2 = new_output((b * (s - split), 1), torch.float32, o.device)
     if b * s:
-        _attn_split_fp8_kernel[(b * s,)](O=o, Q1=q1, S1=s1, Q2=q2, S2=s2, seq_len=s, split=split, N=d, **row_launch(d))
+        grid, settings = rows_launch(b * s, d)
+        _attn_split_fp8_kernel[grid](O=o, Q1=q1, S1=s1, Q2=q2, S2=s2, seq_len=s, split=split, M=b * s, N=d,
+                                     **settings)
     return q1, s1, q2, s2
 
 

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import FLOAT_DTYPES, FP8_AMAX_EPS, FP8_DTYPE, FP8_MAX, check_tensor, new_output, row_launch
+from ._utils import FLOAT_DTYPES, FP8_AMAX_EPS, FP8_DTYPE, FP8_MAX, check_tensor, new_output, rows_launch
 
 Q_DTYPES = (FP8_DTYPE, torch.float32)
 
@@ -26,22 +26,28 @@ _FP8_AMAX_EPS = tl.constexpr(FP8_AMAX_EPS)
 
 
 @triton.jit
-def fp8_quantize_row(y):
-    """y: [BLOCK_N] fp32 with masked lanes = 0. Returns (clamped y / scale, scale)."""
-    amax = tl.maximum(tl.max(tl.abs(y), axis=0), _FP8_AMAX_EPS)
+def fp8_quantize_rows(y):
+    """y: [BLOCK_M, BLOCK_N] fp32 with masked lanes = 0. Returns (clamped y / scale, scale [BLOCK_M])."""
+    amax = tl.maximum(tl.max(tl.abs(y), axis=1), _FP8_AMAX_EPS)
     inv = tl.div_rn(_FP8_MAX + 0.0 * amax, amax)  # IEEE, as the reference's tensor division
-    return tl.clamp(y * inv, -_FP8_MAX, _FP8_MAX), amax / _FP8_MAX
+    return tl.clamp(y * inv[:, None], -_FP8_MAX, _FP8_MAX), amax / _FP8_MAX
 
 
 @triton.jit
-def _quantize_fp8_rowwise_kernel(X, Q, S, stride_x, stride_q, N, BLOCK_N: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
+def tile_rows(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """This program's rows [BLOCK_M] (int64), columns [BLOCK_N] and [BLOCK_M, BLOCK_N] in-bounds mask."""
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
-    mask = cols < N
-    x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    q, scale = fp8_quantize_row(x)
-    tl.store(Q + row * stride_q + cols, q.to(Q.dtype.element_ty), mask=mask)
-    tl.store(S + row, scale)
+    return rows, cols, (rows[:, None] < M) & (cols[None, :] < N)
+
+
+@triton.jit
+def _quantize_fp8_rowwise_kernel(X, Q, S, stride_x, stride_q, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    rows, cols, mask = tile_rows(M, N, BLOCK_M, BLOCK_N)
+    x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    q, scale = fp8_quantize_rows(x)
+    tl.store(Q + rows[:, None] * stride_q + cols[None, :], q.to(Q.dtype.element_ty), mask=mask)
+    tl.store(S + rows, scale, mask=rows < M)
 
 
 def check_q_dtype(q_dtype: torch.dtype):
@@ -58,8 +64,9 @@ def quantize_fp8_rowwise(x: torch.Tensor, q_dtype: torch.dtype = FP8_DTYPE) -> t
     q = new_output(x2.shape, q_dtype, x.device)
     s = new_output((x2.shape[0], 1), torch.float32, x.device)
     if x2.shape[0]:
-        _quantize_fp8_rowwise_kernel[(x2.shape[0],)](
-            X=x2, Q=q, S=s, stride_x=x2.stride(0), stride_q=q.stride(0), N=n, **row_launch(n)
+        grid, settings = rows_launch(x2.shape[0], n)
+        _quantize_fp8_rowwise_kernel[grid](
+            X=x2, Q=q, S=s, stride_x=x2.stride(0), stride_q=q.stride(0), M=x2.shape[0], N=n, **settings
         )
     return q.view(x.shape), s.view(*x.shape[:-1], 1)
 

@@ -14,57 +14,62 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import FLOAT_DTYPES, FP8_DTYPE, check_tensor, new_output, round_to, row_launch
-from .fp8 import check_q_dtype, fp8_quantize_row, quantize_fp8_rowwise_ref
+from ._utils import FLOAT_DTYPES, FP8_DTYPE, check_tensor, new_output, round_to, rows_launch
+from .fp8 import check_q_dtype, fp8_quantize_rows, quantize_fp8_rowwise_ref, tile_rows
 
 
 @triton.jit
-def layer_norm_modulate_row(x, mask, shift, scale, N, eps, LN_DTYPE: tl.constexpr):
-    """x, shift, scale: [BLOCK_N] fp32, masked lanes 0 (so y is 0 there). LayerNorm output rounds to LN_DTYPE."""
-    mean = tl.sum(x, axis=0) / N
-    xc = tl.where(mask, x - mean, 0.0)
-    var = tl.sum(xc * xc, axis=0) / N
-    xn = round_to(xc * tl.rsqrt(var + eps), LN_DTYPE)
+def layer_norm_modulate_rows(x, mask, shift, scale, N, eps, LN_DTYPE: tl.constexpr):
+    """x, shift, scale: [BLOCK_M, BLOCK_N] fp32, masked lanes 0 (so y is 0 there). LayerNorm output rounds to
+    LN_DTYPE."""
+    mean = tl.sum(x, axis=1) / N
+    xc = tl.where(mask, x - mean[:, None], 0.0)
+    var = tl.sum(xc * xc, axis=1) / N
+    xn = round_to(xc * tl.rsqrt(var + eps)[:, None], LN_DTYPE)
     return xn * (1.0 + scale) + shift
 
 
 @triton.jit
-def load_mod_row(MOD_ROW, row, rows_per_sample, HAS_MOD_ROW: tl.constexpr):
-    """The modulation row of token `row`: its own entry in MOD_ROW, else its sample index."""
+def load_mod_rows(MOD_ROW, rows, M, rows_per_sample, HAS_MOD_ROW: tl.constexpr):
+    """The modulation row [BLOCK_M] of each token: its own entry in MOD_ROW, else its sample index."""
     if HAS_MOD_ROW:
-        g = tl.load(MOD_ROW + row).to(tl.int64)
+        g = tl.load(MOD_ROW + rows, mask=rows < M, other=0).to(tl.int64)
     else:
-        g = row // rows_per_sample
+        g = rows // rows_per_sample
     return g
 
 
 @triton.jit
-def store_row(Y, Y_SCALE, row, stride_y, cols, mask, y, QUANT_FP8: tl.constexpr):
-    """Store y [BLOCK_N] fp32 (already rounded to the activation dtype) as is, or as rowwise FP8 + scale."""
+def load_mod(T, g, stride, cols, mask):
+    """Rows g [BLOCK_M] of a [G, N] modulation table as a [BLOCK_M, BLOCK_N] fp32 tile."""
+    return tl.load(T + g[:, None] * stride + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def store_rows(Y, Y_SCALE, rows, M, stride_y, cols, mask, y, QUANT_FP8: tl.constexpr):
+    """Store y [BLOCK_M, BLOCK_N] fp32 (already rounded to the activation dtype) as is, or as rowwise FP8 + scale."""
     if QUANT_FP8:
-        q, s = fp8_quantize_row(y)
-        tl.store(Y + row * stride_y + cols, q.to(Y.dtype.element_ty), mask=mask)
-        tl.store(Y_SCALE + row, s)
+        q, s = fp8_quantize_rows(y)
+        tl.store(Y + rows[:, None] * stride_y + cols[None, :], q.to(Y.dtype.element_ty), mask=mask)
+        tl.store(Y_SCALE + rows, s, mask=rows < M)
     else:
-        tl.store(Y + row * stride_y + cols, y.to(Y.dtype.element_ty), mask=mask)
+        tl.store(Y + rows[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _layer_norm_modulate_kernel(
     X, SHIFT, SCALE, MOD_ROW, Y, Y_SCALE,
-    stride_x, stride_shift, stride_scale, stride_y, rows_per_sample, N, eps,
-    HAS_MOD_ROW: tl.constexpr, QUANT_FP8: tl.constexpr, BLOCK_N: tl.constexpr,
+    stride_x, stride_shift, stride_scale, stride_y, rows_per_sample, M, N, eps,
+    HAS_MOD_ROW: tl.constexpr, QUANT_FP8: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK_N)
-    mask = cols < N
-    g = load_mod_row(MOD_ROW, row, rows_per_sample, HAS_MOD_ROW)
-    x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    shift = tl.load(SHIFT + g * stride_shift + cols, mask=mask, other=0.0).to(tl.float32)
-    scale = tl.load(SCALE + g * stride_scale + cols, mask=mask, other=0.0).to(tl.float32)
-    y = layer_norm_modulate_row(x, mask, shift, scale, N, eps, X.dtype.element_ty)
+    rows, cols, mask = tile_rows(M, N, BLOCK_M, BLOCK_N)
+    g = load_mod_rows(MOD_ROW, rows, M, rows_per_sample, HAS_MOD_ROW)
+    x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    shift = load_mod(SHIFT, g, stride_shift, cols, mask)
+    scale = load_mod(SCALE, g, stride_scale, cols, mask)
+    y = layer_norm_modulate_rows(x, mask, shift, scale, N, eps, X.dtype.element_ty)
     y = round_to(y, X.dtype.element_ty)  # upstream's modulated activations are in x's dtype
-    store_row(Y, Y_SCALE, row, stride_y, cols, mask, y, QUANT_FP8)
+    store_rows(Y, Y_SCALE, rows, M, stride_y, cols, mask, y, QUANT_FP8)
 
 
 def check_modulation(x: torch.Tensor, mod_row: torch.Tensor | None, **mods: torch.Tensor) -> int:
@@ -115,11 +120,12 @@ def _launch(x, shift, scale, mod_row, eps, y, y_scale):
     b, l, d = x.shape
     if b * l == 0:
         return
-    _layer_norm_modulate_kernel[(b * l,)](
+    grid, settings = rows_launch(b * l, d)
+    _layer_norm_modulate_kernel[grid](
         X=x, SHIFT=shift, SCALE=scale, MOD_ROW=mod_row, Y=y, Y_SCALE=y_scale,
         stride_x=d, stride_shift=shift.stride(0), stride_scale=scale.stride(0), stride_y=d,
-        rows_per_sample=l, N=d, eps=eps,
-        HAS_MOD_ROW=mod_row is not None, QUANT_FP8=y_scale is not None, **row_launch(d),
+        rows_per_sample=l, M=b * l, N=d, eps=eps,
+        HAS_MOD_ROW=mod_row is not None, QUANT_FP8=y_scale is not None, **settings,
     )
 
 

@@ -13,45 +13,58 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import FLOAT_DTYPES, check_tensor
+from ._utils import FLOAT_DTYPES, check_tensor, round_to
 from .rms_norm import rms_norm_ref
-from .rope import head_block, load_freqs, rope_interleaved, rope_qwen_image_ref
+from .rope import head_block, rope_qwen_image_ref
 
 
 @triton.jit
 def _rms_norm_diffusers(x, w, eps, HEAD_DIM: tl.constexpr):
-    """x: [BLOCK_H, BLOCK_D] fp32 with masked lanes 0; w: [BLOCK_D] in the output dtype. Returns fp32 values that are
-    exactly representable in that dtype, as diffusers' RMSNorm output is."""
-    rstd = tl.rsqrt(tl.sum(x * x, axis=1) / HEAD_DIM + eps)  # [BLOCK_H]
-    n = (x * rstd[:, None]).to(w.dtype).to(tl.float32)
-    return (n * w.to(tl.float32)[None, :]).to(w.dtype).to(tl.float32)
+    """x: [BLOCK_T, BLOCK_H, BLOCK_D] fp32 with masked lanes 0; w: [BLOCK_D] in the output dtype. Returns fp32
+    values that are exactly representable in that dtype, as diffusers' RMSNorm output is."""
+    rstd = tl.rsqrt(tl.sum(x * x, axis=2) / HEAD_DIM + eps)  # [BLOCK_T, BLOCK_H]
+    n = round_to(x * rstd[:, :, None], w.dtype)
+    return round_to(n * w.to(tl.float32)[None, None, :], w.dtype)
+
+
+@triton.jit
+def _rope_interleaved_3d(x, cos, sin, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    """x: [BLOCK_T, BLOCK_H, BLOCK_D] fp32, pairs (x[2i], x[2i+1]); cos, sin: [BLOCK_T, BLOCK_D // 2] fp32."""
+    xr, xi = tl.split(tl.reshape(x, [BLOCK_T, BLOCK_H, BLOCK_D // 2, 2]))  # [BLOCK_T, BLOCK_H, BLOCK_D // 2]
+    c, s = cos[:, None, :], sin[:, None, :]
+    return tl.reshape(tl.join(xr * c - xi * s, xr * s + xi * c), [BLOCK_T, BLOCK_H, BLOCK_D])
 
 
 @triton.jit
 def _qkv_pack_kernel(
-    QKV, WQ, WK, F, Q, K, V, L, H, seq_offset, eps,
+    QKV, WQ, WK, F, Q, K, V, L, H, n_tok, seq_offset, eps,
     stride_qkv_b, stride_qkv_l, stride_f_tok, stride_f_pair, stride_out_b, stride_out_s,
-    HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)  # b * L + l
-    b = row // L
-    l = row % L
+    tok = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BLOCK_T], b * L + l
+    b = tok // L
+    l = tok % L
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     cols = tl.arange(0, BLOCK_D)
-    mask = (heads[:, None] < H) & (cols[None, :] < HEAD_DIM)  # [BLOCK_H, BLOCK_D]
-    head_cols = heads[:, None] * HEAD_DIM + cols[None, :]  # [BLOCK_H, BLOCK_D]; same layout in qkv and the outputs
-    src = QKV + b * stride_qkv_b + l * stride_qkv_l + head_cols
-    dst = b * stride_out_b + (seq_offset + l) * stride_out_s + head_cols
-    cos, sin = load_freqs(F + l * stride_f_tok, stride_f_pair, HEAD_DIM, BLOCK_D)  # [BLOCK_D // 2] each
+    mask = ((tok[:, None, None] < n_tok) & (heads[None, :, None] < H)
+            & (cols[None, None, :] < HEAD_DIM))  # [BLOCK_T, BLOCK_H, BLOCK_D]
+    head_cols = heads[None, :, None] * HEAD_DIM + cols[None, None, :]  # same layout in qkv and the outputs
+    src = QKV + (b * stride_qkv_b + l * stride_qkv_l)[:, None, None] + head_cols
+    dst = (b * stride_out_b + (seq_offset + l) * stride_out_s)[:, None, None] + head_cols
+    pairs = tl.arange(0, BLOCK_D // 2)
+    f_mask = (tok[:, None] < n_tok) & (pairs[None, :] < HEAD_DIM // 2)  # [BLOCK_T, BLOCK_D // 2]
+    f_ptrs = F + l[:, None] * stride_f_tok + pairs[None, :] * stride_f_pair
+    cos = tl.load(f_ptrs, mask=f_mask, other=1.0)
+    sin = tl.load(f_ptrs + 1, mask=f_mask, other=0.0)
 
     w_q = tl.load(WQ + cols, mask=cols < HEAD_DIM, other=0.0)  # [BLOCK_D]
     q = tl.load(src, mask=mask, other=0.0).to(tl.float32)
-    q = rope_interleaved(_rms_norm_diffusers(q, w_q, eps, HEAD_DIM), cos, sin, BLOCK_H, BLOCK_D)
+    q = _rope_interleaved_3d(_rms_norm_diffusers(q, w_q, eps, HEAD_DIM), cos, sin, BLOCK_T, BLOCK_H, BLOCK_D)
     tl.store(Q + dst, q.to(Q.dtype.element_ty), mask=mask)
 
     w_k = tl.load(WK + cols, mask=cols < HEAD_DIM, other=0.0)
     k = tl.load(src + H * HEAD_DIM, mask=mask, other=0.0).to(tl.float32)
-    k = rope_interleaved(_rms_norm_diffusers(k, w_k, eps, HEAD_DIM), cos, sin, BLOCK_H, BLOCK_D)
+    k = _rope_interleaved_3d(_rms_norm_diffusers(k, w_k, eps, HEAD_DIM), cos, sin, BLOCK_T, BLOCK_H, BLOCK_D)
     tl.store(K + dst, k.to(K.dtype.element_ty), mask=mask)
 
     v = tl.load(src + 2 * H * HEAD_DIM, mask=mask, other=0.0)
@@ -99,14 +112,15 @@ def qkv_pack(
     b, n_tok, h, d = _check_qkv_pack_args(qkv, norm_q_weight, norm_k_weight, freqs, q_out, k_out, v_out, seq_offset)
     if b * n_tok * h == 0:
         return
-    block_h = head_block(h)
-    _qkv_pack_kernel[(b * n_tok, triton.cdiv(h, block_h))](
+    block_h, block_d = head_block(h), triton.next_power_of_2(d)
+    block_t = max(1, 1024 // (block_h * block_d))  # real shapes (8 heads x 128): one token a program
+    _qkv_pack_kernel[(triton.cdiv(b * n_tok, block_t), triton.cdiv(h, block_h))](
         QKV=qkv, WQ=norm_q_weight, WK=norm_k_weight, F=freqs, Q=q_out, K=k_out, V=v_out,
-        L=n_tok, H=h, seq_offset=seq_offset, eps=eps,
+        L=n_tok, H=h, n_tok=b * n_tok, seq_offset=seq_offset, eps=eps,
         stride_qkv_b=qkv.stride(0), stride_qkv_l=qkv.stride(1),
         stride_f_tok=freqs.stride(0), stride_f_pair=freqs.stride(1),
         stride_out_b=q_out.stride(0), stride_out_s=q_out.stride(1),
-        HEAD_DIM=d, BLOCK_H=block_h, BLOCK_D=triton.next_power_of_2(d),
+        HEAD_DIM=d, BLOCK_T=block_t, BLOCK_H=block_h, BLOCK_D=block_d,
     )
 
 

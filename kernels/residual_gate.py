@@ -11,39 +11,40 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import FP8_DTYPE, check_tensor, new_output, round_to, row_launch
-from .fp8 import check_q_dtype, quantize_fp8_rowwise_ref
+from ._utils import FP8_DTYPE, check_tensor, new_output, round_to, rows_launch
+from .fp8 import check_q_dtype, quantize_fp8_rowwise_ref, tile_rows
 from .layer_norm_modulate import (
     check_modulation,
     gather_modulation,
     layer_norm_modulate_ref,
-    layer_norm_modulate_row,
-    load_mod_row,
-    store_row,
+    layer_norm_modulate_rows,
+    load_mod,
+    load_mod_rows,
+    store_rows,
 )
 
 
 @triton.jit
 def _residual_gate_kernel(
     RES, X, GATE, SHIFT, SCALE, MOD_ROW, RES_OUT, Y, Y_SCALE,
-    stride_gate, stride_shift, stride_scale, rows_per_sample, N, eps,
-    HAS_MOD_ROW: tl.constexpr, HAS_NORM: tl.constexpr, QUANT_FP8: tl.constexpr, BLOCK_N: tl.constexpr,
+    stride_gate, stride_shift, stride_scale, rows_per_sample, M, N, eps,
+    HAS_MOD_ROW: tl.constexpr, HAS_NORM: tl.constexpr, QUANT_FP8: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK_N)
-    mask = cols < N
-    g = load_mod_row(MOD_ROW, row, rows_per_sample, HAS_MOD_ROW)
-    res = tl.load(RES + row * N + cols, mask=mask, other=0.0).to(tl.float32)
-    x = tl.load(X + row * N + cols, mask=mask, other=0.0).to(tl.float32)
-    gate = tl.load(GATE + g * stride_gate + cols, mask=mask, other=0.0).to(tl.float32)
+    rows, cols, mask = tile_rows(M, N, BLOCK_M, BLOCK_N)
+    offs = rows[:, None] * N + cols[None, :]  # [BLOCK_M, BLOCK_N]
+    g = load_mod_rows(MOD_ROW, rows, M, rows_per_sample, HAS_MOD_ROW)
+    res = tl.load(RES + offs, mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+    gate = load_mod(GATE, g, stride_gate, cols, mask)
     dtype = RES_OUT.dtype.element_ty
     r = round_to(res + round_to(gate * x, dtype), dtype)  # fp32 holding a `dtype` value
-    tl.store(RES_OUT + row * N + cols, r.to(dtype), mask=mask)
+    tl.store(RES_OUT + offs, r.to(dtype), mask=mask)
     if HAS_NORM:
-        shift = tl.load(SHIFT + g * stride_shift + cols, mask=mask, other=0.0).to(tl.float32)
-        scale = tl.load(SCALE + g * stride_scale + cols, mask=mask, other=0.0).to(tl.float32)
-        y = layer_norm_modulate_row(r, mask, shift, scale, N, eps, dtype)
-        store_row(Y, Y_SCALE, row, N, cols, mask, round_to(y, dtype), QUANT_FP8)
+        shift = load_mod(SHIFT, g, stride_shift, cols, mask)
+        scale = load_mod(SCALE, g, stride_scale, cols, mask)
+        y = layer_norm_modulate_rows(r, mask, shift, scale, N, eps, dtype)
+        store_rows(Y, Y_SCALE, rows, M, N, cols, mask, round_to(y, dtype), QUANT_FP8)
 
 
 def _check(residual, x):
@@ -92,11 +93,12 @@ def _launch(residual, x, gate, shift, scale, mod_row, eps, res_out, y, y_scale):
     if b * l == 0:
         return
     has_norm = shift is not None
-    _residual_gate_kernel[(b * l,)](
+    grid, settings = rows_launch(b * l, d)
+    _residual_gate_kernel[grid](
         RES=residual, X=x, GATE=gate, SHIFT=shift, SCALE=scale, MOD_ROW=mod_row, RES_OUT=res_out, Y=y, Y_SCALE=y_scale,
         stride_gate=gate.stride(0), stride_shift=shift.stride(0) if has_norm else 0,
-        stride_scale=scale.stride(0) if has_norm else 0, rows_per_sample=l, N=d, eps=eps,
-        HAS_MOD_ROW=mod_row is not None, HAS_NORM=has_norm, QUANT_FP8=y_scale is not None, **row_launch(d),
+        stride_scale=scale.stride(0) if has_norm else 0, rows_per_sample=l, M=b * l, N=d, eps=eps,
+        HAS_MOD_ROW=mod_row is not None, HAS_NORM=has_norm, QUANT_FP8=y_scale is not None, **settings,
     )
 
 

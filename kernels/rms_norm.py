@@ -20,9 +20,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import FLOAT_DTYPES, check_tensor, new_output, round_to, row_launch
+from ._utils import FLOAT_DTYPES, check_tensor, new_output, round_to, rows_launch
 
-MAX_N = 65536  # past this a register-resident row spills badly (row_launch gives at most 16 warps)
+MAX_N = 65536  # past this a register-resident row spills badly (rows_launch gives at most 16 warps)
 
 
 @triton.jit
@@ -82,15 +82,14 @@ def _launch(x, residual, gate, weight, eps, zero_centered):
     y = new_output((m, n), x.dtype, x.device)  # [M, N]
     r_out = new_output((m, n), x.dtype, x.device) if residual is not None else y
     if m and n:
-        block_n = triton.next_power_of_2(n)
-        block_m = max(1, 2048 // block_n)  # narrow rows: a [BLOCK_M, BLOCK_N] tile of ~2048 elements a program
-        _rms_norm_fwd_kernel[(triton.cdiv(m, block_m),)](
+        grid, settings = rows_launch(m, n)
+        _rms_norm_fwd_kernel[grid](
             X=x2, R=r2, G=g2, W=weight, Y=y, R_OUT=r_out,
             stride_x=x2.stride(0), stride_r=r2.stride(0), stride_g=g2.stride(0),
             stride_y=y.stride(0), stride_r_out=r_out.stride(0),
             M=m, N=n, eps=eps,
             HAS_RESIDUAL=residual is not None, ZERO_CENTERED=zero_centered, HAS_GATE=gate is not None,
-            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=row_launch(block_m * block_n)["num_warps"],
+            **settings,
         )
     return y.view(x.shape), (r_out.view(x.shape) if residual is not None else None)
 

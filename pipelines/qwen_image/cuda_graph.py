@@ -11,6 +11,10 @@ import torch
 from diffusers.models.modeling_outputs import Transformer2DModelOutput
 
 
+class GraphCaptureError(RuntimeError):
+    """Warm-up or capture of a new graph failed; the caller can run the model eagerly instead."""
+
+
 def signature(kwargs: dict) -> tuple:
     return tuple(
         (name, (tuple(v.shape), v.dtype, str(v.device)) if isinstance(v, torch.Tensor) else repr(v))
@@ -39,6 +43,12 @@ class GraphedForward:
         return Transformer2DModelOutput(sample=sample) if return_dict else (sample,)
 
     def _capture(self, kwargs):
+        try:
+            return self._try_capture(kwargs)
+        except Exception as e:
+            raise GraphCaptureError(f"{type(e).__name__}: {e}") from e
+
+    def _try_capture(self, kwargs):
         static = {name: v.clone() for name, v in kwargs.items() if isinstance(v, torch.Tensor)}
         call_kwargs = {**kwargs, **static, "return_dict": False}
         stream = torch.cuda.Stream()

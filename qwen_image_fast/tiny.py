@@ -1,0 +1,117 @@
+"""A tiny random-weight Qwen-Image pipeline, built in memory with no download: for tests, CPU demos and
+`--model tiny-random`. Its images are noise from random weights, never a rendering of the prompt.
+
+Same component classes as the real checkpoint, shrunk (real size in the comments). The tokenizer is byte-level
+(every UTF-8 byte one token, no merges) with Qwen's chat special tokens, plus 18 added tokens for the fixed system
+prompt of QwenImagePipeline's template, so that, as with the real tokenizer, the template's prefix is 34 tokens
+(`prompt_template_encode_start_idx`) and the prompt's own tokens start right after it.
+"""
+
+import torch
+from diffusers import (
+    AutoencoderKLQwenImage,
+    FlowMatchEulerDiscreteScheduler,
+    QwenImagePipeline,
+    QwenImageTransformer2DModel,
+)
+from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer
+
+TINY_MODEL_ID = "tiny-random"
+SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+# QwenImagePipeline.prompt_template_encode's system prompt, in 18 pieces (the rest of its 34-token prefix is
+# "<|im_start|>", "system\n" (7 bytes), "<|im_end|>", "\n", "<|im_start|>", "user\n" (5 bytes)).
+SYSTEM_PROMPT_PIECES = (
+    "Describe the", " image", " by", " detailing", " the", " color,", " shape,", " size,", " texture,",
+    " quantity,", " text,", " spatial", " relationships", " of", " the", " objects", " and", " background:",
+)
+
+# Qwen-Image's scheduler_config.json (FlowMatchEuler, dynamic exponential shift, shift_terminal 0.02).
+QWEN_IMAGE_SCHEDULER_CONFIG = dict(
+    base_image_seq_len=256,
+    base_shift=0.5,
+    max_image_seq_len=8192,
+    max_shift=0.9,
+    num_train_timesteps=1000,
+    shift=1.0,
+    shift_terminal=0.02,
+    time_shift_type="exponential",
+    use_dynamic_shifting=True,
+)
+
+
+def byte_symbols() -> list[str]:
+    """The 256 printable stand-ins byte-level BPE uses for bytes 0..255 (GPT-2's table, rebuilt here)."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), 256))
+    table, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            table[b] = chr(b)
+        else:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return [table[b] for b in range(256)]
+
+
+def tiny_tokenizer() -> Qwen2Tokenizer:
+    vocab = {symbol: i for i, symbol in enumerate(byte_symbols())}
+    for token in SPECIAL_TOKENS:
+        vocab[token] = len(vocab)
+    tokenizer = Qwen2Tokenizer(vocab=vocab, merges=[], additional_special_tokens=list(SPECIAL_TOKENS[1:]))
+    tokenizer.add_tokens(sorted(set(SYSTEM_PROMPT_PIECES)))
+    return tokenizer
+
+
+def tiny_components(seed: int = 0) -> dict:
+    torch.manual_seed(seed)
+    transformer = QwenImageTransformer2DModel(
+        patch_size=2,
+        in_channels=16,  # 64
+        out_channels=4,  # 16
+        num_layers=2,  # 60
+        attention_head_dim=16,  # 128
+        num_attention_heads=3,  # 24
+        joint_attention_dim=16,  # 3584
+        axes_dims_rope=(8, 4, 4),  # (16, 56, 56)
+    )
+    torch.manual_seed(seed)
+    vae = AutoencoderKLQwenImage(
+        base_dim=24,  # 96
+        z_dim=4,  # 16
+        dim_mult=[1, 2, 4],  # [1, 2, 4, 4]
+        num_res_blocks=1,  # 2
+        temperal_downsample=[False, True],  # [False, True, True]
+        latents_mean=[0.0] * 4,
+        latents_std=[1.0] * 4,
+    )
+    torch.manual_seed(seed)
+    tokenizer = tiny_tokenizer()
+    config = Qwen2_5_VLConfig(
+        text_config=dict(
+            hidden_size=16,  # 3584
+            intermediate_size=16,  # 18944
+            num_hidden_layers=2,  # 28
+            num_attention_heads=2,  # 28
+            num_key_value_heads=2,  # 4
+            rope_scaling=dict(mrope_section=[1, 1, 2], rope_type="default", type="default"),
+            rope_theta=1000000.0,
+            vocab_size=len(tokenizer),
+            bos_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"),
+            eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
+        ),
+        vision_config=dict(depth=2, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=16),
+        hidden_size=16,
+        vocab_size=len(tokenizer),  # 152064
+        vision_start_token_id=len(tokenizer) - 3,
+        vision_end_token_id=len(tokenizer) - 2,
+        vision_token_id=len(tokenizer) - 1,
+        image_token_id=len(tokenizer) - 1,
+        video_token_id=len(tokenizer) - 1,
+    )
+    text_encoder = Qwen2_5_VLForConditionalGeneration(config).eval()
+    scheduler = FlowMatchEulerDiscreteScheduler(**QWEN_IMAGE_SCHEDULER_CONFIG)
+    return dict(transformer=transformer, vae=vae, scheduler=scheduler, text_encoder=text_encoder, tokenizer=tokenizer)
+
+
+def tiny_pipeline(pipeline_class=QwenImagePipeline, seed: int = 0, **init_kwargs):
+    """A tiny random-weight pipeline of `pipeline_class` (fp32, CPU)."""
+    return pipeline_class(**tiny_components(seed), **init_kwargs)
