@@ -1,0 +1,236 @@
+"""QwenImageFastPipeline against the stock QwenImagePipeline on tiny random components (CPU, offline)."""
+
+import inspect
+import logging
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from diffusers import QwenImagePipeline
+from diffusers.pipelines.qwenimage.pipeline_output import QwenImagePipelineOutput
+from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift
+from diffusers.utils import logging as diffusers_logging
+from helpers import assert_close
+from transformers import Qwen2Tokenizer
+
+from qwen_image_fast import FastConfig, QwenImageFastPipeline, optimize
+from qwen_image_fast.kernels._utils import rel_rms_error
+from qwen_image_fast.optimize import make_scheduler
+from qwen_image_fast.tiny import tiny_components, tiny_tokenizer
+
+FIXTURE_TOKENIZER = Path(__file__).resolve().parents[1] / "fixtures" / "tiny_qwen_tokenizer"
+EXACT = FastConfig(fp8=False)  # numerics-neutral options only: BF16 mode (fp32 here), Euler, CFG every step
+
+
+def stock_pipeline(seed=0) -> QwenImagePipeline:
+    components = tiny_components(seed)
+    components["tokenizer"] = Qwen2Tokenizer.from_pretrained(FIXTURE_TOKENIZER)
+    return QwenImagePipeline(**components)
+
+
+def fast_pipeline(config=EXACT, seed=0) -> QwenImageFastPipeline:
+    return optimize(stock_pipeline(seed), config)
+
+
+def run(pipe, seed=0, **kwargs):
+    defaults = dict(height=32, width=48, num_inference_steps=3, output_type="latent")
+    return pipe(**{**defaults, **kwargs}, generator=torch.Generator().manual_seed(seed)).images
+
+
+def count_forwards(pipe) -> list[int]:
+    """Record the batch size of every transformer forward."""
+    sizes = []
+    forward = pipe.transformer.forward
+
+    def counting(*args, **kwargs):
+        sizes.append(kwargs["hidden_states"].shape[0])
+        return forward(*args, **kwargs)
+
+    pipe.transformer.forward = counting
+    return sizes
+
+
+def test_fixture_tokenizer_is_the_tiny_tokenizer():
+    text = "<|im_start|>user\nA red fox, 狐狸<|im_end|>"
+    assert Qwen2Tokenizer.from_pretrained(FIXTURE_TOKENIZER)(text).input_ids == tiny_tokenizer()(text).input_ids
+
+
+def test_template_prefix_is_34_tokens_like_the_real_tokenizer():
+    pipe = stock_pipeline()
+    ids = pipe.tokenizer(pipe.prompt_template_encode.format("xyz")).input_ids
+    assert pipe.tokenizer.decode(ids[pipe.prompt_template_encode_start_idx:][:3]) == "xyz"
+
+
+def test_call_signature_matches_upstream():
+    def params(fn):
+        return [(p.name, p.kind, p.default) for p in inspect.signature(fn).parameters.values()]
+
+    assert params(QwenImageFastPipeline.__call__) == params(QwenImagePipeline.__call__)
+
+
+def test_from_pretrained_loads_the_upstream_layout(tmp_path):
+    stock_pipeline().save_pretrained(tmp_path)
+    pipe = QwenImageFastPipeline.from_pretrained(tmp_path, torch_dtype=torch.float32, fast_config=EXACT)
+    assert type(pipe) is QwenImageFastPipeline
+    assert pipe.applied == ["fused_transformer", "attention:sdpa", "batched_cfg"]
+    assert_close(run(pipe, prompt="a cat"), run(QwenImagePipeline.from_pretrained(tmp_path), prompt="a cat"), 1e-5)
+
+
+@pytest.mark.parametrize("case", [
+    dict(prompt="a cat sitting on a mat", negative_prompt="blurry"),
+    dict(prompt=["a cat", "a large dog in the park"], negative_prompt=["ugly, low quality", "bad"]),
+    dict(prompt=["a cat", "a large dog in the park"], negative_prompt=["bad", "ugly"], num_images_per_prompt=2),
+    dict(prompt="no guidance", true_cfg_scale=1.0),
+])
+def test_latents_match_stock_pipeline(case):
+    stock, fast = stock_pipeline(), fast_pipeline()
+    sizes = count_forwards(fast)
+    expected = run(stock, **case)
+    assert_close(run(fast, **case), expected, 1e-5, "fast vs stock latents (fp32)")
+    batch = expected.shape[0]
+    cfg = case.get("true_cfg_scale", 4.0) > 1
+    assert sizes == [2 * batch if cfg else batch] * 3  # batched CFG: one forward of 2N per step
+
+
+def test_one_negative_string_serves_every_prompt():
+    # the stock pipeline fails on this combination (text batch 1 vs latent batch 2); ours repeats the negative
+    prompts = ["a cat", "a large dog in the park"]
+    ours = run(fast_pipeline(), prompt=prompts, negative_prompt="bad")
+    assert_close(ours, run(stock_pipeline(), prompt=prompts, negative_prompt=["bad", "bad"]), 1e-5)
+
+
+def test_unbatched_cfg_also_matches_and_runs_two_forwards():
+    case = dict(prompt=["a cat", "a dog"], negative_prompt=["ugly, low quality", "bad"])
+    fast = fast_pipeline(EXACT.replace(batched_cfg=False))
+    sizes = count_forwards(fast)
+    assert_close(run(fast, **case), run(stock_pipeline(), **case), 1e-5)
+    assert sizes == [2] * 6
+
+
+def test_fp8_pipeline_close_to_stock():
+    case = dict(prompt="a cat sitting on a mat", negative_prompt="blurry")
+    err = rel_rms_error(run(fast_pipeline(FastConfig()), **case), run(stock_pipeline(), **case))
+    assert 0 < err < 0.1, err
+
+
+def test_selective_cfg_guides_only_the_first_steps():
+    fast = fast_pipeline(EXACT.replace(cfg_fraction=0.5))
+    sizes = count_forwards(fast)
+    out = run(fast, prompt="a cat", negative_prompt="blurry", num_inference_steps=4)
+    assert sizes == [2, 2, 1, 1] and torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("name", ["dpm++2m", "unipc"])
+def test_scheduler_ladder_matches_the_scheduler_driven_directly(name):
+    fast = fast_pipeline(EXACT.replace(scheduler=name))
+    steps = 5
+    out = run(fast, prompt="a cat", negative_prompt="blurry", num_inference_steps=steps)
+    assert torch.isfinite(out).all()
+    config = fast.scheduler.config
+    mu = calculate_shift(out.shape[1], config["base_image_seq_len"], config["max_image_seq_len"],
+                         config["base_shift"], config["max_shift"])
+    direct = make_scheduler(name, fast.scheduler)
+    if name == "dpm++2m":
+        direct.set_timesteps(steps, mu=mu)
+    else:
+        direct.set_timesteps(steps, sigmas=np.linspace(1.0, 1 / steps, steps), mu=mu)
+    assert torch.equal(fast._sampler.sigmas, direct.sigmas)
+    assert fast.applied[-1] == f"scheduler:{name}"
+
+
+def test_unipc_reproduces_qwen_sigma_ladder():
+    fast = fast_pipeline(EXACT.replace(scheduler="unipc"))
+    run(fast, prompt="a cat", num_inference_steps=6)
+    euler = stock_pipeline().scheduler
+    run(stock_pipeline(), prompt="a cat", num_inference_steps=6)  # sets nothing on `euler`: a fresh object
+    sigmas = np.linspace(1.0, 1 / 6, 6)
+    mu = calculate_shift(24, 256, 8192, 0.5, 0.9)
+    euler.set_timesteps(6, sigmas=sigmas, mu=mu)
+    torch.testing.assert_close(fast._sampler.sigmas, euler.sigmas, atol=2e-6, rtol=0)
+
+
+def test_applied_per_field():
+    base = fast_pipeline(FastConfig()).applied
+    assert base == ["fused_transformer", "fp8", "attention:sdpa", "batched_cfg"]  # no CUDA graphs on the CPU
+    needs_fused = {"fp8", "attention:sdpa"}
+    assert fast_pipeline(FastConfig(fp8=False)).applied == [a for a in base if a != "fp8"]
+    assert fast_pipeline(FastConfig(batched_cfg=False)).applied == [a for a in base if a != "batched_cfg"]
+    assert fast_pipeline(FastConfig(fused_transformer=False)).applied == [
+        a for a in base if a not in {"fused_transformer"} | needs_fused]
+    assert fast_pipeline(FastConfig(cuda_graphs=False)).applied == base
+    assert fast_pipeline(FastConfig(fp8_fast_accum=True)).applied == base[:2] + ["fp8_fast_accum"] + base[2:]
+    assert fast_pipeline(FastConfig(cfg_fraction=0.6)).applied == base + ["cfg_fraction:0.6"]
+    assert fast_pipeline(FastConfig.preset("baseline")).applied == []
+
+
+def test_config_presets_and_tag():
+    assert FastConfig.preset("fast") == FastConfig()
+    assert FastConfig().tag() == "fused-fp8-auto-bcfg-graphs-euler"
+    assert FastConfig.preset("baseline").tag() == "stock-euler"
+    assert FastConfig(scheduler="dpm++2m", cfg_fraction=0.5).tag() == "fused-fp8-auto-bcfg-graphs-dpmpp2m-cfg0.5"
+    with pytest.raises(ValueError, match="preset='turbo'; allowed: fast, baseline"):
+        FastConfig.preset("turbo")
+
+
+def test_default_output_is_the_upstream_class_with_images():
+    out = fast_pipeline()(prompt="a cat", negative_prompt="blurry", height=32, width=32, num_inference_steps=2)
+    assert isinstance(out, QwenImagePipelineOutput) and out.images[0].size == (32, 32)
+
+
+def test_from_pipe_leaves_the_source_pipeline_stock():
+    stock = stock_pipeline()
+    fast = QwenImageFastPipeline.from_pipe(stock, fast_config=EXACT)
+    assert type(fast) is QwenImageFastPipeline and type(stock) is QwenImagePipeline
+    assert type(stock.transformer).__name__ == "QwenImageTransformer2DModel"
+    assert_close(run(fast, prompt="a cat", negative_prompt="x"), run(stock, prompt="a cat", negative_prompt="x"), 1e-5)
+
+
+def test_bad_input_names_the_value():
+    pipe = fast_pipeline()
+    with pytest.raises(ValueError, match=r"prompt=\[\] is empty"):
+        run(pipe, prompt=[])
+    with pytest.raises(ValueError, match="negative_prompt has 1 entries but prompt has 2"):
+        run(pipe, prompt=["a", "b"], negative_prompt=["c"])
+    with pytest.raises(ValueError, match="num_inference_steps=0; allowed: an integer >= 1"):
+        run(pipe, prompt="a", num_inference_steps=0)
+    with pytest.raises(ValueError, match="scheduler='ddim'; allowed: euler, dpm\\+\\+2m, unipc"):
+        FastConfig(scheduler="ddim")
+    with pytest.raises(ValueError, match="sigmas is not supported with scheduler='dpm\\+\\+2m'"):
+        run(fast_pipeline(FastConfig(scheduler="dpm++2m")), prompt="a", sigmas=[1.0, 0.5])
+    with pytest.raises(ValueError, match="already optimized"):
+        optimize(pipe)
+
+
+def test_size_not_multiple_of_16_is_rounded_like_diffusers(caplog):
+    # The real VAE downsamples 8x, so sizes round to multiples of 16; the tiny VAE 4x, so multiples of 8 here.
+    pipe = fast_pipeline()
+    multiple = 2 * pipe.vae_scale_factor
+    diffusers_logging.enable_propagation()  # diffusers' own check_inputs warns through its logger
+    with caplog.at_level(logging.WARNING):
+        out = run(pipe, prompt="a", height=5 * multiple + 3, width=6 * multiple + 5)
+    assert f"divisible by {multiple}" in caplog.text
+    assert out.shape[1] == 5 * 6  # rounded down to 5 x 6 patches
+
+
+def test_cfg_scale_without_negative_prompt_warns_and_skips_cfg(caplog):
+    pipe = fast_pipeline()
+    sizes = count_forwards(pipe)
+    with caplog.at_level(logging.WARNING):
+        run(pipe, prompt="a cat", true_cfg_scale=4.0)
+    assert "classifier-free guidance is not enabled" in caplog.text and sizes == [1, 1, 1]
+
+
+@pytest.mark.gpu
+def test_cuda_graph_replay_matches_eager_on_gpu():
+    case = dict(prompt=["a cat", "a large dog in the park"], negative_prompt="bad", num_inference_steps=4)
+    graphed = optimize(stock_pipeline().to("cuda"), FastConfig(fp8=False))
+    eager = optimize(stock_pipeline().to("cuda"), FastConfig(fp8=False, cuda_graphs=False))
+    assert "cuda_graphs" in graphed.applied and "cuda_graphs" not in eager.applied
+
+    def latents(pipe):
+        return pipe(**case, height=64, width=64, output_type="latent",
+                    generator=torch.Generator("cuda").manual_seed(0)).images
+
+    assert_close(latents(graphed), latents(eager), 1e-5, "graph replay vs eager (fp32)")
+    assert len(graphed._graphed_transformer.graphs) == 1
