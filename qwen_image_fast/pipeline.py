@@ -257,6 +257,7 @@ class QwenImageFastPipeline(QwenImagePipeline):
             return (image,)
         return QwenImagePipelineOutput(images=image)
 
+    @torch.no_grad()
     def decode_latents(self, latents, height, width, output_type):
         """Packed latents -> images, as the stock pipeline decodes them."""
         latents = self._unpack_latents(latents, height, width, self.vae_scale_factor).to(self.vae.dtype)

@@ -1,0 +1,170 @@
+"""End-to-end pipeline benchmark (GPU): stock QwenImagePipeline vs QwenImageFastPipeline at the same seed.
+
+    python3 benchmarks/bench_pipeline.py [--out DIR]        # full size, on a GPU
+    python3 benchmarks/bench_pipeline.py --tiny             # CPU smoke run of this script's logic
+
+Components: the full-size transformer and VAE with random weights (normal(0, 0.02), biases 0, norm weights 1;
+the VAE keeps diffusers' init) and a TINY text encoder: a 1-layer Qwen2.5-VL-shaped model with the real 3584-wide
+hidden states and the byte-level test tokenizer (the real 7B encoder takes ~0.02-0.2 s per prompt and is the same
+code in both pipelines). 50 Euler steps with true_cfg_scale=4 and a negative prompt; ours also with DPM-Solver++
+and UniPC at 20 steps, and without CUDA graphs. Per row: seconds per image (denoise + VAE decode), ms per step,
+VAE ms, peak GiB, latent rel-RMS and image PSNR vs stock. Appends to results/pipeline.jsonl.
+"""
+
+import argparse
+import copy
+import gc
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import append_results, environment  # noqa: E402
+
+from qwen_image_fast import FastConfig, QwenImageFastPipeline  # noqa: E402
+from qwen_image_fast.kernels._utils import rel_rms_error  # noqa: E402
+from qwen_image_fast.optimize import apply_batched_cfg, apply_scheduler  # noqa: E402
+
+PROMPT = "A red fox sitting in fresh snow at dawn, soft light, detailed fur, shallow depth of field"
+NEGATIVE = "低分辨率，低画质，肢体畸形，手指畸形，画面过饱和，蜡像感，人脸无细节，过度光滑，画面具有AI感。构图混乱。文字模糊，扭曲。"
+
+
+def full_size_stock_pipeline():
+    from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImagePipeline
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    from bench_transformer import make_stock
+    from qwen_image_fast.tiny import QWEN_IMAGE_SCHEDULER_CONFIG, tiny_tokenizer
+
+    tokenizer = tiny_tokenizer()
+    n = len(tokenizer)
+    config = Qwen2_5_VLConfig(
+        text_config=dict(hidden_size=3584, intermediate_size=512, num_hidden_layers=1, num_attention_heads=28,
+                         num_key_value_heads=4, rope_scaling=dict(mrope_section=[16, 24, 24], rope_type="default",
+                                                                  type="default"),
+                         vocab_size=n, bos_token_id=n - 3, eos_token_id=n - 3),
+        vision_config=dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=3584),
+        vocab_size=n, vision_start_token_id=n - 3, vision_end_token_id=n - 2, vision_token_id=n - 1,
+        image_token_id=n - 1, video_token_id=n - 1,
+    )
+    text_encoder = Qwen2_5_VLForConditionalGeneration(config).to("cuda", torch.bfloat16).eval()
+    vae = AutoencoderKLQwenImage().to("cuda", torch.bfloat16).eval()
+    scheduler = FlowMatchEulerDiscreteScheduler(**QWEN_IMAGE_SCHEDULER_CONFIG)
+    return QwenImagePipeline(transformer=make_stock(), vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
+                             scheduler=scheduler)
+
+
+def tiny_stock_pipeline():
+    from qwen_image_fast.tiny import tiny_pipeline
+
+    return tiny_pipeline()
+
+
+def loop_variant(fast, config: FastConfig, device):
+    """A shallow copy of `fast` with other denoising-loop settings, sharing its converted transformer (and its
+    CUDA graphs, which depend only on the transformer's inputs)."""
+    variant = copy.copy(fast)
+    variant.fast_config = config
+    kept = [a for a in fast.applied if a == "fused_transformer" or a.startswith(("fp8", "attention"))]
+    variant.applied = kept + apply_batched_cfg(variant, config) + apply_scheduler(variant, config)
+    variant._graphed_transformer = fast._graphed_transformer if config.cuda_graphs else None
+    variant.applied += ["cuda_graphs"] if variant._graphed_transformer is not None else []
+    return variant
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed_latents(pipe, resolution, steps, seed, device):
+    """(latents, seconds) of one denoising run (text encoding included, VAE decode not)."""
+    width, height = resolution
+    generator = torch.Generator(device).manual_seed(seed)
+    sync(device)
+    t0 = time.perf_counter()
+    latents = pipe(prompt=PROMPT, negative_prompt=NEGATIVE, true_cfg_scale=4.0, width=width, height=height,
+                   num_inference_steps=steps, generator=generator, output_type="latent").images
+    sync(device)
+    return latents, time.perf_counter() - t0
+
+
+def decode(fast_pipe, latents, resolution, device):
+    """(uint8 images [N, H, W, 3], seconds): the stock pipeline's decode, run through the fast pipeline's VAE."""
+    width, height = resolution
+    sync(device)
+    t0 = time.perf_counter()
+    images = fast_pipe.decode_latents(latents, height, width, output_type="np")
+    sync(device)
+    return (np.clip(images, 0, 1) * 255).round().astype(np.uint8), time.perf_counter() - t0
+
+
+def psnr(a: np.ndarray, b: np.ndarray) -> float:
+    mse = np.mean((a.astype(np.float64) - b.astype(np.float64)) ** 2)
+    return float("inf") if mse == 0 else 10 * np.log10(255.0**2 / mse)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tiny", action="store_true", help="tiny random components on the CPU (logic check)")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    device = torch.device("cpu" if args.tiny else "cuda")
+    if args.tiny:
+        stock = tiny_stock_pipeline()
+        sizes, steps, fast_steps = [(48, 32)], 3, 2
+    else:
+        stock = full_size_stock_pipeline()
+        sizes, steps, fast_steps = [(1024, 1024), (1328, 1328)], 50, 20
+    env = {} if args.tiny else environment()
+    for pipe in (stock,):
+        pipe.set_progress_bar_config(disable=True)
+
+    fast = QwenImageFastPipeline.from_pipe(stock, fast_config=FastConfig(), device=device)
+    fast.set_progress_bar_config(disable=True)
+    variants = {"fast": fast}
+    for name, config in (("no-graphs", FastConfig(cuda_graphs=False)), ("dpm++2m", FastConfig(scheduler="dpm++2m")),
+                         ("unipc", FastConfig(scheduler="unipc"))):
+        variants[name] = loop_variant(fast, config, device)
+
+    rows = []
+
+    def record(impl, name, pipe, resolution, n_steps, ref):
+        timed_latents(pipe, resolution, 2, seed=1, device=device)  # warm-up: compiles, captures graphs
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        latents, seconds = timed_latents(pipe, resolution, n_steps, seed=0, device=device)
+        images, vae_s = decode(fast, latents, resolution, device)
+        row = dict(env, bench="pipeline", impl=impl, variant=name, applied=getattr(pipe, "applied", []),
+                   scheduler=getattr(getattr(pipe, "fast_config", None), "scheduler", "euler"), steps=n_steps,
+                   resolution=f"{resolution[0]}x{resolution[1]}", seconds=seconds + vae_s,
+                   ms_per_step=1000 * seconds / n_steps, vae_ms=1000 * vae_s,
+                   peak_gib=torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None,
+                   latent_rel_err=None if ref is None else rel_rms_error(latents, ref[0]),
+                   psnr=None if ref is None else psnr(images, ref[1]))
+        rows.append(row)
+        if not args.tiny:
+            append_results("pipeline", [row], args.out)
+        print(f"{impl:9} {name:10} {row['resolution']:10} {n_steps:3d} steps  {row['seconds']:7.2f} s  "
+              f"{row['ms_per_step']:7.1f} ms/step  VAE {row['vae_ms']:6.1f} ms  "
+              f"rel_err {row['latent_rel_err'] if ref is not None else 0:.3e}  PSNR {row['psnr'] or 0:.1f} dB  "
+              f"applied {row['applied']}", flush=True)
+        return latents, images
+
+    for resolution in sizes:
+        ref = record("diffusers", "stock", stock, resolution, steps, None)
+        for name in ("fast", "no-graphs") if resolution == sizes[0] else ("fast",):
+            record("ours", name, variants[name], resolution, steps, ref)
+        if resolution == sizes[0]:
+            short_ref = None
+            for name in ("dpm++2m", "unipc"):
+                record("ours", name, variants[name], resolution, fast_steps, short_ref)
+        del ref
+        gc.collect()
+
+
+if __name__ == "__main__":
+    main()
