@@ -101,7 +101,7 @@ def optimize(pipe, config: FastConfig | str | None = None, device=None):
     config = FastConfig.preset(config or "fast") if not isinstance(config, FastConfig) else config
     device = torch.device(device) if device is not None else pipe.transformer.device
     if config.attention != "auto" and config.fused_transformer:
-        resolve_backend(config.attention, device)  # a clear error before any weight is converted
+        resolve_backend(config.attention, device, pipe.transformer.dtype)  # a clear error before any conversion
     pipe.__class__ = QwenImageFastPipeline
     pipe.fast_config = config
     pipe.applied = (

@@ -60,7 +60,10 @@ class QwenImageFastPipeline(QwenImagePipeline):
 
     @classmethod
     def from_pipe(cls, pipeline, fast_config=None, device=None, **kwargs):
-        """A fast pipeline sharing `pipeline`'s components (its transformer is left as it is and stays usable)."""
+        """A fast pipeline sharing `pipeline`'s components (its transformer is left as it is and stays usable).
+        Unlike diffusers' from_pipe, which casts the shared components to float32 unless told otherwise (and so
+        changes the source pipeline too), the dtype stays the source transformer's unless torch_dtype is given."""
+        kwargs.setdefault("torch_dtype", pipeline.transformer.dtype)
         pipe = QwenImagePipeline.from_pipe(pipeline, **kwargs)
         return optimize(pipe, fast_config, device=device)
 

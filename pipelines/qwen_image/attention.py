@@ -28,17 +28,23 @@ def fa4_available() -> bool:
     return True
 
 
-def resolve_backend(name: str, device: torch.device) -> str:
-    """'auto' -> FlashAttention-4 on a Hopper/Blackwell GPU when importable, else cuDNN SDPA on CUDA, else SDPA."""
+FA4_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def resolve_backend(name: str, device: torch.device, dtype: torch.dtype = torch.bfloat16) -> str:
+    """'auto' -> FlashAttention-4 on a Hopper/Blackwell GPU when importable and the model is fp16/bf16, else cuDNN
+    SDPA on CUDA, else SDPA."""
     if name not in BACKENDS:
         raise ValueError(f"attention={name!r}; allowed: {', '.join(BACKENDS)}")
     cuda = device.type == "cuda"
     if name == "auto":
-        if cuda and torch.cuda.get_device_capability(device)[0] >= 9 and fa4_available():
+        if cuda and dtype in FA4_DTYPES and torch.cuda.get_device_capability(device)[0] >= 9 and fa4_available():
             return "fa4"
         return "cudnn" if cuda else "sdpa"
     if name in ("fa4", "cudnn") and not cuda:
         raise ValueError(f"attention={name!r} needs a CUDA device, the model is on {device}")
+    if name == "fa4" and dtype not in FA4_DTYPES:
+        raise ValueError(f"attention='fa4' needs a float16/bfloat16 model, this one is {dtype}")
     if name == "fa4" and not fa4_available():
         raise ImportError("attention='fa4' needs FlashAttention-4: pip install 'qwen-image-fast[fa4]'")
     return name

@@ -147,7 +147,7 @@ class FastQwenImageTransformer(nn.Module):
         self.fast_config = config
         self.config = stock.config
         self.zero_cond_t = stock.zero_cond_t
-        self.attention_backend = resolve_backend(config.attention, device)
+        self.attention_backend = resolve_backend(config.attention, device, stock.dtype)
         self.pos_embed = stock.pos_embed  # no parameters; caches its rotary tables per device
         self.time_text_embed = stock.time_text_embed.to(device)
         self.txt_norm = stock.txt_norm.to(device)

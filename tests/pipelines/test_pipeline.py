@@ -186,6 +186,14 @@ def test_from_pipe_leaves_the_source_pipeline_stock():
     assert_close(run(fast, prompt="a cat", negative_prompt="x"), run(stock, prompt="a cat", negative_prompt="x"), 1e-5)
 
 
+def test_from_pipe_keeps_the_dtype_of_a_bf16_pipeline():
+    # diffusers' from_pipe alone would cast the shared components (and so the source pipeline) to float32
+    stock = stock_pipeline().to(torch.bfloat16)
+    fast = QwenImageFastPipeline.from_pipe(stock, fast_config=FastConfig(fp8=False))
+    assert stock.transformer.dtype == stock.text_encoder.dtype == stock.vae.dtype == torch.bfloat16
+    assert fast.transformer.dtype == torch.bfloat16
+
+
 def test_bad_input_names_the_value():
     pipe = fast_pipeline()
     with pytest.raises(ValueError, match=r"prompt=\[\] is empty"):

@@ -243,3 +243,15 @@ def test_cuda_graph_replay_matches_eager():
         assert_close(graphed(**inputs).sample, run(fast, inputs), 1e-6, "replay vs eager")
         assert_close(first, eager, 1e-6, "first call vs eager")
     assert len(graphed.graphs) == 2  # one per signature (mask / no mask)
+
+
+def test_auto_attention_never_picks_fa4_for_fp32(monkeypatch):
+    from qwen_image_fast.pipelines.qwen_image import attention
+
+    monkeypatch.setattr(attention, "fa4_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    cuda = torch.device("cuda")
+    assert attention.resolve_backend("auto", cuda, torch.bfloat16) == "fa4"
+    assert attention.resolve_backend("auto", cuda, torch.float32) == "cudnn"  # FA4 takes fp16/bf16 only
+    with pytest.raises(ValueError, match="attention='fa4' needs a float16/bfloat16 model, this one is torch.float32"):
+        attention.resolve_backend("fa4", cuda, torch.float32)
