@@ -1,6 +1,6 @@
 """FastConfig: one field per optimization of the fast pipeline, presets, and a tag for file names."""
 
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, replace
 
 from .pipelines.qwen_image.attention import BACKENDS
 from .pipelines.qwen_image.transformer import FP8_LINEARS
@@ -79,5 +79,3 @@ class FastConfig:
         parts += [f"cfg{self.cfg_fraction:g}"] if self.cfg_fraction < 1 else []
         return "-".join(parts)
 
-
-FIELD_NAMES = tuple(f.name for f in fields(FastConfig))
