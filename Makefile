@@ -2,7 +2,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 
-.PHONY: test install clean
+.PHONY: test install demo clean
 
 install: $(VENV)/.installed
 
@@ -14,6 +14,12 @@ $(VENV)/.installed: pyproject.toml tests/constraints.txt
 
 test: install
 	TRITON_INTERPRET=1 HF_HUB_OFFLINE=1 $(PY) -m pytest -q -ra tests
+
+# `make demo`: samples/prompts.txt -> samples/out/ with the real model if it is in the local Hugging Face cache and a
+# GPU is there, else the tiny random model (its images are noise). No GPU: Triton kernels run in its interpreter.
+demo: install
+	$(if $(shell command -v nvidia-smi),,TRITON_INTERPRET=1) HF_HUB_OFFLINE=1 $(VENV)/bin/qwen-image-fast render \
+		--model auto --prompts samples/prompts.txt --out samples/out
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,94 @@
+"""Stock vs fast, end to end: the same prompts and seeds rendered by diffusers' own QwenImagePipeline (preset
+baseline) and by the fast preset, then `compare` (PSNR, SSIM, max |A-B|, grids, index.html).
+
+    python3 benchmarks/compare_stock_vs_fast.py --model Qwen/Qwen-Image-2512 --prompts samples/prompts.txt \
+        --width 1328 --height 1328 --steps 50 --out samples/stock_vs_fast        # on a GPU
+    python3 benchmarks/compare_stock_vs_fast.py --model tiny-random --out /tmp/stock_vs_fast   # CPU logic check
+
+Writes OUT/baseline/, OUT/fast/ (images + manifest.jsonl) and OUT/report/index.html; everything is rendered again
+on each run (no resume: the code may have changed, the settings not). Seconds per image: the median over the
+images (the first one includes warm-up and graph capture). On a GPU with real weights, one row is appended to
+results/compare_stock_vs_fast.jsonl.
+"""
+
+import argparse
+import functools
+import gc
+import os
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before qwen_image_fast imports triton: its kernels on the CPU
+
+from qwen_image_fast import compare, render  # noqa: E402
+from qwen_image_fast.cli import int_at_least, multiple_of_16  # noqa: E402
+from qwen_image_fast.tiny import TINY_MODEL_ID  # noqa: E402
+
+PRESETS = ("baseline", "fast")  # A = stock, B = fast
+
+
+def median_seconds(out_dir: Path, jobs: list[render.Job]) -> float:
+    records = render.read_records(out_dir)
+    return statistics.median(records[f"{job.stem}.png"]["seconds"] for job in jobs)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default=render.REAL_MODEL_ID, help=f"hub id, local folder or {TINY_MODEL_ID}")
+    parser.add_argument("--prompts", default="samples/prompts.txt", help=".txt or .jsonl, as for `render`")
+    parser.add_argument("--width", type=multiple_of_16, help="default 1328 (64 with tiny-random)")
+    parser.add_argument("--height", type=multiple_of_16, help="default 1328 (64 with tiny-random)")
+    parser.add_argument("--steps", type=int_at_least(render.MIN_STEPS), help="default 50 (2 with tiny-random)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--min-psnr", type=float, help="exit 1 if a pair is below (as `compare --min-psnr`)")
+    args = parser.parse_args()
+
+    tiny = args.model == TINY_MODEL_ID
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    size = render.TINY_SIZE if tiny else render.ASPECTS["1:1"][0]
+    defaults = render.Defaults(negative_prompt=render.NEGATIVE_PROMPT, seed=args.seed, width=args.width or size,
+                               height=args.height or size,
+                               steps=args.steps or (render.TINY_STEPS if tiny else 50), cfg=4.0)
+    jobs = render.make_jobs(render.read_prompt_file(args.prompts), defaults)
+
+    labels = {preset: render.labels_for(args.model, preset, "euler") for preset in PRESETS}
+    applied = {}
+    for preset in PRESETS:
+        out_dir = render.prepare_out_dir(args.out / preset)
+        load_pipe = functools.partial(render.load_pipeline, args.model, preset, "euler", device)
+        summary = render.render_jobs(load_pipe, jobs, out_dir, labels[preset], resume=False)
+        print(f"{preset}: {render.format_summary(summary, labels[preset], out_dir)}", flush=True)
+        applied[preset] = list(summary.applied)
+        gc.collect()  # the pipeline lived inside render_jobs: free its GPU memory before the next one
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    report = compare.compare_folders(args.out / "baseline", args.out / "fast", compare.prepare_report_dir(
+        args.out / "report"), min_psnr=args.min_psnr)
+    print(compare.format_table(report))
+    seconds = {preset: median_seconds(args.out / preset, jobs) for preset in PRESETS}
+    print(f"median s/image: stock {seconds['baseline']:.2f}, fast {seconds['fast']:.2f} "
+          f"({seconds['baseline'] / seconds['fast']:.2f}x); fast applied {applied['fast']}")
+
+    if device.type == "cuda" and not tiny:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from common import append_results, environment
+
+        measured = [p for p in report.pairs if p.psnr is not None]
+        append_results("compare_stock_vs_fast", [dict(
+            environment(), bench="compare_stock_vs_fast", model=args.model, prompts=args.prompts,
+            images=len(jobs), width=defaults.width, height=defaults.height, steps=defaults.steps,
+            config=labels["fast"].config, applied=applied["fast"],
+            stock_s_per_image=seconds["baseline"], fast_s_per_image=seconds["fast"],
+            worst_psnr=min(p.psnr for p in measured), mean_ssim=statistics.mean(p.ssim for p in measured),
+            worst_max_abs_diff=max(p.max_abs_diff for p in measured), report=str(args.out / "report"))])
+    sys.exit(0 if report.passed else 1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,493 @@
+"""Rendering prompts to files: prompt loading, per-prompt seeds, model loading, crash-safe output, the manifest,
+resume and sharding over several processes.
+
+Output folder layout:
+    {stem}.{png,jpg,webp}      one image per prompt, settings embedded (read back with read_settings)
+    manifest.jsonl             one JSON line per image; with several processes, merged from the shards
+    manifest.rank{R}.jsonl     the lines written by rank R (several processes only)
+    .tmp-*                     a file being written; a kill leaves at most these, removed by the next run
+
+Crash safety: an image is written to a temporary file, fsynced and renamed into place; only then is its manifest
+line appended (and fsynced). An image is done when its manifest line has the same settings and its file exists.
+"""
+
+import fcntl
+import json
+import os
+import time
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from PIL import Image
+from PIL.PngImagePlugin import PngInfo
+from tqdm import tqdm
+
+from .config import FastConfig
+from .optimize import optimize
+from .pipeline import QwenImageFastPipeline
+from .tiny import TINY_MODEL_ID, tiny_pipeline
+
+REAL_MODEL_ID = "Qwen/Qwen-Image-2512"
+# Qwen-Image-2512's recommended negative prompt (QwenLM/Qwen-Image README).
+NEGATIVE_PROMPT = "低分辨率，低画质，肢体畸形，手指畸形，画面过饱和，蜡像感，人脸无细节，过度光滑，画面具有AI感。构图混乱。文字模糊，扭曲。"
+# The official sizes of Qwen-Image-2512, as (width, height).
+ASPECTS = {
+    "1:1": (1328, 1328),
+    "16:9": (1664, 928),
+    "9:16": (928, 1664),
+    "4:3": (1472, 1104),
+    "3:4": (1104, 1472),
+    "3:2": (1584, 1056),
+    "2:3": (1056, 1584),
+}
+TINY_SIZE, TINY_STEPS = 64, 2
+# One step gives NaN images: Qwen's scheduler stretches 1 - sigma by its last value (shift_terminal), 0 at 1 step.
+MIN_STEPS = 2
+TINY_NOTE = "noise from random weights (tiny-random test model), not a rendering of the prompt"
+
+FORMATS = {"png": "PNG", "jpg": "JPEG", "webp": "WEBP"}
+EXIF_IMAGE_DESCRIPTION = 0x010E
+TEMP_PREFIX = ".tmp-"
+MANIFEST = "manifest.jsonl"
+MANIFEST_LOCK = ".manifest.lock"
+JSONL_FIELDS = {"prompt", "negative_prompt", "seed", "width", "height", "steps", "cfg", "id"}
+ID_CHARACTERS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
+
+
+@dataclass(frozen=True)
+class Defaults:
+    """Settings for every prompt that its JSONL line does not override."""
+
+    negative_prompt: str
+    seed: int
+    width: int
+    height: int
+    steps: int
+    cfg: float
+
+
+@dataclass(frozen=True)
+class Job:
+    """One image to render. index: position in the whole prompt list (before sharding)."""
+
+    index: int
+    id: str | None
+    prompt: str
+    negative_prompt: str | None  # None when cfg <= 1 (no classifier-free guidance)
+    seed: int
+    width: int
+    height: int
+    steps: int
+    cfg: float
+
+    @property
+    def stem(self) -> str:
+        return f"{self.id if self.id is not None else f'{self.index:05d}'}-{self.seed}"
+
+
+@dataclass(frozen=True)
+class Labels:
+    """What produced the images, recorded with each of them. note: set for the tiny random model."""
+
+    model: str
+    scheduler: str
+    config: str  # FastConfig.tag()
+    note: str | None
+
+
+@dataclass
+class Summary:
+    written: int = 0
+    skipped: int = 0
+    failed: int = 0
+    seconds: float = 0.0  # wall time of the written images
+    applied: tuple[str, ...] = ()  # pipe.applied: what the fast pipeline really ran (empty: stock or not loaded)
+
+    @property
+    def seconds_per_image(self) -> float | None:
+        return self.seconds / self.written if self.written else None
+
+
+# ---- prompts -> jobs
+
+
+def read_prompt_file(path: str | Path) -> list[dict]:
+    """A .jsonl file (objects with "prompt" and optional JSONL_FIELDS) or a text file (one prompt a line; blank
+    lines and lines starting with # skipped) -> entries {"line": n, "prompt": ..., ...}. ValueError names the line."""
+    path = Path(path)
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"--prompts {path}: cannot read it ({e})") from e
+    entries = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip() or (path.suffix != ".jsonl" and line.lstrip().startswith("#")):
+            continue
+        entries.append(parse_jsonl_line(path, number, line) if path.suffix == ".jsonl" else
+                       {"line": number, "prompt": line.strip()})
+    if not entries:
+        raise ValueError(f"--prompts {path}: no prompts in it (blank lines and # comments are skipped)")
+    return entries
+
+
+def parse_jsonl_line(path: Path, number: int, line: str) -> dict:
+    def bad(why):
+        return ValueError(f"--prompts {path}, line {number}: {why}")
+
+    try:
+        entry = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise bad(f"not valid JSON ({e.msg})") from e
+    if not isinstance(entry, dict):
+        raise bad(f"expected a JSON object, got {type(entry).__name__}")
+    unknown = sorted(set(entry) - JSONL_FIELDS)
+    if unknown:
+        raise bad(f"unknown field(s) {', '.join(unknown)}; allowed: {', '.join(sorted(JSONL_FIELDS))}")
+    if not isinstance(entry.get("prompt"), str) or not entry["prompt"].strip():
+        raise bad('"prompt" must be a non-empty string')
+    if "negative_prompt" in entry and not isinstance(entry["negative_prompt"], str):
+        raise bad('"negative_prompt" must be a string')
+    for name in ("seed", "width", "height", "steps"):
+        if name in entry and (not isinstance(entry[name], int) or isinstance(entry[name], bool)):
+            raise bad(f'"{name}" must be an integer, got {entry[name]!r}')
+    for name in ("width", "height"):
+        if name in entry and (entry[name] < 16 or entry[name] % 16):
+            raise bad(f'"{name}" must be a positive multiple of 16, got {entry[name]}')
+    if "steps" in entry and entry["steps"] < MIN_STEPS:
+        raise bad(f'"steps" must be >= {MIN_STEPS}, got {entry["steps"]}')
+    if "cfg" in entry and (not isinstance(entry["cfg"], (int, float)) or isinstance(entry["cfg"], bool)):
+        raise bad(f'"cfg" must be a number, got {entry["cfg"]!r}')
+    if "id" in entry:
+        entry["id"] = str(entry["id"])
+        if not entry["id"] or not set(entry["id"]) <= ID_CHARACTERS:
+            raise bad(f'"id" {entry["id"]!r} must be non-empty and use only letters, digits, ".", "_", "-" '
+                      "(it names the file)")
+    return {"line": number, **entry}
+
+
+def derive_seed(base: int, index: int, id: str | None) -> int:
+    """base + index; with an id, base + crc32(id): reordering a JSONL file keeps each image."""
+    return base + (zlib.crc32(id.encode()) if id is not None else index)
+
+
+def make_jobs(entries: list[dict], defaults: Defaults) -> list[Job]:
+    """Entries (read_prompt_file, or {"prompt": ...} from the command line) -> jobs. ValueError when two would
+    write the same file."""
+    jobs, seen = [], {}
+    for index, entry in enumerate(entries):
+        cfg = float(entry.get("cfg", defaults.cfg))
+        job = Job(
+            index=index,
+            id=entry.get("id"),
+            prompt=entry["prompt"],
+            negative_prompt=entry.get("negative_prompt", defaults.negative_prompt) if cfg > 1 else None,
+            seed=entry.get("seed", derive_seed(defaults.seed, index, entry.get("id"))),
+            width=entry.get("width", defaults.width),
+            height=entry.get("height", defaults.height),
+            steps=entry.get("steps", defaults.steps),
+            cfg=cfg,
+        )
+        where = f"line {entry['line']}" if "line" in entry else f"prompt {index + 1}"
+        if job.stem in seen:
+            raise ValueError(f"{where} and {seen[job.stem]} would both write {job.stem}.*; give them different "
+                             "ids or seeds")
+        seen[job.stem] = where
+        jobs.append(job)
+    return jobs
+
+
+def shard(jobs: list[Job], rank: int, world_size: int) -> list[Job]:
+    """The jobs of one process: prompt i goes to rank i % world_size."""
+    return [job for job in jobs if job.index % world_size == rank]
+
+
+# ---- model
+
+
+def cached_locally(repo_id: str) -> bool:
+    from huggingface_hub import try_to_load_from_cache
+
+    return isinstance(try_to_load_from_cache(repo_id, "model_index.json"), str)
+
+
+def resolve_model(model: str, device: torch.device) -> tuple[str, str]:
+    """"auto" -> the real model when it is in the local Hugging Face cache and a GPU is there, else tiny-random.
+    Returns (model, why it was chosen)."""
+    if model != "auto":
+        return model, "as asked"
+    if not cached_locally(REAL_MODEL_ID):
+        return TINY_MODEL_ID, f"--model auto: {REAL_MODEL_ID} is not in the local Hugging Face cache"
+    if device.type != "cuda":
+        return TINY_MODEL_ID, f"--model auto: {REAL_MODEL_ID} is cached but there is no GPU (device {device})"
+    return REAL_MODEL_ID, f"--model auto: {REAL_MODEL_ID} found in the local Hugging Face cache"
+
+
+def check_scheduler(preset: str, scheduler: str):
+    if preset == "baseline" and scheduler != "euler":
+        raise ValueError(f"--preset baseline runs the stock diffusers pipeline, which samples with Euler only; "
+                         f"--scheduler {scheduler} needs --preset fast")
+
+
+def labels_for(model: str, preset: str, scheduler: str) -> Labels:
+    check_scheduler(preset, scheduler)
+    return Labels(model=model, scheduler=scheduler, config=FastConfig.preset(preset).replace(scheduler=scheduler).tag(),
+                  note=TINY_NOTE if model == TINY_MODEL_ID else None)
+
+
+def load_pipeline(model: str, preset: str, scheduler: str, device: torch.device):
+    """"fast": QwenImageFastPipeline with FastConfig.preset("fast"). "baseline": diffusers' own QwenImagePipeline,
+    untouched, so that comparisons are against code this project did not write; it samples with the checkpoint's
+    Euler scheduler only. Real weights load in BF16; tiny-random is built in FP32."""
+    from diffusers import QwenImagePipeline
+
+    check_scheduler(preset, scheduler)
+    config = FastConfig.preset(preset).replace(scheduler=scheduler)
+    if model == TINY_MODEL_ID:
+        pipe = tiny_pipeline()
+        pipe = optimize(pipe, config, device=device) if preset == "fast" else pipe
+    elif preset == "fast":
+        pipe = QwenImageFastPipeline.from_pretrained(model, torch_dtype=torch.bfloat16, fast_config=config,
+                                                     device=device)
+    else:
+        pipe = QwenImagePipeline.from_pretrained(model, torch_dtype=torch.bfloat16)
+    pipe = pipe.to(device)
+    pipe.set_progress_bar_config(disable=True)  # our own bars count images and steps
+    return pipe
+
+
+# ---- files
+
+
+def settings_of(job: Job, labels: Labels) -> dict:
+    """The settings embedded in an image and recorded in its manifest line (resume compares them)."""
+    settings = dict(prompt=job.prompt, negative_prompt=job.negative_prompt, seed=job.seed, width=job.width,
+                    height=job.height, steps=job.steps, cfg=job.cfg, scheduler=labels.scheduler, model=labels.model,
+                    config=labels.config)
+    return settings | ({"note": labels.note} if labels.note else {})
+
+
+def fsync_folder(folder: Path):
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_atomic(path: Path, write):
+    """write(file) into a temporary file next to `path`, fsync, then rename it to `path`."""
+    temp = path.with_name(TEMP_PREFIX + path.name)
+    try:
+        with open(temp, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temp, path)
+    except BaseException:
+        temp.unlink(missing_ok=True)
+        raise
+    fsync_folder(path.parent)
+
+
+def save_image(image: Image.Image, path: Path, fmt: str, settings: dict):
+    """PNG: one text chunk per setting. JPEG/WebP: the settings as JSON in EXIF ImageDescription (ASCII-escaped)."""
+    if fmt == "png":
+        info = PngInfo()
+        for key, value in settings.items():
+            if value is not None:
+                info.add_text(key, str(value))  # non-Latin-1 text goes into an iTXt chunk
+        write_atomic(path, lambda f: image.save(f, format="PNG", pnginfo=info))
+    else:
+        exif = Image.Exif()
+        exif[EXIF_IMAGE_DESCRIPTION] = json.dumps(settings)
+        write_atomic(path, lambda f: image.save(f, format=FORMATS[fmt], exif=exif, quality=95))
+
+
+def read_settings(path: str | Path) -> dict:
+    """The settings embedded by save_image: PNG -> {key: text}; JPEG/WebP -> the JSON object. {} if none."""
+    with Image.open(path) as image:
+        if image.format == "PNG":
+            return dict(image.text)
+        description = image.getexif().get(EXIF_IMAGE_DESCRIPTION)
+    try:
+        settings = json.loads(description) if description else {}
+    except json.JSONDecodeError:
+        return {}
+    return settings if isinstance(settings, dict) else {}
+
+
+def remove_stale_temp_files(out_dir: Path, jobs: list[Job]):
+    """Temporary files a killed run left for these jobs (a job belongs to one rank: no other rank's file)."""
+    for job in jobs:
+        for temp in out_dir.glob(f"{TEMP_PREFIX}{job.stem}.*"):
+            temp.unlink(missing_ok=True)
+
+
+def prepare_out_dir(out_dir: str | Path) -> Path:
+    out_dir = Path(out_dir)
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        probe = out_dir / f"{TEMP_PREFIX}probe-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        raise ValueError(f"--out {out_dir}: not a writable folder ({e.strerror or e})") from e
+    return out_dir
+
+
+# ---- manifest
+
+
+def manifest_path(out_dir: Path, rank: int, world_size: int) -> Path:
+    return out_dir / (MANIFEST if world_size == 1 else f"manifest.rank{rank}.jsonl")
+
+
+def drop_partial_last_line(path: Path):
+    """A kill during an append can leave a last line without its newline: cut it, so the next line starts clean."""
+    if not path.exists():
+        return
+    data = path.read_bytes()
+    if data and not data.endswith(b"\n"):
+        with open(path, "r+b") as f:
+            f.truncate(data.rfind(b"\n") + 1)
+
+
+def append_line(path: Path, record: dict):
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(json.dumps(record, ensure_ascii=False) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def read_records(out_dir: Path) -> dict[str, dict]:
+    """{file name: its latest manifest line} over manifest.jsonl and the rank shards; unreadable lines skipped."""
+    records = {}
+    for path in [out_dir / MANIFEST, *sorted(out_dir.glob("manifest.rank*.jsonl"))]:
+        if not path.exists():
+            continue
+        for line in path.read_text(encoding="utf-8").splitlines():
+            try:
+                record = json.loads(line)
+                name, when = record["file"], record["time"]
+            except (json.JSONDecodeError, TypeError, KeyError):
+                continue
+            if name not in records or when >= records[name]["time"]:
+                records[name] = record
+    return records
+
+
+def merge_manifests(out_dir: Path):
+    """Rewrite manifest.jsonl as the union of itself and the shards: one line per image on disk, sorted by file.
+
+    Every rank calls this when it finishes. Merges run one at a time (an exclusive lock on a file, released by the
+    kernel even on kill -9) and each keeps everything the previous one wrote, so whichever rank finishes last
+    leaves the complete manifest: no barrier, no torch.distributed."""
+    with open(out_dir / MANIFEST_LOCK, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        records = [r for name, r in sorted(read_records(out_dir).items()) if (out_dir / name).exists()]
+        text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
+        write_atomic(out_dir / MANIFEST, lambda f: f.write(text.encode("utf-8")))
+
+
+# ---- rendering
+
+
+def is_done(job: Job, records: dict[str, dict], out_dir: Path, fmt: str, labels: Labels) -> bool:
+    name = f"{job.stem}.{fmt}"
+    record = records.get(name)
+    if record is None or not (out_dir / name).exists():
+        return False
+    return {key: record.get(key) for key in settings_of(job, labels)} == settings_of(job, labels)
+
+
+def batch_key(job: Job) -> tuple:
+    """Jobs with equal keys can share one pipeline call."""
+    return job.width, job.height, job.steps, job.cfg, job.negative_prompt is None
+
+
+def batches_of(jobs: list[Job], batch_size: int) -> list[list[Job]]:
+    """Consecutive jobs with the same batch_key, at most batch_size a batch."""
+    batches = []
+    for job in jobs:
+        if batches and len(batches[-1]) < batch_size and batch_key(batches[-1][0]) == batch_key(job):
+            batches[-1].append(job)
+        else:
+            batches.append([job])
+    return batches
+
+
+def run_batch(pipe, batch: list[Job], on_step) -> list[Image.Image]:
+    """One pipeline call. One CPU generator per image: the same seed gives the same latents at any batch size and
+    on any device."""
+    first = batch[0]
+    return pipe(
+        prompt=[job.prompt for job in batch],
+        negative_prompt=None if first.negative_prompt is None else [job.negative_prompt for job in batch],
+        true_cfg_scale=first.cfg,
+        width=first.width,
+        height=first.height,
+        num_inference_steps=first.steps,
+        generator=[torch.Generator("cpu").manual_seed(job.seed) for job in batch],
+        callback_on_step_end=on_step,
+    ).images
+
+
+def render_jobs(load_pipe: Callable, jobs: list[Job], out_dir: Path, labels: Labels, *, fmt: str = "png",
+                resume: bool = True, batch_size: int = 1, rank: int = 0, world_size: int = 1) -> Summary:
+    """Render this rank's jobs into out_dir (prepare_out_dir first), skipping finished ones when resuming, then
+    merge the manifest. load_pipe() is called only if something is left to render. A failed batch is reported and
+    counted; the others go on."""
+    remove_stale_temp_files(out_dir, jobs)
+    records = read_records(out_dir) if resume else {}
+    pending = [job for job in jobs if not is_done(job, records, out_dir, fmt, labels)]
+    summary = Summary(skipped=len(jobs) - len(pending))
+    pipe = load_pipe() if pending else None
+    summary.applied = tuple(getattr(pipe, "applied", ()))
+    shard_path = manifest_path(out_dir, rank, world_size)
+    drop_partial_last_line(shard_path)
+    batches = batches_of(pending, batch_size)
+    prefix = f"rank {rank}: " if world_size > 1 else ""
+
+    with tqdm(total=len(pending), desc=f"{prefix}images", unit="img", position=0) as images_bar, \
+            tqdm(total=sum(batch[0].steps for batch in batches), desc=f"{prefix}steps", unit="step",
+                 position=1, leave=False) as steps_bar:
+
+        def on_step(pipe, step, timestep, callback_kwargs):
+            steps_bar.update()
+            return {}
+
+        for batch in batches:
+            start = time.perf_counter()
+            try:
+                images = run_batch(pipe, batch, on_step)
+            except Exception as e:  # e.g. out of memory at one size: report it and render the rest
+                summary.failed += len(batch)
+                tqdm.write(f"{prefix}failed: {', '.join(job.stem for job in batch)}: {type(e).__name__}: {e}")
+                continue
+            seconds = (time.perf_counter() - start) / len(batch)
+            for job, image in zip(batch, images):
+                name = f"{job.stem}.{fmt}"
+                settings = settings_of(job, labels)
+                save_image(image, out_dir / name, fmt, settings)
+                append_line(shard_path, dict(file=name, id=job.id, index=job.index, **settings,
+                                             applied=list(summary.applied), seconds=round(seconds, 3), rank=rank,
+                                             time=time.time()))
+            summary.written += len(batch)
+            summary.seconds += time.perf_counter() - start
+            images_bar.update(len(batch))
+    merge_manifests(out_dir)
+    return summary
+
+
+def format_summary(summary: Summary, labels: Labels, out_dir: Path, rank: int = 0, world_size: int = 1) -> str:
+    prefix = f"rank {rank}/{world_size}: " if world_size > 1 else ""
+    per_image = f"{summary.seconds_per_image:.2f} s/image" if summary.written else "no image rendered"
+    lines = [f"{prefix}{summary.written} written, {summary.skipped} skipped (already done), {summary.failed} failed; "
+             f"{per_image}; {out_dir / MANIFEST}"]
+    if labels.note:
+        lines.append(f"{prefix}note: these images are {labels.note}")
+    return "\n".join(lines)
+
