@@ -66,6 +66,14 @@ def rel_rms_error(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 @triton.jit
+def tile_rows(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """This program's rows [BLOCK_M] (int64), columns [BLOCK_N] and [BLOCK_M, BLOCK_N] in-bounds mask."""
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_N)
+    return rows, cols, (rows[:, None] < M) & (cols[None, :] < N)
+
+
+@triton.jit
 def round_to(x, DTYPE: tl.constexpr):
     """fp32 x -> the fp32 value of x rounded to DTYPE (round to nearest even), as a cast to DTYPE and back.
     bf16 through integer ops: a float convert instruction runs at a quarter of the ALU rate, and this runs on

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import FLOAT_DTYPES, FP8_AMAX_EPS, FP8_DTYPE, FP8_MAX, check_tensor, new_output, rows_launch
+from ._utils import FLOAT_DTYPES, FP8_AMAX_EPS, FP8_DTYPE, FP8_MAX, check_tensor, new_output, rows_launch, tile_rows
 
 Q_DTYPES = (FP8_DTYPE, torch.float32)
 
@@ -31,14 +31,6 @@ def fp8_quantize_rows(y):
     amax = tl.maximum(tl.max(tl.abs(y), axis=1), _FP8_AMAX_EPS)
     inv = tl.div_rn(_FP8_MAX + 0.0 * amax, amax)  # IEEE, as the reference's tensor division
     return tl.clamp(y * inv[:, None], -_FP8_MAX, _FP8_MAX), amax / _FP8_MAX
-
-
-@triton.jit
-def tile_rows(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """This program's rows [BLOCK_M] (int64), columns [BLOCK_N] and [BLOCK_M, BLOCK_N] in-bounds mask."""
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.arange(0, BLOCK_N)
-    return rows, cols, (rows[:, None] < M) & (cols[None, :] < N)
 
 
 @triton.jit

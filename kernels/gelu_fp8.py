@@ -11,8 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import FLOAT_DTYPES, FP8_DTYPE, check_tensor, new_output, round_to, rows_launch
-from .fp8 import check_q_dtype, fp8_quantize_rows, quantize_fp8_rowwise_ref, tile_rows
+from ._utils import FLOAT_DTYPES, FP8_DTYPE, check_tensor, new_output, round_to, rows_launch, tile_rows
+from .fp8 import check_q_dtype, fp8_quantize_rows, quantize_fp8_rowwise_ref
 
 SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 

@@ -11,8 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import FP8_DTYPE, check_tensor, new_output, round_to, rows_launch
-from .fp8 import check_q_dtype, quantize_fp8_rowwise_ref, tile_rows
+from ._utils import FP8_DTYPE, check_tensor, new_output, round_to, rows_launch, tile_rows
+from .fp8 import check_q_dtype, quantize_fp8_rowwise_ref
 from .layer_norm_modulate import (
     check_modulation,
     gather_modulation,

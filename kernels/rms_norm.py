@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import FLOAT_DTYPES, check_tensor, new_output, round_to, rows_launch
+from ._utils import FLOAT_DTYPES, check_tensor, new_output, round_to, rows_launch, tile_rows
 
 MAX_N = 65536  # past this a register-resident row spills badly (rows_launch gives at most 16 warps)
 
@@ -33,9 +33,7 @@ def _rms_norm_fwd_kernel(
     HAS_RESIDUAL: tl.constexpr, ZERO_CENTERED: tl.constexpr, HAS_GATE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
-    cols = tl.arange(0, BLOCK_N)
-    mask = (rows[:, None] < M) & (cols[None, :] < N)  # [BLOCK_M, BLOCK_N]
+    rows, cols, mask = tile_rows(M, N, BLOCK_M, BLOCK_N)  # [BLOCK_M], [BLOCK_N], [BLOCK_M, BLOCK_N]
     x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
         r = tl.load(R + rows[:, None] * stride_r + cols[None, :], mask=mask, other=0.0).to(tl.float32)

@@ -1,6 +1,6 @@
 """FastConfig: one field per optimization of the fast pipeline, presets, and a tag for file names."""
 
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 
 from .pipelines.qwen_image.attention import BACKENDS
 from .pipelines.qwen_image.transformer import FP8_LINEARS
@@ -60,9 +60,6 @@ class FastConfig:
 
     def replace(self, **changes) -> "FastConfig":
         return replace(self, **changes)
-
-    def to_dict(self) -> dict:
-        return asdict(self)
 
     def tag(self) -> str:
         """Short, file-name-safe summary, e.g. 'fused-fp8-auto-bcfg-graphs-euler'."""
