@@ -3,7 +3,13 @@ baseline) and by the fast preset, then `compare` (PSNR, SSIM, max |A-B|, grids, 
 
     python3 benchmarks/compare_stock_vs_fast.py --model Qwen/Qwen-Image-2512 --prompts samples/prompts.txt \
         --width 1328 --height 1328 --steps 50 --out samples/stock_vs_fast        # on a GPU
+    python3 benchmarks/compare_stock_vs_fast.py --model random-full-size --width 1024 --height 1024 \
+        --out /tmp/stock_vs_fast                   # on a GPU, without real weights
     python3 benchmarks/compare_stock_vs_fast.py --model tiny-random --out /tmp/stock_vs_fast   # CPU logic check
+
+--model random-full-size first saves bench_pipeline.py's components (full-size transformer and VAE with random
+weights, tiny 3584-wide text encoder, byte-level tokenizer) to --checkpoint-dir in the upstream layout, so that
+both presets load them through the real from_pretrained path; every image and row is labeled as random weights.
 
 Writes OUT/baseline/, OUT/fast/ (images + manifest.jsonl) and OUT/report/index.html; everything is rendered again
 on each run (no resume: the code may have changed, the settings not). Seconds per image: the median over the
@@ -12,6 +18,7 @@ results/compare_stock_vs_fast.jsonl.
 """
 
 import argparse
+import dataclasses
 import functools
 import gc
 import os
@@ -29,6 +36,24 @@ from qwen_image_fast.cli import int_at_least, multiple_of_16  # noqa: E402
 from qwen_image_fast.tiny import TINY_MODEL_ID  # noqa: E402
 
 PRESETS = ("baseline", "fast")  # A = stock, B = fast
+RANDOM_MODEL = "random-full-size"
+RANDOM_NOTE = ("noise from random weights at the real size (no real checkpoint here), not a rendering of the prompt; "
+               "compare stock and fast only with each other")
+
+
+def save_random_checkpoint(folder: Path) -> Path:
+    """Saves the random full-size pipeline of bench_pipeline.py to `folder` (kept and reused when complete)."""
+    if (folder / "model_index.json").exists():
+        return folder
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench_pipeline import full_size_stock_pipeline
+
+    partial = folder.with_name(folder.name + ".partial")
+    full_size_stock_pipeline().save_pretrained(partial, safe_serialization=True)
+    partial.rename(folder)
+    gc.collect()
+    torch.cuda.empty_cache()
+    return folder
 
 
 def median_seconds(out_dir: Path, jobs: list[render.Job]) -> float:
@@ -38,7 +63,10 @@ def median_seconds(out_dir: Path, jobs: list[render.Job]) -> float:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default=render.REAL_MODEL_ID, help=f"hub id, local folder or {TINY_MODEL_ID}")
+    parser.add_argument("--model", default=render.REAL_MODEL_ID,
+                        help=f"hub id, local folder, {TINY_MODEL_ID} or {RANDOM_MODEL}")
+    parser.add_argument("--checkpoint-dir", type=Path, default=Path("/tmp/qwen-image-random-full-size"),
+                        help=f"where --model {RANDOM_MODEL} is saved")
     parser.add_argument("--prompts", default="samples/prompts.txt", help=".txt or .jsonl, as for `render`")
     parser.add_argument("--width", type=multiple_of_16, help="default 1328 (64 with tiny-random)")
     parser.add_argument("--height", type=multiple_of_16, help="default 1328 (64 with tiny-random)")
@@ -56,11 +84,17 @@ def main():
                                steps=args.steps or (render.TINY_STEPS if tiny else 50), cfg=4.0)
     jobs = render.make_jobs(render.read_prompt_file(args.prompts), defaults)
 
-    labels = {preset: render.labels_for(args.model, preset, "euler") for preset in PRESETS}
+    random_weights = args.model == RANDOM_MODEL
+    if random_weights and device.type != "cuda":
+        sys.exit(f"--model {RANDOM_MODEL} builds a 20B-parameter model and needs a GPU; use --model {TINY_MODEL_ID}")
+    model = str(save_random_checkpoint(args.checkpoint_dir)) if random_weights else args.model
+    labels = {preset: render.labels_for(model, preset, "euler") for preset in PRESETS}
+    if random_weights:
+        labels = {preset: dataclasses.replace(label, note=RANDOM_NOTE) for preset, label in labels.items()}
     applied = {}
     for preset in PRESETS:
         out_dir = render.prepare_out_dir(args.out / preset)
-        load_pipe = functools.partial(render.load_pipeline, args.model, preset, "euler", device)
+        load_pipe = functools.partial(render.load_pipeline, model, preset, "euler", device)
         summary = render.render_jobs(load_pipe, jobs, out_dir, labels[preset], resume=False)
         print(f"{preset}: {render.format_summary(summary, labels[preset], out_dir)}", flush=True)
         applied[preset] = list(summary.applied)
@@ -81,7 +115,8 @@ def main():
 
         measured = [p for p in report.pairs if p.psnr is not None]
         append_results("compare_stock_vs_fast", [dict(
-            environment(), bench="compare_stock_vs_fast", model=args.model, prompts=args.prompts,
+            environment(), bench="compare_stock_vs_fast", model=args.model, note=labels["fast"].note,
+            prompts=args.prompts,
             images=len(jobs), width=defaults.width, height=defaults.height, steps=defaults.steps,
             config=labels["fast"].config, applied=applied["fast"],
             stock_s_per_image=seconds["baseline"], fast_s_per_image=seconds["fast"],
