@@ -1,0 +1,20 @@
+"""Gated delta rule (Gated DeltaNet, Qwen3.5's linear-attention layers): pure-PyTorch references in naive.py, the
+fused single-token decode kernel in decode.py. Prefill on the GPU uses fla's `chunk_gated_delta_rule`."""
+
+from .decode import gated_delta_rule_decode
+from .naive import (
+    causal_conv1d_ref,
+    chunk_gated_delta_rule_ref,
+    gated_delta_rule_decode_ref,
+    l2norm_ref,
+    recurrent_gated_delta_rule_ref,
+)
+
+__all__ = [
+    "causal_conv1d_ref",
+    "chunk_gated_delta_rule_ref",
+    "gated_delta_rule_decode",
+    "gated_delta_rule_decode_ref",
+    "l2norm_ref",
+    "recurrent_gated_delta_rule_ref",
+]

@@ -1,0 +1,54 @@
+"""SwiGLU on a packed [gate | up] GEMM output: y = silu(gate) * up.
+
+gate_up: [..., 2 * I], the output of one GEMM with the stacked weight [gate_proj; up_proj] (gate first).
+Matches transformers' qwen3_5 `Qwen3_5MLP` (`act_fn(gate_proj(x)) * up_proj(x)`, hidden_act "silu") in the model
+dtype: silu(gate) is computed in fp32 and rounded to the dtype, then the product is rounded:
+    y = round(round(gate / (1 + exp(-gate))) * up)
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from ._utils import FLOAT_DTYPES, check_tensor, new_output, round_to
+
+
+@triton.jit
+def _silu_mul_kernel(
+    GU, Y, stride_gu, M, N,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask = (rows[:, None] < M) & (cols[None, :] < N)  # [BLOCK_M, BLOCK_N]
+    gu_row = GU + rows[:, None] * stride_gu + cols[None, :]
+    gate = tl.load(gu_row, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(gu_row + N, mask=mask, other=0.0).to(tl.float32)
+    dtype = Y.dtype.element_ty
+    act = round_to(tl.fdiv(gate, 1.0 + tl.exp(-gate), ieee_rounding=False), dtype)  # silu, rounded like F.silu
+    tl.store(Y + rows[:, None] * N + cols[None, :], (act * up).to(dtype), mask=mask)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up: [..., 2 * I] float, last dim contiguous (rows may be strided). Returns a new contiguous [..., I]
+    tensor in gate_up's dtype."""
+    check_tensor("gate_up", gate_up, dtypes=FLOAT_DTYPES)
+    if gate_up.dim() == 0 or gate_up.shape[-1] % 2:
+        raise ValueError(f"gate_up must be [..., 2 * I] with an even last dim, got shape {tuple(gate_up.shape)}")
+    n = gate_up.shape[-1] // 2
+    m = gate_up.shape[:-1].numel()
+    gu = gate_up.reshape(m, 2 * n)  # [M, 2I], a view with a row stride when gate_up's rows are strided
+    y = new_output((m, n), gate_up.dtype, gate_up.device)
+    if m and n:
+        block_n = min(triton.next_power_of_2(n), 1024)
+        block_m = max(1, min(2048 // block_n, triton.next_power_of_2(m)))
+        _silu_mul_kernel[(triton.cdiv(m, block_m), triton.cdiv(n, block_n))](
+            GU=gu, Y=y, stride_gu=gu.stride(0), M=m, N=n, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4,
+        )
+    return y.view(*gate_up.shape[:-1], n)
+
+
+def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
+    """The semantics silu_mul must reproduce (pure PyTorch, in gate_up's dtype like Qwen3_5MLP)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
