@@ -51,4 +51,6 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
     """The semantics silu_mul must reproduce (pure PyTorch, in gate_up's dtype like Qwen3_5MLP)."""
     gate, up = gate_up.chunk(2, dim=-1)
-    return torch.nn.functional.silu(gate) * up
+    # contiguous: on the CPU, fp32 silu of a strided view takes a scalar exp that differs in the last bit from the
+    # vectorized one upstream's contiguous gate_proj output gets
+    return torch.nn.functional.silu(gate.contiguous()) * up

@@ -1,0 +1,72 @@
+import re
+
+import pytest
+import torch
+from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
+from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5MLP
+
+from helpers import DEVICES, DTYPES, TOL, assert_close, assert_nearly_exact
+from qwen_image_fast.kernels.swiglu import silu_mul, silu_mul_ref
+
+DTYPE_IDS = [str(d).removeprefix("torch.") for d in DTYPES]
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+
+
+def gate_up(lead, i, dtype, device, strided=False) -> torch.Tensor:
+    """[*lead, 2I] like a packed GEMM output; strided: a column slice of a wider output, so rows are not packed."""
+    t = 3 * torch.randn(*lead, 2 * i + (5 if strided else 0), device=device)
+    return t.to(dtype)[..., : 2 * i]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_ref_matches_qwen35_mlp(dtype):
+    hidden = inter = 48  # 4096, 12288; equal sizes so down_proj can be the identity
+    config = Qwen3_5TextConfig(hidden_size=hidden, intermediate_size=inter)
+    mlp = Qwen3_5MLP(config, inter).to(dtype)
+    with torch.no_grad():
+        mlp.down_proj.weight.copy_(torch.eye(hidden))  # exact: one nonzero term per output
+    x = torch.randn(3, 5, hidden).to(dtype)
+    gu = torch.cat([mlp.gate_proj(x), mlp.up_proj(x)], dim=-1)  # what one GEMM of [gate_proj; up_proj] yields
+    out = silu_mul_ref(gu)
+    assert out.dtype == dtype
+    assert torch.equal(out, mlp.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x))
+    assert torch.equal(mlp.down_proj(out), mlp(x))
+
+
+@pytest.mark.parametrize(
+    "lead, i, strided",
+    [((1,), 37, False), ((5,), 37, True), ((2, 3), 1000, True), ((3,), 1536, False)],
+    ids=["M1-I37", "M5-I37-strided", "2x3-I1000-strided", "M3-I1536-two-blocks"],
+)
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("device", DEVICES)
+def test_silu_mul_matches_ref(device, dtype, lead, i, strided):
+    x = gate_up(lead, i, dtype, device, strided)
+    out = silu_mul(x)
+    assert out.shape == (*lead, i) and out.is_contiguous()
+    assert_close(out, silu_mul_ref(x), TOL[dtype], f"silu_mul {lead} I={i}")
+    if dtype == torch.float16:  # the interpreter rounds fp16 like torch (its bf16 cast truncates): check rounding
+        assert_nearly_exact(out, silu_mul_ref(x), f"silu_mul {lead} I={i}", max_ulp=2)
+
+
+@pytest.mark.parametrize("m", [1, 7, 4096])  # decode, a few rows, a prefill
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bfloat16", "float16"])
+@pytest.mark.gpu
+def test_silu_mul_real_width_gpu(dtype, m):
+    x = gate_up((m,), 12288, dtype, "cuda", strided=True)  # Qwen3.5-9B intermediate_size
+    # a flipped rounding of silu(gate) moves the product by |up| ulp(silu): up to 2 ulp of the output
+    assert_nearly_exact(silu_mul(x), silu_mul_ref(x), f"silu_mul M={m}", max_ulp=2)
+
+
+def test_silu_mul_validation():
+    with pytest.raises(ValueError, match=re.escape("even last dim, got shape (2, 7)")):
+        silu_mul(torch.randn(2, 7))
+    with pytest.raises(ValueError, match="gate_up has dtype torch.int32"):
+        silu_mul(torch.ones(2, 8, dtype=torch.int32))
+    with pytest.raises(ValueError, match="contiguous in its last dim"):
+        silu_mul(torch.randn(8, 2).t())
+    assert silu_mul(torch.randn(0, 8)).shape == (0, 4)
