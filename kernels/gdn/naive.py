@@ -125,15 +125,18 @@ def causal_conv1d_ref(
     left when there were fewer). Computed like upstream: F.conv1d in weight's dtype, SiLU, cast to x's dtype."""
     bsz, t, c = x.shape
     width = weight.shape[1] - 1
-    if initial_state is None:
-        initial_state = x.new_zeros(bsz, c, width)
-    xs = torch.cat([initial_state.to(x.dtype), x.transpose(1, 2)], dim=-1)  # [B, C, K-1+T]
-    y = F.conv1d(xs.to(weight.dtype), weight.unsqueeze(1), groups=c)  # [B, C, T]
+    xs = x.transpose(1, 2)  # [B, C, T]
+    if initial_state is not None:
+        xs = torch.cat([initial_state.to(x.dtype), xs], dim=-1)  # [B, C, K-1+T]
+    # upstream's form (padding K-1, then slices): on the CPU, fp32 SiLU of a strided view takes a scalar exp that
+    # can differ in the last bit from the vectorized one, so the layout is kept for bit-equality
+    y = F.conv1d(xs.to(weight.dtype), weight.unsqueeze(1), padding=width, groups=c)[..., : xs.shape[-1]][..., -t:]
     if activation is not None:
         if activation not in ("silu", "swish"):
             raise ValueError(f"activation must be 'silu' or None, got {activation!r}")
         y = F.silu(y)
-    return y.to(x.dtype).transpose(1, 2), xs[..., xs.shape[-1] - width :].clone()
+    final_state = F.pad(xs, (max(width - xs.shape[-1], 0), 0))[..., -width:].clone()
+    return y.to(x.dtype).transpose(1, 2), final_state
 
 
 def gated_delta_rule_decode_ref(
