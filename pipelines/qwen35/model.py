@@ -230,7 +230,7 @@ class FastQwen35ForCausalLM(nn.Module):
 
     def __init__(self, hf_model, device, dtype):
         super().__init__()
-        text = getattr(hf_model.model, "language_model", hf_model.model)  # Qwen3_5ForConditionalGeneration: its text tower
+        text = getattr(hf_model.model, "language_model", hf_model.model)  # a vision-language model's text tower
         self.config = text.config
         rotary = text.rotary_emb
         if "dynamic" in rotary.rope_type or rotary.rope_type == "longrope":

@@ -57,6 +57,32 @@ def hf_step(hf, token_ids, cache=None):
     return out.logits[0, -1].float(), out.past_key_values
 
 
+def run_cached(fast, upstream, prompt_lengths, steps, gen):
+    """Prefills random prompts of `prompt_lengths` into one fast cache (slot 0 first holds a longer junk prompt,
+    which its prefill must replace), then decodes `steps` random tokens for all of them. Each upstream model runs
+    every sequence alone through its own cache. Returns logits [1 + steps, B, V] fp32: fast, then each upstream."""
+    vocab, device = fast.embed_tokens.shape[0], fast.device
+    prompts = [torch.randint(0, vocab, (n,), generator=gen).to(device) for n in prompt_lengths]
+    tokens = torch.randint(0, vocab, (steps, len(prompts)), generator=gen).to(device)
+    cache = fast.new_cache(batch=len(prompts), max_len=max(prompt_lengths) + steps + 3)
+    fast.prefill(torch.randint(0, vocab, (max(prompt_lengths) + 2,), generator=gen), cache, slot=0)
+    out = [torch.stack([fast.prefill(p, cache, slot) for slot, p in enumerate(prompts)])]
+    assert cache.lengths.tolist() == list(prompt_lengths)
+    out += [fast.decode(t, cache) for t in tokens]
+    assert cache.lengths.tolist() == [n + steps for n in prompt_lengths]
+    refs = []
+    for hf in upstream:
+        per_sequence = []
+        for i, prompt in enumerate(prompts):
+            logits, hf_cache = [], None
+            for ids in [prompt, *tokens[:, i]]:
+                last, hf_cache = hf_step(hf, ids, hf_cache)
+                logits.append(last)
+            per_sequence.append(torch.stack(logits))  # [1 + steps, V]
+        refs.append(torch.stack(per_sequence, dim=1))
+    return torch.stack(out), *refs
+
+
 def test_packed_weights_equal_originals():
     hf = tiny_hf()
     fast = FastQwen35ForCausalLM.from_transformers(hf)
@@ -86,55 +112,34 @@ def test_forward_matches_transformers():
 
 
 def test_prefill_and_decode_match_transformers():
-    """Two sequences of different lengths in one cache; 32 decode steps, each compared with upstream running the
-    same tokens through its own cache."""
+    """Two sequences of different lengths in one cache; prefill and 32 decode steps, each compared with upstream
+    running the same tokens through its own cache."""
     hf = tiny_hf()
     fast = FastQwen35ForCausalLM.from_transformers(hf)
-    gen = torch.Generator().manual_seed(1)
-    vocab = TINY_TEXT["vocab_size"]
-    prompts = [torch.randint(0, vocab, (5,), generator=gen), torch.randint(0, vocab, (13,), generator=gen)]
-    cache = fast.new_cache(batch=2, max_len=48)
-    fast.prefill(torch.randint(0, vocab, (30,), generator=gen), cache, slot=0)  # overwritten by the next prefill
-    hf_caches = []
-    for slot, prompt in enumerate(prompts):
-        ref, hf_cache = hf_step(hf, prompt)
-        hf_caches.append(hf_cache)
-        assert_close(fast.prefill(prompt, cache, slot), ref, 1e-4, f"prefill logits, sequence {slot}")
-    assert cache.lengths.tolist() == [5, 13]
-    for step in range(32):
-        tokens = torch.randint(0, vocab, (2,), generator=gen)
-        logits = fast.decode(tokens, cache)
-        assert logits.dtype == torch.float32 and logits.shape == (2, vocab)
+    out, ref = run_cached(fast, [hf], (5, 13), 32, torch.Generator().manual_seed(1))
+    assert out.dtype == torch.float32 and out.shape == (33, 2, TINY_TEXT["vocab_size"])
+    for step in range(33):
         for i in range(2):
-            ref, hf_caches[i] = hf_step(hf, tokens[i], hf_caches[i])
-            assert_close(logits[i], ref, 1e-4, f"decode step {step}, sequence {i}")
-    assert cache.lengths.tolist() == [37, 45]
+            assert_close(out[step, i], ref[step, i], 1e-4, f"step {step} (0: prefill), sequence {i}")
+
+
+def assert_bf16_like_upstream(out16, ref16, ref32):
+    """bf16 rounds in another order than upstream, not by more: against the fp32 model, the fast bf16 logits are
+    within 2x of upstream bf16's error."""
+    assert torch.isfinite(out16).all()
+    err, upstream_err = rel_rms_error(out16, ref32), rel_rms_error(ref16, ref32)
+    assert err <= 2 * upstream_err, f"fast bf16 rel-RMS {err:.3e} vs fp32; upstream bf16 {upstream_err:.3e}"
 
 
 def test_bf16_close_to_transformers():
-    """bf16 rounding differs from upstream's in order, not in amount: against the fp32 model, the fast bf16 logits
-    (prefill and 6 decode steps together) are within 2x of upstream bf16's error."""
     hf32 = tiny_hf()
     hf16 = copy.deepcopy(hf32).to(torch.bfloat16)
     fast = FastQwen35ForCausalLM.from_transformers(hf16)
     assert fast.dtype == torch.bfloat16
-    ids = torch.randint(0, TINY_TEXT["vocab_size"], (1, 9))
+    ids = torch.randint(0, TINY_TEXT["vocab_size"], (2, 9))
     with torch.no_grad():
-        forward = (fast(ids), hf16(ids).logits, hf32(ids).logits)
-    assert torch.isfinite(forward[0]).all()
-    assert rel_rms_error(forward[0], forward[2]) <= 2 * rel_rms_error(forward[1], forward[2])
-
-    cache = fast.new_cache(batch=1, max_len=16)
-    (ref32, cache32), (ref16, cache16) = hf_step(hf32, ids[0]), hf_step(hf16, ids[0])
-    steps = [(fast.prefill(ids[0], cache, 0), ref16, ref32)]
-    for token in (3, 50, 7, 99, 0, 64):
-        (ref32, cache32), (ref16, cache16) = hf_step(hf32, token, cache32), hf_step(hf16, token, cache16)
-        steps.append((fast.decode(torch.tensor([token]), cache)[0], ref16, ref32))
-    out, ref16, ref32 = (torch.stack(x) for x in zip(*steps))
-    assert torch.isfinite(out).all()
-    err, upstream_err = rel_rms_error(out, ref32), rel_rms_error(ref16, ref32)
-    assert err <= 2 * upstream_err, f"fast bf16 rel-RMS {err:.3e} vs fp32; upstream bf16 {upstream_err:.3e}"
-    assert_close(out, ref16, 5e-2, "fast bf16 vs upstream bf16")
+        assert_bf16_like_upstream(fast(ids), hf16(ids).logits, hf32(ids).logits)
+    assert_bf16_like_upstream(*run_cached(fast, [hf16, hf32], (9, 4), 6, torch.Generator().manual_seed(2)))
 
 
 def test_conditional_generation_uses_text_tower():
@@ -182,25 +187,13 @@ def real_width_hf(num_layers=4, dtype=torch.bfloat16) -> Qwen3_5ForCausalLM:
 
 @pytest.mark.gpu
 def test_real_width_matches_transformers_on_gpu():
-    hf = real_width_hf()
-    fast = FastQwen35ForCausalLM.from_transformers(hf)
-    vocab = hf.config.vocab_size
+    """Qwen3.5-9B widths, 4 layers, bf16, against upstream bf16 and fp32: forward (T=100), then prefill of
+    prompts of 37 and 150 tokens (several fla chunks) and 8 decode steps."""
+    hf32 = real_width_hf(dtype=torch.float32)
+    hf16 = copy.deepcopy(hf32).to(torch.bfloat16)
+    fast = FastQwen35ForCausalLM.from_transformers(hf16)
     gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, vocab, (2, 100), generator=gen).cuda()
+    ids = torch.randint(0, hf32.config.vocab_size, (2, 100), generator=gen).cuda()
     with torch.no_grad():
-        ref = hf(ids).logits
-    assert_close(fast(ids), ref, 3e-2, "real-width bf16 forward")
-
-    prompts = [torch.randint(0, vocab, (n,), generator=gen).cuda() for n in (37, 150)]
-    cache = fast.new_cache(batch=2, max_len=256)
-    hf_caches = []
-    for slot, prompt in enumerate(prompts):
-        ref, hf_cache = hf_step(hf, prompt)
-        hf_caches.append(hf_cache)
-        assert_close(fast.prefill(prompt, cache, slot), ref, 3e-2, f"real-width prefill {slot}")
-    for step in range(8):
-        tokens = torch.randint(0, vocab, (2,), generator=gen).cuda()
-        logits = fast.decode(tokens, cache)
-        for i in range(2):
-            ref, hf_caches[i] = hf_step(hf, tokens[i], hf_caches[i])
-            assert_close(logits[i], ref, 3e-2, f"real-width decode step {step}, sequence {i}")
+        assert_bf16_like_upstream(fast(ids), hf16(ids).logits, hf32(ids).logits)
+    assert_bf16_like_upstream(*run_cached(fast, [hf16, hf32], (37, 150), 8, gen))
