@@ -40,9 +40,11 @@ def assert_nearly_exact(out: torch.Tensor, ref: torch.Tensor, what: str = "", ma
     """Bit-equal except a few elements (max_frac) at most max_ulp away (None: no bound, for outputs where a flipped
     intermediate rounding meets cancellation): a kernel that rounds where the reference rounds, but whose fp32
     intermediates (exp, reductions) can differ by an ulp and flip a rounding."""
-    assert out.shape == ref.shape and out.dtype == ref.dtype, f"{what}: {out.shape} {out.dtype} vs {ref.shape} {ref.dtype}"
+    assert out.shape == ref.shape and out.dtype == ref.dtype, (
+        f"{what}: {tuple(out.shape)} {out.dtype} vs reference {tuple(ref.shape)} {ref.dtype}")
     assert torch.isfinite(out).all(), f"{what}: output has NaN/inf (an element left unwritten?)"
     err = ulp_error(out, ref)
     frac = (err > 0).double().mean().item()
     assert (max_ulp is None or err.max().item() <= max_ulp) and frac <= max_frac, (
-        f"{what}: max {err.max().item():.2f} ulp (allowed {max_ulp}), {frac:.2e} of elements differ (allowed {max_frac:.0e})")
+        f"{what}: max {err.max().item():.2f} ulp (allowed {max_ulp}), "
+        f"{frac:.2e} of elements differ (allowed {max_frac:.0e})")

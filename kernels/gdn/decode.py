@@ -54,7 +54,7 @@ def _gated_delta_rule_decode_kernel(
     QKV, A, B, CONV, CW, A_LOG, DT_BIAS, STATE, O,
     stride_qkv, stride_a, stride_b, stride_conv_b, stride_conv_c, stride_cw, eps, scale,
     H: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, WIDTH: tl.constexpr,
-    BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_W: tl.constexpr,
+    BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr, NUM_DV_BLOCKS: tl.constexpr, BLOCK_W: tl.constexpr,
 ):
     i_b = tl.program_id(0).to(tl.int64)
     i_h = tl.program_id(1)
@@ -80,7 +80,7 @@ def _gated_delta_rule_decode_kernel(
         decay = tl.exp(-tl.exp(tl.load(A_LOG + hv).to(tl.float32)) * softplus)
         state_head = STATE + ((i_b * H * GROUP + hv) * DK) * DV
         o_head = O + (i_b * H * GROUP + hv) * DV
-        for i_v in tl.static_range(triton.cdiv(DV, BLOCK_DV)):
+        for i_v in tl.static_range(NUM_DV_BLOCKS):
             dv = i_v * BLOCK_DV + tl.arange(0, BLOCK_DV)
             dv_mask = dv < DV
             v = _conv_silu_update(x_row, conv_row, CW, 2 * H * DK + hv * DV + dv, dv_mask, stride_conv_c,
@@ -145,6 +145,7 @@ def gated_delta_rule_decode(
         stride_conv_b=conv_state.stride(0), stride_conv_c=conv_state.stride(1), stride_cw=conv_weight.stride(0),
         eps=eps, scale=head_k_dim**-0.5,
         H=num_k_heads, GROUP=hv // num_k_heads, DK=head_k_dim, DV=head_v_dim, WIDTH=width,
-        BLOCK_DK=block_dk, BLOCK_DV=block_dv, BLOCK_W=triton.next_power_of_2(width + 1), num_warps=4,
+        BLOCK_DK=block_dk, BLOCK_DV=block_dv, NUM_DV_BLOCKS=triton.cdiv(head_v_dim, block_dv),
+        BLOCK_W=triton.next_power_of_2(width + 1), num_warps=8,  # 8: ~100 registers a thread, 4: ~240
     )
     return o

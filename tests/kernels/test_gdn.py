@@ -7,7 +7,7 @@ from transformers import DynamicCache
 from transformers.models.qwen3_5 import modeling_qwen3_5 as upstream
 from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
 
-from helpers import DEVICES, TOL, assert_close, assert_nearly_exact
+from helpers import DEVICES, DTYPES, TOL, assert_close, assert_nearly_exact
 from qwen_image_fast.kernels._utils import rel_rms_error
 from qwen_image_fast.kernels.gdn import (
     causal_conv1d_ref,
@@ -17,6 +17,7 @@ from qwen_image_fast.kernels.gdn import (
     recurrent_gated_delta_rule_ref,
 )
 
+DTYPE_IDS = [str(d).removeprefix("torch.") for d in DTYPES]
 UPSTREAM_FUNCS = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule", "causal_conv1d_fn",
                   "causal_conv1d_update")
 
@@ -234,7 +235,7 @@ DECODE_SHAPES = [
 
 @pytest.mark.parametrize("strided", [False, True], ids=["packed", "strided-rows"])
 @pytest.mark.parametrize("bsz, h, hv, dk, dv, width", DECODE_SHAPES)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("device", DEVICES)
 def test_decode_kernel_matches_ref(device, dtype, bsz, h, hv, dk, dv, width, strided):
     args = decode_inputs(bsz, h, hv, dk, dv, width, dtype, device, strided)

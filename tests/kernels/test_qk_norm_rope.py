@@ -3,7 +3,11 @@ import re
 import pytest
 import torch
 from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
-from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5RMSNorm, Qwen3_5TextRotaryEmbedding, apply_rotary_pos_emb
+from transformers.models.qwen3_5.modeling_qwen3_5 import (
+    Qwen3_5RMSNorm,
+    Qwen3_5TextRotaryEmbedding,
+    apply_rotary_pos_emb,
+)
 
 from helpers import DEVICES, DTYPES, TOL, assert_close, assert_nearly_exact
 from qwen_image_fast.kernels.qk_norm_rope import rms_norm_rope, rms_norm_rope_ref
