@@ -240,8 +240,7 @@ class FastQwen35ForCausalLM(nn.Module):
         self.embed_tokens = frozen(text.embed_tokens.weight, device, dtype)  # [V, D]
         tied = hf_model.lm_head.weight is text.embed_tokens.weight
         self.lm_head = self.embed_tokens if tied else frozen(hf_model.lm_head.weight, device, dtype)  # [V, D]
-        self.norm = frozen(text.norm.weight, device, dtype)  # [D]
-        self.eps = text.norm.eps
+        self.norm = frozen(text.norm.weight, device, dtype)  # [D], same eps as the layers' norms (rms_norm_eps)
         kinds = {"linear_attention": DeltaNetLayer, "full_attention": AttentionLayer}
         self.layers = nn.ModuleList(kinds[kind](layer, device, dtype)
                                     for kind, layer in zip(self.config.layer_types, text.layers))
@@ -287,7 +286,8 @@ class FastQwen35ForCausalLM(nn.Module):
 
     def _layers(self, h: torch.Tensor, mix, states) -> torch.Tensor:
         """Embeddings [B, S, D] through every layer and the final norm; mix(layer, x, state) runs a token mixer."""
-        x, residual = rms_norm(h, self.layers[0].input_norm, self.eps, zero_centered=True), h
+        first = self.layers[0]
+        x, residual = rms_norm(h, first.input_norm, first.eps, zero_centered=True), h
         next_norms = [layer.input_norm for layer in self.layers[1:]] + [self.norm]
         for layer, state, next_norm in zip(self.layers, states, next_norms):
             h = mix(layer, x, state)
