@@ -90,6 +90,7 @@ def _gated_delta_rule_decode_kernel(
             s = tl.load(s_ptrs, mask=s_mask, other=0.0) * decay  # [BLOCK_DK, BLOCK_DV]
             delta = (v - tl.sum(s * k[:, None], axis=0)) * beta  # [BLOCK_DV]
             s = s + k[:, None] * delta[None, :]
+            tl.debug_barrier()  # small tiles replicate elements across warps: all loads land before a store
             tl.store(s_ptrs, s, mask=s_mask)
             tl.store(o_head + dv, tl.sum(s * q[:, None], axis=0).to(dtype), mask=dv_mask)
 
