@@ -127,15 +127,21 @@ def psnr(a: np.ndarray, b: np.ndarray) -> float:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tiny", action="store_true", help="tiny random components on the CPU (logic check)")
+    parser.add_argument("--sizes", default="1024,1328",
+                        help="square sizes; the first gets every variant, the others stock and fast")
+    parser.add_argument("--graph-sizes", default="512",
+                        help="square sizes where only fast and no-graphs run (graphs vs eager where launches matter)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     device = torch.device("cpu" if args.tiny else "cuda")
     if args.tiny:
         stock = tiny_stock_pipeline()
-        sizes, steps, fast_steps = [(48, 32)], 3, 2
+        sizes, graph_sizes, steps, fast_steps = [(48, 32)], [(32, 32)], 3, 2
     else:
         stock = full_size_stock_pipeline()
-        sizes, steps, fast_steps = [(1024, 1024), (1328, 1328)], 50, 20
+        sizes = [(int(n), int(n)) for n in args.sizes.split(",")]
+        graph_sizes = [(int(n), int(n)) for n in args.graph_sizes.split(",") if n]
+        steps, fast_steps = 50, 20
     env = {} if args.tiny else environment()
     for pipe in (stock,):
         pipe.set_progress_bar_config(disable=True)
@@ -146,11 +152,16 @@ def main():
     for name, config in (("no-graphs", FastConfig(cuda_graphs=False)), ("dpm++2m", FastConfig(scheduler="dpm++2m")),
                          ("unipc", FastConfig(scheduler="unipc"))):
         variants[name] = loop_variant(fast, config, device)
+    # exact FP8 accumulation needs its own converted transformer
+    variants["no-fastacc"] = QwenImageFastPipeline.from_pipe(stock, fast_config=FastConfig(fp8_fast_accum=False),
+                                                             device=device)
+    variants["no-fastacc"].set_progress_bar_config(disable=True)
 
     rows = []
 
     def record(impl, name, pipe, resolution, n_steps, ref):
-        timed_latents(pipe, resolution, 2, seed=1, device=device)  # warm-up: compiles, captures graphs
+        warm, _ = timed_latents(pipe, resolution, 2, seed=1, device=device)  # warm-up: compiles, captures graphs
+        decode(fast, warm, resolution, device)  # and the VAE's first-call cost
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
             before = torch.cuda.memory_allocated()
@@ -176,13 +187,17 @@ def main():
 
     for resolution in sizes:
         ref = record("diffusers", "stock", stock, resolution, steps, None)
-        for name in ("fast", "no-graphs") if resolution == sizes[0] else ("fast",):
+        for name in ("fast", "no-graphs", "no-fastacc") if resolution == sizes[0] else ("fast",):
             record("ours", name, variants[name], resolution, steps, ref)
         if resolution == sizes[0]:
+            del variants["no-fastacc"]
             for name in ("dpm++2m", "unipc"):
                 record("ours", name, variants[name], resolution, fast_steps, ref)
         del ref
         gc.collect()
+    for resolution in graph_sizes:
+        for name in ("fast", "no-graphs"):
+            record("ours", name, variants[name], resolution, steps, None)
 
 
 if __name__ == "__main__":

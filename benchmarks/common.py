@@ -58,7 +58,8 @@ def environment() -> dict:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         # the device machine gets the work tree without .git: the command passes the commit in BENCH_COMMIT
         "commit": os.environ.get("BENCH_COMMIT") or git("rev-parse", "--short", "HEAD") or None,
-        "dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
+        # results/*.jsonl are appended by the runs themselves: not a code change
+        "dirty": bool(git("status", "--porcelain", "--untracked-files=no", "--", ".", ":!benchmarks/results")),
         "gpu": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "triton": triton.__version__,

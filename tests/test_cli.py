@@ -117,7 +117,7 @@ def test_fast_preset_png_settings_round_trip_and_tiny_is_labeled_noise(tmp_path,
     assert "noise from random weights" in line["note"]
     text = render.read_settings(tmp_path / "00000-0.png")
     expected = dict(prompt="a cat", negative_prompt=render.NEGATIVE_PROMPT, seed=0, width=64, height=64, steps=2,
-                    cfg=4.0, scheduler="euler", model="tiny-random", config="fused-fp8-auto-bcfg-graphs-euler",
+                    cfg=4.0, scheduler="euler", model="tiny-random", config="fused-fp8-fastacc-auto-bcfg-graphs-euler",
                     note=render.TINY_NOTE)
     assert text == {key: str(value) for key, value in expected.items()}
     assert {key: line[key] for key in expected} == expected

@@ -152,23 +152,25 @@ def test_unipc_reproduces_qwen_sigma_ladder():
 
 def test_applied_per_field():
     base = fast_pipeline(FastConfig()).applied
-    assert base == ["fused_transformer", "fp8", "attention:sdpa", "batched_cfg"]  # no CUDA graphs on the CPU
-    needs_fused = {"fp8", "attention:sdpa"}
-    assert fast_pipeline(FastConfig(fp8=False)).applied == [a for a in base if a != "fp8"]
+    # no CUDA graphs on the CPU
+    assert base == ["fused_transformer", "fp8", "fp8_fast_accum", "attention:sdpa", "batched_cfg"]
+    needs_fused = {"fp8", "fp8_fast_accum", "attention:sdpa"}
+    assert fast_pipeline(FastConfig(fp8=False)).applied == [a for a in base if a not in ("fp8", "fp8_fast_accum")]
     assert fast_pipeline(FastConfig(batched_cfg=False)).applied == [a for a in base if a != "batched_cfg"]
     assert fast_pipeline(FastConfig(fused_transformer=False)).applied == [
         a for a in base if a not in {"fused_transformer"} | needs_fused]
     assert fast_pipeline(FastConfig(cuda_graphs=False)).applied == base
-    assert fast_pipeline(FastConfig(fp8_fast_accum=True)).applied == base[:2] + ["fp8_fast_accum"] + base[2:]
+    assert fast_pipeline(FastConfig(fp8_fast_accum=False)).applied == [a for a in base if a != "fp8_fast_accum"]
     assert fast_pipeline(FastConfig(cfg_fraction=0.6)).applied == base + ["cfg_fraction:0.6"]
     assert fast_pipeline(FastConfig.preset("baseline")).applied == []
 
 
 def test_config_presets_and_tag():
     assert FastConfig.preset("fast") == FastConfig()
-    assert FastConfig().tag() == "fused-fp8-auto-bcfg-graphs-euler"
+    assert FastConfig().tag() == "fused-fp8-fastacc-auto-bcfg-graphs-euler"
+    assert FastConfig(fp8_fast_accum=False).tag() == "fused-fp8-auto-bcfg-graphs-euler"
     assert FastConfig.preset("baseline").tag() == "stock-euler"
-    assert FastConfig(scheduler="dpm++2m", cfg_fraction=0.5).tag() == "fused-fp8-auto-bcfg-graphs-dpmpp2m-cfg0.5"
+    assert FastConfig(scheduler="dpm++2m", cfg_fraction=0.5).tag() == "fused-fp8-fastacc-auto-bcfg-graphs-dpmpp2m-cfg0.5"
     with pytest.raises(ValueError, match="preset='turbo'; allowed: fast, baseline"):
         FastConfig.preset("turbo")
 
