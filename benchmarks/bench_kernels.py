@@ -1,10 +1,12 @@
 """Kernel benchmark (GPU): every op of the kernel core at the real shapes, against its eager reference and
 torch.compile(reference), with the error vs the reference beside each timing.
 
-    python3 benchmarks/bench_kernels.py [--out DIR]
+    python3 benchmarks/bench_kernels.py [--ops OP,...] [--out DIR]
 
 Shapes: DiT rows B=2 x (4096 image + 218 text) = 8628 by 3072, the 12288-wide MLP hidden, 24 heads x 128;
-Qwen3.5 hidden 4096, 16 query heads x 256 with 64 rotary dims, gated norm over 32 value heads x 128.
+Qwen3.5 hidden 4096, 16 query heads x 256 with 64 rotary dims, gated norm over 32 value heads x 128, SwiGLU over
+an 8192 x 2 x 12288 gate|up, the Gated-DeltaNet decode step at B=1 and B=64 (16 key / 32 value heads x 128; in-place
+states: checked on fresh copies, timed in place).
 Bytes are the fewest an op must move (each input read once, each output written once); GB/s is also given as
 a fraction of the device-to-device copy bandwidth measured in the same run. Appends to results/kernels.jsonl.
 """
@@ -27,7 +29,9 @@ from qwen_image_fast.kernels.fp8 import (  # noqa: E402
     quantize_fp8_rowwise,
     quantize_fp8_rowwise_ref,
 )
+from qwen_image_fast.kernels.gdn import gated_delta_rule_decode, gated_delta_rule_decode_ref  # noqa: E402
 from qwen_image_fast.kernels.gelu_fp8 import gelu_fp8, gelu_fp8_ref  # noqa: E402
+from qwen_image_fast.kernels.qk_norm_rope import rms_norm_rope, rms_norm_rope_ref  # noqa: E402
 from qwen_image_fast.kernels.layer_norm_modulate import (  # noqa: E402
     layer_norm_modulate,
     layer_norm_modulate_fp8,
@@ -55,6 +59,7 @@ from qwen_image_fast.kernels.rope import (  # noqa: E402
     rope_rotate_half,
     rope_rotate_half_ref,
 )
+from qwen_image_fast.kernels.swiglu import silu_mul, silu_mul_ref  # noqa: E402
 
 BF16 = torch.bfloat16
 B, L_IMG, L_TXT, D, H, HD, MLP = 2, 4096, 218, 3072, 24, 128, 12288
@@ -71,6 +76,7 @@ class Case:
     ref: Callable
     fp8_outputs: bool = False  # outputs are (q, scale) pairs: compared dequantized
     moved: int | None = None  # bytes, when not simply all args read + all outputs written
+    fresh: Callable | None = None  # args -> copies, for ops that update some args in place (checked on copies)
 
 
 def nbytes(obj) -> int:
@@ -95,6 +101,30 @@ def comparable(out, fp8_outputs: bool) -> list[torch.Tensor]:
             result.append(outs[i].float())
             i += 1
     return result
+
+
+def gdn_decode_args(rnd, batch: int):
+    """Qwen3.5-9B Gated-DeltaNet decode inputs: H=16 key heads, HV=32 value heads, Dk=Dv=128, conv K=4."""
+    h, hv, dk, dv, k = 16, 32, 128, 128, 4
+    c = 2 * h * dk + hv * dv
+    state = torch.randn(batch, hv, dk, dv, device="cuda") * 0.1
+    return (rnd(batch, c), rnd(batch, hv), rnd(batch, hv), rnd(batch, c, k - 1), rnd(c, k, scale=0.5),
+            torch.rand(hv, device="cuda").log(), torch.rand(hv, device="cuda"), state, h, dk, dv)
+
+
+def gdn_decode_case(args) -> Case:
+    """Bytes: the inputs read, the conv state written, the recurrent state read and written, o written."""
+    batch, hv, dv = args[0].shape[0], args[1].shape[1], args[10]
+    moved = nbytes(args[:7]) + nbytes(args[3]) + 2 * nbytes(args[7]) + batch * hv * dv * args[0].element_size()
+    return Case("gated_delta_rule_decode", f"B={batch}, 16/32 heads x 128", args, gated_delta_rule_decode,
+                gated_delta_rule_decode_ref, fresh=fresh_states, moved=moved)
+
+
+def fresh_states(args):
+    """Copies of the decode step's in-place arguments (conv state, recurrent state)."""
+    args = list(args)
+    args[3], args[7] = args[3].clone(), args[7].clone()
+    return tuple(args)
 
 
 def make_cases() -> list[Case]:
@@ -142,6 +172,11 @@ def make_cases() -> list[Case]:
         Case("gelu_fp8", f"{ROWS}x{MLP}", (rnd(ROWS, MLP, scale=2.0),), gelu_fp8, gelu_fp8_ref, fp8_outputs=True),
         Case("quantize_fp8_rowwise", f"{ROWS}x{D}", (x_dit.view(-1, D),), quantize_fp8_rowwise,
              quantize_fp8_rowwise_ref, fp8_outputs=True),
+        Case("silu_mul", "8192x(2x12288)", (rnd(8192, 2 * 12288, scale=2.0),), silu_mul, silu_mul_ref),
+        Case("rms_norm_rope (q view of [query|gate])", "1x8192x16x256 of 512 (R=64)",
+             (rnd(1, 8192, 16, 512)[..., :256], w_head.repeat(2) - 1, cos_sin[0], cos_sin[1]),
+             rms_norm_rope, rms_norm_rope_ref, moved=2 * 8192 * 16 * 256 * 2 + 2 * nbytes(cos_sin[0])),
+        *[gdn_decode_case(gdn_decode_args(rnd, b)) for b in (1, 64)],
     ]
 
 
@@ -176,8 +211,10 @@ def gemm_rows(env) -> list[dict]:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--ops", default=None, help="comma-separated op names (default: all)")
     parser.add_argument("--out", type=Path, default=None, help="also append the results here")
     args = parser.parse_args()
+    wanted = None if args.ops is None else set(args.ops.split(","))
     env = environment()
     copy_bw = copy_bandwidth_gbps()
     env.update(copy_gbps=copy_bw, bf16_tflops=matmul_tflops(8192, 8192, 8192, fp8=False),
@@ -186,7 +223,10 @@ def main():
           f"fp8 rowwise {env['fp8_tflops']:.0f} TF/s")
     rows = []
     for case in make_cases():
-        expected = comparable(case.ref(*case.args), case.fp8_outputs)
+        if wanted is not None and case.op.split(" ")[0] not in wanted:
+            continue
+        fresh = case.fresh or (lambda a: a)
+        expected = comparable(case.ref(*fresh(case.args)), case.fp8_outputs)
         tol = TOL_FP8 if case.fp8_outputs else TOL_BF16
         compiled = torch.compile(case.ref, dynamic=False)
         for impl, fn in (("eager", case.ref), ("compile", compiled), ("triton", case.ours)):
@@ -194,7 +234,7 @@ def main():
                        frac_of_copy_bw=None, rel_err=None, ok=False)
             rows.append(row)
             try:
-                out = fn(*case.args)
+                out = fn(*fresh(case.args))
             except Exception as e:  # recorded and shown; the other ops still run
                 row["error"] = f"{type(e).__name__}: {e}"[:500]
                 continue
@@ -206,7 +246,7 @@ def main():
                 row["ms"] = bench_ms(lambda: fn(*case.args))
                 row["gbps"] = moved / row["ms"] / 1e6
                 row["frac_of_copy_bw"] = row["gbps"] / copy_bw
-    rows += gemm_rows(env)
+    rows += gemm_rows(env) if wanted is None else []
     append_results("kernels", rows, args.out)
     by_op = {}
     for r in rows:
