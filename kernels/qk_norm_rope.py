@@ -90,6 +90,7 @@ def rms_norm_rope(
         stride_cb=cos.stride(0), stride_cs=cos.stride(1), stride_sb=sin.stride(0), stride_ss=sin.stride(1), eps=eps,
         HEAD_DIM=d, ROT_DIM=r, BLOCK_H=block_h, BLOCK_R=triton.next_power_of_2(max(r // 2, 1)),
         BLOCK_P=triton.next_power_of_2(max(d - r, 1)),
+        enable_fp_fusion=False,  # else fp16 products and their sum fuse into one fma.f16, skipping a rounding
     )
     return y
 
