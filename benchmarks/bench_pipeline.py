@@ -36,14 +36,16 @@ PROMPT = "A red fox sitting in fresh snow at dawn, soft light, detailed fur, sha
 NEGATIVE = "低分辨率，低画质，肢体畸形，手指畸形，画面过饱和，蜡像感，人脸无细节，过度光滑，画面具有AI感。构图混乱。文字模糊，扭曲。"
 
 
-def full_size_stock_pipeline():
+def full_size_stock_pipeline(tokenizer_dir: Path | None = None):
+    """tokenizer_dir: a Qwen2.5 BPE tokenizer saved by qwen_bpe_tokenizer.py (real prompt lengths); None: the
+    byte-level test tokenizer (one token per UTF-8 byte, 3-5x longer text than the real tokenizer gives)."""
     from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImagePipeline
-    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer
 
     from bench_transformer import make_stock
     from qwen_image_fast.tiny import QWEN_IMAGE_SCHEDULER_CONFIG, tiny_tokenizer
 
-    tokenizer = tiny_tokenizer()
+    tokenizer = tiny_tokenizer() if tokenizer_dir is None else Qwen2Tokenizer.from_pretrained(tokenizer_dir)
     n = len(tokenizer)
     config = Qwen2_5_VLConfig(
         text_config=dict(hidden_size=3584, intermediate_size=512, num_hidden_layers=1, num_attention_heads=28,
@@ -131,6 +133,8 @@ def main():
                         help="square sizes; the first gets every variant, the others stock and fast")
     parser.add_argument("--graph-sizes", default="512",
                         help="square sizes where only fast and no-graphs run (graphs vs eager where launches matter)")
+    parser.add_argument("--tokenizer", type=Path, default=None,
+                        help="a Qwen2.5 BPE tokenizer folder (benchmarks/qwen_bpe_tokenizer.py); default byte-level")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     device = torch.device("cpu" if args.tiny else "cuda")
@@ -138,11 +142,14 @@ def main():
         stock = tiny_stock_pipeline()
         sizes, graph_sizes, steps, fast_steps = [(48, 32)], [(32, 32)], 3, 2
     else:
-        stock = full_size_stock_pipeline()
+        stock = full_size_stock_pipeline(args.tokenizer)
         sizes = [(int(n), int(n)) for n in args.sizes.split(",")]
         graph_sizes = [(int(n), int(n)) for n in args.graph_sizes.split(",") if n]
         steps, fast_steps = 50, 20
     env = {} if args.tiny else environment()
+    # text length drives the joint sequence: the template's 34-token prefix is dropped, as in the pipeline
+    env.update(tokenizer="qwen2.5-bpe" if args.tokenizer else "byte-level",
+               text_tokens=[len(stock.tokenizer(text).input_ids) for text in (PROMPT, NEGATIVE)])
     for pipe in (stock,):
         pipe.set_progress_bar_config(disable=True)
 

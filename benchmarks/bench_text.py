@@ -2,6 +2,7 @@
 generate with a static cache + torch.compile, and ours (FastQwen35ForCausalLM + generate with a CUDA-graph step).
 
     python3 benchmarks/bench_text.py [--impls ours,hf-eager,hf-compile] [--batches 1,8] [--out DIR]   # on a GPU
+    python3 benchmarks/bench_text.py --profile --impls ours --batches 1 --out DIR   # + kernel tables (DIR/*.txt)
     python3 benchmarks/bench_text.py --tiny                                                          # CPU logic check
 
 Model: the Qwen3.5-9B shape (transformers' default Qwen3_5TextConfig: hidden 4096, 32 layers, vocab 248320) with
@@ -159,6 +160,51 @@ def decode_bytes(ours: FastQwen35ForCausalLM, batch: int, context: int) -> int:
     return weights + state + batch * ours.embed_tokens.shape[1] * ours.embed_tokens.element_size()
 
 
+# ---- profile
+
+
+def profile_ours(ours, vocab: int, out_dir: Path | None) -> str:
+    """Kernel tables of ours: 8 eager decode steps at B=1 (beside the graph-replayed step time) and a 128-token
+    prefill (host time against device time: the launches, not the math, bound a short prefill)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from qwen_image_fast.pipelines.qwen35.generate import Sampling, decoder_for
+
+    decoder = decoder_for(ours, 1, 512, cuda_graph=True)
+    decoder.prepare(Sampling())
+    ours.prefill(random_prompts(1, PROMPT_TOKENS, vocab, seed=5)[0], decoder.cache, 0)
+    replay_ms = 1000 * statistics.median(seconds(lambda: decoder.step(Sampling()), ours.device) for _ in range(20))
+    cache = ours.new_cache(1, 512)
+    ours.prefill(random_prompts(1, PROMPT_TOKENS, vocab, seed=5)[0], cache, 0)
+    tokens = torch.zeros(1, dtype=torch.int64, device=ours.device)
+    sections = []
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(8):
+            ours.decode(tokens, cache)
+        torch.cuda.synchronize()
+    events = prof.key_averages()
+    device_ms = sum(e.self_device_time_total for e in events) / 1000 / 8
+    sections.append(f"decode B=1, per step: graph replay {replay_ms:.3f} ms; kernels alone {device_ms:.3f} ms "
+                    f"(eager, summed); kernels per step {sum(e.count for e in events if e.self_device_time_total) / 8:.0f}\n"
+                    + events.table(sort_by="self_device_time_total", row_limit=25))
+    ids = random_prompts(1, PROMPT_TOKENS, vocab, seed=6)[0]
+    cache = ours.new_cache(1, PROMPT_TOKENS)
+    ours.prefill(ids, cache, 0)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        ours.prefill(ids, cache, 0)
+        torch.cuda.synchronize()
+    events = prof.key_averages()
+    sections.append(f"prefill {PROMPT_TOKENS} tokens: kernels {sum(e.self_device_time_total for e in events) / 1000:.2f} ms "
+                    f"on the device, host {sum(e.self_cpu_time_total for e in events) / 1000:.2f} ms\n"
+                    + events.table(sort_by="self_cpu_time_total", row_limit=25))
+    text = "\n\n".join(sections)
+    if out_dir is not None:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "profile_text_ours.txt").write_text(text)
+    return text
+
+
 # ---- main
 
 
@@ -167,6 +213,7 @@ def main():
     parser.add_argument("--impls", default=",".join(IMPLS), help=f"comma-separated, from {', '.join(IMPLS)}")
     parser.add_argument("--batches", default="1,8")
     parser.add_argument("--tiny", action="store_true", help="tiny random model on the CPU (logic check)")
+    parser.add_argument("--profile", action="store_true", help="also print kernel tables of ours (GPU)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     impls = args.impls.split(",")
@@ -224,6 +271,9 @@ def main():
                           prefill_ms=prefill_ms(impl, ours if impl == "ours" else hf, tokens, vocab, device)))
         if device.type == "cuda":
             torch.cuda.empty_cache()
+
+    if args.profile and device.type == "cuda":
+        print(profile_ours(ours, vocab, args.out), flush=True)
 
     if "ours" in impls:  # the prompt-enhancer case, on a 4B-shaped model
         del ours, hf
