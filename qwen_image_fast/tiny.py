@@ -1,6 +1,8 @@
 """A tiny random-weight Qwen-Image pipeline, built in memory with no download: for tests, CPU demos and
 `--model tiny-random`. Its images are noise from random weights, never a rendering of the prompt.
 
+Also a tiny random Qwen3.5 prompt enhancer (`--enhance tiny-random`): its rewrites are gibberish from random weights.
+
 Same component classes as the real checkpoint, shrunk (real size in the comments). The tokenizer is byte-level
 (every UTF-8 byte one token, no merges) with Qwen's chat special tokens, plus 18 added tokens for the fixed system
 prompt of QwenImagePipeline's template, so that, as with the real tokenizer, the template's prefix is 34 tokens
@@ -14,9 +16,16 @@ from diffusers import (
     QwenImagePipeline,
     QwenImageTransformer2DModel,
 )
-from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer
+from transformers import (
+    Qwen2_5_VLConfig,
+    Qwen2_5_VLForConditionalGeneration,
+    Qwen2Tokenizer,
+    Qwen3_5ForCausalLM,
+    Qwen3_5TextConfig,
+)
 
 TINY_MODEL_ID = "tiny-random"
+TINY_ENHANCER_ID = "tiny-random"
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 # QwenImagePipeline.prompt_template_encode's system prompt, in 18 pieces (the rest of its 34-token prefix is
 # "<|im_start|>", "system\n" (7 bytes), "<|im_end|>", "\n", "<|im_start|>", "user\n" (5 bytes)).
@@ -115,3 +124,68 @@ def tiny_components(seed: int = 0) -> dict:
 def tiny_pipeline(pipeline_class=QwenImagePipeline, seed: int = 0, **init_kwargs):
     """A tiny random-weight pipeline of `pipeline_class` (fp32, CPU)."""
     return pipeline_class(**tiny_components(seed), **init_kwargs)
+
+
+# ---- the tiny prompt enhancer
+
+# The text-only part of Qwen3.5's chat template: system / user / assistant turns, then the generation prompt, which
+# with enable_thinking=False pre-fills an empty think block and otherwise opens one.
+QWEN35_CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}"
+    "{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}"
+    "{%- else %}{{- '<think>\\n' }}{%- endif %}"
+    "{%- endif %}"
+)
+# Qwen3.5's <think> and </think> are added tokens that decoding keeps (not special).
+THINK_TOKENS = ("<think>", "</think>")
+# The real SYSTEM_PROMPT is ~2,300 byte-level tokens here: about a minute of prefill in Triton's interpreter.
+TINY_ENHANCER_SYSTEM_PROMPT = "Rewrite."
+TINY_QWEN35 = dict(
+    hidden_size=45,  # 2560 (4B)
+    intermediate_size=71,  # 9216
+    num_hidden_layers=2,  # 32
+    layer_types=["linear_attention", "full_attention"],  # 3 linear : 1 full, x8
+    num_attention_heads=4,  # 16
+    num_key_value_heads=2,  # 4
+    head_dim=24,  # 256
+    linear_num_key_heads=2,  # 16
+    linear_num_value_heads=4,  # 32
+    linear_key_head_dim=12,  # 128
+    linear_value_head_dim=20,  # 128
+    tie_word_embeddings=False,  # True in 4B; tied random weights greedily repeat the last input token
+    initializer_range=0.2,  # 0.02; smaller random weights give every prompt the same gibberish
+)
+
+
+def tiny_qwen35_tokenizer() -> Qwen2Tokenizer:
+    """Byte-level like tiny_tokenizer, with Qwen3.5's chat tokens, its think tags and QWEN35_CHAT_TEMPLATE."""
+    vocab = {symbol: i for i, symbol in enumerate(byte_symbols())}
+    for token in SPECIAL_TOKENS:
+        vocab[token] = len(vocab)
+    tokenizer = Qwen2Tokenizer(vocab=vocab, merges=[], eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                               additional_special_tokens=list(SPECIAL_TOKENS[1:]))
+    tokenizer.add_tokens(list(THINK_TOKENS))
+    tokenizer.chat_template = QWEN35_CHAT_TEMPLATE
+    return tokenizer
+
+
+def tiny_qwen35(vocab_size: int, seed: int = 0, **overrides):
+    """A tiny random transformers Qwen3_5ForCausalLM (fp32, CPU)."""
+    torch.manual_seed(seed)
+    return Qwen3_5ForCausalLM(Qwen3_5TextConfig(**{**TINY_QWEN35, "vocab_size": vocab_size, **overrides})).eval()
+
+
+def tiny_enhancer(seed: int = 0, max_new_tokens: int = 8, device="cpu"):
+    """A PromptEnhancer on a tiny random Qwen3.5 (fp32), greedy, with a one-line system prompt. Its rewrites are
+    gibberish from random weights. On a CPU its Triton kernels need TRITON_INTERPRET=1."""
+    from .pipelines.qwen35 import FastQwen35ForCausalLM
+    from .pipelines.qwen35.enhance import PromptEnhancer
+
+    tokenizer = tiny_qwen35_tokenizer()
+    model = FastQwen35ForCausalLM.from_transformers(tiny_qwen35(len(tokenizer), seed), device=device)
+    return PromptEnhancer(model, tokenizer, system_prompt=TINY_ENHANCER_SYSTEM_PROMPT, max_new_tokens=max_new_tokens,
+                          temperature=0.0, name=TINY_ENHANCER_ID)
