@@ -1,10 +1,13 @@
 """optimize(pipe, config): turn a diffusers QwenImagePipeline into a QwenImageFastPipeline in place.
 
 One apply_<name> per optimization; each returns the entries it actually applied, which become `pipe.applied`.
+Prompt enhancement is not an optimization (it changes the image) and is not in FastConfig: optimize's own
+`enhance_prompt` argument sets it, and it shows in `pipe.applied` as "enhance_prompt".
 """
 
 import inspect
 import logging
+import os
 
 import torch
 from diffusers import DPMSolverMultistepScheduler, QwenImagePipeline, UniPCMultistepScheduler
@@ -86,12 +89,42 @@ def apply_selective_cfg(pipe, config: FastConfig) -> list[str]:
     return [] if config.cfg_fraction == 1.0 else [f"cfg_fraction:{config.cfg_fraction:g}"]
 
 
-def optimize(pipe, config: FastConfig | str | None = None, device=None):
+def resolve_enhancer(enhance_prompt, device=None):
+    """None / False: no enhancer. True: PromptEnhancer.from_pretrained() (DEFAULT_ENHANCER_ID). A str or path: a
+    Qwen3.5 checkpoint (local folder or hub id); "tiny-random": tiny_enhancer(), random weights, for tests. An object
+    with an enhance(prompts) -> list[str] method (a PromptEnhancer): itself. device: where a loaded enhancer runs
+    (None: CUDA when available)."""
+    if enhance_prompt is None or enhance_prompt is False:
+        return None
+    from .pipelines.qwen35.enhance import DEFAULT_ENHANCER_ID, PromptEnhancer
+    from .tiny import TINY_ENHANCER_ID, tiny_enhancer
+
+    if enhance_prompt is True:
+        return PromptEnhancer.from_pretrained(DEFAULT_ENHANCER_ID, device=device)
+    if enhance_prompt == TINY_ENHANCER_ID:
+        return tiny_enhancer(device=device or "cpu")
+    if isinstance(enhance_prompt, (str, os.PathLike)):
+        return PromptEnhancer.from_pretrained(os.fspath(enhance_prompt), device=device)
+    if callable(getattr(enhance_prompt, "enhance", None)):
+        return enhance_prompt
+    raise TypeError(f"enhance_prompt={enhance_prompt!r}; allowed: None, False, True, a checkpoint path or hub id, "
+                    "or a PromptEnhancer")
+
+
+def apply_enhance_prompt(pipe, enhancer) -> list[str]:
+    """Prompts are rewritten by `enhancer` (None: off) before they are encoded; see QwenImageFastPipeline.__call__."""
+    pipe.prompt_enhancer = enhancer
+    pipe.last_enhanced_prompts = None
+    return [] if enhancer is None else ["enhance_prompt"]
+
+
+def optimize(pipe, config: FastConfig | str | None = None, device=None, enhance_prompt=None):
     """Convert `pipe` (a diffusers QwenImagePipeline) into a QwenImageFastPipeline in place and return it.
 
     config: a FastConfig, a preset name ("fast", "baseline") or None (= "fast"). device: where the fused
     transformer is built (default: where pipe.transformer is); build from a CPU pipeline straight onto the GPU
-    to never hold two BF16 copies there."""
+    to never hold two BF16 copies there. enhance_prompt: rewrite each prompt with a local Qwen3.5 before encoding
+    it (see resolve_enhancer; a loaded enhancer runs on `device`, or on CUDA when available if device is None)."""
     from .pipeline import QwenImageFastPipeline
 
     if not isinstance(pipe, QwenImagePipeline):
@@ -99,6 +132,7 @@ def optimize(pipe, config: FastConfig | str | None = None, device=None):
     if isinstance(pipe.transformer, FastQwenImageTransformer):
         raise ValueError("this pipeline is already optimized; call optimize() on a fresh QwenImagePipeline")
     config = FastConfig.preset(config or "fast") if not isinstance(config, FastConfig) else config
+    enhancer = resolve_enhancer(enhance_prompt, device)  # before any conversion: a load error leaves pipe as it was
     device = torch.device(device) if device is not None else pipe.transformer.device
     if config.attention != "auto" and config.fused_transformer:
         resolve_backend(config.attention, device, pipe.transformer.dtype)  # a clear error before any conversion
@@ -110,5 +144,6 @@ def optimize(pipe, config: FastConfig | str | None = None, device=None):
         + apply_cuda_graphs(pipe, config, device)
         + apply_scheduler(pipe, config)
         + apply_selective_cfg(pipe, config)
+        + apply_enhance_prompt(pipe, enhancer)
     )
     return pipe

@@ -9,6 +9,10 @@ Differences from the stock denoising loop, each switched by a FastConfig field (
 - selective CFG (lossy, off by default): guidance only on the first `cfg_fraction` of the steps.
 Text encoding, latent preparation and VAE decoding are diffusers' own.
 
+Prompt enhancement (off by default; `enhance_prompt=` of from_pretrained / from_pipe / optimize): a local Qwen3.5
+(PromptEnhancer) rewrites `prompt` into a detailed one before it is encoded; the negative prompt and prompt_embeds
+are left alone. `pipe.last_enhanced_prompts` holds the rewrites of the last call (None when there were none).
+
 Sizes: like diffusers, height and width that are not multiples of 16 are rounded down to one (with a warning).
 """
 
@@ -49,23 +53,29 @@ class QwenImageFastPipeline(QwenImagePipeline):
 
     fast_config: FastConfig
     applied: list[str]
+    prompt_enhancer = None  # a PromptEnhancer, or None: prompts are encoded as given
+    last_enhanced_prompts: list[str] | None = None
 
     @classmethod
-    def from_pretrained(cls, pretrained_model_name_or_path, *args, fast_config=None, device=None, **kwargs):
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, fast_config=None, device=None, enhance_prompt=None,
+                        **kwargs):
         """Loads the upstream checkpoint layout unchanged (hub id or local folder), then optimize().
-        device: where the fused transformer is built (e.g. "cuda" from a CPU load: one BF16 copy, on the CPU)."""
+        device: where the fused transformer is built (e.g. "cuda" from a CPU load: one BF16 copy, on the CPU).
+        enhance_prompt: None / False (off), True (PromptEnhancer.from_pretrained()), a Qwen3.5 checkpoint's path or
+        hub id, or a PromptEnhancer."""
         kwargs.setdefault("torch_dtype", torch.bfloat16)
         pipe = QwenImagePipeline.from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
-        return optimize(pipe, fast_config, device=device)
+        return optimize(pipe, fast_config, device=device, enhance_prompt=enhance_prompt)
 
     @classmethod
-    def from_pipe(cls, pipeline, fast_config=None, device=None, **kwargs):
+    def from_pipe(cls, pipeline, fast_config=None, device=None, enhance_prompt=None, **kwargs):
         """A fast pipeline sharing `pipeline`'s components (its transformer is left as it is and stays usable).
         Unlike diffusers' from_pipe, which casts the shared components to float32 unless told otherwise (and so
-        changes the source pipeline too), the dtype stays the source transformer's unless torch_dtype is given."""
+        changes the source pipeline too), the dtype stays the source transformer's unless torch_dtype is given.
+        enhance_prompt: as in from_pretrained."""
         kwargs.setdefault("torch_dtype", pipeline.transformer.dtype)
         pipe = QwenImagePipeline.from_pipe(pipeline, **kwargs)
-        return optimize(pipe, fast_config, device=device)
+        return optimize(pipe, fast_config, device=device, enhance_prompt=enhance_prompt)
 
     def _check_fast_inputs(self, prompt, negative_prompt, num_inference_steps, num_images_per_prompt):
         if isinstance(prompt, list) and not prompt:
@@ -154,6 +164,10 @@ class QwenImageFastPipeline(QwenImagePipeline):
             callback_on_step_end_tensor_inputs=callback_on_step_end_tensor_inputs,
             max_sequence_length=max_sequence_length,
         )
+        self.last_enhanced_prompts = None
+        if self.prompt_enhancer is not None and prompt is not None and prompt_embeds is None:
+            self.last_enhanced_prompts = self.prompt_enhancer.enhance(prompt)
+            prompt = self.last_enhanced_prompts[0] if isinstance(prompt, str) else self.last_enhanced_prompts
         self._guidance_scale = guidance_scale
         self._attention_kwargs = attention_kwargs or {}
         self._current_timestep = None

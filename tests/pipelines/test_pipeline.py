@@ -14,10 +14,11 @@ from diffusers.utils import logging as diffusers_logging
 from helpers import assert_close
 from transformers import Qwen2Tokenizer
 
-from qwen_image_fast import FastConfig, QwenImageFastPipeline, optimize
+from qwen_image_fast import FastConfig, PromptEnhancer, QwenImageFastPipeline, optimize
 from qwen_image_fast.kernels._utils import rel_rms_error
 from qwen_image_fast.optimize import make_scheduler
-from qwen_image_fast.tiny import tiny_components, tiny_tokenizer
+from qwen_image_fast.pipelines.qwen35.enhance import DEFAULT_ENHANCER_ID
+from qwen_image_fast.tiny import tiny_components, tiny_enhancer, tiny_tokenizer
 
 FIXTURE_TOKENIZER = Path(__file__).resolve().parents[1] / "fixtures" / "tiny_qwen_tokenizer"
 EXACT = FastConfig(fp8=False)  # numerics-neutral options only: BF16 mode (fp32 here), Euler, CFG every step
@@ -229,6 +230,91 @@ def test_cfg_scale_without_negative_prompt_warns_and_skips_cfg(caplog):
     with caplog.at_level(logging.WARNING):
         run(pipe, prompt="a cat", true_cfg_scale=4.0)
     assert "classifier-free guidance is not enabled" in caplog.text and sizes == [1, 1, 1]
+
+
+# ---- prompt enhancement
+
+
+class Rewriter:
+    """A stand-in prompt enhancer: appends ", detailed"; records what it was given."""
+
+    def __init__(self):
+        self.calls = []
+
+    def enhance(self, prompts):
+        self.calls.append(prompts)
+        return [p + ", detailed" for p in ([prompts] if isinstance(prompts, str) else prompts)]
+
+
+def spy_encode_prompt(pipe) -> list:
+    """Record the `prompt` of every encode_prompt call."""
+    seen, encode = [], pipe.encode_prompt
+
+    def spying(*args, **kwargs):
+        seen.append(kwargs["prompt"])
+        return encode(*args, **kwargs)
+
+    pipe.encode_prompt = spying
+    return seen
+
+
+def test_enhance_prompt_adds_exactly_its_applied_entry():
+    base = fast_pipeline(FastConfig()).applied
+    rewriter = Rewriter()
+    pipe = optimize(stock_pipeline(), FastConfig(), enhance_prompt=rewriter)
+    assert pipe.applied == base + ["enhance_prompt"] and pipe.prompt_enhancer is rewriter
+    for off in (None, False):
+        pipe = optimize(stock_pipeline(), FastConfig(), enhance_prompt=off)
+        assert pipe.applied == base and pipe.prompt_enhancer is None
+    assert optimize(stock_pipeline(), "baseline", enhance_prompt=rewriter).applied == ["enhance_prompt"]
+    assert QwenImageFastPipeline.from_pipe(stock_pipeline(), EXACT, enhance_prompt=rewriter).prompt_enhancer is rewriter
+
+
+def test_enhance_prompt_values(monkeypatch, tmp_path):
+    loads = []
+
+    def from_pretrained(cls, path_or_id, device=None):
+        loads.append((path_or_id, device))
+        return Rewriter()
+
+    monkeypatch.setattr(PromptEnhancer, "from_pretrained", classmethod(from_pretrained))
+    assert isinstance(optimize(stock_pipeline(), EXACT, enhance_prompt=True).prompt_enhancer, Rewriter)
+    optimize(stock_pipeline(), EXACT, device="cpu", enhance_prompt="someone/qwen35")
+    optimize(stock_pipeline(), EXACT, enhance_prompt=tmp_path)
+    assert loads == [(DEFAULT_ENHANCER_ID, None), ("someone/qwen35", "cpu"), (str(tmp_path), None)]
+    tiny = optimize(stock_pipeline(), EXACT, enhance_prompt="tiny-random").prompt_enhancer
+    assert isinstance(tiny, PromptEnhancer) and tiny.name == "tiny-random" and len(loads) == 3
+    stock = stock_pipeline()
+    with pytest.raises(TypeError, match="enhance_prompt=3; allowed"):
+        optimize(stock, EXACT, enhance_prompt=3)
+    assert type(stock) is QwenImagePipeline  # nothing converted
+    monkeypatch.setattr(QwenImagePipeline, "from_pretrained", lambda *args, **kwargs: stock_pipeline())
+    pipe = QwenImageFastPipeline.from_pretrained("anything", fast_config=EXACT, enhance_prompt=True)
+    assert pipe.applied[-1] == "enhance_prompt" and loads[-1] == (DEFAULT_ENHANCER_ID, None)
+
+
+def test_enhance_prompt_rewrites_prompts_not_negative_prompts_or_embeddings():
+    rewriter = Rewriter()
+    pipe = optimize(stock_pipeline(), EXACT, enhance_prompt=rewriter)
+    seen = spy_encode_prompt(pipe)
+    run(pipe, prompt="a cat", negative_prompt="blurry")
+    assert seen == ["a cat, detailed", "blurry"] and pipe.last_enhanced_prompts == ["a cat, detailed"]
+    embeds, mask = pipe.encode_prompt(prompt="a cat", device="cpu")
+    seen.clear()
+    run(pipe, prompt_embeds=embeds, prompt_embeds_mask=mask, true_cfg_scale=1.0)
+    assert seen == [None] and pipe.last_enhanced_prompts is None and rewriter.calls == ["a cat"]
+
+
+def test_enhance_prompt_with_the_tiny_enhancer_renders_the_rewrites():
+    enhancer = tiny_enhancer(max_new_tokens=3)
+    pipe = optimize(stock_pipeline(), EXACT, enhance_prompt=enhancer)
+    seen = spy_encode_prompt(pipe)
+    prompts = ["a cat", "a large dog in the park"]
+    latents = run(pipe, prompt=prompts, negative_prompt="blurry")
+    rewrites = pipe.last_enhanced_prompts
+    assert len(rewrites) == 2 and all(isinstance(r, str) and r for r in rewrites) and rewrites != prompts
+    assert seen == [rewrites, ["blurry", "blurry"]]
+    assert_close(latents, run(fast_pipeline(EXACT), prompt=rewrites, negative_prompt="blurry"), 1e-6)
 
 
 @pytest.mark.gpu
