@@ -6,13 +6,18 @@ Bad input exits with status 2 and a message, as argparse does, before any model 
 
 import argparse
 import os
+import re
 from pathlib import Path
 
 import torch
 
 from . import compare, render
 from .config import SCHEDULERS
+from .pipelines.qwen35.enhance import DEFAULT_ENHANCER_ID
 from .render import ASPECTS, REAL_MODEL_ID, TINY_MODEL_ID
+from .tiny import TINY_ENHANCER_ID
+
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 REAL_STEPS, REAL_CFG = 50, 4.0
 
@@ -70,6 +75,10 @@ def build_parser() -> argparse.ArgumentParser:
     add("--seed", type=int, default=0,
         help="base seed: prompt i gets seed+i (seed+crc32(id) with a JSONL id) unless its line gives one")
     add("--batch-size", type=int_at_least(1), default=1, help="prompts per pipeline call")
+    add("--enhance", nargs="?", const=DEFAULT_ENHANCER_ID, metavar="PATH_OR_ID",
+        help=f"rewrite each prompt into a detailed one with a local Qwen3.5 before rendering it, stored as "
+             f"enhanced_prompt (no value: {DEFAULT_ENHANCER_ID}; or a hub id or local folder; {TINY_ENHANCER_ID}: a "
+             f"tiny random model, its rewrites are gibberish). Put it after the prompts, or write --enhance=ID")
     add("--out", default="out", help="output folder (default ./out)")
     add("--format", choices=tuple(render.FORMATS), default="png")
     add("--device", help="default: cuda (cuda:LOCAL_RANK with several processes) if available, else cpu")
@@ -108,13 +117,26 @@ def resolve_device(name: str | None, local_rank: int) -> torch.device:
     return torch.device("cuda", local_rank) if device.type == "cuda" and device.index is None else device
 
 
-def check_triton_on_cpu(device: torch.device, preset: str):
-    """The fast preset's Triton kernels run on the CPU only under Triton's interpreter, which must be on before
-    triton is first imported (importing qwen_image_fast imports it)."""
-    if device.type == "cpu" and preset == "fast" and os.environ.get("TRITON_INTERPRET") != "1":
+def check_triton_on_cpu(device: torch.device, preset: str, enhance: str | None = None):
+    """The fast preset's and the prompt enhancer's Triton kernels run on the CPU only under Triton's interpreter,
+    which must be on before triton is first imported (importing qwen_image_fast imports it)."""
+    if device.type != "cpu" or os.environ.get("TRITON_INTERPRET") == "1":
+        return
+    if preset == "fast":
         raise ValueError("--preset fast on the CPU runs its Triton kernels in Triton's interpreter: start the "
                          "command with TRITON_INTERPRET=1 (it must be set before Python starts), or use "
                          "--preset baseline")
+    if enhance is not None:
+        raise ValueError("--enhance on the CPU runs the Qwen3.5 model's Triton kernels in Triton's interpreter: start "
+                         "the command with TRITON_INTERPRET=1 (it must be set before Python starts)")
+
+
+def check_enhancer(enhance: str | None):
+    """--enhance's value must name a model: `render --enhance "a red fox"` would otherwise take the prompt for one."""
+    if enhance is None or enhance == TINY_ENHANCER_ID or Path(enhance).is_dir() or HUB_ID.match(enhance):
+        return
+    raise ValueError(f"--enhance {enhance!r}: neither a local folder nor a hub id (owner/name); to rewrite with the "
+                     f"default model, put the prompts before --enhance or write --enhance={DEFAULT_ENHANCER_ID}")
 
 
 def render_defaults(args, tiny: bool) -> render.Defaults:
@@ -135,25 +157,27 @@ def render_defaults(args, tiny: bool) -> render.Defaults:
 
 def run_render(args) -> int:
     try:
+        check_enhancer(args.enhance)
         if args.prompt and args.prompts:
             raise ValueError("give prompts as arguments or with --prompts, not both")
         if not args.prompt and not args.prompts:
             raise ValueError("no prompts: give them as arguments or with --prompts FILE")
         rank, world_size, local_rank = distributed_env()
         device = resolve_device(args.device, local_rank)
-        check_triton_on_cpu(device, args.preset)
+        check_triton_on_cpu(device, args.preset, args.enhance)
         entries = render.read_prompt_file(args.prompts) if args.prompts else [{"prompt": p} for p in args.prompt]
         model, why = render.resolve_model(args.model, device)
         jobs = render.make_jobs(entries, render_defaults(args, tiny=model == TINY_MODEL_ID))
         out_dir = render.prepare_out_dir(args.out)
-        labels = render.labels_for(model, args.preset, args.scheduler)
+        labels = render.labels_for(model, args.preset, args.scheduler, enhancer=args.enhance)
     except ValueError as e:
         args.parser.error(str(e))
 
     prefix = f"rank {rank}/{world_size}: " if world_size > 1 else ""
     mine = render.shard(jobs, rank, world_size)
-    print(f"{prefix}model {model} ({why}), preset {args.preset}, device {device}; {len(mine)} of {len(jobs)} "
-          f"prompts -> {out_dir}", flush=True)
+    enhancer = f", prompts rewritten by {args.enhance}" if args.enhance else ""
+    print(f"{prefix}model {model} ({why}), preset {args.preset}, device {device}{enhancer}; {len(mine)} of "
+          f"{len(jobs)} prompts -> {out_dir}", flush=True)
 
     def load_pipe():
         try:
@@ -161,8 +185,15 @@ def run_render(args) -> int:
         except OSError as e:  # e.g. not on the hub and not a local folder, or not cached while offline
             args.parser.error(f"--model {model}: cannot load it ({e})")
 
+    def load_enhancer():
+        try:
+            return render.load_prompt_enhancer(args.enhance, device)
+        except OSError as e:
+            args.parser.error(f"--enhance {args.enhance}: cannot load it ({e})")
+
     summary = render.render_jobs(load_pipe, mine, out_dir, labels, fmt=args.format, resume=args.resume,
-                                 batch_size=args.batch_size, rank=rank, world_size=world_size)
+                                 batch_size=args.batch_size, rank=rank, world_size=world_size,
+                                 load_enhancer=load_enhancer if args.enhance else None)
     print(render.format_summary(summary, labels, out_dir, rank, world_size), flush=True)
     return 1 if summary.failed else 0
 

@@ -9,6 +9,10 @@ Output folder layout:
 
 Crash safety: an image is written to a temporary file, fsynced and renamed into place; only then is its manifest
 line appended (and fsynced). An image is done when its manifest line has the same settings and its file exists.
+
+Prompt enhancement (--enhance): each batch's prompts are rewritten by a local Qwen3.5 just before the batch renders;
+the rewrite is recorded as `enhanced_prompt` next to `prompt` (embedded and in the manifest), and `enhancer` (which
+model rewrote it) is one of the settings resume compares. Resume matches the original prompt, never the rewrite.
 """
 
 import fcntl
@@ -26,9 +30,9 @@ from PIL.PngImagePlugin import PngInfo
 from tqdm import tqdm
 
 from .config import FastConfig
-from .optimize import optimize
+from .optimize import optimize, resolve_enhancer
 from .pipeline import QwenImageFastPipeline
-from .tiny import TINY_MODEL_ID, tiny_pipeline
+from .tiny import TINY_ENHANCER_ID, TINY_MODEL_ID, tiny_pipeline
 
 REAL_MODEL_ID = "Qwen/Qwen-Image-2512"
 # Qwen-Image-2512's recommended negative prompt (QwenLM/Qwen-Image README).
@@ -47,6 +51,7 @@ TINY_SIZE, TINY_STEPS = 64, 2
 # One step gives NaN images: Qwen's scheduler stretches 1 - sigma by its last value (shift_terminal), 0 at 1 step.
 MIN_STEPS = 2
 TINY_NOTE = "noise from random weights (tiny-random test model), not a rendering of the prompt"
+TINY_ENHANCER_NOTE = "gibberish from random weights (tiny-random Qwen3.5), not a rewriting of the prompt"
 
 FORMATS = {"png": "PNG", "jpg": "JPEG", "webp": "WEBP"}
 EXIF_IMAGE_DESCRIPTION = 0x010E
@@ -90,12 +95,15 @@ class Job:
 
 @dataclass(frozen=True)
 class Labels:
-    """What produced the images, recorded with each of them. note: set for the tiny random model."""
+    """What produced the images, recorded with each of them. note: set for the tiny random model. enhancer: the
+    prompt enhancer's checkpoint (None: prompts rendered as given); enhancer_note: set for the tiny random one."""
 
     model: str
     scheduler: str
     config: str  # FastConfig.tag()
     note: str | None
+    enhancer: str | None = None
+    enhancer_note: str | None = None
 
 
 @dataclass
@@ -103,7 +111,8 @@ class Summary:
     written: int = 0
     skipped: int = 0
     failed: int = 0
-    seconds: float = 0.0  # wall time of the written images
+    seconds: float = 0.0  # wall time of the written images, prompt enhancement included
+    enhance_seconds: float = 0.0  # the part of it spent rewriting prompts
     applied: tuple[str, ...] = ()  # pipe.applied: what the fast pipeline really ran (empty: stock or not loaded)
 
     @property
@@ -231,10 +240,11 @@ def check_scheduler(preset: str, scheduler: str):
                          f"--scheduler {scheduler} needs --preset fast")
 
 
-def labels_for(model: str, preset: str, scheduler: str) -> Labels:
+def labels_for(model: str, preset: str, scheduler: str, enhancer: str | None = None) -> Labels:
     check_scheduler(preset, scheduler)
     return Labels(model=model, scheduler=scheduler, config=FastConfig.preset(preset).replace(scheduler=scheduler).tag(),
-                  note=TINY_NOTE if model == TINY_MODEL_ID else None)
+                  note=TINY_NOTE if model == TINY_MODEL_ID else None, enhancer=enhancer,
+                  enhancer_note=TINY_ENHANCER_NOTE if enhancer == TINY_ENHANCER_ID else None)
 
 
 def load_pipeline(model: str, preset: str, scheduler: str, device: torch.device):
@@ -258,15 +268,31 @@ def load_pipeline(model: str, preset: str, scheduler: str, device: torch.device)
     return pipe
 
 
+def load_prompt_enhancer(enhancer: str, device: torch.device):
+    """A PromptEnhancer on `device`: "tiny-random" (built in memory, random weights), else a Qwen3.5 checkpoint (hub
+    id or local folder)."""
+    return resolve_enhancer(enhancer, device)
+
+
 # ---- files
 
 
 def settings_of(job: Job, labels: Labels) -> dict:
-    """The settings embedded in an image and recorded in its manifest line (resume compares them)."""
+    """The settings embedded in an image and recorded in its manifest line (resume compares them). `enhancer` is
+    always there (None without --enhance), so a run with another enhancer, or none, renders the image again."""
     settings = dict(prompt=job.prompt, negative_prompt=job.negative_prompt, seed=job.seed, width=job.width,
                     height=job.height, steps=job.steps, cfg=job.cfg, scheduler=labels.scheduler, model=labels.model,
-                    config=labels.config)
-    return settings | ({"note": labels.note} if labels.note else {})
+                    config=labels.config, enhancer=labels.enhancer)
+    return (settings | ({"note": labels.note} if labels.note else {})
+            | ({"enhancer_note": labels.enhancer_note} if labels.enhancer_note else {}))
+
+
+def with_enhanced_prompt(settings: dict, enhanced: str | None) -> dict:
+    """settings with enhanced_prompt right after prompt (unchanged when enhanced is None)."""
+    if enhanced is None:
+        return settings
+    return {"prompt": settings["prompt"], "enhanced_prompt": enhanced,
+            **{k: v for k, v in settings.items() if k != "prompt"}}
 
 
 def fsync_folder(folder: Path):
@@ -419,12 +445,12 @@ def batches_of(jobs: list[Job], batch_size: int) -> list[list[Job]]:
     return batches
 
 
-def run_batch(pipe, batch: list[Job], on_step) -> list[Image.Image]:
-    """One pipeline call. One CPU generator per image: the same seed gives the same latents at any batch size and
-    on any device."""
+def run_batch(pipe, batch: list[Job], on_step, prompts: list[str] | None = None) -> list[Image.Image]:
+    """One pipeline call (prompts: what to render instead of the jobs' own, e.g. their rewrites). One CPU generator
+    per image: the same seed gives the same latents at any batch size and on any device."""
     first = batch[0]
     return pipe(
-        prompt=[job.prompt for job in batch],
+        prompt=prompts or [job.prompt for job in batch],
         negative_prompt=None if first.negative_prompt is None else [job.negative_prompt for job in batch],
         true_cfg_scale=first.cfg,
         width=first.width,
@@ -436,14 +462,19 @@ def run_batch(pipe, batch: list[Job], on_step) -> list[Image.Image]:
 
 
 def render_jobs(load_pipe: Callable, jobs: list[Job], out_dir: Path, labels: Labels, *, fmt: str = "png",
-                resume: bool = True, batch_size: int = 1, rank: int = 0, world_size: int = 1) -> Summary:
+                resume: bool = True, batch_size: int = 1, rank: int = 0, world_size: int = 1,
+                load_enhancer: Callable | None = None) -> Summary:
     """Render this rank's jobs into out_dir (prepare_out_dir first), skipping finished ones when resuming, then
-    merge the manifest. load_pipe() is called only if something is left to render. A failed batch is reported and
-    counted; the others go on."""
+    merge the manifest. load_pipe() and load_enhancer() (needed when labels.enhancer is set) are called only if
+    something is left to render. A failed batch (enhancement or rendering) is reported and counted; the others go
+    on."""
+    if labels.enhancer is not None and load_enhancer is None:
+        raise ValueError(f"labels.enhancer={labels.enhancer!r} needs load_enhancer")
     remove_stale_temp_files(out_dir, jobs)
     records = read_records(out_dir) if resume else {}
     pending = [job for job in jobs if not is_done(job, records, out_dir, fmt, labels)]
     summary = Summary(skipped=len(jobs) - len(pending))
+    enhancer = load_enhancer() if pending and labels.enhancer is not None else None
     pipe = load_pipe() if pending else None
     summary.applied = tuple(getattr(pipe, "applied", ()))
     shard_path = manifest_path(out_dir, rank, world_size)
@@ -461,21 +492,28 @@ def render_jobs(load_pipe: Callable, jobs: list[Job], out_dir: Path, labels: Lab
 
         for batch in batches:
             start = time.perf_counter()
+            enhanced, enhance_seconds = [None] * len(batch), 0.0
             try:
-                images = run_batch(pipe, batch, on_step)
+                if enhancer is not None:
+                    enhanced = enhancer.enhance([job.prompt for job in batch])
+                    enhance_seconds = time.perf_counter() - start
+                images = run_batch(pipe, batch, on_step, prompts=None if enhancer is None else enhanced)
             except Exception as e:  # e.g. out of memory at one size: report it and render the rest
                 summary.failed += len(batch)
                 tqdm.write(f"{prefix}failed: {', '.join(job.stem for job in batch)}: {type(e).__name__}: {e}")
                 continue
             seconds = (time.perf_counter() - start) / len(batch)
-            for job, image in zip(batch, images):
+            timing = {"seconds": round(seconds, 3)}
+            if enhancer is not None:
+                timing["enhance_seconds"] = round(enhance_seconds / len(batch), 3)
+            for job, image, rewrite in zip(batch, images, enhanced):
                 name = f"{job.stem}.{fmt}"
-                settings = settings_of(job, labels)
+                settings = with_enhanced_prompt(settings_of(job, labels), rewrite)
                 save_image(image, out_dir / name, fmt, settings)
                 append_line(shard_path, dict(file=name, id=job.id, index=job.index, **settings,
-                                             applied=list(summary.applied), seconds=round(seconds, 3), rank=rank,
-                                             time=time.time()))
+                                             applied=list(summary.applied), **timing, rank=rank, time=time.time()))
             summary.written += len(batch)
+            summary.enhance_seconds += enhance_seconds
             summary.seconds += time.perf_counter() - start
             images_bar.update(len(batch))
     merge_manifests(out_dir)
@@ -485,9 +523,13 @@ def render_jobs(load_pipe: Callable, jobs: list[Job], out_dir: Path, labels: Lab
 def format_summary(summary: Summary, labels: Labels, out_dir: Path, rank: int = 0, world_size: int = 1) -> str:
     prefix = f"rank {rank}/{world_size}: " if world_size > 1 else ""
     per_image = f"{summary.seconds_per_image:.2f} s/image" if summary.written else "no image rendered"
+    if summary.written and labels.enhancer is not None:
+        per_image += f" ({summary.enhance_seconds / summary.written:.2f} s of it rewriting the prompt)"
     lines = [f"{prefix}{summary.written} written, {summary.skipped} skipped (already done), {summary.failed} failed; "
              f"{per_image}; {out_dir / MANIFEST}"]
     if labels.note:
         lines.append(f"{prefix}note: these images are {labels.note}")
+    if labels.enhancer_note:
+        lines.append(f"{prefix}note: the enhanced prompts are {labels.enhancer_note}")
     return "\n".join(lines)
 

@@ -74,8 +74,9 @@ def unwritable_out(tmp_path):
     (unwritable_out, "not a writable folder"),
     (lambda tmp: [], "no prompts"),
     (lambda tmp: ["--scheduler", "unipc", "a cat"], "--preset baseline runs the stock diffusers pipeline"),
+    (lambda tmp: ["--enhance", "a cat"], "'a cat': neither a local folder nor a hub id"),
 ], ids=["aspect", "seed", "width", "steps", "empty-file", "malformed-jsonl", "jsonl-width", "unwritable-out",
-        "no-prompt", "baseline-scheduler"])
+        "no-prompt", "baseline-scheduler", "enhance-takes-the-prompt"])
 def test_bad_input_exits_2_with_a_message(make_args, message, tmp_path, capsys):
     args = ["render", *BASELINE, "--out", str(tmp_path / "out"), *make_args(tmp_path)]
     with pytest.raises(SystemExit) as exit_info:
@@ -90,6 +91,14 @@ def test_fast_preset_on_cpu_without_interpreter_exits_2(tmp_path, monkeypatch, c
         main(["render", *TINY, "--out", str(tmp_path), "a cat"])
     assert exit_info.value.code == 2
     assert "TRITON_INTERPRET=1" in capsys.readouterr().err
+
+
+def test_enhance_on_cpu_without_interpreter_exits_2(tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["render", *BASELINE, "--out", str(tmp_path), "a cat", "--enhance=tiny-random"])
+    assert exit_info.value.code == 2
+    assert "--enhance on the CPU" in capsys.readouterr().err
 
 
 def test_model_auto_uses_the_real_model_only_when_cached_and_on_a_gpu(monkeypatch):
@@ -159,6 +168,38 @@ def test_batches_give_the_same_images_as_one_at_a_time(tmp_path):
     assert main(["render", *BASELINE, "--batch-size", "3", "--out", str(tmp_path / "three"), *prompts]) == 0
     for line in manifest(tmp_path / "one"):
         assert np.abs(pixels(tmp_path / "one" / line["file"]) - pixels(tmp_path / "three" / line["file"])).max() <= 1
+
+
+@needs_interpreter
+def test_enhance_tiny_random_records_the_rewrites_and_resumes(tmp_path, capsys):
+    out_dir = tmp_path / "out"
+    args = ["render", *BASELINE, "--batch-size", "2", "--out", str(out_dir), "a cat", "a dog", "--enhance",
+            "tiny-random"]
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "2 written, 0 skipped" in out and "rewriting the prompt" in out and "gibberish from random weights" in out
+    lines = manifest(out_dir)
+    assert [line["prompt"] for line in lines] == ["a cat", "a dog"]
+    for line in lines:
+        assert line["enhancer"] == "tiny-random" and line["enhancer_note"] == render.TINY_ENHANCER_NOTE
+        assert line["enhanced_prompt"] not in ("", line["prompt"]) and line["enhance_seconds"] >= 0
+        embedded = render.read_settings(out_dir / line["file"])
+        assert list(embedded)[:2] == ["prompt", "enhanced_prompt"]
+        assert {key: embedded[key] for key in ("prompt", "enhanced_prompt", "enhancer", "enhancer_note")} == {
+            key: line[key] for key in ("prompt", "enhanced_prompt", "enhancer", "enhancer_note")}
+    # What was rendered is the rewrite: the rewrites as prompts (same seeds) give the same images.
+    rewrites = write_lines(tmp_path / "rewrites.jsonl", [json.dumps({"prompt": line["enhanced_prompt"]})
+                                                         for line in lines])
+    assert main(["render", *BASELINE, "--prompts", str(rewrites), "--out", str(tmp_path / "plain")]) == 0
+    for line in lines:
+        assert np.abs(pixels(out_dir / line["file"]) - pixels(tmp_path / "plain" / line["file"])).max() <= 1
+    capsys.readouterr()
+
+    assert main(args) == 0  # the same prompts and --enhance: done
+    assert "0 written, 2 skipped" in capsys.readouterr().out
+    assert main(args[:-2]) == 0  # no --enhance: other settings, rendered again
+    assert "2 written, 0 skipped" in capsys.readouterr().out
+    assert all(line["enhancer"] is None and "enhanced_prompt" not in line for line in manifest(out_dir))
 
 
 # ---- resume
