@@ -25,7 +25,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ...kernels.gdn import causal_conv1d_ref, chunk_gated_delta_rule_ref, gated_delta_rule_decode
+from ...kernels.gdn import causal_conv1d, chunk_gated_delta_rule_ref, gated_delta_rule_decode
 from ...kernels.qk_norm_rope import rms_norm_rope
 from ...kernels.rms_norm import add_rms_norm, gated_rms_norm, rms_norm
 from ...kernels.swiglu import silu_mul
@@ -51,8 +51,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta):
     fla = fla_chunk_gated_delta_rule() if q.is_cuda else None
     if fla is None:
         return chunk_gated_delta_rule_ref(q, k, v, g, beta)
-    groups = v.shape[2] // q.shape[2]
-    q, k = q.repeat_interleave(groups, dim=2), k.repeat_interleave(groups, dim=2)  # as upstream before it calls fla
+    # fla >= 0.5 maps value head j to q/k head j // (HV / H) itself (upstream repeats q and k first: two copies)
     return fla(q, k, v, g=g, beta=beta, output_final_state=True, use_qk_l2norm_in_kernel=True)
 
 
@@ -122,7 +121,7 @@ class DeltaNetLayer(Layer):
         recurrent [B, HV, Dk, Dv]) to receive the state after the last token."""
         bsz, t, _ = x.shape
         qkv, z, b, a = self._project(x)
-        qkv, conv_state = causal_conv1d_ref(qkv, self.conv_weight)  # [B, T, C], [B, C, K-1]
+        qkv, conv_state = causal_conv1d(qkv, self.conv_weight)  # [B, T, C] contiguous, [B, C, K-1]
         if state is not None:
             state[0].copy_(conv_state)
         q, k, v = qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)

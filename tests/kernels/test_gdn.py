@@ -8,8 +8,8 @@ from transformers.models.qwen3_5 import modeling_qwen3_5 as upstream
 from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
 
 from helpers import DEVICES, DTYPES, TOL, assert_close, assert_nearly_exact
-from qwen_image_fast.kernels._utils import rel_rms_error
 from qwen_image_fast.kernels.gdn import (
+    causal_conv1d,
     causal_conv1d_ref,
     chunk_gated_delta_rule_ref,
     gated_delta_rule_decode,
@@ -287,3 +287,56 @@ def test_decode_validation():
     state_dv_major = args[7].transpose(2, 3).contiguous().transpose(2, 3)  # right shape, wrong layout
     with pytest.raises(ValueError, match="recurrent_state must be contiguous"):
         gated_delta_rule_decode(*args[:7], state_dv_major, 2, 16, 32)
+
+
+# ---- the prefill's causal conv + SiLU kernel
+
+CONV_SHAPES = [  # (B, T, C, K, initial state)
+    (1, 1, 5, 4, False),  # one token: the taps before it read zeros
+    (1, 2, 33, 4, True),  # T < K-1: the final state keeps part of the initial one
+    (2, 37, 70, 4, True),  # odd T and C, partial tiles in both
+    (2, 40, 64, 2, False),
+]
+
+
+def conv_inputs(bsz, t, c, k, with_state, dtype, device, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    packed = torch.randn(bsz, t, c + 9, generator=g).to(device, dtype)  # x is a strided slice of a projection
+    weight = (torch.randn(c, k, generator=g) * 0.5).to(device, dtype)
+    state = torch.randn(bsz, c, k - 1, generator=g).to(device, dtype) if with_state else None
+    return packed[..., 3:3 + c], weight, state
+
+
+@pytest.mark.parametrize("shape", CONV_SHAPES, ids=str)
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("device", DEVICES)
+def test_causal_conv1d_matches_ref(device, dtype, shape):
+    x, weight, state = conv_inputs(*shape, dtype, device)
+    y, final_state = causal_conv1d(x, weight, state)
+    y_ref, final_ref = causal_conv1d_ref(x, weight, state)
+    assert y.is_contiguous() and torch.equal(final_state, final_ref)
+    assert_close(y.float(), y_ref.float(), TOL[dtype], f"{shape} {dtype}")
+    y_linear, _ = causal_conv1d(x, weight, state, activation=None)
+    assert_close(y_linear.float(), causal_conv1d_ref(x, weight, state, activation=None)[0].float(), TOL[dtype])
+
+
+@pytest.mark.parametrize("t", [128, 2048])
+@pytest.mark.gpu
+def test_causal_conv1d_real_width_gpu(t):
+    # Qwen3.5-9B: C = 2 x 16 x 128 + 32 x 128 = 8192 conv channels, K = 4, one prompt
+    x, weight, _ = conv_inputs(1, t, 8192, 4, False, torch.bfloat16, "cuda")
+    y, final_state = causal_conv1d(x, weight)
+    y_ref, final_ref = causal_conv1d_ref(x, weight)
+    assert torch.equal(final_state, final_ref)
+    # fp32 sums in another order than cuDNN's: an ulp where a rounding flips, then through SiLU
+    assert_nearly_exact(y, y_ref, f"T={t}", max_ulp=2, max_frac=1e-2)
+
+
+def test_causal_conv1d_validation():
+    x, weight, state = conv_inputs(2, 5, 8, 4, True, torch.float32, "cpu")
+    with pytest.raises(ValueError, match=re.escape("weight has shape (9, 4); expected [C, K] = [8, K]")):
+        causal_conv1d(x, weight.new_zeros(9, 4))
+    with pytest.raises(ValueError, match=re.escape("initial_state must have shape (2, 8, 3), got (2, 8, 2)")):
+        causal_conv1d(x, weight, state[..., :2].contiguous())
+    with pytest.raises(ValueError, match="activation must be 'silu' or None, got 'gelu'"):
+        causal_conv1d(x, weight, state, activation="gelu")
