@@ -10,8 +10,10 @@ random bf16 weights (transformers' init, std 0.02), one copy shared by the HF im
 Correctness gate, before any timing: logits of a 128-token prefill and 8 cached greedy decode steps, ours and HF
 bf16 both against an fp32 copy of the model; ours must be within 2x of HF bf16's own error (+1e-3), otherwise
 no speed is reported. Then, with 128-token random prompts:
-  decode tok/s: B * (N2 - N1) / (t(N2) - t(N1)) over two generate calls of N1 and N2 new tokens (prefill and
-      set-up cancel out), greedy, no stop token, the same cache length for both calls (no recompiles);
+  decode tok/s: B * (N - 1) / (time from the first generated token to the last), from per-step host timestamps
+      (ours: generate's stream callback; HF: a streamer), N = 64 new tokens, greedy, no stop token, median of 3
+      after a warm-up; prefill is outside the interval (an earlier version timed two generate lengths and took
+      the difference: the B=8 prefill's jitter did not cancel and gave impossible B=8 rates);
   prefill ms: one 128- and one 2048-token prompt (ours: prefill into a cache slot; HF: forward with
       logits_to_keep=1), median of 5 after warm-up;
   floor tok/s: B / (bytes a decode step must move / device-to-device copy bandwidth measured in this run), bytes =
@@ -109,27 +111,53 @@ def gate(hf, ours, vocab: int, device) -> dict:
 
 
 def ours_generate(ours, cache_len):
-    def run(prompts: torch.Tensor, n: int):
-        return generate(ours, prompts.tolist(), n, max_cache_len=cache_len)
+    def run(prompts: torch.Tensor, n: int) -> list[float]:
+        """Generates n tokens per prompt; returns the host time at which each step's tokens were read (each read
+        waits for its step)."""
+        stamps = []
+        generate(ours, prompts.tolist(), n, max_cache_len=cache_len,
+                 stream=lambda step, tokens: stamps.append(time.perf_counter()))
+        return stamps
     return run
 
 
 def hf_generate(hf, cache_len, compiled: bool):
+    from transformers.generation.streamers import BaseStreamer
+
+    class Stamps(BaseStreamer):
+        """put() gets the prompt, then each step's tokens on the host (after the step)."""
+
+        def __init__(self):
+            self.stamps = []
+
+        def put(self, value):
+            self.stamps.append(time.perf_counter())
+
+        def end(self):
+            pass
+
     extra = dict(cache_implementation="static", max_cache_len=cache_len) if compiled else dict(disable_compile=True)
 
-    def run(prompts: torch.Tensor, n: int):
+    def run(prompts: torch.Tensor, n: int) -> list[float]:
         ids = prompts.to(hf.device)
-        return hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-                           do_sample=False, pad_token_id=0, **extra)
+        streamer = Stamps()
+        hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                    pad_token_id=0, streamer=streamer, **extra)
+        return streamer.stamps[1:]  # drop the prompt's
     return run
 
 
-def decode_tok_s(run, batch: int, vocab: int, n1: int, n2: int, device) -> float:
+def decode_tok_s(run, batch: int, vocab: int, n: int) -> float:
+    """batch * (n - 1) tokens over the time from the first generated token (after prefill) to the last: the decode
+    steps alone, median of 3 runs after a warm-up (compiles, captures graphs, allocates the cache)."""
     prompts = random_prompts(batch, PROMPT_TOKENS, vocab, seed=2)
-    run(prompts, n1)  # warm-up: compiles, captures graphs, allocates the cache
-    t1 = seconds(lambda: run(prompts, n1), device)
-    t2 = seconds(lambda: run(prompts, n2), device)
-    return batch * (n2 - n1) / (t2 - t1)
+    run(prompts, n)
+    rates = []
+    for _ in range(3):
+        stamps = run(prompts, n)
+        assert len(stamps) == n, f"{len(stamps)} step times for {n} new tokens"
+        rates.append(batch * (n - 1) / (stamps[-1] - stamps[0]))
+    return statistics.median(rates)
 
 
 def prefill_ms(impl: str, model, tokens: int, vocab: int, device) -> float:
@@ -227,8 +255,8 @@ def main():
         impls = [i for i in impls if i != "hf-compile"]
     env = {} if args.tiny else environment()
     bandwidth = None if args.tiny else copy_bandwidth_gbps()
-    n1, n2 = (2, 6) if args.tiny else (16, 80)
-    cache_len = PROMPT_TOKENS + n2 + 8
+    new_tokens = 6 if args.tiny else 64
+    cache_len = PROMPT_TOKENS + new_tokens + 8
 
     hf = build_hf(TINY_CONFIG if args.tiny else {}, device, dtype)
     ours = FastQwen35ForCausalLM.from_transformers(hf, device=device)
@@ -259,10 +287,10 @@ def main():
     for impl in impls:
         run = runners[impl]()
         for batch in batches:
-            tok_s = decode_tok_s(run, batch, vocab, n1, n2, device)
+            tok_s = decode_tok_s(run, batch, vocab, new_tokens)
             floor = (None if bandwidth is None else
-                     batch * bandwidth * 1e9 / decode_bytes(ours, batch, PROMPT_TOKENS + (n1 + n2) // 2))
-            emit(dict(base, impl=impl, batch=batch, prompt_tokens=PROMPT_TOKENS, new_tokens=[n1, n2],
+                     batch * bandwidth * 1e9 / decode_bytes(ours, batch, PROMPT_TOKENS + new_tokens // 2))
+            emit(dict(base, impl=impl, batch=batch, prompt_tokens=PROMPT_TOKENS, new_tokens=new_tokens,
                       decode_tok_s=tok_s, prefill_ms=None, floor_tok_s=floor,
                       fraction_of_floor=None if floor is None else tok_s / floor))
         if impl != "hf-compile":  # compiled prefill is not what generate's compile covers
