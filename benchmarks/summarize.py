@@ -1,5 +1,5 @@
-"""Print markdown tables of the latest benchmark rows (per op/shape/impl, or per transformer impl/shape) from
-results/*.jsonl, for benchmarks/RESULTS.md.
+"""Print markdown tables of the latest benchmark rows (kernels per op/shape/impl, transformer per impl/shape,
+pipeline per variant/size, text per impl/batch/prompt) from results/*.jsonl, for benchmarks/RESULTS.md.
 
     python3 benchmarks/summarize.py
 """
@@ -14,7 +14,9 @@ def latest(name: str, key) -> dict:
     rows = {}
     for line in (RESULTS / f"{name}.jsonl").read_text().splitlines():
         row = json.loads(line)
-        rows[key(row)] = row  # later lines win
+        k = key(row)
+        if k not in rows or row.get("date", "") >= rows[k].get("date", ""):  # the newest run wins
+            rows[k] = row
     return rows
 
 
@@ -57,8 +59,35 @@ def transformer_table() -> str:
     return "\n".join(out)
 
 
+def pipeline_table() -> str:
+    rows = latest("pipeline", lambda r: (r["variant"], r["resolution"], r["steps"], r.get("tokenizer", "byte-level")))
+    out = ["| pipeline | size | steps | text tokenizer | s / image | ms / step | VAE ms | peak GiB | latent rel_err "
+           "| PSNR dB | commit |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for (variant, resolution, steps, tokenizer), r in rows.items():
+        out.append(f"| {r['impl']} {variant} | {resolution} | {steps} | {tokenizer} | {r['seconds']:.2f} | "
+                   f"{r['ms_per_step']:.1f} | {r['vae_ms']:.1f} | {fmt(r['peak_gib'], '.1f')} | "
+                   f"{fmt(r['latent_rel_err'], '.2e')} | {fmt(r['psnr'], '.1f')} | {r['commit']} |")
+    return "\n".join(out)
+
+
+def text_table() -> str:
+    rows = latest("text", lambda r: (r["impl"], r["batch"], r["prompt_tokens"], r.get("case"),
+                                     r.get("decode_tok_s") is None))
+    out = ["| impl | case | B | prompt tokens | decode tok/s | floor tok/s | prefill ms | seconds | commit |",
+           "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows.values():
+        out.append(f"| {r['impl']} | {r.get('case') or '-'} | {r['batch']} | {r['prompt_tokens']} | "
+                   f"{fmt(r.get('decode_tok_s'), '.1f')} | {fmt(r.get('floor_tok_s'), '.0f')} | "
+                   f"{fmt(r.get('prefill_ms'), '.2f')} | {fmt(r.get('seconds'), '.3f')} | {r['commit']} |")
+    return "\n".join(out)
+
+
 if __name__ == "__main__":
     print("## Kernels\n")
     print(kernels_table())
     print("\n## Transformer\n")
     print(transformer_table())
+    print("\n## Pipeline\n")
+    print(pipeline_table())
+    print("\n## Text\n")
+    print(text_table())
