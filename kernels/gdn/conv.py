@@ -4,7 +4,9 @@ For each sequence, with x [T, C] (channels contiguous: a slice of the packed inp
 the K-1 previous inputs s [C, K-1] (zeros without an initial state):
     y[t, c] = silu(round(sum_k weight[c, k] * x'[t + k, c]))     x' = (s^T, x) along time; fp32 sum, rounded to
                                                                  x's dtype, SiLU rounded again (F.conv1d then SiLU
-                                                                 in the model dtype, as upstream `causal_conv1d_fn`)
+                                                                 in the model dtype, as transformers' PyTorch
+                                                                 `causal_conv1d_fn`; the causal-conv1d CUDA package
+                                                                 rounds once)
     final_state = the last K-1 rows of x', as [C, K-1] (what the decode step continues from)
 Matches `causal_conv1d_ref` (naive.py). Upstream transposes to [C, T] for F.conv1d; this kernel reads the strided
 projection in place and writes y [T, C] contiguous, so q, k, v are views of it.

@@ -264,6 +264,24 @@ def test_decode_kernel_fp32_gpu():
     check_decode(args, 16, 128, 128, steps=3, what="9B fp32")
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_decode_kernel_decay_over_the_softplus_range(device):
+    # Zero input and conv state make q = k = v = 0, so the step only decays the state: S = S * exp(g) with
+    # g = -exp(A_log) * softplus(a + dt_bias). a runs over softplus's series (exp(a) < 1e-2), log and linear
+    # (a > 20) branches; exp(A_log) = 16 below a = 4, 0.05 above, to keep exp(g) inside fp32's range.
+    args = list(decode_inputs(1, 2, 64, 16, 16, 3, torch.float32, device))
+    args[0], args[3] = torch.zeros_like(args[0]), torch.zeros_like(args[3])
+    a = torch.cat([torch.linspace(-30, 4, 48), torch.linspace(18, 30, 16)]).double().to(device)
+    rate = torch.where(a < 10, 16.0, 0.05)
+    args[1], args[5], args[6] = a[None].float(), rate.float().log(), args[6].zero_()
+    before = args[7].clone()
+    gated_delta_rule_decode(*args, 2, 16, 16)
+    g = (args[7] / before).double().mean(dim=(0, 2, 3)).log()  # [HV]
+    expected = -rate * torch.nn.functional.softplus(a)
+    # fp32 exp and the state product round: ~1e-7 of |g|; softplus as plain log(1 + e) fails this (5e-7 at a = -3)
+    assert ((g - expected).abs() <= 2.5e-7 * expected.abs().clamp(min=1)).all(), (g - expected)
+
+
 def test_decode_validation():
     args = list(decode_inputs(2, 2, 4, 16, 32, 3, torch.bfloat16, "cpu"))
     calls = [
