@@ -8,8 +8,10 @@ generate with a static cache + torch.compile, and ours (FastQwen35ForCausalLM + 
 Model: the Qwen3.5-9B shape (transformers' default Qwen3_5TextConfig: hidden 4096, 32 layers, vocab 248320) with
 random bf16 weights (transformers' init, std 0.02), one copy shared by the HF impls and packed into ours.
 Correctness gate, before any timing: logits of a 128-token prefill and 8 cached greedy decode steps, ours and HF
-bf16 both against an fp32 copy of the model; ours must be within 2x of HF bf16's own error (+1e-3), otherwise
-no speed is reported. Then, with 128-token random prompts:
+bf16 both against an fp32 copy of the model; ours must be within 2x of HF bf16's own error (+1e-3), and on CUDA
+the graph-replayed decode must pick the eager decode's greedy tokens; otherwise no speed is reported (the
+4B-shaped enhancer model passes the same gate). On CUDA, fla-core must be installed (else ours' prefill would be
+the PyTorch reference). Then, with 128-token random prompts:
   decode tok/s: B * (N - 1) / (time from the first generated token to the last), from per-step host timestamps
       (ours: generate's stream callback; HF: a streamer), N = 64 new tokens, greedy, no stop token, median of 3
       after a warm-up; prefill is outside the interval (an earlier version timed two generate lengths and took
@@ -27,6 +29,7 @@ Rows go to results/text.jsonl.
 
 import argparse
 import copy
+import os
 import statistics
 import sys
 import time
@@ -35,10 +38,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import append_results, copy_bandwidth_gbps, environment  # noqa: E402
+from common import append_results, copy_bandwidth_gbps, environment, sync  # noqa: E402
 
 from qwen_image_fast.kernels._utils import rel_rms_error  # noqa: E402
 from qwen_image_fast.pipelines.qwen35 import FastQwen35ForCausalLM, generate  # noqa: E402
+from qwen_image_fast.pipelines.qwen35.model import fla_chunk_gated_delta_rule  # noqa: E402
 
 IMPLS = ("ours", "hf-eager", "hf-compile")
 PROMPT_TOKENS = 128
@@ -63,11 +67,6 @@ def build_hf(config_kwargs: dict, device, dtype):
     return model.eval()
 
 
-def sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
 def seconds(fn, device) -> float:
     sync(device)
     t0 = time.perf_counter()
@@ -87,9 +86,11 @@ def random_prompts(batch: int, length: int, vocab: int, seed: int) -> torch.Tens
 @torch.no_grad()
 def gate(hf, ours, vocab: int, device) -> dict:
     """rel-RMS of ours and of HF bf16 against HF in fp32: prefill logits, then GATE_DECODE_STEPS cached steps
-    (the tokens ours picks greedily, teacher-forced through both HF models without a cache)."""
+    (the tokens ours picks greedily, teacher-forced through both HF models without a cache). On CUDA the timed
+    path, the CUDA-graph decode step, must also pick the same greedy tokens as the eager one."""
     prompt = random_prompts(1, PROMPT_TOKENS, vocab, seed=1)[0]
     new = generate(ours, [prompt.tolist()], GATE_DECODE_STEPS, cuda_graph=False)[0]
+    graph_same = device.type != "cuda" or generate(ours, [prompt.tolist()], GATE_DECODE_STEPS)[0] == new
     cache = ours.new_cache(1, PROMPT_TOKENS + GATE_DECODE_STEPS)
     logits = [ours.prefill(prompt, cache, 0)]
     for token in new[:-1]:
@@ -104,7 +105,18 @@ def gate(hf, ours, vocab: int, device) -> dict:
     if device.type == "cuda":
         torch.cuda.empty_cache()
     err_ours, err_hf = rel_rms_error(ours_logits, ref), rel_rms_error(hf_bf16, ref)
-    return dict(gate_err_ours=err_ours, gate_err_hf_bf16=err_hf, gate_ok=err_ours <= 2 * err_hf + 1e-3)
+    return dict(gate_err_ours=err_ours, gate_err_hf_bf16=err_hf, gate_graph_tokens_equal=graph_same,
+                gate_ok=err_ours <= 2 * err_hf + 1e-3 and graph_same)
+
+
+def check_gate(hf, ours, vocab: int, device, name: str) -> dict:
+    checked = gate(hf, ours, vocab, device)
+    print(f"gate ({name}): ours {checked['gate_err_ours']:.3e}, HF bf16 {checked['gate_err_hf_bf16']:.3e} rel-RMS "
+          f"vs HF fp32, graph tokens equal {checked['gate_graph_tokens_equal']} "
+          f"-> {'ok' if checked['gate_ok'] else 'FAILED: no speed reported'}", flush=True)
+    if not checked["gate_ok"]:
+        sys.exit(1)
+    return checked
 
 
 # ---- timing
@@ -229,7 +241,7 @@ def profile_ours(ours, vocab: int, out_dir: Path | None) -> str:
     text = "\n\n".join(sections)
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / "profile_text_ours.txt").write_text(text)
+        (out_dir / f"profile_text_ours_{os.environ.get('BENCH_COMMIT', 'local')}.txt").write_text(text)
     return text
 
 
@@ -261,12 +273,11 @@ def main():
     hf = build_hf(TINY_CONFIG if args.tiny else {}, device, dtype)
     ours = FastQwen35ForCausalLM.from_transformers(hf, device=device)
     vocab = hf.config.vocab_size
-    checked = gate(hf, ours, vocab, device)
-    print(f"gate: ours {checked['gate_err_ours']:.3e}, HF bf16 {checked['gate_err_hf_bf16']:.3e} rel-RMS vs HF fp32 "
-          f"-> {'ok' if checked['gate_ok'] else 'FAILED: no speed reported'}", flush=True)
-    if not checked["gate_ok"]:
-        sys.exit(1)
-    base = dict(env, bench="text", model="Qwen3.5-9B shape, random weights", copy_gbps=bandwidth, **checked)
+    if device.type == "cuda" and fla_chunk_gated_delta_rule() is None:
+        sys.exit("fla-core is not installed: ours would time the PyTorch chunked reference as its prefill")
+    checked = check_gate(hf, ours, vocab, device, "tiny" if args.tiny else "9B")
+    base = dict(env, bench="text", model="Qwen3.5-9B shape, random weights", copy_gbps=bandwidth,
+                decode_method="per-step", **checked)
     rows = []
 
     def emit(row):
@@ -309,6 +320,7 @@ def main():
             torch.cuda.empty_cache()
         hf4 = build_hf(TINY_CONFIG if args.tiny else CONFIG_4B, device, dtype)
         ours4 = FastQwen35ForCausalLM.from_transformers(hf4, device=device)
+        checked4 = check_gate(hf4, ours4, hf4.config.vocab_size, device, "tiny" if args.tiny else "4B-shaped")
         del hf4
         params = sum(p.numel() for p in ours4.parameters())
         prompt = random_prompts(1, 300, ours4.embed_tokens.shape[0], seed=4)
@@ -318,7 +330,7 @@ def main():
         total = statistics.median(seconds(lambda: run(prompt, new_tokens), device) for _ in range(3))
         emit(dict(env, bench="text", impl="ours", case="enhance", model=f"4B-shaped guess, {params / 1e9:.2f}B params, "
                   "random weights", batch=1, prompt_tokens=300, new_tokens=new_tokens, seconds=total,
-                  decode_tok_s=None, prefill_ms=None))
+                  decode_tok_s=None, prefill_ms=None, **checked4))
 
 
 if __name__ == "__main__":

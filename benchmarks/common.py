@@ -1,6 +1,7 @@
 """Shared by the GPU benchmarks: timing, hardware ceilings measured in the same run, and the results log."""
 
 import datetime
+import hashlib
 import json
 import os
 import subprocess
@@ -10,6 +11,11 @@ import torch
 import triton
 
 RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def sync(device: torch.device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
 
 
 def bench_ms(fn, warmup_ms: int = 50, rep_ms: int = 300) -> float:
@@ -54,18 +60,22 @@ def environment() -> dict:
         except OSError:
             return ""
 
+    diff = git("diff", "--", ".", ":!benchmarks/results")
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         # the device machine gets the work tree without .git: the command passes the commit in BENCH_COMMIT
         "commit": os.environ.get("BENCH_COMMIT") or git("rev-parse", "--short", "HEAD") or None,
         # results/*.jsonl are appended by the runs themselves: not a code change
         "dirty": bool(git("status", "--porcelain", "--untracked-files=no", "--", ".", ":!benchmarks/results")),
+        "diff_sha1": hashlib.sha1(diff.encode()).hexdigest()[:12] if diff else None,  # ties a dirty run to its code
         "gpu": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "triton": triton.__version__,
         "diffusers": version("diffusers"),
         "torchao": version("torchao"),
         "flash_attn_4": version("flash-attn-4"),
+        "transformers": version("transformers"),
+        "fla_core": version("fla-core"),
     }
 
 

@@ -22,6 +22,7 @@ import dataclasses
 import functools
 import gc
 import os
+import shutil
 import statistics
 import sys
 from pathlib import Path
@@ -49,6 +50,7 @@ def save_random_checkpoint(folder: Path) -> Path:
     from bench_pipeline import full_size_stock_pipeline
 
     partial = folder.with_name(folder.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)  # an interrupted earlier save
     full_size_stock_pipeline().save_pretrained(partial, safe_serialization=True)
     partial.rename(folder)
     gc.collect()

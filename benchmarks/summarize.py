@@ -73,11 +73,15 @@ def pipeline_table() -> str:
 def text_table() -> str:
     rows = latest("text", lambda r: (r["impl"], r["batch"], r["prompt_tokens"], r.get("case"),
                                      r.get("decode_tok_s") is None))
-    out = ["| impl | case | B | prompt tokens | decode tok/s | floor tok/s | prefill ms | seconds | commit |",
-           "|---|---|---|---|---|---|---|---|---|"]
+    out = ["| impl | case | B | prompt tokens | decode tok/s | decode timing | floor tok/s | prefill ms | seconds "
+           "| commit |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows.values():
+        # rows before per-step timestamps took the difference of two generate lengths: prefill jitter leaks in,
+        # badly at B > 1 (see RESULTS.md)
+        method = r.get("decode_method") or ("two-length, unsound" if r["batch"] > 1 else "two-length")
         out.append(f"| {r['impl']} | {r.get('case') or '-'} | {r['batch']} | {r['prompt_tokens']} | "
-                   f"{fmt(r.get('decode_tok_s'), '.1f')} | {fmt(r.get('floor_tok_s'), '.0f')} | "
+                   f"{fmt(r.get('decode_tok_s'), '.1f')} | {method if r.get('decode_tok_s') else '-'} | "
+                   f"{fmt(r.get('floor_tok_s'), '.0f')} | "
                    f"{fmt(r.get('prefill_ms'), '.2f')} | {fmt(r.get('seconds'), '.3f')} | {r['commit']} |")
     return "\n".join(out)
 
