@@ -7,8 +7,8 @@ B new tokens (one small copy a step) to stream them and check stop tokens. Finis
 batch, so the shapes stay static; their tokens are dropped. On the CPU the same step runs eagerly.
 
 The cache, token buffer, random generator and graphs live in a Decoder kept on the model, so a later call with the
-same batch size and cache length replays the graphs it captured. The cache length defaults to the longest prompt plus
-max_new_tokens rounded up to CACHE_LEN_STEP, so calls with similar lengths share one.
+same batch size and cache length replays the graphs it captured. The cache length defaults to the positions written
+(longest prompt + max_new_tokens - 1) rounded up to CACHE_LEN_STEP, so calls with similar lengths share one.
 """
 
 from dataclasses import dataclass
@@ -69,11 +69,11 @@ class Decoder:
         and capture run real steps on the cache."""
         if not self.use_graph or sampling in self.graphs:
             return
-        self.cache.lengths.zero_()  # the warm-up steps write K/V at these positions
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):  # compiles the Triton kernels and settles the allocator outside the capture
             for _ in range(2):
+                self.cache.lengths.zero_()  # each warm-up step writes K/V at position 0: a 1-long cache fits
                 self._step(sampling)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
@@ -93,11 +93,16 @@ class Decoder:
 def decoder_for(model: FastQwen35ForCausalLM, batch: int, max_len: int, cuda_graph: bool) -> Decoder:
     """The model's Decoder for this shape; only the latest is kept (a cache at the real sizes takes gigabytes)."""
     key = (batch, max_len, cuda_graph and model.device.type == "cuda")
-    decoder = getattr(model, "_decoder", None)
-    if decoder is None or decoder.key != key:
-        model._decoder = None  # frees the old cache and graphs before allocating the new ones
+    if getattr(model, "_decoder", None) is None or model._decoder.key != key:
+        model._decoder = None  # the only reference: frees the old cache and graphs before allocating the new ones
         model._decoder = Decoder(model, *key)
     return model._decoder
+
+
+def cache_positions(prompt_len: int, max_new_tokens: int) -> int:
+    """Cache positions a sequence writes: its prompt, then every new token but the last (the first comes from
+    prefill's logits, the last is never fed back)."""
+    return prompt_len + max_new_tokens - 1
 
 
 def _check_args(model, prompts, max_new_tokens, temperature, top_p, top_k, max_cache_len):
@@ -118,9 +123,10 @@ def _check_args(model, prompts, max_new_tokens, temperature, top_p, top_k, max_c
     if top_k < 0:
         raise ValueError(f"top_k={top_k}: must be >= 0 (0 is off)")
     longest = max(len(prompt) for prompt in prompts)
-    if max_cache_len is not None and longest + max_new_tokens > max_cache_len:
-        raise ValueError(f"the longest prompt ({longest} tokens) + max_new_tokens={max_new_tokens} = "
-                         f"{longest + max_new_tokens} exceeds max_cache_len={max_cache_len}")
+    if max_cache_len is not None and cache_positions(longest, max_new_tokens) > max_cache_len:
+        raise ValueError(f"the longest prompt ({longest} tokens) + max_new_tokens={max_new_tokens} - 1 = "
+                         f"{cache_positions(longest, max_new_tokens)} cache positions needed, more than "
+                         f"max_cache_len={max_cache_len}")
 
 
 @torch.no_grad()
@@ -142,12 +148,12 @@ def generate(
     token in stop_token_ids (not included in its output). Greedy when temperature == 0; otherwise sampling on the
     device with a generator seeded from `seed` (None: a random seed). stream(step, new_tokens) is called after each
     step with one entry per prompt: the new token, or None for a sequence that has finished. cuda_graph: replay the
-    step from a CUDA graph (CUDA only). max_cache_len: the cache length (default: longest prompt + max_new_tokens,
-    rounded up to CACHE_LEN_STEP). Returns the new tokens of each prompt."""
+    step from a CUDA graph (CUDA only). max_cache_len: the cache length, at least longest prompt + max_new_tokens - 1
+    (the default, rounded up to CACHE_LEN_STEP). Returns the new tokens of each prompt."""
     _check_args(model, prompts, max_new_tokens, temperature, top_p, top_k, max_cache_len)
     longest = max(len(prompt) for prompt in prompts)
     if max_cache_len is None:
-        max_cache_len = -(-(longest + max_new_tokens) // CACHE_LEN_STEP) * CACHE_LEN_STEP
+        max_cache_len = -(-cache_positions(longest, max_new_tokens) // CACHE_LEN_STEP) * CACHE_LEN_STEP
     sampling = Sampling(float(temperature), int(top_k), float(top_p)) if temperature > 0 else Sampling()
     decoder = decoder_for(model, len(prompts), max_cache_len, cuda_graph)
     decoder.prepare(sampling)

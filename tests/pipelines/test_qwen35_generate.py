@@ -1,12 +1,15 @@
 """generate(): greedy tokens equal transformers' generate, per-sequence stop tokens, streaming, seeded sampling, the
 sampler's top-k / top-p, argument and cache-length errors. GPU: the CUDA-graph loop against the eager one."""
 
+import gc
+import weakref
+
 import pytest
 import torch
 from test_qwen35_model import TINY_TEXT, real_width_hf, tiny_hf
 
 from qwen_image_fast.pipelines.qwen35 import FastQwen35ForCausalLM, generate
-from qwen_image_fast.pipelines.qwen35.generate import Sampling, sample
+from qwen_image_fast.pipelines.qwen35.generate import Decoder, Sampling, sample
 
 PROMPTS = [[5, 17, 88, 3], [40, 2, 99, 61, 7, 12, 30, 71, 9]]
 
@@ -84,7 +87,8 @@ def test_sample_top_k_top_p():
     (dict(top_p=0.0), "top_p=0.0"),
     (dict(top_p=1.5), "top_p=1.5"),
     (dict(top_k=-1), "top_k=-1"),
-    (dict(max_cache_len=12), r"9 tokens\) \+ max_new_tokens=4 = 13 exceeds max_cache_len=12"),
+    (dict(max_cache_len=11), r"9 tokens\) \+ max_new_tokens=4 - 1 = 12 cache positions needed, more than "
+                             r"max_cache_len=11"),
 ])
 def test_argument_errors(models, kwargs, message):
     _, fast = models
@@ -95,10 +99,28 @@ def test_argument_errors(models, kwargs, message):
 
 def test_exact_cache_fit_and_decoder_reuse(models):
     _, fast = models
-    out = generate(fast, PROMPTS, 4, max_cache_len=13)  # 9 + 4: the last decode step writes position 11
+    out = generate(fast, PROMPTS, 4, max_cache_len=12)  # 9 + 4 - 1: the last decode step writes position 11
     decoder = fast._decoder
-    assert generate(fast, PROMPTS, 4, max_cache_len=13) == out and fast._decoder is decoder
+    assert generate(fast, PROMPTS, 4, max_cache_len=12) == out and fast._decoder is decoder
     assert out == generate(fast, PROMPTS, 4)  # default cache length: 256
+    assert generate(fast, [[7]], 1, max_cache_len=1) == generate(fast, [[7]], 1)  # prefill alone fills the cache
+
+
+def test_old_decoder_freed_before_the_new_one_is_built(models, monkeypatch):
+    _, fast = models
+    generate(fast, PROMPTS, 2)
+    old = weakref.ref(fast._decoder)
+    alive_at_init = []
+    init = Decoder.__init__
+
+    def checked_init(self, *args):
+        gc.collect()
+        alive_at_init.append(old() is not None)
+        init(self, *args)
+
+    monkeypatch.setattr(Decoder, "__init__", checked_init)
+    generate(fast, PROMPTS, 2, max_cache_len=64)  # a new cache length: a new Decoder
+    assert alive_at_init == [False]
 
 
 @pytest.mark.gpu
