@@ -102,7 +102,7 @@ def resolve_enhancer(enhance_prompt, device=None):
     if enhance_prompt is True:
         return PromptEnhancer.from_pretrained(DEFAULT_ENHANCER_ID, device=device)
     if enhance_prompt == TINY_ENHANCER_ID:
-        return tiny_enhancer(device=device or "cpu")
+        return tiny_enhancer(device=device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if isinstance(enhance_prompt, (str, os.PathLike)):
         return PromptEnhancer.from_pretrained(os.fspath(enhance_prompt), device=device)
     if callable(getattr(enhance_prompt, "enhance", None)):

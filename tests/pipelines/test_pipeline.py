@@ -293,6 +293,19 @@ def test_enhance_prompt_values(monkeypatch, tmp_path):
     assert pipe.applied[-1] == "enhance_prompt" and loads[-1] == (DEFAULT_ENHANCER_ID, None)
 
 
+def test_tiny_enhancer_goes_to_cuda_when_available_and_no_device_is_given(monkeypatch):
+    import qwen_image_fast.tiny
+
+    devices = []
+    monkeypatch.setattr(qwen_image_fast.tiny, "tiny_enhancer", lambda device: devices.append(device) or Rewriter())
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    optimize(stock_pipeline(), EXACT, enhance_prompt="tiny-random")
+    optimize(stock_pipeline(), EXACT, device="cpu", enhance_prompt="tiny-random")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    optimize(stock_pipeline(), EXACT, enhance_prompt="tiny-random")
+    assert devices == ["cuda", "cpu", "cpu"]
+
+
 def test_enhance_prompt_rewrites_prompts_not_negative_prompts_or_embeddings():
     rewriter = Rewriter()
     pipe = optimize(stock_pipeline(), EXACT, enhance_prompt=rewriter)
