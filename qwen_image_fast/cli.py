@@ -13,7 +13,7 @@ import torch
 
 from . import compare, render
 from .config import SCHEDULERS
-from .pipelines.qwen35.enhance import DEFAULT_ENHANCER_ID
+from .optimize import resolve_enhancer
 from .render import ASPECTS, REAL_MODEL_ID, TINY_MODEL_ID
 from .tiny import TINY_ENHANCER_ID
 
@@ -46,6 +46,8 @@ def int_at_least(minimum: int):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .pipelines.qwen35.enhance import DEFAULT_ENHANCER_ID  # not at the top: `import cli` skips the Qwen3.5 model
+
     parser = argparse.ArgumentParser(prog="qwen-image-fast", description="Fast Qwen-Image-2512 inference.")
     commands = parser.add_subparsers(dest="command", required=True)
 
@@ -135,6 +137,8 @@ def check_enhancer(enhance: str | None):
     """--enhance's value must name a model: `render --enhance "a red fox"` would otherwise take the prompt for one."""
     if enhance is None or enhance == TINY_ENHANCER_ID or Path(enhance).is_dir() or HUB_ID.match(enhance):
         return
+    from .pipelines.qwen35.enhance import DEFAULT_ENHANCER_ID
+
     raise ValueError(f"--enhance {enhance!r}: neither a local folder nor a hub id (owner/name); to rewrite with the "
                      f"default model, put the prompts before --enhance or write --enhance={DEFAULT_ENHANCER_ID}")
 
@@ -187,7 +191,7 @@ def run_render(args) -> int:
 
     def load_enhancer():
         try:
-            return render.load_prompt_enhancer(args.enhance, device)
+            return resolve_enhancer(args.enhance, device)
         except OSError as e:
             args.parser.error(f"--enhance {args.enhance}: cannot load it ({e})")
 

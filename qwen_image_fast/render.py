@@ -30,7 +30,7 @@ from PIL.PngImagePlugin import PngInfo
 from tqdm import tqdm
 
 from .config import FastConfig
-from .optimize import optimize, resolve_enhancer
+from .optimize import optimize
 from .pipeline import QwenImageFastPipeline
 from .tiny import TINY_ENHANCER_ID, TINY_MODEL_ID, tiny_pipeline
 
@@ -266,12 +266,6 @@ def load_pipeline(model: str, preset: str, scheduler: str, device: torch.device)
     pipe = pipe.to(device)
     pipe.set_progress_bar_config(disable=True)  # our own bars count images and steps
     return pipe
-
-
-def load_prompt_enhancer(enhancer: str, device: torch.device):
-    """A PromptEnhancer on `device`: "tiny-random" (built in memory, random weights), else a Qwen3.5 checkpoint (hub
-    id or local folder)."""
-    return resolve_enhancer(enhancer, device)
 
 
 # ---- files

@@ -85,6 +85,12 @@ def test_bad_input_exits_2_with_a_message(make_args, message, tmp_path, capsys):
     assert message in capsys.readouterr().err
 
 
+def test_importing_the_cli_skips_the_qwen35_model():
+    code = "import sys, qwen_image_fast.cli; print(sorted(m for m in sys.modules if 'qwen35' in m))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
 def test_fast_preset_on_cpu_without_interpreter_exits_2(tmp_path, monkeypatch, capsys):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(SystemExit) as exit_info:
