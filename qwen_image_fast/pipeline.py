@@ -166,7 +166,11 @@ class QwenImageFastPipeline(QwenImagePipeline):
         )
         self.last_enhanced_prompts = None
         if self.prompt_enhancer is not None and prompt is not None and prompt_embeds is None:
-            self.last_enhanced_prompts = self.prompt_enhancer.enhance(prompt)
+            enhanced = self.prompt_enhancer.enhance(prompt)
+            given = 1 if isinstance(prompt, str) else len(prompt)
+            if len(enhanced) != given:
+                raise ValueError(f"the prompt enhancer returned {len(enhanced)} prompts for the {given} it was given")
+            self.last_enhanced_prompts = enhanced
             prompt = self.last_enhanced_prompts[0] if isinstance(prompt, str) else self.last_enhanced_prompts
         self._guidance_scale = guidance_scale
         self._attention_kwargs = attention_kwargs or {}

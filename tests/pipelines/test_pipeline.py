@@ -306,6 +306,21 @@ def test_tiny_enhancer_goes_to_cuda_when_available_and_no_device_is_given(monkey
     assert devices == ["cuda", "cpu", "cpu"]
 
 
+class Dropper:
+    """A broken prompt enhancer: returns one prompt fewer than it was given."""
+
+    def enhance(self, prompts):
+        return ([prompts] if isinstance(prompts, str) else prompts)[1:]
+
+
+@pytest.mark.parametrize("prompt, message", [("a cat", "returned 0 prompts for the 1"),
+                                             (["a cat", "a dog"], "returned 1 prompts for the 2")])
+def test_enhancer_returning_another_count_raises(prompt, message):
+    pipe = optimize(stock_pipeline(), EXACT, enhance_prompt=Dropper())
+    with pytest.raises(ValueError, match=message):
+        run(pipe, prompt=prompt)
+
+
 def test_enhance_prompt_rewrites_prompts_not_negative_prompts_or_embeddings():
     rewriter = Rewriter()
     pipe = optimize(stock_pipeline(), EXACT, enhance_prompt=rewriter)
