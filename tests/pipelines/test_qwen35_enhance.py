@@ -30,8 +30,8 @@ def tiny() -> PromptEnhancer:
     return tiny_enhancer(max_new_tokens=4)
 
 
-def enhance_with_tokens(enhancer: PromptEnhancer, prompts) -> tuple[list[str], list[list[int]]]:
-    """enhancer.enhance(prompts) and the token ids generate() returned (random bytes often decode alike)."""
+def enhance_with_tokens(enhancer: PromptEnhancer, prompts, **kwargs) -> tuple[list[str], list[list[int]]]:
+    """enhancer.enhance(prompts, **kwargs) and the token ids generate() returned (random bytes often decode alike)."""
     replies, generate = [], enhance_module.generate
 
     def recording(*args, **kwargs):
@@ -40,7 +40,7 @@ def enhance_with_tokens(enhancer: PromptEnhancer, prompts) -> tuple[list[str], l
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(enhance_module, "generate", recording)
-        return enhancer.enhance(prompts), replies
+        return enhancer.enhance(prompts, **kwargs), replies
 
 
 @pytest.fixture(scope="module")
@@ -137,7 +137,10 @@ def test_enhance_from_pretrained_round_trip(tmp_path, tiny, batched):
 def test_enhance_seeded_sampling_is_reproducible(tiny):
     sampled = PromptEnhancer(tiny.model, tiny.tokenizer, system_prompt=tiny.system_prompt, max_new_tokens=3)
     assert sampled.temperature > 0 and sampled.seed == 0
-    assert enhance_with_tokens(sampled, PROMPTS[1]) == enhance_with_tokens(sampled, PROMPTS[1])  # a fixed seed
+    first = enhance_with_tokens(sampled, PROMPTS[1])
+    assert enhance_with_tokens(sampled, PROMPTS[1]) == first  # a fixed seed
+    others = [enhance_with_tokens(sampled, PROMPTS[1], seed=seed)[1] for seed in (1, 2, 3)]
+    assert any(replies != first[1] for replies in others)  # the seed matters
 
 
 def fake_generate(replies):
@@ -232,5 +235,7 @@ def test_enhance_on_the_real_qwen35_vocabulary(real_tokenizer_dir, tmp_path):
     assert ids[0] == 248045 and enhancer.decode(ids[-4:]) == "<think>\n\n</think>\n\n"
     assert enhancer.decode([9419, 0, 248300, 248077]) == "Hello!"  # ids past the tokenizer are dropped
     enhancer.system_prompt, enhancer.max_new_tokens, enhancer.temperature = TINY_ENHANCER_SYSTEM_PROMPT, 3, 0.0
-    [rewrite] = enhancer.enhance("a red fox")
-    assert isinstance(rewrite, str) and rewrite
+    [rewrite], [reply] = enhance_with_tokens(enhancer, "a red fox")
+    assert rewrite != "a red fox"  # not the fallback for an empty reply
+    assert rewrite == clean_output(enhancer.decode(reply), truncated=len(reply) == 3,
+                                   special_tokens=tokenizer.all_special_tokens)
