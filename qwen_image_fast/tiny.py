@@ -144,9 +144,11 @@ QWEN35_CHAT_TEMPLATE = (
 THINK_TOKENS = ("<think>", "</think>")
 # The real SYSTEM_PROMPT is ~2,300 byte-level tokens here: about a minute of prefill in Triton's interpreter.
 TINY_ENHANCER_SYSTEM_PROMPT = "Rewrite."
+# Real sizes: Qwen3.5-4B (DEFAULT_ENHANCER_ID) as guessed in benchmarks/bench_text.py (no config could be read here);
+# the values not marked "4B guess" are those of transformers' default Qwen3_5TextConfig (Qwen3.5-9B style).
 TINY_QWEN35 = dict(
-    hidden_size=45,  # 2560 (4B)
-    intermediate_size=71,  # 9216
+    hidden_size=45,  # 2560 (4B guess)
+    intermediate_size=71,  # 9216 (4B guess)
     num_hidden_layers=2,  # 32
     layer_types=["linear_attention", "full_attention"],  # 3 linear : 1 full, x8
     num_attention_heads=4,  # 16
@@ -156,7 +158,7 @@ TINY_QWEN35 = dict(
     linear_num_value_heads=4,  # 32
     linear_key_head_dim=12,  # 128
     linear_value_head_dim=20,  # 128
-    tie_word_embeddings=False,  # True in 4B; tied random weights greedily repeat the last input token
+    tie_word_embeddings=False,  # True (4B guess); tied random weights greedily repeat the last input token
     initializer_range=0.2,  # 0.02; smaller random weights give every prompt the same gibberish
 )
 

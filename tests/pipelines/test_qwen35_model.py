@@ -12,10 +12,12 @@ from transformers import Qwen3_5Config, Qwen3_5ForCausalLM, Qwen3_5ForConditiona
 from qwen_image_fast.kernels._utils import rel_rms_error
 from qwen_image_fast.pipelines.qwen35 import FastQwen35ForCausalLM
 
+# Real sizes: transformers' default Qwen3_5TextConfig ("Qwen3.5-9B style" in its docstring), which real_width_hf
+# uses; tiny.py's TINY_QWEN35 shrinks the enhancer's 4B instead (hidden 2560, MLP 9216: a guess).
 TINY_TEXT = dict(
     vocab_size=101,  # 248320
-    hidden_size=45,  # 4096
-    intermediate_size=71,  # 12288
+    hidden_size=45,  # 4096 (9B)
+    intermediate_size=71,  # 12288 (9B)
     num_hidden_layers=2,  # 32
     layer_types=["linear_attention", "full_attention"],  # 3 linear : 1 full, x8
     num_attention_heads=4,  # 16
