@@ -92,17 +92,20 @@ def rope_qwen_image_ref(x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _rope_rotate_half_kernel(
+def rotate_half_tile(
     X, C, SN, Y, S, H, stride_xb, stride_xs, stride_xh, stride_cb, stride_cs, stride_sb, stride_ss,
     HEAD_DIM: tl.constexpr, ROT_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_P: tl.constexpr,
 ):
+    """This program's heads of one token (grid: (B * S, heads / BLOCK_H)), as rotate-half kernels read them: the x and
+    y head rows [BLOCK_H, 1], the offsets of one rotated half [BLOCK_R] (j and j + R/2 form a pair) and of the
+    pass-through dims [BLOCK_P] with their [BLOCK_H, *] masks, and the token's cos / sin halves [1, BLOCK_R] fp32."""
     row = tl.program_id(0).to(tl.int64)  # b * S + s
     b = row // S
     s = row % S
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    half = tl.arange(0, BLOCK_R)  # one half of the rotated dims: j and j + R/2 form a pair
-    rest = ROT_DIM + tl.arange(0, BLOCK_P)  # the pass-through dims
+    half = tl.arange(0, BLOCK_R)
+    rest = ROT_DIM + tl.arange(0, BLOCK_P)
     in_half = half < ROT_DIM // 2
     half_mask = (heads[:, None] < H) & in_half[None, :]  # [BLOCK_H, BLOCK_R]
     rest_mask = (heads[:, None] < H) & (rest[None, :] < HEAD_DIM)  # [BLOCK_H, BLOCK_P]
@@ -110,15 +113,26 @@ def _rope_rotate_half_kernel(
     y_row = Y + row * H * HEAD_DIM + heads[:, None] * HEAD_DIM
     c_row = C + b * stride_cb + s * stride_cs
     s_row = SN + b * stride_sb + s * stride_ss
+    cos1 = tl.load(c_row + half, mask=in_half, other=0.0).to(tl.float32)[None, :]  # [1, BLOCK_R]
+    cos2 = tl.load(c_row + ROT_DIM // 2 + half, mask=in_half, other=0.0).to(tl.float32)[None, :]
+    sin1 = tl.load(s_row + half, mask=in_half, other=0.0).to(tl.float32)[None, :]
+    sin2 = tl.load(s_row + ROT_DIM // 2 + half, mask=in_half, other=0.0).to(tl.float32)[None, :]
+    return x_row, y_row, half, rest, half_mask, rest_mask, cos1, cos2, sin1, sin2
 
+
+@triton.jit
+def _rope_rotate_half_kernel(
+    X, C, SN, Y, S, H, stride_xb, stride_xs, stride_xh, stride_cb, stride_cs, stride_sb, stride_ss,
+    HEAD_DIM: tl.constexpr, ROT_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+):
+    x_row, y_row, half, rest, half_mask, rest_mask, cos1, cos2, sin1, sin2 = rotate_half_tile(
+        X, C, SN, Y, S, H, stride_xb, stride_xs, stride_xh, stride_cb, stride_cs, stride_sb, stride_ss,
+        HEAD_DIM, ROT_DIM, BLOCK_H, BLOCK_R, BLOCK_P)
     x1 = tl.load(x_row + half[None, :], mask=half_mask, other=0.0).to(tl.float32)  # [BLOCK_H, BLOCK_R]
     x2 = tl.load(x_row + ROT_DIM // 2 + half[None, :], mask=half_mask, other=0.0).to(tl.float32)
-    cos1 = tl.load(c_row + half, mask=in_half, other=0.0).to(tl.float32)  # [BLOCK_R]
-    cos2 = tl.load(c_row + ROT_DIM // 2 + half, mask=in_half, other=0.0).to(tl.float32)
-    sin1 = tl.load(s_row + half, mask=in_half, other=0.0).to(tl.float32)
-    sin2 = tl.load(s_row + ROT_DIM // 2 + half, mask=in_half, other=0.0).to(tl.float32)
-    y1 = x1 * cos1[None, :] - x2 * sin1[None, :]
-    y2 = x2 * cos2[None, :] + x1 * sin2[None, :]
+    y1 = x1 * cos1 - x2 * sin1
+    y2 = x2 * cos2 + x1 * sin2
     tl.store(y_row + half[None, :], y1.to(Y.dtype.element_ty), mask=half_mask)
     tl.store(y_row + ROT_DIM // 2 + half[None, :], y2.to(Y.dtype.element_ty), mask=half_mask)
 
@@ -126,29 +140,42 @@ def _rope_rotate_half_kernel(
     tl.store(y_row + rest[None, :], x_pass, mask=rest_mask)
 
 
-def rope_rotate_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [B, S, H, D] float, last dim contiguous; cos, sin: [B, S, R] in x's dtype, R even, R <= D (Qwen3.5: R=64 of
-    D=256). Returns a new contiguous [B, S, H, D] tensor in x's dtype."""
+def check_rotate_half_args(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """x: [B, S, H, D] float, last dim contiguous; cos, sin: [B, S, R] in x's dtype, R even, R <= D."""
     check_tensor("x", x, dtypes=FLOAT_DTYPES, ndim=4)
-    b, s, h, d = x.shape
+    b, s, _, d = x.shape
     check_tensor("cos", cos, dtypes=(x.dtype,), ndim=3, device=x.device)
     r = cos.shape[-1]
     if tuple(cos.shape) != (b, s, r) or r % 2 or r > d:
         raise ValueError(f"cos has shape {tuple(cos.shape)}; expected [B, S, R] = [{b}, {s}, R] with R even and "
                          f"R <= D={d}")
     check_tensor("sin", sin, dtypes=(x.dtype,), shape=cos.shape, device=x.device)
+
+
+def launch_rotate_half(kernel, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, **extra) -> torch.Tensor:
+    """Runs a kernel built on rotate_half_tile over checked x, cos, sin (extra: its own arguments and launch options).
+    Returns its new contiguous output, shaped and typed like x."""
+    b, s, h, d = x.shape
+    r = cos.shape[-1]
     y = new_output(x.shape, x.dtype, x.device)
-    if b * s * h == 0:
+    if y.numel() == 0:
         return y
     block_h = head_block(h)
-    _rope_rotate_half_kernel[(b * s, triton.cdiv(h, block_h))](
+    kernel[(b * s, triton.cdiv(h, block_h))](
         X=x, C=cos, SN=sin, Y=y, S=s, H=h,
         stride_xb=x.stride(0), stride_xs=x.stride(1), stride_xh=x.stride(2),
         stride_cb=cos.stride(0), stride_cs=cos.stride(1), stride_sb=sin.stride(0), stride_ss=sin.stride(1),
         HEAD_DIM=d, ROT_DIM=r, BLOCK_H=block_h, BLOCK_R=triton.next_power_of_2(max(r // 2, 1)),
-        BLOCK_P=triton.next_power_of_2(max(d - r, 1)),
+        BLOCK_P=triton.next_power_of_2(max(d - r, 1)), **extra,
     )
     return y
+
+
+def rope_rotate_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [B, S, H, D] float, last dim contiguous; cos, sin: [B, S, R] in x's dtype, R even, R <= D (Qwen3.5: R=64 of
+    D=256). Returns a new contiguous [B, S, H, D] tensor in x's dtype."""
+    check_rotate_half_args(x, cos, sin)
+    return launch_rotate_half(_rope_rotate_half_kernel, x, cos, sin)
 
 
 def rope_rotate_half_ref(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
