@@ -13,12 +13,12 @@ projection in place and writes y [T, C] contiguous, so q, k, v are views of it.
 """
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
 from .._utils import FLOAT_DTYPES, check_tensor, new_output, round_to
 from .decode import _silu
+from .naive import conv_history, last_inputs
 
 
 @triton.jit
@@ -77,9 +77,4 @@ def causal_conv1d(
             HAS_STATE=initial_state is not None, APPLY_SILU=activation is not None, K=width + 1,
             BLOCK_T=block_t, BLOCK_C=block_c,
         )
-    history = x.transpose(1, 2)  # [B, C, T]
-    if initial_state is not None:
-        history = torch.cat([initial_state, history], dim=-1)
-    final_state = F.pad(history[..., history.shape[-1] - min(width, history.shape[-1]):],
-                        (max(width - history.shape[-1], 0), 0))
-    return y, final_state.contiguous()
+    return y, last_inputs(conv_history(x, initial_state), width)

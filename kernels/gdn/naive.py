@@ -116,6 +116,17 @@ def chunk_gated_delta_rule_ref(
     return o.to(out_dtype), state
 
 
+def conv_history(x: torch.Tensor, initial_state: torch.Tensor | None) -> torch.Tensor:
+    """x: [B, T, C]; initial_state: [B, C, K-1] or None. The conv's inputs over time, [B, C, (K-1) + T] (or T)."""
+    xs = x.transpose(1, 2)
+    return xs if initial_state is None else torch.cat([initial_state.to(x.dtype), xs], dim=-1)
+
+
+def last_inputs(history: torch.Tensor, width: int) -> torch.Tensor:
+    """history: [B, C, T'] -> the conv state [B, C, width]: its last `width` inputs, zeros first when T' < width."""
+    return F.pad(history, (width, 0))[..., history.shape[-1]:].contiguous()
+
+
 def causal_conv1d_ref(
     x: torch.Tensor, weight: torch.Tensor, initial_state: torch.Tensor | None = None, activation: str | None = "silu"
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -125,9 +136,7 @@ def causal_conv1d_ref(
     left when there were fewer). Computed like upstream: F.conv1d in weight's dtype, SiLU, cast to x's dtype."""
     bsz, t, c = x.shape
     width = weight.shape[1] - 1
-    xs = x.transpose(1, 2)  # [B, C, T]
-    if initial_state is not None:
-        xs = torch.cat([initial_state.to(x.dtype), xs], dim=-1)  # [B, C, K-1+T]
+    xs = conv_history(x, initial_state)  # [B, C, (K-1) + T] or [B, C, T]
     # upstream's form (padding K-1, then slices): on the CPU, fp32 SiLU of a strided view takes a scalar exp that
     # can differ in the last bit from the vectorized one, so the layout is kept for bit-equality
     y = F.conv1d(xs.to(weight.dtype), weight.unsqueeze(1), padding=width, groups=c)[..., : xs.shape[-1]][..., -t:]
@@ -135,8 +144,7 @@ def causal_conv1d_ref(
         if activation not in ("silu", "swish"):
             raise ValueError(f"activation must be 'silu' or None, got {activation!r}")
         y = F.silu(y)
-    final_state = F.pad(xs, (max(width - xs.shape[-1], 0), 0))[..., -width:].clone()
-    return y.to(x.dtype).transpose(1, 2), final_state
+    return y.to(x.dtype).transpose(1, 2), last_inputs(xs, width)
 
 
 def gated_delta_rule_decode_ref(
