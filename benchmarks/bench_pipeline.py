@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import append_results, environment, sync  # noqa: E402
 
 from qwen_image_fast import FastConfig, QwenImageFastPipeline  # noqa: E402
+from qwen_image_fast.compare import psnr  # noqa: E402
 from qwen_image_fast.kernels._utils import rel_rms_error  # noqa: E402
 from qwen_image_fast.optimize import apply_batched_cfg, apply_scheduler  # noqa: E402
 
@@ -124,11 +125,6 @@ def decode(fast_pipe, latents, resolution, device):
     images = fast_pipe.decode_latents(latents, height, width, output_type="np")
     sync(device)
     return (np.clip(images, 0, 1) * 255).round().astype(np.uint8), time.perf_counter() - t0
-
-
-def psnr(a: np.ndarray, b: np.ndarray) -> float:
-    mse = np.mean((a.astype(np.float64) - b.astype(np.float64)) ** 2)
-    return float("inf") if mse == 0 else 10 * np.log10(255.0**2 / mse)
 
 
 def main():
