@@ -104,26 +104,29 @@ def comparable(out, fp8_outputs: bool) -> list[torch.Tensor]:
 
 
 def gdn_decode_args(rnd, batch: int):
-    """Qwen3.5-9B Gated-DeltaNet decode inputs: H=16 key heads, HV=32 value heads, Dk=Dv=128, conv K=4."""
+    """Qwen3.5-9B Gated-DeltaNet decode inputs: H=16 key heads, HV=32 value heads, Dk=Dv=128, conv K=4 (a ring of
+    4 inputs), sequences at positions 0 .. B-1."""
     h, hv, dk, dv, k = 16, 32, 128, 128, 4
     c = 2 * h * dk + hv * dv
     state = torch.randn(batch, hv, dk, dv, device="cuda") * 0.1
-    return (rnd(batch, c), rnd(batch, hv), rnd(batch, hv), rnd(batch, c, k - 1), rnd(c, k, scale=0.5),
+    positions = torch.arange(batch, device="cuda")
+    return (rnd(batch, c), rnd(batch, hv), rnd(batch, hv), rnd(batch, c, k), positions, rnd(c, k, scale=0.5),
             torch.rand(hv, device="cuda").log(), torch.rand(hv, device="cuda"), state, h, dk, dv)
 
 
 def gdn_decode_case(args) -> Case:
-    """Bytes: the inputs read, the conv state written, the recurrent state read and written, o written."""
-    batch, hv, dv = args[0].shape[0], args[1].shape[1], args[10]
-    moved = nbytes(args[:7]) + nbytes(args[3]) + 2 * nbytes(args[7]) + batch * hv * dv * args[0].element_size()
+    """Bytes: the inputs read (the whole conv ring, of which K-1 slots are), one ring slot written per channel, the
+    recurrent state read and written, o written."""
+    batch, hv, dv = args[0].shape[0], args[1].shape[1], args[11]
+    moved = nbytes(args[:8]) + nbytes(args[0]) + 2 * nbytes(args[8]) + batch * hv * dv * args[0].element_size()
     return Case("gated_delta_rule_decode", f"B={batch}, 16/32 heads x 128", args, gated_delta_rule_decode,
                 gated_delta_rule_decode_ref, fresh=fresh_states, moved=moved)
 
 
 def fresh_states(args):
-    """Copies of the decode step's in-place arguments (conv state, recurrent state)."""
+    """Copies of the decode step's in-place arguments (conv ring, recurrent state)."""
     args = list(args)
-    args[3], args[7] = args[3].clone(), args[7].clone()
+    args[3], args[8] = args[3].clone(), args[8].clone()
     return tuple(args)
 
 

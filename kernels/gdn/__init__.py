@@ -7,17 +7,21 @@ from .decode import gated_delta_rule_decode
 from .naive import (
     causal_conv1d_ref,
     chunk_gated_delta_rule_ref,
+    conv_ring,
     gated_delta_rule_decode_ref,
     l2norm_ref,
     recurrent_gated_delta_rule_ref,
+    ring_window,
 )
 
 __all__ = [
     "causal_conv1d",
     "causal_conv1d_ref",
     "chunk_gated_delta_rule_ref",
+    "conv_ring",
     "gated_delta_rule_decode",
     "gated_delta_rule_decode_ref",
     "l2norm_ref",
     "recurrent_gated_delta_rule_ref",
+    "ring_window",
 ]

@@ -11,7 +11,8 @@ chunk_gated_delta_rule_ref is the chunked (WY / UT-transform) form of the same r
 `torch_chunk_gated_delta_rule` and fla's `chunk_gated_delta_rule` compute it, for prefill on the CPU.
 causal_conv1d_ref is upstream's `causal_conv1d_fn` / `causal_conv1d_update` (depthwise, no bias, SiLU) with a
 [B, C, K-1] state. gated_delta_rule_decode_ref is the `Qwen3_5GatedDeltaNet.forward` single-token cached path from
-in_proj outputs to the core attention output (before the gated norm).
+in_proj outputs to the core attention output (before the gated norm), with the decode kernel's conv state: a ring
+of the last K inputs (conv_ring, ring_window).
 """
 
 import torch
@@ -147,19 +148,36 @@ def causal_conv1d_ref(
     return y.to(x.dtype).transpose(1, 2), last_inputs(xs, width)
 
 
+def conv_ring(last: torch.Tensor, position: int) -> torch.Tensor:
+    """last: [B, C, K-1], the conv inputs at positions position-K+1 .. position-1, oldest first (zeros before
+    position 0, as `causal_conv1d_ref` returns them). Returns the decode step's ring [B, C, K]: slot p % K holds the
+    input at position p; slot position % K (the next input's) is zero."""
+    kernel_size = last.shape[-1] + 1
+    ring = F.pad(last, (0, 1))  # element t: position position-K+1+t, the last one a placeholder for `position`
+    return ring.roll((position + 1) % kernel_size, dims=-1).contiguous()  # element t -> slot (position+1+t) % K
+
+
+def ring_window(ring: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """ring: [B, C, K]; positions: [B]. The K-1 inputs before each sequence's position, [B, C, K-1] oldest first."""
+    bsz, c, kernel_size = ring.shape
+    slots = (positions[:, None] + 1 + torch.arange(kernel_size - 1, device=ring.device)) % kernel_size  # [B, K-1]
+    return ring.gather(-1, slots[:, None, :].expand(bsz, c, kernel_size - 1))
+
+
 def gated_delta_rule_decode_ref(
-    mixed_qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, conv_state: torch.Tensor, conv_weight: torch.Tensor,
-    A_log: torch.Tensor, dt_bias: torch.Tensor, recurrent_state: torch.Tensor, num_k_heads: int, head_k_dim: int,
-    head_v_dim: int, eps: float = 1e-6,
+    mixed_qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, conv_state: torch.Tensor, positions: torch.Tensor,
+    conv_weight: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, recurrent_state: torch.Tensor,
+    num_k_heads: int, head_k_dim: int, head_v_dim: int, eps: float = 1e-6,
 ) -> torch.Tensor:
     """The semantics gated_delta_rule_decode must reproduce; updates conv_state and recurrent_state in place the
-    same way. mixed_qkv: [B, C] = [q | k | v] (C = 2 H Dk + HV Dv); a, b: [B, HV]; conv_state: [B, C, K-1];
-    conv_weight: [C, K]; A_log, dt_bias: [HV]; recurrent_state: [B, HV, Dk, Dv] fp32. Returns o [B, HV, Dv] in
-    mixed_qkv's dtype. Upstream's casts: beta = b.sigmoid() in the model dtype,
-    g = -exp(A_log.float()) * softplus(a.float() + dt_bias), q and k L2-normalized in fp32."""
+    same way. mixed_qkv: [B, C] = [q | k | v] (C = 2 H Dk + HV Dv); a, b: [B, HV]; conv_state: [B, C, K], a ring
+    (slot p % K: the input at position p, see conv_ring); positions: [B] int64; conv_weight: [C, K]; A_log, dt_bias:
+    [HV]; recurrent_state: [B, HV, Dk, Dv] fp32. Returns o [B, HV, Dv] in mixed_qkv's dtype. Upstream's casts:
+    beta = b.sigmoid() in the model dtype, g = -exp(A_log.float()) * softplus(a.float() + dt_bias), q and k
+    L2-normalized in fp32."""
     bsz = mixed_qkv.shape[0]
     key_dim = num_k_heads * head_k_dim
-    y, new_conv_state = causal_conv1d_ref(mixed_qkv[:, None], conv_weight, conv_state)  # [B, 1, C]
+    y, _ = causal_conv1d_ref(mixed_qkv[:, None], conv_weight, ring_window(conv_state, positions))  # [B, 1, C]
     q, k, v = torch.split(y, [key_dim, key_dim, y.shape[-1] - 2 * key_dim], dim=-1)
     q = l2norm_ref(q.float().reshape(bsz, 1, num_k_heads, head_k_dim), eps)
     k = l2norm_ref(k.float().reshape(bsz, 1, num_k_heads, head_k_dim), eps)
@@ -169,6 +187,6 @@ def gated_delta_rule_decode_ref(
     o, state = recurrent_gated_delta_rule_ref(
         q, k, v, g[:, None], beta[:, None], initial_state=recurrent_state, use_qk_l2norm=False
     )
-    conv_state.copy_(new_conv_state)
+    conv_state[torch.arange(bsz, device=conv_state.device), :, positions % conv_state.shape[-1]] = mixed_qkv
     recurrent_state.copy_(state)
     return o[:, 0]

@@ -25,7 +25,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ...kernels.gdn import causal_conv1d, chunk_gated_delta_rule_ref, gated_delta_rule_decode
+from ...kernels.gdn import causal_conv1d, chunk_gated_delta_rule_ref, conv_ring, gated_delta_rule_decode
 from ...kernels.qk_norm_rope import rms_norm_rope
 from ...kernels.rms_norm import add_rms_norm, gated_rms_norm, rms_norm
 from ...kernels.swiglu import silu_mul
@@ -87,8 +87,8 @@ class Layer(nn.Module):
 
 
 class DeltaNetLayer(Layer):
-    """A Gated-DeltaNet layer (`Qwen3_5GatedDeltaNet`). State per sequence: conv [C, K-1] (the last K-1 conv inputs,
-    model dtype) and recurrent [HV, Dk, Dv] fp32."""
+    """A Gated-DeltaNet layer (`Qwen3_5GatedDeltaNet`). State per sequence: conv [C, K] (a ring of the last conv
+    inputs, slot p % K holding position p's; model dtype) and recurrent [HV, Dk, Dv] fp32."""
 
     def __init__(self, layer, device, dtype):
         super().__init__(layer, device, dtype)
@@ -106,7 +106,7 @@ class DeltaNetLayer(Layer):
         self.out_proj = frozen(attn.out_proj.weight, device, dtype)  # [D, Vd]
 
     def new_state(self, batch: int, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-        conv = self.in_proj.new_zeros(batch, self.conv_dim, self.conv_weight.shape[1] - 1)
+        conv = self.in_proj.new_zeros(batch, self.conv_dim, self.conv_weight.shape[1])
         recurrent = self.in_proj.new_zeros(batch, self.num_v_heads, self.head_k_dim, self.head_v_dim,
                                            dtype=torch.float32)
         return conv, recurrent
@@ -117,13 +117,13 @@ class DeltaNetLayer(Layer):
         return F.linear(x, self.in_proj).split([self.conv_dim, self.value_dim, hv, hv], dim=-1)
 
     def forward(self, x: torch.Tensor, cos, sin, state=None) -> torch.Tensor:
-        """x: [B, T, D] from position 0 (no positions: cos, sin unused). state: None, or (conv [B, C, K-1],
+        """x: [B, T, D] from position 0 (no positions: cos, sin unused). state: None, or (conv [B, C, K],
         recurrent [B, HV, Dk, Dv]) to receive the state after the last token."""
         bsz, t, _ = x.shape
         qkv, z, b, a = self._project(x)
         qkv, conv_state = causal_conv1d(qkv, self.conv_weight)  # [B, T, C] contiguous, [B, C, K-1]
         if state is not None:
-            state[0].copy_(conv_state)
+            state[0].copy_(conv_ring(conv_state, t))  # the decode step's layout; the next token is at position t
         q, k, v = qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q = q.reshape(bsz, t, self.num_k_heads, self.head_k_dim)
         k = k.reshape(bsz, t, self.num_k_heads, self.head_k_dim)
@@ -139,8 +139,8 @@ class DeltaNetLayer(Layer):
         """x: [B, 1, D]; state: (conv, recurrent), updated in place by the fused kernel."""
         bsz = x.shape[0]
         qkv, z, b, a = self._project(x[:, 0])  # [B, C], [B, Vd], [B, HV], [B, HV]
-        o = gated_delta_rule_decode(qkv, a, b, state[0], self.conv_weight, self.A_log, self.dt_bias, state[1],
-                                    self.num_k_heads, self.head_k_dim, self.head_v_dim)  # [B, HV, Dv]
+        o = gated_delta_rule_decode(qkv, a, b, state[0], step.pos, self.conv_weight, self.A_log, self.dt_bias,
+                                    state[1], self.num_k_heads, self.head_k_dim, self.head_v_dim)  # [B, HV, Dv]
         y = gated_rms_norm(o, z.view(bsz, self.num_v_heads, self.head_v_dim), self.norm_weight, self.norm_eps)
         return F.linear(y.view(bsz, 1, self.value_dim), self.out_proj)
 
@@ -212,7 +212,7 @@ class AttentionLayer(Layer):
 
 class HybridCache:
     """Static decode state for `batch` sequences of up to `max_len` tokens, allocated once: per Gated-DeltaNet layer
-    (conv [B, C, K-1], recurrent [B, HV, Dk, Dv] fp32), per attention layer (K, V [B, max_len, KVH, D]), and each
+    (conv [B, C, K], recurrent [B, HV, Dk, Dv] fp32), per attention layer (K, V [B, max_len, KVH, D]), and each
     sequence's cached length (= the position of its next token) on the device."""
 
     def __init__(self, model: "FastQwen35ForCausalLM", batch: int, max_len: int):

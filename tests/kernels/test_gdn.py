@@ -12,9 +12,11 @@ from qwen_image_fast.kernels.gdn import (
     causal_conv1d,
     causal_conv1d_ref,
     chunk_gated_delta_rule_ref,
+    conv_ring,
     gated_delta_rule_decode,
     gated_delta_rule_decode_ref,
     recurrent_gated_delta_rule_ref,
+    ring_window,
 )
 
 DTYPE_IDS = [str(d).removeprefix("torch.") for d in DTYPES]
@@ -175,78 +177,98 @@ def test_refs_match_gated_deltanet_prefill_and_decode(dtype, torch_upstream):
 
         for step in range(2):  # decode from upstream's cache: bit-exact
             x1 = torch.randn(bsz, 1, config.hidden_size).to(dtype)
-            conv_state = cache_layer.conv_states[0][..., 1:].clone()
+            position = t + step
+            conv_state = conv_ring(cache_layer.conv_states[0][..., 1:], position)
             state = cache_layer.recurrent_states[0].clone()
             expected = layer(x1, cache_params=cache)
             qkv, z, a, b = in_proj(layer, x1)
             o = gated_delta_rule_decode_ref(
-                qkv[:, 0], a[:, 0], b[:, 0], conv_state, layer.conv1d.weight.squeeze(1), layer.A_log, layer.dt_bias,
-                state, h, dk, dv,
+                qkv[:, 0], a[:, 0], b[:, 0], conv_state, torch.full((bsz,), position), layer.conv1d.weight.squeeze(1),
+                layer.A_log, layer.dt_bias, state, h, dk, dv,
             )
             assert o.shape == (bsz, layer.num_v_heads, dv) and o.dtype == dtype
             assert torch.equal(out_proj(layer, o[:, None], z.unflatten(-1, (-1, dv))), expected), f"step {step}"
-            assert torch.equal(conv_state, cache_layer.conv_states[0][..., 1:])
+            assert torch.equal(ring_window(conv_state, torch.full((bsz,), position + 1)),
+                               cache_layer.conv_states[0][..., 1:])
             assert torch.equal(state, cache_layer.recurrent_states[0])
+
+
+def test_conv_ring_round_trip():
+    # K = 4: positions 0 .. 6 of one channel; after each prefix the ring holds its last 3 inputs (zeros before 0)
+    x = torch.arange(1.0, 8.0)[None, None]  # [1, 1, 7]: the input at position p is p + 1
+    for t in range(8):
+        last = F.pad(x[..., :t], (3, 0))[..., -3:]  # positions t-3 .. t-1
+        ring = conv_ring(last, t)
+        for p in range(t - 3, t):
+            assert ring[0, 0, p % 4] == (p + 1 if p >= 0 else 0), (t, p)
+        assert ring[0, 0, t % 4] == 0
+        assert torch.equal(ring_window(ring, torch.tensor([t])), last)
 
 
 # Hop 2: the fused decode kernel against its reference.
 
 
-def decode_inputs(bsz, h, hv, dk, dv, width, dtype, device, strided=False):
+def decode_inputs(bsz, h, hv, dk, dv, kernel_size, dtype, device, strided=False):
+    """A random conv ring (every slot nonzero, so a slot read at the wrong position shows) and positions that
+    differ per sequence and start at 0, K-1 and beyond, so slots wrap around differently."""
     c = 2 * h * dk + hv * dv
     mixed_qkv = (2 * torch.randn(bsz, c + (7 if strided else 0), device=device)).to(dtype)[:, :c]
     a = torch.randn(bsz, hv, device=device).to(dtype)
     b = torch.randn(bsz, hv, device=device).to(dtype)
-    conv_state = (2 * torch.randn(bsz, c, width, device=device)).to(dtype)
-    conv_weight = (0.5 * torch.randn(c, width + 1, device=device)).to(dtype)
+    conv_state = (2 * torch.randn(bsz, c, kernel_size, device=device)).to(dtype)
+    positions = (torch.arange(bsz, device=device) * (kernel_size + 2)) % 11
+    conv_weight = (0.5 * torch.randn(c, kernel_size, device=device)).to(dtype)
     a_log = torch.empty(hv, device=device).uniform_(0.01, 16).log()
     dt_bias = torch.randn(hv, device=device).to(dtype)
     state = 0.1 * torch.randn(bsz, hv, dk, dv, device=device)
-    return mixed_qkv, a, b, conv_state, conv_weight, a_log, dt_bias, state
+    return mixed_qkv, a, b, conv_state, positions, conv_weight, a_log, dt_bias, state
 
 
 def check_decode(args, h, dk, dv, steps, what, nearly_exact=False):
-    """Runs `steps` decode steps of kernel and reference, each on its own copy of the states."""
-    mixed_qkv, a, b, conv_state, conv_weight, a_log, dt_bias, state = args
+    """Runs `steps` decode steps of kernel and reference (positions advancing), each on its own copy of the
+    states."""
+    mixed_qkv, a, b, conv_state, positions, conv_weight, a_log, dt_bias, state = args
     dtype = mixed_qkv.dtype
     conv_ref, state_ref = conv_state.clone(), state.clone()
     for step in range(steps):
         if step:
             mixed_qkv = (2 * torch.randn_like(mixed_qkv, dtype=torch.float32)).to(dtype)
-        o = gated_delta_rule_decode(mixed_qkv, a, b, conv_state, conv_weight, a_log, dt_bias, state, h, dk, dv)
-        o_ref = gated_delta_rule_decode_ref(mixed_qkv, a, b, conv_ref, conv_weight, a_log, dt_bias, state_ref,
-                                            h, dk, dv)
+            positions = positions + 1
+        o = gated_delta_rule_decode(mixed_qkv, a, b, conv_state, positions, conv_weight, a_log, dt_bias, state,
+                                    h, dk, dv)
+        o_ref = gated_delta_rule_decode_ref(mixed_qkv, a, b, conv_ref, positions, conv_weight, a_log, dt_bias,
+                                            state_ref, h, dk, dv)
         assert o.dtype == dtype
         assert_close(o, o_ref, TOL[dtype], f"{what} step {step}: o")
         if nearly_exact:
             assert_nearly_exact(o, o_ref, f"{what} step {step}: o", max_ulp=None, max_frac=1e-2)
         assert torch.equal(conv_state, conv_ref), f"{what} step {step}: conv_state"
-        # state is fp32; bf16/fp16 conv outputs that round differently move it by their ulp
-        assert_close(state, state_ref, 1e-5 if dtype == torch.float32 or state.device.type == "cpu" else 1e-3,
-                     f"{what} step {step}: recurrent_state")
+        # state is fp32; a bf16/fp16 SiLU output that rounds the other way (an fp32 ulp of exp apart from torch's,
+        # on a rounding boundary: seen on the CPU too) moves its row or column by that output's ulp
+        assert_close(state, state_ref, 1e-5 if dtype == torch.float32 else 1e-3, f"{what} step {step}: recurrent_state")
 
 
 DECODE_SHAPES = [
-    (1, 1, 1, 16, 16, 3),  # one sequence, one head
-    (2, 2, 4, 16, 32, 3),  # grouped value heads (HV = 2 H), as Qwen3.5
-    (3, 1, 3, 24, 40, 1),  # Dk, Dv not powers of 2 (masked tiles), conv kernel K=2, three value heads per key head
+    (1, 1, 1, 16, 16, 4),  # one sequence, one head
+    (2, 2, 4, 16, 32, 4),  # grouped value heads (HV = 2 H), as Qwen3.5
+    (3, 1, 3, 24, 40, 2),  # Dk, Dv not powers of 2 (masked tiles, two Dv blocks), conv K=2, three value heads a key head
 ]
 
 
 @pytest.mark.parametrize("strided", [False, True], ids=["packed", "strided-rows"])
-@pytest.mark.parametrize("bsz, h, hv, dk, dv, width", DECODE_SHAPES)
+@pytest.mark.parametrize("bsz, h, hv, dk, dv, kernel_size", DECODE_SHAPES)
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("device", DEVICES)
-def test_decode_kernel_matches_ref(device, dtype, bsz, h, hv, dk, dv, width, strided):
-    args = decode_inputs(bsz, h, hv, dk, dv, width, dtype, device, strided)
-    check_decode(args, h, dk, dv, steps=2, what=f"{(bsz, h, hv, dk, dv, width)} {dtype}")
+def test_decode_kernel_matches_ref(device, dtype, bsz, h, hv, dk, dv, kernel_size, strided):
+    args = decode_inputs(bsz, h, hv, dk, dv, kernel_size, dtype, device, strided)
+    check_decode(args, h, dk, dv, steps=2, what=f"{(bsz, h, hv, dk, dv, kernel_size)} {dtype}")
 
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_decode_kernel_real_width(device):
     # Qwen3.5-9B: 16 key heads, 32 value heads, Dk = Dv = 128, conv K = 4; one sequence on the CPU
     bsz = 1 if device == "cpu" else 8
-    args = decode_inputs(bsz, 16, 32, 128, 128, 3, torch.bfloat16, device)
+    args = decode_inputs(bsz, 16, 32, 128, 128, 4, torch.bfloat16, device)
     check_decode(args, 16, 128, 128, steps=1, what="9B widths", nearly_exact=device == "cuda")
 
 
@@ -254,13 +276,13 @@ def test_decode_kernel_real_width(device):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bfloat16", "float16"])
 @pytest.mark.gpu
 def test_decode_kernel_real_shapes_gpu(dtype, bsz):
-    args = decode_inputs(bsz, 16, 32, 128, 128, 3, dtype, "cuda", strided=True)
+    args = decode_inputs(bsz, 16, 32, 128, 128, 4, dtype, "cuda", strided=True)
     check_decode(args, 16, 128, 128, steps=4, what=f"9B B={bsz} {dtype}", nearly_exact=True)
 
 
 @pytest.mark.gpu
 def test_decode_kernel_fp32_gpu():
-    args = decode_inputs(4, 16, 32, 128, 128, 3, torch.float32, "cuda")
+    args = decode_inputs(4, 16, 32, 128, 128, 4, torch.float32, "cuda")
     check_decode(args, 16, 128, 128, steps=3, what="9B fp32")
 
 
@@ -269,21 +291,21 @@ def test_decode_kernel_decay_over_the_softplus_range(device):
     # Zero input and conv state make q = k = v = 0, so the step only decays the state: S = S * exp(g) with
     # g = -exp(A_log) * softplus(a + dt_bias). a runs over softplus's series (exp(a) < 1e-2), log and linear
     # (a > 20) branches; exp(A_log) = 16 below a = 4, 0.05 above, to keep exp(g) inside fp32's range.
-    args = list(decode_inputs(1, 2, 64, 16, 16, 3, torch.float32, device))
+    args = list(decode_inputs(1, 2, 64, 16, 16, 4, torch.float32, device))
     args[0], args[3] = torch.zeros_like(args[0]), torch.zeros_like(args[3])
     a = torch.cat([torch.linspace(-30, 4, 48), torch.linspace(18, 30, 16)]).double().to(device)
     rate = torch.where(a < 10, 16.0, 0.05)
-    args[1], args[5], args[6] = a[None].float(), rate.float().log(), args[6].zero_()
-    before = args[7].clone()
+    args[1], args[6], args[7] = a[None].float(), rate.float().log(), args[7].zero_()
+    before = args[8].clone()
     gated_delta_rule_decode(*args, 2, 16, 16)
-    g = (args[7] / before).double().mean(dim=(0, 2, 3)).log()  # [HV]
+    g = (args[8] / before).double().mean(dim=(0, 2, 3)).log()  # [HV]
     expected = -rate * torch.nn.functional.softplus(a)
     # fp32 exp and the state product round: ~1e-7 of |g|; softplus as plain log(1 + e) fails this (5e-7 at a = -3)
     assert ((g - expected).abs() <= 2.5e-7 * expected.abs().clamp(min=1)).all(), (g - expected)
 
 
 def test_decode_validation():
-    args = list(decode_inputs(2, 2, 4, 16, 32, 3, torch.bfloat16, "cpu"))
+    args = list(decode_inputs(2, 2, 4, 16, 32, 4, torch.bfloat16, "cpu"))
     calls = [
         ((1, 16, 16), "do not fit num_k_heads=1"),
         ((2, 16, 16), "do not fit num_k_heads=2, head_k_dim=16, head_v_dim=16"),
@@ -293,8 +315,9 @@ def test_decode_validation():
             gated_delta_rule_decode(*args, h, dk, dv)
     bad = {
         3: (args[3].float(), "conv_state has dtype torch.float32"),
-        4: (args[4][:, :3], "conv_weight must have shape (192, 4), got (192, 3)"),
-        7: (args[7].bfloat16(), "recurrent_state has dtype torch.bfloat16"),
+        4: (args[4].int(), "positions has dtype torch.int32"),
+        5: (args[5][:, :3], "conv_weight must have shape (192, 4), got (192, 3)"),
+        8: (args[8].bfloat16(), "recurrent_state has dtype torch.bfloat16"),
         2: (args[2][:1], "b must have shape (2, 4), got (1, 4)"),
     }
     for i, (value, message) in bad.items():
@@ -302,9 +325,11 @@ def test_decode_validation():
         call[i] = value
         with pytest.raises(ValueError, match=re.escape(message)):
             gated_delta_rule_decode(*call, 2, 16, 32)
-    state_dv_major = args[7].transpose(2, 3).contiguous().transpose(2, 3)  # right shape, wrong layout
+    with pytest.raises(ValueError, match=re.escape("conv_state must have shape [B, C, K] = [2, 192, K] with K >= 2")):
+        gated_delta_rule_decode(*args[:3], args[3][..., :1], *args[4:], 2, 16, 32)
+    state_dv_major = args[8].transpose(2, 3).contiguous().transpose(2, 3)  # right shape, wrong layout
     with pytest.raises(ValueError, match="recurrent_state must be contiguous"):
-        gated_delta_rule_decode(*args[:7], state_dv_major, 2, 16, 32)
+        gated_delta_rule_decode(*args[:8], state_dv_major, 2, 16, 32)
 
 
 # ---- the prefill's causal conv + SiLU kernel
