@@ -26,6 +26,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ...kernels.gdn import causal_conv1d, chunk_gated_delta_rule_ref, conv_ring, gated_delta_rule_decode
+from ...kernels.gemv import gemv
 from ...kernels.qk_norm_rope import rms_norm_rope
 from ...kernels.rms_norm import add_rms_norm, gated_rms_norm, rms_norm
 from ...kernels.swiglu import silu_mul
@@ -53,6 +54,15 @@ def chunk_gated_delta_rule(q, k, v, g, beta):
         return chunk_gated_delta_rule_ref(q, k, v, g, beta)
     # fla >= 0.5 maps value head j to q/k head j // (HV / H) itself (upstream repeats q and k first: two copies)
     return fla(q, k, v, g=g, beta=beta, output_final_state=True, use_qk_l2norm_in_kernel=True)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """F.linear without bias. On CUDA a single row (decode at B=1, prefill's last-token logits) goes to the Triton
+    GEMV: on an H200, cuBLAS ran the 9B decode shapes at 59-95% of copy bandwidth (a split-K kernel + reduce at
+    4096 x 4096), the GEMV at 75-100% (kernels/gemv.py). Not on the CPU, where Triton runs in its interpreter (tests
+    only): its 15k programs for a 248k-token lm_head take seconds a step; tests/kernels/test_gemv.py covers the
+    kernel there, the GPU model tests cover this path."""
+    return gemv(x, weight) if x.is_cuda and x.numel() == x.shape[-1] else F.linear(x, weight)
 
 
 def frozen(t: torch.Tensor, device, dtype=None) -> nn.Parameter:
@@ -83,7 +93,7 @@ class Layer(nn.Module):
         self.down = frozen(mlp.down_proj.weight, device, dtype)  # [D, I]
 
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(silu_mul(F.linear(x, self.gate_up)), self.down)
+        return linear(silu_mul(linear(x, self.gate_up)), self.down)
 
 
 class DeltaNetLayer(Layer):
@@ -114,7 +124,7 @@ class DeltaNetLayer(Layer):
     def _project(self, x: torch.Tensor):
         """[..., D] -> mixed qkv [..., C], z [..., Vd], b [..., HV], a [..., HV] (views of one GEMM output)."""
         hv = self.num_v_heads
-        return F.linear(x, self.in_proj).split([self.conv_dim, self.value_dim, hv, hv], dim=-1)
+        return linear(x, self.in_proj).split([self.conv_dim, self.value_dim, hv, hv], dim=-1)
 
     def forward(self, x: torch.Tensor, cos, sin, state=None) -> torch.Tensor:
         """x: [B, T, D] from position 0 (no positions: cos, sin unused). state: None, or (conv [B, C, K],
@@ -133,7 +143,7 @@ class DeltaNetLayer(Layer):
         if state is not None:
             state[1].copy_(final_state)
         y = gated_rms_norm(o, z.reshape(bsz, t, self.num_v_heads, self.head_v_dim), self.norm_weight, self.norm_eps)
-        return F.linear(y.view(bsz, t, self.value_dim), self.out_proj)
+        return linear(y.view(bsz, t, self.value_dim), self.out_proj)
 
     def decode(self, x: torch.Tensor, step: Step, state) -> torch.Tensor:
         """x: [B, 1, D]; state: (conv, recurrent), updated in place by the fused kernel."""
@@ -142,7 +152,7 @@ class DeltaNetLayer(Layer):
         o = gated_delta_rule_decode(qkv, a, b, state[0], step.pos, self.conv_weight, self.A_log, self.dt_bias,
                                     state[1], self.num_k_heads, self.head_k_dim, self.head_v_dim)  # [B, HV, Dv]
         y = gated_rms_norm(o, z.view(bsz, self.num_v_heads, self.head_v_dim), self.norm_weight, self.norm_eps)
-        return F.linear(y.view(bsz, 1, self.value_dim), self.out_proj)
+        return linear(y.view(bsz, 1, self.value_dim), self.out_proj)
 
 
 class AttentionLayer(Layer):
@@ -173,7 +183,7 @@ class AttentionLayer(Layer):
         gate [B, S, H, D] (a view)."""
         b, s, _ = x.shape
         h, kvh, d = self.num_heads, self.num_kv_heads, self.head_dim
-        qg, k, v = F.linear(x, self.qkv_proj).split([2 * h * d, kvh * d, kvh * d], dim=-1)
+        qg, k, v = linear(x, self.qkv_proj).split([2 * h * d, kvh * d, kvh * d], dim=-1)
         qg = qg.view(b, s, h, 2 * d)
         q = rms_norm_rope(qg[..., :d], self.q_norm, cos, sin, self.norm_eps)
         k = rms_norm_rope(k.view(b, s, kvh, d), self.k_norm, cos, sin, self.norm_eps)
@@ -182,7 +192,7 @@ class AttentionLayer(Layer):
     def _output(self, o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         """o, gate: [B, S, H, D] -> [B, S, D_model]."""
         b, s = o.shape[:2]
-        return F.linear(o.reshape(b, s, -1) * torch.sigmoid(gate.reshape(b, s, -1)), self.o_proj)
+        return linear(o.reshape(b, s, -1) * torch.sigmoid(gate.reshape(b, s, -1)), self.o_proj)
 
     def forward(self, x: torch.Tensor, cos, sin, state=None) -> torch.Tensor:
         """x: [B, T, D] from position 0; cos, sin: [B, T, R]. state: None, or (K, V) [B, L, KVH, D] to receive
@@ -303,7 +313,7 @@ class FastQwen35ForCausalLM(nn.Module):
         cos, sin = self.rope(torch.arange(t, device=self.device).expand(b, t))
         h = self._layers(F.embedding(input_ids, self.embed_tokens),
                          lambda layer, x, state: layer(x, cos, sin), [None] * len(self.layers))
-        return F.linear(h, self.lm_head)
+        return linear(h, self.lm_head)
 
     @torch.no_grad()
     def prefill(self, input_ids: torch.Tensor, cache: HybridCache, slot: int) -> torch.Tensor:
@@ -320,7 +330,7 @@ class FastQwen35ForCausalLM(nn.Module):
         h = self._layers(F.embedding(ids, self.embed_tokens),
                          lambda layer, x, state: layer(x, cos, sin, state), states)
         cache.lengths[slot] = t
-        return F.linear(h[0, -1], self.lm_head).float()
+        return linear(h[0, -1], self.lm_head).float()
 
     @torch.no_grad()
     def decode(self, tokens: torch.Tensor, cache: HybridCache) -> torch.Tensor:
@@ -333,4 +343,4 @@ class FastQwen35ForCausalLM(nn.Module):
         h = self._layers(F.embedding(tokens[:, None], self.embed_tokens),
                          lambda layer, x, state: layer.decode(x, step, state), cache.states)
         cache.lengths += 1
-        return F.linear(h[:, 0], self.lm_head).float()
+        return linear(h[:, 0], self.lm_head).float()

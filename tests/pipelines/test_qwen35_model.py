@@ -199,3 +199,5 @@ def test_real_width_matches_transformers_on_gpu():
     with torch.no_grad():
         assert_bf16_like_upstream(fast(ids), hf16(ids).logits, hf32(ids).logits)
     assert_bf16_like_upstream(*run_cached(fast, [hf16, hf32], (37, 150), 8, gen))
+    # one sequence: decode's single-row GEMMs run the Triton GEMV, its attention the B=1 path
+    assert_bf16_like_upstream(*run_cached(fast, [hf16, hf32], (61,), 8, gen))

@@ -1,0 +1,82 @@
+import re
+
+import pytest
+import torch
+
+from helpers import DEVICES, DTYPES, assert_close, assert_nearly_exact
+from qwen_image_fast.kernels.gemv import gemv, gemv_ref
+
+DTYPE_IDS = [str(d).removeprefix("torch.") for d in DTYPES]
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+
+
+def check(out: torch.Tensor, ref: torch.Tensor, what: str):
+    """fp32: summation order only. bf16/fp16: an fp32 sum in another order, rounded once, so at most an ulp where the
+    two sums straddle a rounding boundary (fp16 at K=2500: 2 of 50 outputs)."""
+    if ref.dtype == torch.float32:
+        assert_close(out, ref, 1e-5, what)
+    else:
+        assert_nearly_exact(out, ref, what, max_ulp=1, max_frac=5e-2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_ref_matches_linear(dtype):
+    linear = torch.nn.Linear(300, 77, bias=False)
+    x = torch.randn(1, 300)
+    expected = linear.to(dtype)(x.to(dtype))
+    check(gemv_ref(x.to(dtype), linear.weight), expected, f"gemv_ref vs nn.Linear {dtype}")
+
+
+@pytest.mark.parametrize(
+    "n, k, lead",
+    [(1, 1, (1,)), (37, 100, (1,)), (16, 1024, (1, 1)), (50, 2500, (1,)), (300, 4096, (1, 1))],
+    ids=["N1-K1", "N37-K100-tail", "N16-K1024-even", "N50-K2500-3-steps", "N300-K4096"],
+)
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("device", DEVICES)
+def test_gemv_matches_ref(device, dtype, n, k, lead):
+    x = torch.randn(*lead, k, device=device).to(dtype)
+    weight = (torch.randn(n, k, device=device) / k**0.5).to(dtype)
+    out = gemv(x, weight)
+    assert out.shape == (*lead, n) and out.dtype == dtype
+    check(out, gemv_ref(x, weight), f"gemv N={n} K={k} {dtype}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_gemv_strided_weight_rows(device):
+    # a weight that is a column slice of a wider matrix: rows start stride(0) apart, not K
+    wide = torch.randn(45, 700, device=device).to(torch.bfloat16)
+    weight = wide[:, 3:603]
+    x = torch.randn(1, 600, device=device).to(torch.bfloat16)
+    check(gemv(x, weight), gemv_ref(x, weight), "strided weight rows")
+
+
+# Qwen3.5-9B decode shapes: GDN in_proj, attention qkv, out/o_proj, gate_up, down, lm_head
+@pytest.mark.parametrize("n, k", [(12352, 4096), (10240, 4096), (4096, 4096), (24576, 4096), (4096, 12288),
+                                  (248320, 4096)])
+@pytest.mark.gpu
+def test_gemv_real_shapes_gpu(n, k):
+    x = torch.randn(1, k, device="cuda").to(torch.bfloat16)
+    weight = (0.02 * torch.randn(n, k, device="cuda")).to(torch.bfloat16)
+    out = gemv(x, weight)
+    check(out, gemv_ref(x, weight), f"gemv N={n} K={k}")
+    assert_close(out, torch.nn.functional.linear(x, weight), 1e-2, "gemv vs cuBLAS")
+
+
+def test_gemv_validation():
+    x, weight = torch.randn(1, 8), torch.randn(5, 8)
+    with pytest.raises(ValueError, match=re.escape("x must hold one row of K=8 (the weight's (5, 8) is [N, K]), "
+                                                   "got shape (2, 8)")):
+        gemv(torch.randn(2, 8), weight)
+    with pytest.raises(ValueError, match=re.escape("x must hold one row of K=8")):
+        gemv(torch.randn(1, 9), weight)
+    with pytest.raises(ValueError, match="weight has dtype torch.bfloat16; allowed: torch.float32"):
+        gemv(x, weight.bfloat16())
+    with pytest.raises(ValueError, match="weight must be contiguous in its last dim"):
+        gemv(x, torch.randn(8, 5).T)
+    with pytest.raises(ValueError, match="weight must have 2 dims"):
+        gemv(x, weight[None])
