@@ -14,6 +14,13 @@ from ._utils import FLOAT_DTYPES, check_tensor, new_output, round_to
 
 
 @triton.jit
+def silu_mul_tile(gate, up, DTYPE: tl.constexpr):
+    """fp32 tiles holding DTYPE values -> round(round(silu(gate)) * up) as fp32 (also the GEMV's prologue)."""
+    act = round_to(tl.fdiv(gate, 1.0 + tl.exp(-gate), ieee_rounding=False), DTYPE)  # silu, rounded like F.silu
+    return round_to(act * up, DTYPE)
+
+
+@triton.jit
 def _silu_mul_kernel(
     GU, Y, stride_gu, M, N,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -25,8 +32,7 @@ def _silu_mul_kernel(
     gate = tl.load(gu_row, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(gu_row + N, mask=mask, other=0.0).to(tl.float32)
     dtype = Y.dtype.element_ty
-    act = round_to(tl.fdiv(gate, 1.0 + tl.exp(-gate), ieee_rounding=False), dtype)  # silu, rounded like F.silu
-    tl.store(Y + rows[:, None] * N + cols[None, :], (act * up).to(dtype), mask=mask)
+    tl.store(Y + rows[:, None] * N + cols[None, :], silu_mul_tile(gate, up, dtype).to(dtype), mask=mask)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -26,7 +26,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ...kernels.gdn import causal_conv1d, chunk_gated_delta_rule_ref, conv_ring, gated_delta_rule_decode
-from ...kernels.gemv import gemv
+from ...kernels.gemv import gemv, silu_mul_gemv
 from ...kernels.qk_norm_rope import rms_norm_rope
 from ...kernels.rms_norm import add_rms_norm, gated_rms_norm, rms_norm
 from ...kernels.swiglu import silu_mul
@@ -59,10 +59,19 @@ def chunk_gated_delta_rule(q, k, v, g, beta):
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """F.linear without bias. On CUDA a single row (decode at B=1, prefill's last-token logits) goes to the Triton
     GEMV: on an H200, cuBLAS ran the 9B decode shapes at 59-95% of copy bandwidth (a split-K kernel + reduce at
-    4096 x 4096), the GEMV at 75-100% (kernels/gemv.py). Not on the CPU, where Triton runs in its interpreter (tests
+    4096 x 4096), the GEMV at 75-105% (kernels/gemv.py). Not on the CPU, where Triton runs in its interpreter (tests
     only): its 15k programs for a 248k-token lm_head take seconds a step; tests/kernels/test_gemv.py covers the
     kernel there, the GPU model tests cover this path."""
-    return gemv(x, weight) if x.is_cuda and x.numel() == x.shape[-1] else F.linear(x, weight)
+    return gemv(x, weight) if one_row_on_cuda(x) else F.linear(x, weight)
+
+
+def silu_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """linear(silu_mul(gate_up), weight); a single CUDA row in one GEMV kernel (no launch for silu_mul)."""
+    return silu_mul_gemv(gate_up, weight) if one_row_on_cuda(gate_up) else F.linear(silu_mul(gate_up), weight)
+
+
+def one_row_on_cuda(x: torch.Tensor) -> bool:
+    return x.is_cuda and x.numel() == x.shape[-1]
 
 
 def frozen(t: torch.Tensor, device, dtype=None) -> nn.Parameter:
@@ -93,7 +102,7 @@ class Layer(nn.Module):
         self.down = frozen(mlp.down_proj.weight, device, dtype)  # [D, I]
 
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(silu_mul(linear(x, self.gate_up)), self.down)
+        return silu_mul_linear(linear(x, self.gate_up), self.down)
 
 
 class DeltaNetLayer(Layer):

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from helpers import DEVICES, DTYPES, assert_close, assert_nearly_exact
-from qwen_image_fast.kernels.gemv import gemv, gemv_ref
+from qwen_image_fast.kernels.gemv import gemv, gemv_ref, silu_mul_gemv, silu_mul_gemv_ref
+from qwen_image_fast.kernels.swiglu import silu_mul
 
 DTYPE_IDS = [str(d).removeprefix("torch.") for d in DTYPES]
 
@@ -55,6 +56,19 @@ def test_gemv_strided_weight_rows(device):
     check(gemv(x, weight), gemv_ref(x, weight), "strided weight rows")
 
 
+@pytest.mark.parametrize("n, k", [(37, 100), (50, 2500)], ids=["N37-K100-tail", "N50-K2500-3-steps"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("device", DEVICES)
+def test_silu_mul_gemv_matches_ref(device, dtype, n, k):
+    gate_up = (3 * torch.randn(1, 2 * k + 5, device=device)).to(dtype)[:, : 2 * k]  # a slice of a wider output
+    weight = (torch.randn(n, k, device=device) / k**0.5).to(dtype)
+    out = silu_mul_gemv(gate_up, weight)
+    assert out.shape == (1, n) and out.dtype == dtype
+    # its input is silu_mul's rounded output: the same GEMV over it, within the GEMV's own bound
+    check(out, silu_mul_gemv_ref(gate_up, weight), f"silu_mul_gemv N={n} K={k} {dtype}")
+    check(out, gemv(silu_mul(gate_up), weight), f"silu_mul_gemv vs gemv(silu_mul) N={n} K={k} {dtype}")
+
+
 # Qwen3.5-9B decode shapes: GDN in_proj, attention qkv, out/o_proj, gate_up, down, lm_head
 @pytest.mark.parametrize("n, k", [(12352, 4096), (10240, 4096), (4096, 4096), (24576, 4096), (4096, 12288),
                                   (248320, 4096)])
@@ -65,6 +79,13 @@ def test_gemv_real_shapes_gpu(n, k):
     out = gemv(x, weight)
     check(out, gemv_ref(x, weight), f"gemv N={n} K={k}")
     assert_close(out, torch.nn.functional.linear(x, weight), 1e-2, "gemv vs cuBLAS")
+
+
+@pytest.mark.gpu
+def test_silu_mul_gemv_real_shape_gpu():
+    gate_up = (3 * torch.randn(1, 2 * 12288, device="cuda")).to(torch.bfloat16)  # Qwen3.5-9B down_proj
+    weight = (0.02 * torch.randn(4096, 12288, device="cuda")).to(torch.bfloat16)
+    check(silu_mul_gemv(gate_up, weight), silu_mul_gemv_ref(gate_up, weight), "silu_mul_gemv 9B down")
 
 
 def test_gemv_validation():
@@ -80,3 +101,6 @@ def test_gemv_validation():
         gemv(x, torch.randn(8, 5).T)
     with pytest.raises(ValueError, match="weight must have 2 dims"):
         gemv(x, weight[None])
+    with pytest.raises(ValueError, match=re.escape("gate_up must hold one row of 2K=16 (the weight's (5, 8) is "
+                                                   "[N, K]), got shape (1, 8)")):
+        silu_mul_gemv(x, weight)
