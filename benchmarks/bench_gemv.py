@@ -1,0 +1,124 @@
+"""Single-row (M=1) GEMV at the Qwen3.5-9B decode shapes (GPU): cuBLAS (torch.mm) against kernels/gemv.py, and
+silu_mul + cuBLAS against silu_mul_gemv for the down projection; --sweep also times the GEMV kernel over tile
+settings (how gemv's were chosen: results/sweep_gemv_71cb1b5.txt, run at 71cb1b5 as sweep_gemv.py).
+
+    python3 benchmarks/bench_gemv.py [--sweep] [--out DIR]
+
+Timed as in the decode step: a CUDA graph of calls over distinct weight copies (together > 4x the L2 cache, so
+weights stream from HBM), replayed; time per call. Each impl's output is checked against its fp32 reference
+(gemv_ref / silu_mul_gemv_ref) and not timed when off by more than bf16 rounding allows. GB/s counts the weight
+and the input read once; a pure read stream can exceed the copy bandwidth (which reads and writes).
+Rows go to results/gemv.jsonl.
+"""
+
+import argparse
+import itertools
+import sys
+from pathlib import Path
+
+import torch
+import triton
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import append_results, copy_bandwidth_gbps, environment  # noqa: E402
+
+from qwen_image_fast.kernels._utils import rel_rms_error  # noqa: E402
+from qwen_image_fast.kernels.gemv import _gemv_kernel, gemv, gemv_ref, silu_mul_gemv, silu_mul_gemv_ref  # noqa: E402
+from qwen_image_fast.kernels.swiglu import silu_mul  # noqa: E402
+
+SHAPES = {  # name: (N, K), weight [N, K]
+    "gdn in_proj": (12352, 4096),
+    "attn qkv": (10240, 4096),
+    "out/o_proj": (4096, 4096),
+    "gate_up": (24576, 4096),
+    "down": (4096, 12288),
+    "lm_head": (248320, 4096),
+}
+TOL = 1e-2  # bf16 output rounding is ~2e-3 rel-RMS
+
+
+def graph_us(fn, weights, x, reps: int = 20) -> float:
+    """Time per call of fn(x, w) over all weights, from a replayed CUDA graph."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for w in weights:
+            fn(x, w)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for w in weights:
+            fn(x, w)
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return 1000 * start.elapsed_time(end) / reps / len(weights)
+
+
+def sweep_launcher(block_n, block_k, warps, stages):
+    def run(x, w):
+        n, k = w.shape
+        y = torch.empty(1, n, device=x.device, dtype=x.dtype)
+        _gemv_kernel[(triton.cdiv(n, block_n),)](x, w, y, n, k, w.stride(0), SILU_MUL=False, BLOCK_N=block_n,
+                                                 BLOCK_K=block_k, EVEN_K=True, num_warps=warps, num_stages=stages)
+        return y
+    return run
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--sweep", action="store_true", help="also time the kernel over tile settings")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    env = environment()
+    copy_bw = copy_bandwidth_gbps()
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size
+    print(f"{env['gpu']}: copy {copy_bw:.0f} GB/s, L2 {l2 / 2**20:.0f} MiB")
+    rows = []
+    for name, (n, k) in SHAPES.items():
+        copies = max(2, -(-4 * l2 // (n * k * 2)))
+        torch.manual_seed(0)
+        weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+        down = name == "down"
+        x = torch.randn(1, 2 * k if down else k, device="cuda", dtype=torch.bfloat16) * (3 if down else 1)
+        ref_fn = silu_mul_gemv_ref if down else gemv_ref
+        if down:
+            impls = {"cublas": lambda x_, w_: torch.mm(silu_mul(x_), w_.T), "triton": silu_mul_gemv}
+        else:
+            impls = {"cublas": lambda x_, w_: torch.mm(x_, w_.T), "triton": gemv}
+        if args.sweep and not down:
+            impls |= {f"triton BLOCK_N={bn} BLOCK_K={bk} w{w} s{s}": sweep_launcher(bn, bk, w, s)
+                      for bn, bk, w, s in itertools.product((4, 8, 16, 32), (256, 512, 1024), (4, 8), (2, 4))}
+        ref = ref_fn(x, weights[0])
+        moved = n * k * 2 + x.numel() * 2
+        times = {}
+        for impl, fn in impls.items():
+            err = rel_rms_error(fn(x, weights[0]), ref)
+            us = graph_us(fn, weights, x) if err <= TOL else None
+            times[impl] = us
+            row = dict(env, bench="gemv", op=("silu_mul + " if down else "") + name, shape=f"1x{x.shape[1]} @ {n}x{k}",
+                       impl=impl, us=us, gbps=moved / us / 1e3 if us else None,
+                       fraction_of_copy=moved / us / 1e3 / copy_bw if us else None, rel_err=err, ok=us is not None,
+                       copy_gbps=copy_bw)
+            if not impl.startswith("triton BLOCK"):
+                rows.append(row)
+                speed = f"{us:8.2f} us {row['gbps']:5.0f} GB/s ({row['fraction_of_copy']:4.0%})" if us else "not timed"
+                print(f"{row['op']:22} {impl:8} {speed}  err {err:.1e}{'' if us else ' FAILED'}", flush=True)
+        if args.sweep and not down:
+            best = sorted((us, impl) for impl, us in times.items() if us and impl.startswith("triton BLOCK"))[:3]
+            for us, impl in best:
+                print(f"    {impl}: {us:7.2f} us ({moved / us / 1e3 / copy_bw:4.0%})")
+        if times["cublas"] and times["triton"]:
+            print(f"{'':22} cublas / triton time: {times['cublas'] / times['triton']:.2f}x", flush=True)
+        del weights
+        torch.cuda.empty_cache()
+    append_results("gemv", rows, args.out)
+
+
+if __name__ == "__main__":
+    main()
