@@ -5,8 +5,9 @@ torch.compile(reference), with the error vs the reference beside each timing.
 
 Shapes: DiT rows B=2 x (4096 image + 218 text) = 8628 by 3072, the 12288-wide MLP hidden, 24 heads x 128;
 Qwen3.5 hidden 4096, 16 query heads x 256 with 64 rotary dims, gated norm over 32 value heads x 128, SwiGLU over
-an 8192 x 2 x 12288 gate|up, the Gated-DeltaNet decode step at B=1 and B=64 (16 key / 32 value heads x 128; in-place
-states: checked on fresh copies, timed in place).
+an 8192 x 2 x 12288 gate|up, the Gated-DeltaNet decode step at B=1 and B=64 (16 key / 32 value heads x 128), the
+attention decode step at B=1 and 8 (16 / 4 heads x 256; in-place states and caches: checked on fresh copies, timed in
+place).
 Bytes are the fewest an op must move (each input read once, each output written once); GB/s is also given as
 a fraction of the device-to-device copy bandwidth measured in the same run. Appends to results/kernels.jsonl.
 """
@@ -29,6 +30,7 @@ from qwen_image_fast.kernels.fp8 import (  # noqa: E402
     quantize_fp8_rowwise,
     quantize_fp8_rowwise_ref,
 )
+from qwen_image_fast.kernels.decode_attention import decode_attention, decode_attention_ref  # noqa: E402
 from qwen_image_fast.kernels.gdn import gated_delta_rule_decode, gated_delta_rule_decode_ref  # noqa: E402
 from qwen_image_fast.kernels.gelu_fp8 import gelu_fp8, gelu_fp8_ref  # noqa: E402
 from qwen_image_fast.kernels.qk_norm_rope import rms_norm_rope, rms_norm_rope_ref  # noqa: E402
@@ -130,6 +132,24 @@ def fresh_states(args):
     return tuple(args)
 
 
+def decode_attention_case(rnd, batch: int, context: int) -> Case:
+    """Qwen3.5-9B attention decode: 16 query / 4 KV heads x 256, caches of `context` positions, every sequence at
+    the last one (q and gate views of one [query | gate] projection, as the model passes them).
+    Bytes: the caches read up to the position, q, k, v, gate read, o written."""
+    h, kvh, d = 16, 4, 256
+    qg = rnd(batch, h, 2 * d)
+    args = (qg[..., :d], rnd(batch, kvh, d), rnd(batch, kvh, d), rnd(batch, context, kvh, d),
+            rnd(batch, context, kvh, d), torch.full((batch,), context - 1, device="cuda"), qg[..., d:])
+    moved = 2 * nbytes(args[3]) + nbytes(qg) + 2 * nbytes(args[1]) + batch * h * d * 2
+
+    def fresh(a):
+        a = list(a)
+        a[3], a[4] = a[3].clone(), a[4].clone()
+        return tuple(a)
+    return Case("decode_attention", f"B={batch}, L={context}, 16/4 heads x 256, gated", args, decode_attention,
+                decode_attention_ref, fresh=fresh, moved=moved)
+
+
 def make_cases() -> list[Case]:
     dev = "cuda"
     g = torch.Generator(device=dev).manual_seed(0)
@@ -180,6 +200,7 @@ def make_cases() -> list[Case]:
              (rnd(1, 8192, 16, 512)[..., :256], w_head.repeat(2) - 1, cos_sin[0], cos_sin[1]),
              rms_norm_rope, rms_norm_rope_ref, moved=2 * 8192 * 16 * 256 * 2 + 2 * nbytes(cos_sin[0])),
         *[gdn_decode_case(gdn_decode_args(rnd, b)) for b in (1, 64)],
+        *[decode_attention_case(rnd, b, n) for b, n in ((1, 256), (1, 4096), (8, 4096))],
     ]
 
 

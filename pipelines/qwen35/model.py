@@ -8,7 +8,8 @@ eight times). The residual stream rides beside the hidden states (the norms add 
     Gated-DeltaNet: one GEMM for [qkv | z | b | a] -> causal conv + SiLU -> gated delta rule
                     -> gated_rms_norm(o, z) -> out GEMM
     attention:      one GEMM for [q and gate per head | k | v] -> rms_norm_rope(q), rms_norm_rope(k) -> SDPA
-                    -> o * sigmoid(gate) -> o GEMM
+                    -> o * sigmoid(gate) -> o GEMM   (decode: K/V write + attention + gate in decode_attention)
+At B=1 decode, one-row GEMMs run a Triton GEMV (and the down GEMV computes silu_mul itself), see `linear`.
 
 Entry points: forward (no cache, for parity tests), prefill (one sequence into one cache slot, from position 0, so
 prompts of different lengths need no padding in the recurrence), decode (one token per sequence, each at its own
@@ -25,6 +26,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ...kernels.decode_attention import decode_attention
 from ...kernels.gdn import causal_conv1d, chunk_gated_delta_rule_ref, conv_ring, gated_delta_rule_decode
 from ...kernels.gemv import gemv, silu_mul_gemv
 from ...kernels.qk_norm_rope import rms_norm_rope
@@ -84,8 +86,6 @@ class Step(NamedTuple):
     cos: torch.Tensor  # [B, 1, R]
     sin: torch.Tensor  # [B, 1, R]
     pos: torch.Tensor  # [B] int64: each sequence's position = its cached length
-    rows: torch.Tensor  # [B] int64: arange(B)
-    mask: torch.Tensor  # [B, 1, 1, L] bool: the cached keys each sequence attends to (positions <= pos)
 
 
 class Layer(nn.Module):
@@ -216,31 +216,28 @@ class AttentionLayer(Layer):
         return self._output(o.transpose(1, 2), gate)
 
     def decode(self, x: torch.Tensor, step: Step, state) -> torch.Tensor:
-        """x: [B, 1, D]. Writes this token's K/V at each sequence's position, then attends over the masked cache."""
+        """x: [B, 1, D]. One kernel pair writes this token's K/V at each sequence's position, attends over the cache
+        up to it and applies the sigmoid gate (it replaced index_put + masked SDPA + sigmoid + mul)."""
         b = x.shape[0]
         k_cache, v_cache = state  # [B, L, KVH, D]
         q, k, v, gate = self._project(x, step.cos, step.sin)
-        k_cache[step.rows, step.pos] = k[:, 0]
-        v_cache[step.rows, step.pos] = v[:, 0]
-        # GQA without copying the cache: the H / KVH query heads of a KV head act as that many query rows.
-        q = q.view(b, self.num_kv_heads, self.num_heads // self.num_kv_heads, self.head_dim)
-        o = F.scaled_dot_product_attention(q, k_cache.transpose(1, 2), v_cache.transpose(1, 2),
-                                           attn_mask=step.mask)  # [B, KVH, H / KVH, D]
-        return self._output(o.view(b, 1, self.num_heads, self.head_dim), gate)
+        o = decode_attention(q[:, 0], k[:, 0], v[:, 0], k_cache, v_cache, step.pos, gate=gate[:, 0])  # [B, H, D]
+        return linear(o.view(b, 1, self.num_heads * self.head_dim), self.o_proj)
 
 
 class HybridCache:
     """Static decode state for `batch` sequences of up to `max_len` tokens, allocated once: per Gated-DeltaNet layer
-    (conv [B, C, K], recurrent [B, HV, Dk, Dv] fp32), per attention layer (K, V [B, max_len, KVH, D]), and each
-    sequence's cached length (= the position of its next token) on the device."""
+    (conv [B, C, K], recurrent [B, HV, Dk, Dv] fp32), per attention layer (K, V [B, max_len, KVH, D]), each
+    sequence's cached length (= the position of its next token) on the device, and the RoPE tables of positions
+    0..max_len-1 (a decode step gathers its rows: no per-step cos/sin kernels)."""
 
     def __init__(self, model: "FastQwen35ForCausalLM", batch: int, max_len: int):
         device = model.device
         self.batch, self.max_len = batch, max_len
         self.states = [layer.new_state(batch, max_len) for layer in model.layers]
         self.lengths = torch.zeros(batch, dtype=torch.int64, device=device)  # [B]
-        self.rows = torch.arange(batch, device=device)  # [B]
-        self.positions = torch.arange(max_len, device=device)  # [L]
+        cos, sin = model.rope(torch.arange(max_len, device=device)[None])  # [1, L, R] each
+        self.cos, self.sin = cos[0], sin[0]  # [L, R]
 
 
 class FastQwen35ForCausalLM(nn.Module):
@@ -346,9 +343,7 @@ class FastQwen35ForCausalLM(nn.Module):
         """tokens: [B] int64, one per cache slot, each at its sequence's position (its cached length, advanced by
         one). No host synchronization, step-independent shapes. Returns logits [B, vocab] fp32."""
         pos = cache.lengths  # [B]
-        cos, sin = self.rope(pos[:, None])
-        mask = (cache.positions[None, :] <= pos[:, None])[:, None, None]  # [B, 1, 1, L]
-        step = Step(cos, sin, pos, cache.rows, mask)
+        step = Step(cache.cos[pos][:, None], cache.sin[pos][:, None], pos)  # the same values rope(pos) gives
         h = self._layers(F.embedding(tokens[:, None], self.embed_tokens),
                          lambda layer, x, state: layer.decode(x, step, state), cache.states)
         cache.lengths += 1
