@@ -2,9 +2,11 @@
 
 Prompts are prefilled one at a time into their cache slots (no padding); then each step decodes one token for every
 sequence: tokens [B] -> model.decode -> logits [B, V] fp32 -> sample -> tokens, in place. On CUDA that whole step
-(every layer, lm_head and sampling) is one captured CUDA graph, replayed once per new token; the host then reads the
-B new tokens (one small copy a step) to stream them and check stop tokens. Finished sequences keep running in the
-batch, so the shapes stay static; their tokens are dropped. On the CPU the same step runs eagerly.
+(every layer, lm_head and sampling) is one captured CUDA graph, replayed once per new token; the host reads the B new
+tokens (one small copy a step, overlapped with the next step: TokenReader) to stream them and check stop tokens.
+Finished sequences keep running in the batch, so the shapes stay static; their tokens are dropped. The step after
+the one where every sequence stopped has already been queued: it runs, and its tokens are dropped. On the CPU the
+same step runs eagerly, one at a time.
 
 The cache, token buffer, random generator and graphs live in a Decoder kept on the model, so a later call with the
 same batch size and cache length replays the graphs it captured. The cache length defaults to the positions written
@@ -90,6 +92,29 @@ class Decoder:
             self._step(sampling)
 
 
+class TokenReader:
+    """Brings each step's tokens [B] to the host without stalling the device: fetch(step) queues a copy into one of
+    two host buffers (pinned, on CUDA) right behind the step, so the host can queue step + 1 before read(step) waits
+    for that copy (a blocking .tolist() would leave the GPU idle while the host reads, checks stops and launches the
+    next graph). On the CPU the copy is immediate."""
+
+    def __init__(self, tokens: torch.Tensor):
+        self.tokens = tokens
+        self.host = torch.empty((2, tokens.numel()), dtype=tokens.dtype, pin_memory=tokens.is_cuda)
+        self.copied = [torch.cuda.Event(), torch.cuda.Event()] if tokens.is_cuda else None
+
+    def fetch(self, step: int):
+        self.host[step % 2].copy_(self.tokens, non_blocking=True)
+        if self.copied:
+            self.copied[step % 2].record()
+
+    def read(self, step: int) -> list[int]:
+        """The tokens fetched for `step`; call before fetch(step + 2), which reuses its buffer."""
+        if self.copied:
+            self.copied[step % 2].synchronize()
+        return self.host[step % 2].tolist()
+
+
 def decoder_for(model: FastQwen35ForCausalLM, batch: int, max_len: int, cuda_graph: bool) -> Decoder:
     """The model's Decoder for this shape; only the latest is kept (a cache at the real sizes takes gigabytes)."""
     key = (batch, max_len, cuda_graph and model.device.type == "cuda")
@@ -168,10 +193,13 @@ def generate(
     stop = set(stop_token_ids)
     outputs: list[list[int]] = [[] for _ in prompts]
     done = [False] * len(prompts)
+    reader = TokenReader(decoder.tokens)
+    reader.fetch(0)
     for step in range(max_new_tokens):
-        if step:
+        if step + 1 < max_new_tokens:  # queue the next step before waiting for this one's tokens
             decoder.step(sampling)
-        new_tokens = decoder.tokens.tolist()
+            reader.fetch(step + 1)
+        new_tokens = reader.read(step)
         for i, token in enumerate(new_tokens):
             if done[i] or token in stop:
                 done[i] = True

@@ -135,3 +135,9 @@ def test_cuda_graph_matches_eager_on_gpu():
     assert generate(fast, prompts, 24) == eager  # replays the captured graph
     sampled = [generate(fast, prompts, 16, temperature=0.8, top_p=0.9, seed=7) for _ in range(2)]
     assert sampled[0] == sampled[1]
+    # the tokens generate reads back (overlapped with the next step) are the step's own: a hand-run greedy chain
+    cache = fast.new_cache(1, 64)
+    chain = [fast.prefill(torch.tensor(prompts[2]), cache, 0).argmax().item()]
+    for _ in range(11):
+        chain.append(fast.decode(torch.tensor(chain[-1:], device="cuda"), cache)[0].argmax().item())
+    assert generate(fast, prompts[2:], 12, max_cache_len=64) == [chain]
