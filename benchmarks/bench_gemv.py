@@ -1,5 +1,6 @@
 """Single-row (M=1) GEMV at the Qwen3.5-9B decode shapes (GPU): cuBLAS (torch.mm) against kernels/gemv.py, and
-silu_mul + cuBLAS against silu_mul_gemv for the down projection; --sweep also times the GEMV kernel over tile
+silu_mul + cuBLAS against silu_mul_gemv (down projection), gated_rms_norm + cuBLAS against gated_rms_norm_gemv
+(Gated-DeltaNet out_proj); --sweep also times the GEMV kernel over tile
 settings (how gemv's were chosen: results/sweep_gemv_71cb1b5.txt, run at 71cb1b5 as sweep_gemv.py).
 
     python3 benchmarks/bench_gemv.py [--sweep] [--out DIR]
@@ -23,16 +24,26 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import append_results, copy_bandwidth_gbps, environment  # noqa: E402
 
 from qwen_image_fast.kernels._utils import rel_rms_error  # noqa: E402
-from qwen_image_fast.kernels.gemv import _gemv_kernel, gemv, gemv_ref, silu_mul_gemv, silu_mul_gemv_ref  # noqa: E402
+from qwen_image_fast.kernels.gemv import (  # noqa: E402
+    _gemv_kernel,
+    gated_rms_norm_gemv,
+    gated_rms_norm_gemv_ref,
+    gemv,
+    gemv_ref,
+    silu_mul_gemv,
+    silu_mul_gemv_ref,
+)
+from qwen_image_fast.kernels.rms_norm import gated_rms_norm  # noqa: E402
 from qwen_image_fast.kernels.swiglu import silu_mul  # noqa: E402
 
-SHAPES = {  # name: (N, K), weight [N, K]
-    "gdn in_proj": (12352, 4096),
-    "attn qkv": (10240, 4096),
-    "out/o_proj": (4096, 4096),
-    "gate_up": (24576, 4096),
-    "down": (4096, 12288),
-    "lm_head": (248320, 4096),
+SHAPES = {  # name: (N, K, prologue), weight [N, K]
+    "gdn in_proj": (12352, 4096, "none"),
+    "attn qkv": (10240, 4096, "none"),
+    "out/o_proj": (4096, 4096, "none"),
+    "gated_norm + out_proj": (4096, 4096, "gated_norm"),  # 32 value heads x 128
+    "gate_up": (24576, 4096, "none"),
+    "silu_mul + down": (4096, 12288, "silu_mul"),
+    "lm_head": (248320, 4096, "none"),
 }
 TOL = 1e-2  # bf16 output rounding is ~2e-3 rel-RMS
 
@@ -64,8 +75,9 @@ def sweep_launcher(block_n, block_k, warps, stages):
     def run(x, w):
         n, k = w.shape
         y = torch.empty(1, n, device=x.device, dtype=x.dtype)
-        _gemv_kernel[(triton.cdiv(n, block_n),)](x, w, y, n, k, w.stride(0), SILU_MUL=False, BLOCK_N=block_n,
-                                                 BLOCK_K=block_k, EVEN_K=True, num_warps=warps, num_stages=stages)
+        _gemv_kernel[(triton.cdiv(n, block_n),)](x, x, x, w, y, n, k, w.stride(0), 0.0, PROLOGUE="none", GROUP=1,
+                                                 BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=True, num_warps=warps,
+                                                 num_stages=stages)
         return y
     return run
 
@@ -80,28 +92,35 @@ def main():
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
     print(f"{env['gpu']}: copy {copy_bw:.0f} GB/s, L2 {l2 / 2**20:.0f} MiB")
     rows = []
-    for name, (n, k) in SHAPES.items():
+    for name, (n, k, prologue) in SHAPES.items():
         copies = max(2, -(-4 * l2 // (n * k * 2)))
         torch.manual_seed(0)
         weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
-        down = name == "down"
-        x = torch.randn(1, 2 * k if down else k, device="cuda", dtype=torch.bfloat16) * (3 if down else 1)
-        ref_fn = silu_mul_gemv_ref if down else gemv_ref
-        if down:
+        x = torch.randn(1, 2 * k if prologue == "silu_mul" else k, device="cuda", dtype=torch.bfloat16) * 3
+        if prologue == "silu_mul":
+            ref_fn = silu_mul_gemv_ref
             impls = {"cublas": lambda x_, w_: torch.mm(silu_mul(x_), w_.T), "triton": silu_mul_gemv}
+        elif prologue == "gated_norm":
+            x = x.view(1, 32, 128)
+            z = torch.randn(1, 32, 128, device="cuda", dtype=torch.bfloat16) * 3
+            norm_w = 1 + 0.3 * torch.randn(128, device="cuda", dtype=torch.bfloat16)
+            ref_fn = lambda x_, w_: gated_rms_norm_gemv_ref(x_, z, norm_w, w_)  # noqa: E731
+            impls = {"cublas": lambda x_, w_: torch.mm(gated_rms_norm(x_, z, norm_w).view(1, -1), w_.T),
+                     "triton": lambda x_, w_: gated_rms_norm_gemv(x_, z, norm_w, w_)}
         else:
+            ref_fn = gemv_ref
             impls = {"cublas": lambda x_, w_: torch.mm(x_, w_.T), "triton": gemv}
-        if args.sweep and not down:
+        if args.sweep and prologue == "none":
             impls |= {f"triton BLOCK_N={bn} BLOCK_K={bk} w{w} s{s}": sweep_launcher(bn, bk, w, s)
                       for bn, bk, w, s in itertools.product((4, 8, 16, 32), (256, 512, 1024), (4, 8), (2, 4))}
         ref = ref_fn(x, weights[0])
-        moved = n * k * 2 + x.numel() * 2
+        moved = n * k * 2 + x.numel() * 2 * (2 if prologue == "gated_norm" else 1)
         times = {}
         for impl, fn in impls.items():
             err = rel_rms_error(fn(x, weights[0]), ref)
             us = graph_us(fn, weights, x) if err <= TOL else None
             times[impl] = us
-            row = dict(env, bench="gemv", op=("silu_mul + " if down else "") + name, shape=f"1x{x.shape[1]} @ {n}x{k}",
+            row = dict(env, bench="gemv", op=name, shape=f"1x{x.numel()} @ {n}x{k}",
                        impl=impl, us=us, gbps=moved / us / 1e3 if us else None,
                        fraction_of_copy=moved / us / 1e3 / copy_bw if us else None, rel_err=err, ok=us is not None,
                        copy_gbps=copy_bw)
@@ -109,7 +128,7 @@ def main():
                 rows.append(row)
                 speed = f"{us:8.2f} us {row['gbps']:5.0f} GB/s ({row['fraction_of_copy']:4.0%})" if us else "not timed"
                 print(f"{row['op']:22} {impl:8} {speed}  err {err:.1e}{'' if us else ' FAILED'}", flush=True)
-        if args.sweep and not down:
+        if args.sweep and prologue == "none":
             best = sorted((us, impl) for impl, us in times.items() if us and impl.startswith("triton BLOCK"))[:3]
             for us, impl in best:
                 print(f"    {impl}: {us:7.2f} us ({moved / us / 1e3 / copy_bw:4.0%})")

@@ -26,6 +26,15 @@ MAX_N = 65536  # past this a register-resident row spills badly (rows_launch giv
 
 
 @triton.jit
+def gated_norm_tile(x, g, w, N, eps, Y_DTYPE: tl.constexpr, W_DTYPE: tl.constexpr):
+    """Rows of gated_rms_norm, before the final cast to Y_DTYPE: x, g [BLOCK_M, BLOCK_N] fp32 (masked columns 0),
+    w [1, BLOCK_N] fp32; N the row width. Also the prologue of gemv's gated_rms_norm_gemv."""
+    rstd = tl.rsqrt(tl.sum(x * x, axis=1) / N + eps)  # [BLOCK_M]
+    y = round_to(round_to(x * rstd[:, None], Y_DTYPE) * w, W_DTYPE)  # w * n(x) is rounded to w's dtype
+    return y * tl.fdiv(g, 1.0 + tl.exp(-g), ieee_rounding=False)  # silu; an IEEE division per element is slow
+
+
+@triton.jit
 def _rms_norm_fwd_kernel(
     X, R, G, W, Y, R_OUT,
     stride_x, stride_r, stride_g, stride_y, stride_r_out,
@@ -39,17 +48,16 @@ def _rms_norm_fwd_kernel(
         r = tl.load(R + rows[:, None] * stride_r + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         x = round_to(x + r, R_OUT.dtype.element_ty)  # upstream adds in the model dtype
         tl.store(R_OUT + rows[:, None] * stride_r_out + cols[None, :], x.to(R_OUT.dtype.element_ty), mask=mask)
-    rstd = tl.rsqrt(tl.sum(x * x, axis=1) / N + eps)  # [BLOCK_M]
-    xn = x * rstd[:, None]
     w = tl.load(W + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]  # [1, BLOCK_N]
-    if ZERO_CENTERED:
-        y = xn * (1.0 + w)
-    else:
-        y = round_to(xn, Y.dtype.element_ty) * w
     if HAS_GATE:
-        y = round_to(y, W.dtype.element_ty)  # w * n(x) is rounded to w's dtype before the gate
         g = tl.load(G + rows[:, None] * stride_g + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        y = y * tl.fdiv(g, 1.0 + tl.exp(-g), ieee_rounding=False)  # silu; an IEEE division per element is slow
+        y = gated_norm_tile(x, g, w, N, eps, Y.dtype.element_ty, W.dtype.element_ty)
+    else:
+        xn = x * tl.rsqrt(tl.sum(x * x, axis=1) / N + eps)[:, None]
+        if ZERO_CENTERED:
+            y = xn * (1.0 + w)
+        else:
+            y = round_to(xn, Y.dtype.element_ty) * w
     tl.store(Y + rows[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
 
 

@@ -9,7 +9,8 @@ eight times). The residual stream rides beside the hidden states (the norms add 
                     -> gated_rms_norm(o, z) -> out GEMM
     attention:      one GEMM for [q and gate per head | k | v] -> rms_norm_rope(q), rms_norm_rope(k) -> SDPA
                     -> o * sigmoid(gate) -> o GEMM   (decode: K/V write + attention + gate in decode_attention)
-At B=1 decode, one-row GEMMs run a Triton GEMV (and the down GEMV computes silu_mul itself), see `linear`.
+At B=1 decode, one-row GEMMs run a Triton GEMV (see `linear`); the down GEMV computes silu_mul, the Gated-DeltaNet
+out_proj GEMV its gated RMSNorm, in their prologues.
 
 Entry points: forward (no cache, for parity tests), prefill (one sequence into one cache slot, from position 0, so
 prompts of different lengths need no padding in the recurrence), decode (one token per sequence, each at its own
@@ -28,7 +29,7 @@ import torch.nn.functional as F
 
 from ...kernels.decode_attention import decode_attention
 from ...kernels.gdn import causal_conv1d, chunk_gated_delta_rule_ref, conv_ring, gated_delta_rule_decode
-from ...kernels.gemv import gemv, silu_mul_gemv
+from ...kernels.gemv import gated_rms_norm_gemv, gemv, silu_mul_gemv
 from ...kernels.qk_norm_rope import rms_norm_rope
 from ...kernels.rms_norm import add_rms_norm, gated_rms_norm, rms_norm
 from ...kernels.swiglu import silu_mul
@@ -161,7 +162,10 @@ class DeltaNetLayer(Layer):
         qkv, z, b, a = self._project(x[:, 0])  # [B, C], [B, Vd], [B, HV], [B, HV]
         o = gated_delta_rule_decode(qkv, a, b, state[0], step.pos, self.conv_weight, self.A_log, self.dt_bias,
                                     state[1], self.num_k_heads, self.head_k_dim, self.head_v_dim)  # [B, HV, Dv]
-        y = gated_rms_norm(o, z.view(bsz, self.num_v_heads, self.head_v_dim), self.norm_weight, self.norm_eps)
+        z = z.view(bsz, self.num_v_heads, self.head_v_dim)
+        if one_row_on_cuda(o):  # the output norm in the out_proj GEMV's prologue
+            return gated_rms_norm_gemv(o, z, self.norm_weight, self.out_proj, self.norm_eps).view(bsz, 1, -1)
+        y = gated_rms_norm(o, z, self.norm_weight, self.norm_eps)
         return linear(y.view(bsz, 1, self.value_dim), self.out_proj)
 
 
