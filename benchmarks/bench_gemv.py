@@ -76,8 +76,8 @@ def sweep_launcher(block_n, block_k, warps, stages):
         n, k = w.shape
         y = torch.empty(1, n, device=x.device, dtype=x.dtype)
         _gemv_kernel[(triton.cdiv(n, block_n),)](x, x, x, w, y, n, k, w.stride(0), 0.0, PROLOGUE="none", GROUP=1,
-                                                 BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=True, num_warps=warps,
-                                                 num_stages=stages)
+                                                 GROUPS=1, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=True,
+                                                 num_warps=warps, num_stages=stages)
         return y
     return run
 

@@ -33,27 +33,27 @@ def _load_chunk(ptrs, cols, K, EVEN_K: tl.constexpr):
 
 
 @triton.jit
-def _input_chunk(X, Z, NW, cols, K, eps, PROLOGUE: tl.constexpr, GROUP: tl.constexpr, EVEN_K: tl.constexpr,
-                 BLOCK_K: tl.constexpr, DTYPE: tl.constexpr, NW_DTYPE: tl.constexpr):
+def _input_chunk(X, Z, NW, cols, K, eps, PROLOGUE: tl.constexpr, GROUP: tl.constexpr, GROUPS: tl.constexpr,
+                 EVEN_K: tl.constexpr, BLOCK_K: tl.constexpr, DTYPE: tl.constexpr, NW_DTYPE: tl.constexpr):
     """The GEMV's input at columns `cols`, fp32 [BLOCK_K]. Every program recomputes its K step's prologue: at M=1
     that is cheaper than a kernel boundary.
         "none": X;  "silu_mul": silu_mul of X = [gate | up] (2K wide);
-        "gated_norm": gated_rms_norm of X over groups of GROUP columns (heads), gated by Z, weighted by NW [GROUP]."""
+        "gated_norm": gated_rms_norm of X over groups of GROUP columns (heads), gated by Z, weighted by NW [GROUP];
+                      a K step holds GROUPS = BLOCK_K / GROUP whole heads."""
     x = _load_chunk(X + cols, cols, K, EVEN_K)
     if PROLOGUE == "silu_mul":
         x = silu_mul_tile(x, _load_chunk(X + K + cols, cols, K, EVEN_K), DTYPE)
     elif PROLOGUE == "gated_norm":
-        heads = (BLOCK_K // GROUP, GROUP)  # BLOCK_K is a multiple of GROUP: a K step holds whole heads
-        z = tl.reshape(_load_chunk(Z + cols, cols, K, EVEN_K), heads)
-        w = tl.reshape(tl.load(NW + cols % GROUP).to(tl.float32), heads)
-        x = tl.reshape(gated_norm_tile(tl.reshape(x, heads), z, w, GROUP, eps, DTYPE, NW_DTYPE), (BLOCK_K,))
+        z = tl.reshape(_load_chunk(Z + cols, cols, K, EVEN_K), (GROUPS, GROUP))
+        w = tl.reshape(tl.load(NW + cols % GROUP).to(tl.float32), (GROUPS, GROUP))
+        x = tl.reshape(gated_norm_tile(tl.reshape(x, (GROUPS, GROUP)), z, w, GROUP, eps, DTYPE, NW_DTYPE), (BLOCK_K,))
         x = round_to(x, DTYPE)
     return x
 
 
 @triton.jit
 def _gemv_kernel(X, Z, NW, W, Y, N, K, stride_wn, eps, PROLOGUE: tl.constexpr, GROUP: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+                 GROUPS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] outputs
     cols = tl.arange(0, BLOCK_K)
     row_mask = rows < N
@@ -61,7 +61,8 @@ def _gemv_kernel(X, Z, NW, W, Y, N, K, stride_wn, eps, PROLOGUE: tl.constexpr, G
     dtype = Y.dtype.element_ty
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k in range(0, K, BLOCK_K):
-        x = _input_chunk(X, Z, NW, k + cols, K, eps, PROLOGUE, GROUP, EVEN_K, BLOCK_K, dtype, NW.dtype.element_ty)
+        x = _input_chunk(X, Z, NW, k + cols, K, eps, PROLOGUE, GROUP, GROUPS, EVEN_K, BLOCK_K, dtype,
+                         NW.dtype.element_ty)
         if EVEN_K:
             w = tl.load(w_ptrs + k, mask=row_mask[:, None], other=0.0, eviction_policy="evict_first")
         else:
@@ -89,7 +90,8 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, prologue: str = "none", gate=
         block_k = max(group, min(1024, triton.next_power_of_2(k)))
         _gemv_kernel[(triton.cdiv(n, 16),)](
             X=x, Z=gate if gate is not None else x, NW=norm_weight if norm_weight is not None else x, W=weight, Y=y,
-            N=n, K=k, stride_wn=weight.stride(0), eps=eps, PROLOGUE=prologue, GROUP=group, BLOCK_N=16,
+            N=n, K=k, stride_wn=weight.stride(0), eps=eps, PROLOGUE=prologue, GROUP=group, GROUPS=block_k // group,
+            BLOCK_N=16,
             BLOCK_K=block_k, EVEN_K=k % block_k == 0, num_warps=4, num_stages=4,
         )
     return y

@@ -163,7 +163,7 @@ class DeltaNetLayer(Layer):
         o = gated_delta_rule_decode(qkv, a, b, state[0], step.pos, self.conv_weight, self.A_log, self.dt_bias,
                                     state[1], self.num_k_heads, self.head_k_dim, self.head_v_dim)  # [B, HV, Dv]
         z = z.view(bsz, self.num_v_heads, self.head_v_dim)
-        if one_row_on_cuda(o):  # the output norm in the out_proj GEMV's prologue
+        if one_row_on_cuda(o.view(bsz, -1)):  # the output norm in the out_proj GEMV's prologue
             return gated_rms_norm_gemv(o, z, self.norm_weight, self.out_proj, self.norm_eps).view(bsz, 1, -1)
         y = gated_rms_norm(o, z, self.norm_weight, self.norm_eps)
         return linear(y.view(bsz, 1, self.value_dim), self.out_proj)
