@@ -49,32 +49,18 @@ def fla_chunk_gated_delta_rule():
     return chunk_gated_delta_rule
 
 
-def chunk_gated_delta_rule(q, k, v, g, beta):
-    """q, k: [B, T, H, Dk]; v: [B, T, HV, Dv]; g (fp32), beta: [B, T, HV]; zero initial state, q/k L2-normalized.
-    Returns (o [B, T, HV, Dv] in v's dtype, final state [B, HV, Dk, Dv] fp32)."""
+def chunk_gated_delta_rule(q, k, v, a, beta, A_log, dt_bias):
+    """q, k: [B, T, H, Dk]; v: [B, T, HV, Dv]; a, beta: [B, T, HV] (a: in_proj_a's output); A_log, dt_bias: [HV].
+    The log decay g = -exp(A_log) * softplus(a + dt_bias) is taken in fp32 (upstream's casts); zero initial state,
+    q/k L2-normalized. Returns (o [B, T, HV, Dv] in v's dtype, final state [B, HV, Dk, Dv] fp32)."""
     fla = fla_chunk_gated_delta_rule() if q.is_cuda else None
     if fla is None:
+        g = -A_log.float().exp() * F.softplus(a.float() + dt_bias)  # [B, T, HV] fp32
         return chunk_gated_delta_rule_ref(q, k, v, g, beta)
-    # fla >= 0.5 maps value head j to q/k head j // (HV / H) itself (upstream repeats q and k first: two copies)
-    return fla(q, k, v, g=g, beta=beta, output_final_state=True, use_qk_l2norm_in_kernel=True)
-
-
-def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """F.linear without bias. On CUDA a single row (decode at B=1, prefill's last-token logits) goes to the Triton
-    GEMV: on an H200, cuBLAS ran the 9B decode shapes at 59-95% of copy bandwidth (a split-K kernel + reduce at
-    4096 x 4096), the GEMV at 75-105% (kernels/gemv.py). Not on the CPU, where Triton runs in its interpreter (tests
-    only): its 15k programs for a 248k-token lm_head take seconds a step; tests/kernels/test_gemv.py covers the
-    kernel there, the GPU model tests cover this path."""
-    return gemv(x, weight) if one_row_on_cuda(x) else F.linear(x, weight)
-
-
-def silu_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """linear(silu_mul(gate_up), weight); a single CUDA row in one GEMV kernel (no launch for silu_mul)."""
-    return silu_mul_gemv(gate_up, weight) if one_row_on_cuda(gate_up) else F.linear(silu_mul(gate_up), weight)
-
-
-def one_row_on_cuda(x: torch.Tensor) -> bool:
-    return x.is_cuda and x.numel() == x.shape[-1]
+    # fla >= 0.5 maps value head j to q/k head j // (HV / H) itself (upstream repeats q and k first: two copies),
+    # and computes g in its cumsum kernel (use_gate_in_kernel: the same fp32 formula) instead of ~7 small launches
+    return fla(q, k, v, g=a, beta=beta, output_final_state=True, use_qk_l2norm_in_kernel=True,
+               use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias)
 
 
 def frozen(t: torch.Tensor, device, dtype=None) -> nn.Parameter:
@@ -149,8 +135,7 @@ class DeltaNetLayer(Layer):
         q = q.reshape(bsz, t, self.num_k_heads, self.head_k_dim)
         k = k.reshape(bsz, t, self.num_k_heads, self.head_k_dim)
         v = v.reshape(bsz, t, self.num_v_heads, self.head_v_dim)
-        g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)  # [B, T, HV] fp32, log decay
-        o, final_state = chunk_gated_delta_rule(q, k, v, g, b.sigmoid())  # [B, T, HV, Dv]
+        o, final_state = chunk_gated_delta_rule(q, k, v, a, b.sigmoid(), self.A_log, self.dt_bias)  # [B, T, HV, Dv]
         if state is not None:
             state[1].copy_(final_state)
         y = gated_rms_norm(o, z.reshape(bsz, t, self.num_v_heads, self.head_v_dim), self.norm_weight, self.norm_eps)
