@@ -1,5 +1,6 @@
 """Print markdown tables of the latest benchmark rows (kernels per op/shape/impl, transformer per impl/shape,
-pipeline per variant/size, text per impl/batch/prompt) from results/*.jsonl, for benchmarks/RESULTS.md.
+pipeline per variant/size, text per impl/batch/prompt, M=1 GEMV per op/impl) from results/*.jsonl, for
+benchmarks/RESULTS.md.
 
     python3 benchmarks/summarize.py
 """
@@ -86,6 +87,16 @@ def text_table() -> str:
     return "\n".join(out)
 
 
+def gemv_table() -> str:
+    rows = latest("gemv", lambda r: (r["op"], r["impl"]))
+    out = ["| op | shape | impl | us | GB/s | copy % | rel_err | commit |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows.values():
+        out.append(f"| {r['op']} | {r['shape']} | {r['impl']} | {fmt(r.get('us'), '.2f')} | {fmt(r.get('gbps'), '.0f')} "
+                   f"| {fmt(r.get('fraction_of_copy') and 100 * r['fraction_of_copy'], '.0f')} | "
+                   f"{fmt(r.get('rel_err'), '.1e')} | {r['commit']} |")
+    return "\n".join(out)
+
+
 if __name__ == "__main__":
     print("## Kernels\n")
     print(kernels_table())
@@ -95,3 +106,5 @@ if __name__ == "__main__":
     print(pipeline_table())
     print("\n## Text\n")
     print(text_table())
+    print("\n## GEMV (M=1)\n")
+    print(gemv_table())
