@@ -84,8 +84,8 @@ def test_ref_gate_is_upstream_rounding(dtype):
 SHAPES = [  # (B, H, KVH, D, L, positions, strided caches)
     (1, 2, 2, 40, 1, [0], False),  # L=1, H == KVH, D not a power of 2
     (3, 6, 2, 48, 7, [0, 3, 6], True),  # 3 query heads per KV head, first and last position, [KVH, B, L, D] caches
-    (3, 4, 1, 40, 300, [0, 150, 299], False),  # KVH=1, 5 splits of one 64-key tile, empty ones past p=0, p=150
-    (1, 16, 4, 256, 300, [299], False),  # Qwen3.5-9B heads: 5 splits of up to 4 16-key tiles
+    (3, 4, 1, 40, 300, [0, 150, 299], False),  # KVH=1, 19 splits of 64-key chunks: most empty at p=0 and p=150
+    (1, 16, 4, 256, 300, [299], False),  # Qwen3.5-9B heads: 19 splits of one 16-key tile each
 ]
 
 
