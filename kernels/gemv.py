@@ -7,7 +7,7 @@ Semantics of a bf16/fp16 `F.linear` without bias: products summed in fp32, the s
 (cuBLAS' compute type; the summation order differs, so results match to fp32 rounding, not bit for bit).
 
 Why not cuBLAS: at M=1 the step only streams the weight, and on an H200 cuBLAS ran the Qwen3.5-9B decode shapes at
-59-95% of copy bandwidth (a split-K kernel + reduce for the 4096 x 4096 projections), this kernel at 75-105% (a
+59-98% of copy bandwidth (a split-K kernel + reduce for the 4096 x 4096 projections), this kernel at 72-105% (a
 pure read stream can beat the copy figure, which reads and writes); settings from benchmarks/bench_gemv.py --sweep
 (results/sweep_gemv_71cb1b5.txt): BLOCK_N = 16 output rows per program, 1024-wide K steps, weight loads marked
 evict-first so x stays cached. Each program keeps a [BLOCK_N, BLOCK_K] fp32 accumulator and reduces it once at the

@@ -65,8 +65,8 @@ def chunk_gated_delta_rule(q, k, v, a, beta, A_log, dt_bias):
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """F.linear without bias. On CUDA a single row (decode at B=1, prefill's last-token logits) goes to the Triton
-    GEMV: on an H200, cuBLAS ran the 9B decode shapes at 59-95% of copy bandwidth (a split-K kernel + reduce at
-    4096 x 4096), the GEMV at 75-105% (kernels/gemv.py). Not on the CPU, where Triton runs in its interpreter (tests
+    GEMV: on an H200, cuBLAS ran the 9B decode shapes at 59-98% of copy bandwidth (a split-K kernel + reduce at
+    4096 x 4096), the GEMV at 72-105% (kernels/gemv.py). Not on the CPU, where Triton runs in its interpreter (tests
     only): its 15k programs for a 248k-token lm_head take seconds a step; tests/kernels/test_gemv.py covers the
     kernel there, the GPU model tests cover this path."""
     return gemv(x, weight) if one_row_on_cuda(x) else F.linear(x, weight)
