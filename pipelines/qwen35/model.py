@@ -146,13 +146,13 @@ class DeltaNetLayer(Layer):
         recurrent [B, HV, Dk, Dv]) to receive the state after the last token."""
         bsz, t, _ = x.shape
         qkv, z, b, a = self._project(x)
-        qkv, conv_state = causal_conv1d(qkv, self.conv_weight)  # [B, T, C] contiguous, [B, C, K-1]
+        # q, k, v each contiguous: fla would copy strided views of one [B, T, C] output
+        (q, k, v), conv_state = causal_conv1d(qkv, self.conv_weight, split=(self.key_dim, self.key_dim, self.value_dim))
         if state is not None:
             state[0].copy_(conv_ring(conv_state, t))  # the decode step's layout; the next token is at position t
-        q, k, v = qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        q = q.reshape(bsz, t, self.num_k_heads, self.head_k_dim)
-        k = k.reshape(bsz, t, self.num_k_heads, self.head_k_dim)
-        v = v.reshape(bsz, t, self.num_v_heads, self.head_v_dim)
+        q = q.view(bsz, t, self.num_k_heads, self.head_k_dim)
+        k = k.view(bsz, t, self.num_k_heads, self.head_k_dim)
+        v = v.view(bsz, t, self.num_v_heads, self.head_v_dim)
         o, final_state = chunk_gated_delta_rule(q, k, v, a, b.sigmoid(), self.A_log, self.dt_bias)  # [B, T, HV, Dv]
         if state is not None:
             state[1].copy_(final_state)

@@ -254,7 +254,7 @@ def check_decode(args, h, dk, dv, steps, what, nearly_exact=False):
 DECODE_SHAPES = [
     (1, 1, 1, 16, 16, 4),  # one sequence, one head
     (2, 2, 4, 16, 32, 4),  # grouped value heads (HV = 2 H), as Qwen3.5
-    (3, 1, 3, 24, 40, 2),  # Dk, Dv not powers of 2 (masked tiles, two Dv blocks), conv K=2, three value heads a key head
+    (3, 1, 3, 24, 40, 2),  # Dk, Dv not powers of 2 (masked tiles, two Dv blocks), conv K=2, 3 value heads a key head
 ]
 
 
@@ -364,6 +364,12 @@ def test_causal_conv1d_matches_ref(device, dtype, shape):
     assert_close(y.float(), y_ref.float(), TOL[dtype], f"{shape} {dtype}")
     y_linear, _ = causal_conv1d(x, weight, state, activation=None)
     assert_close(y_linear.float(), causal_conv1d_ref(x, weight, state, activation=None)[0].float(), TOL[dtype])
+    # split: the channel groups as separate contiguous tensors, the same values (an empty group included)
+    c = x.shape[-1]
+    for split in ((c // 4, c // 4, c - 2 * (c // 4)), (0, c - 1, 1)):
+        parts, split_state = causal_conv1d(x, weight, state, split=split)
+        assert all(p.is_contiguous() and p.shape == (*x.shape[:2], n) for p, n in zip(parts, split))
+        assert torch.equal(torch.cat(parts, dim=-1), y) and torch.equal(split_state, final_ref), split
 
 
 @pytest.mark.parametrize("t", [128, 2048])
@@ -374,6 +380,7 @@ def test_causal_conv1d_real_width_gpu(t):
     y, final_state = causal_conv1d(x, weight)
     y_ref, final_ref = causal_conv1d_ref(x, weight)
     assert torch.equal(final_state, final_ref)
+    assert torch.equal(torch.cat(causal_conv1d(x, weight, split=(2048, 2048, 4096))[0], dim=-1), y)  # q | k | v
     # fp32 sums in another order than cuDNN's: an ulp where a rounding flips, then through SiLU
     assert_nearly_exact(y, y_ref, f"T={t}", max_ulp=2, max_frac=1e-2)
 
@@ -386,3 +393,6 @@ def test_causal_conv1d_validation():
         causal_conv1d(x, weight, state[..., :2].contiguous())
     with pytest.raises(ValueError, match="activation must be 'silu' or None, got 'gelu'"):
         causal_conv1d(x, weight, state, activation="gelu")
+    message = "split=(4, 4, 1): must be three channel counts >= 0 summing to C=8"
+    with pytest.raises(ValueError, match=re.escape(message)):
+        causal_conv1d(x, weight, state, split=(4, 4, 1))
