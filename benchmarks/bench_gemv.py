@@ -18,14 +18,13 @@ import sys
 from pathlib import Path
 
 import torch
-import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import append_results, copy_bandwidth_gbps, environment  # noqa: E402
 
 from qwen_image_fast.kernels._utils import rel_rms_error  # noqa: E402
 from qwen_image_fast.kernels.gemv import (  # noqa: E402
-    _gemv_kernel,
+    _launch,
     gated_rms_norm_gemv,
     gated_rms_norm_gemv_ref,
     gemv,
@@ -72,14 +71,7 @@ def graph_us(fn, weights, x, reps: int = 20) -> float:
 
 
 def sweep_launcher(block_n, block_k, warps, stages):
-    def run(x, w):
-        n, k = w.shape
-        y = torch.empty(1, n, device=x.device, dtype=x.dtype)
-        _gemv_kernel[(triton.cdiv(n, block_n),)](x, x, x, w, y, n, k, w.stride(0), 0.0, PROLOGUE="none", GROUP=1,
-                                                 GROUPS=1, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=True,
-                                                 num_warps=warps, num_stages=stages)
-        return y
-    return run
+    return lambda x, w: _launch(x, w, block_n=block_n, max_block_k=block_k, num_warps=warps, num_stages=stages)
 
 
 def main():

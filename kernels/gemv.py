@@ -74,8 +74,9 @@ def _gemv_kernel(X, Z, NW, W, Y, N, K, stride_wn, eps, PROLOGUE: tl.constexpr, G
 
 
 def _launch(x: torch.Tensor, weight: torch.Tensor, prologue: str = "none", gate=None, norm_weight=None, group=1,
-            eps=0.0) -> torch.Tensor:
-    """x: one row of the GEMV input (2K wide for silu_mul); gate, norm_weight, group, eps: for gated_norm."""
+            eps=0.0, *, block_n=16, max_block_k=1024, num_warps=4, num_stages=4) -> torch.Tensor:
+    """x: one row of the GEMV input (2K wide for silu_mul); gate, norm_weight, group, eps: for gated_norm. The tile
+    settings default to the sweep's choice (bench_gemv.py --sweep passes others)."""
     name = "gate_up" if prologue == "silu_mul" else "x"
     check_tensor(name, x, dtypes=FLOAT_DTYPES)
     check_tensor("weight", weight, dtypes=(x.dtype,), ndim=2, device=x.device)
@@ -87,12 +88,11 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, prologue: str = "none", gate=
                          f"(the weight's {tuple(weight.shape)} is [N, K]), got shape {tuple(x.shape)}")
     y = new_output((*x.shape[:-row_dims], n), x.dtype, x.device)
     if n:
-        block_k = max(group, min(1024, triton.next_power_of_2(k)))
-        _gemv_kernel[(triton.cdiv(n, 16),)](
+        block_k = max(group, min(max_block_k, triton.next_power_of_2(k)))
+        _gemv_kernel[(triton.cdiv(n, block_n),)](
             X=x, Z=gate if gate is not None else x, NW=norm_weight if norm_weight is not None else x, W=weight, Y=y,
             N=n, K=k, stride_wn=weight.stride(0), eps=eps, PROLOGUE=prologue, GROUP=group, GROUPS=block_k // group,
-            BLOCK_N=16,
-            BLOCK_K=block_k, EVEN_K=k % block_k == 0, num_warps=4, num_stages=4,
+            BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, num_warps=num_warps, num_stages=num_stages,
         )
     return y
 
