@@ -52,7 +52,8 @@ def sample(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator)
 
 class Decoder:
     """Static decoding state for `batch` sequences of up to `max_len` tokens: the hybrid cache, the token buffer
-    (each step's input, then its output), a random generator and, with CUDA graphs, one graph per Sampling."""
+    (each step's input, then its output) and its reader, a random generator and, with CUDA graphs, one graph per
+    Sampling."""
 
     def __init__(self, model: FastQwen35ForCausalLM, batch: int, max_len: int, use_graph: bool):
         self.model = model
@@ -62,6 +63,7 @@ class Decoder:
         self.tokens = torch.zeros(batch, dtype=torch.int64, device=model.device)  # [B]
         self.generator = torch.Generator(model.device)
         self.graphs: dict[Sampling, torch.cuda.CUDAGraph] = {}
+        self.reader = TokenReader(self.tokens)
 
     def _step(self, sampling: Sampling):
         self.tokens.copy_(sample(self.model.decode(self.tokens, self.cache), sampling, self.generator))
@@ -193,13 +195,12 @@ def generate(
     stop = set(stop_token_ids)
     outputs: list[list[int]] = [[] for _ in prompts]
     done = [False] * len(prompts)
-    reader = TokenReader(decoder.tokens)
-    reader.fetch(0)
+    decoder.reader.fetch(0)
     for step in range(max_new_tokens):
         if step + 1 < max_new_tokens:  # queue the next step before waiting for this one's tokens
             decoder.step(sampling)
-            reader.fetch(step + 1)
-        new_tokens = reader.read(step)
+            decoder.reader.fetch(step + 1)
+        new_tokens = decoder.reader.read(step)
         for i, token in enumerate(new_tokens):
             if done[i] or token in stop:
                 done[i] = True

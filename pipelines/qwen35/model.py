@@ -77,6 +77,15 @@ def silu_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor
     return silu_mul_gemv(gate_up, weight) if one_row_on_cuda(gate_up) else F.linear(silu_mul(gate_up), weight)
 
 
+def gated_rms_norm_linear(x: torch.Tensor, gate: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                          weight: torch.Tensor) -> torch.Tensor:
+    """linear(gated_rms_norm(x, gate, norm_weight, eps) flattened per row, weight): x, gate [B, HV, Dv] ->
+    [B, N]; a single CUDA row in one GEMV kernel (the norm in its prologue)."""
+    if one_row_on_cuda(x.flatten(-2)):
+        return gated_rms_norm_gemv(x, gate, norm_weight, weight, eps)
+    return linear(gated_rms_norm(x, gate, norm_weight, eps).flatten(-2), weight)
+
+
 def one_row_on_cuda(x: torch.Tensor) -> bool:
     return x.is_cuda and x.numel() == x.shape[-1]
 
@@ -166,10 +175,7 @@ class DeltaNetLayer(Layer):
         o = gated_delta_rule_decode(qkv, a, b, state[0], step.pos, self.conv_weight, self.A_log, self.dt_bias,
                                     state[1], self.num_k_heads, self.head_k_dim, self.head_v_dim)  # [B, HV, Dv]
         z = z.view(bsz, self.num_v_heads, self.head_v_dim)
-        if one_row_on_cuda(o.view(bsz, -1)):  # the output norm in the out_proj GEMV's prologue
-            return gated_rms_norm_gemv(o, z, self.norm_weight, self.out_proj, self.norm_eps).view(bsz, 1, -1)
-        y = gated_rms_norm(o, z, self.norm_weight, self.norm_eps)
-        return linear(y.view(bsz, 1, self.value_dim), self.out_proj)
+        return gated_rms_norm_linear(o, z, self.norm_weight, self.norm_eps, self.out_proj)[:, None]  # [B, 1, D]
 
 
 class AttentionLayer(Layer):
