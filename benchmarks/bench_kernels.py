@@ -55,12 +55,6 @@ from qwen_image_fast.kernels.rms_norm import (  # noqa: E402
     rms_norm,
     rms_norm_ref,
 )
-from qwen_image_fast.kernels.rope import (  # noqa: E402
-    rope_qwen_image,
-    rope_qwen_image_ref,
-    rope_rotate_half,
-    rope_rotate_half_ref,
-)
 from qwen_image_fast.kernels.swiglu import silu_mul, silu_mul_ref  # noqa: E402
 
 BF16 = torch.bfloat16
@@ -168,7 +162,6 @@ def make_cases() -> list[Case]:
     w_head = rnd(HD, scale=0.1) + 1
     q35_x, q35_res = rnd(8192, 4096), rnd(8192, 4096)
     q35_w = rnd(4096, scale=0.1)
-    q35_heads = rnd(1, 8192, 16, 256)
     cos_sin = torch.rand(2, 1, 8192, 64, generator=g, device=dev).to(BF16)
     gdn_o, gdn_z = rnd(8192 * 32, 128), rnd(8192 * 32, 128)
     dit = f"{B}x{L_IMG + L_TXT}x{D}"
@@ -184,10 +177,6 @@ def make_cases() -> list[Case]:
         Case("residual_gate", dit, (residual, x_dit, gate), residual_gate, residual_gate_ref),
         Case("residual_gate_layer_norm_modulate_fp8", dit, (residual, x_dit, gate, shift, scale),
              residual_gate_layer_norm_modulate_fp8, residual_gate_layer_norm_modulate_fp8_ref, fp8_outputs=True),
-        Case("rope_qwen_image", f"{B}x{L_IMG}x{H}x{HD}", (qkv[..., : H * HD].unflatten(-1, (H, HD)), freqs),
-             rope_qwen_image, rope_qwen_image_ref),
-        Case("rope_rotate_half", "1x8192x16x256 (R=64)", (q35_heads, cos_sin[0], cos_sin[1]),
-             rope_rotate_half, rope_rotate_half_ref),
         Case("qkv_pack", f"{B}x{L_IMG}x{3 * H * HD} -> {B}x{L_IMG + L_TXT}x{H}x{HD}",
              (qkv, w_head, w_head, freqs, *joint, 0), qkv_pack_written(qkv_pack, joint, L_IMG),
              qkv_pack_written(qkv_pack_ref, joint, L_IMG), moved=2 * nbytes(qkv) + nbytes(freqs)),

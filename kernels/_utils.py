@@ -57,6 +57,12 @@ def rows_launch(n_rows: int, n_cols: int) -> tuple[tuple[int], dict]:
     return (triton.cdiv(n_rows, block_m),), dict(settings, BLOCK_M=block_m)
 
 
+def head_block(n_heads: int) -> int:
+    """Heads per program for kernels over [BLOCK_H, D] head tiles: 8 heads of 128 dims keep a program's loads wide
+    on Hopper."""
+    return min(8, triton.next_power_of_2(n_heads))
+
+
 def rel_rms_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     """RMS(out - ref) / RMS(ref) in fp64; NaN anywhere gives inf."""
     out, ref = out.double(), ref.double()

@@ -8,16 +8,18 @@ The RoPE runs in x's dtype as transformers does (its cos/sin come in x's dtype):
 rounded to the dtype, so with u1 = u[:R/2], u2 = u[R/2:R]:
     y[:R/2]  = round(round(u1 * cos[:R/2]) + round(-u2 * sin[:R/2]))
     y[R/2:R] = round(round(u2 * cos[R/2:]) + round(u1 * sin[R/2:]))
-This is `Qwen3_5Attention`'s q_norm/k_norm + rotary for one of q, k (Qwen3.5: D=256, R=64).
+This is `Qwen3_5Attention`'s q_norm/k_norm + rotary for one of q, k (Qwen3.5: D=256, R=64). The formulas are
+rms_norm.py's and rope.py's tiles; a program holds a head row in three pieces (the two rotated halves, which the
+rotation pairs, and the pass-through dims).
 """
 
 import torch
 import triton
 import triton.language as tl
 
-from ._utils import check_tensor, round_to
-from .rms_norm import rms_norm_ref
-from .rope import check_rotate_half_args, launch_rotate_half, rope_rotate_half_ref, rotate_half_tile
+from ._utils import FLOAT_DTYPES, check_tensor, head_block, new_output, round_to
+from .rms_norm import rms_norm_ref, rms_norm_tile
+from .rope import rope_rotate_half_ref, rope_rotate_half_tile
 
 
 @triton.jit
@@ -26,28 +28,39 @@ def _rms_norm_rope_kernel(
     HEAD_DIM: tl.constexpr, ROT_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_P: tl.constexpr,
 ):
-    x_row, y_row, half, rest, half_mask, rest_mask, cos1, cos2, sin1, sin2 = rotate_half_tile(
-        X, C, SN, Y, S, H, stride_xb, stride_xs, stride_xh, stride_cb, stride_cs, stride_sb, stride_ss,
-        HEAD_DIM, ROT_DIM, BLOCK_H, BLOCK_R, BLOCK_P)
+    row = tl.program_id(0).to(tl.int64)  # b * S + s
+    b = row // S
+    s = row % S
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    half = tl.arange(0, BLOCK_R)  # j and ROT_DIM // 2 + j form a rotated pair
+    rest = ROT_DIM + tl.arange(0, BLOCK_P)  # the pass-through dims
     in_half = half < ROT_DIM // 2
     in_rest = rest < HEAD_DIM
+    half_mask = (heads[:, None] < H) & in_half[None, :]  # [BLOCK_H, BLOCK_R]
+    rest_mask = (heads[:, None] < H) & in_rest[None, :]  # [BLOCK_H, BLOCK_P]
+    x_row = X + b * stride_xb + s * stride_xs + heads[:, None] * stride_xh  # [BLOCK_H, 1]
+    y_row = Y + row * H * HEAD_DIM + heads[:, None] * HEAD_DIM
+    c_row = C + b * stride_cb + s * stride_cs
+    s_row = SN + b * stride_sb + s * stride_ss
     dtype = Y.dtype.element_ty
 
-    # the head row in three disjoint pieces: first rotated half, second rotated half, pass-through
     x1 = tl.load(x_row + half[None, :], mask=half_mask, other=0.0).to(tl.float32)  # [BLOCK_H, BLOCK_R]
     x2 = tl.load(x_row + ROT_DIM // 2 + half[None, :], mask=half_mask, other=0.0).to(tl.float32)
     xp = tl.load(x_row + rest[None, :], mask=rest_mask, other=0.0).to(tl.float32)  # [BLOCK_H, BLOCK_P]
     sum_sq = tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1) + tl.sum(xp * xp, axis=1)  # [BLOCK_H]
-    rstd = tl.rsqrt(sum_sq / HEAD_DIM + eps)[:, None]
+    rstd = tl.rsqrt(sum_sq / HEAD_DIM + eps)[:, None]  # the whole row's, as row_rstd
     w1 = tl.load(W + half, mask=in_half, other=0.0).to(tl.float32)[None, :]
     w2 = tl.load(W + ROT_DIM // 2 + half, mask=in_half, other=0.0).to(tl.float32)[None, :]
     wp = tl.load(W + rest, mask=in_rest, other=0.0).to(tl.float32)[None, :]
-    u1 = round_to(x1 * rstd * (1.0 + w1), dtype)
-    u2 = round_to(x2 * rstd * (1.0 + w2), dtype)
-    tl.store(y_row + rest[None, :], (xp * rstd * (1.0 + wp)).to(dtype), mask=rest_mask)
+    u1 = round_to(rms_norm_tile(x1, rstd, w1, True, dtype), dtype)
+    u2 = round_to(rms_norm_tile(x2, rstd, w2, True, dtype), dtype)
+    tl.store(y_row + rest[None, :], rms_norm_tile(xp, rstd, wp, True, dtype).to(dtype), mask=rest_mask)
 
-    y1 = round_to(u1 * cos1, dtype) + round_to(-u2 * sin1, dtype)
-    y2 = round_to(u2 * cos2, dtype) + round_to(u1 * sin2, dtype)
+    cos1 = tl.load(c_row + half, mask=in_half, other=0.0).to(tl.float32)[None, :]  # [1, BLOCK_R]
+    cos2 = tl.load(c_row + ROT_DIM // 2 + half, mask=in_half, other=0.0).to(tl.float32)[None, :]
+    sin1 = tl.load(s_row + half, mask=in_half, other=0.0).to(tl.float32)[None, :]
+    sin2 = tl.load(s_row + ROT_DIM // 2 + half, mask=in_half, other=0.0).to(tl.float32)[None, :]
+    y1, y2 = rope_rotate_half_tile(u1, u2, cos1, cos2, sin1, sin2, dtype)
     tl.store(y_row + half[None, :], y1.to(dtype), mask=half_mask)
     tl.store(y_row + ROT_DIM // 2 + half[None, :], y2.to(dtype), mask=half_mask)
 
@@ -57,13 +70,30 @@ def rms_norm_rope(
 ) -> torch.Tensor:
     """x: [B, S, H, D] float, last dim contiguous, other strides arbitrary (e.g. a view into a packed projection);
     weight: [D] zero-centred, fp32 or x's dtype; cos, sin: [B, S, R] in x's dtype, R even, R <= D (Qwen3.5: R=64 of
-    D=256). Returns a new contiguous [B, S, H, D] tensor in x's dtype."""
-    check_rotate_half_args(x, cos, sin)
-    check_tensor("weight", weight, dtypes=(x.dtype, torch.float32), shape=(x.shape[-1],), device=x.device)
-    return launch_rotate_half(
-        _rms_norm_rope_kernel, x, cos, sin, W=weight, eps=eps,
+    D=256), any strides but the last (e.g. one table broadcast over the batch). Returns a new contiguous
+    [B, S, H, D] tensor in x's dtype."""
+    check_tensor("x", x, dtypes=FLOAT_DTYPES, ndim=4)
+    b, s, h, d = x.shape
+    check_tensor("cos", cos, dtypes=(x.dtype,), ndim=3, device=x.device)
+    r = cos.shape[-1]
+    if tuple(cos.shape) != (b, s, r) or r % 2 or r > d:
+        raise ValueError(f"cos has shape {tuple(cos.shape)}; expected [B, S, R] = [{b}, {s}, R] with R even and "
+                         f"R <= D={d}")
+    check_tensor("sin", sin, dtypes=(x.dtype,), shape=cos.shape, device=x.device)
+    check_tensor("weight", weight, dtypes=(x.dtype, torch.float32), shape=(d,), device=x.device)
+    y = new_output(x.shape, x.dtype, x.device)
+    if y.numel() == 0:
+        return y
+    block_h = head_block(h)
+    _rms_norm_rope_kernel[(b * s, triton.cdiv(h, block_h))](
+        X=x, W=weight, C=cos, SN=sin, Y=y, S=s, H=h,
+        stride_xb=x.stride(0), stride_xs=x.stride(1), stride_xh=x.stride(2),
+        stride_cb=cos.stride(0), stride_cs=cos.stride(1), stride_sb=sin.stride(0), stride_ss=sin.stride(1), eps=eps,
+        HEAD_DIM=d, ROT_DIM=r, BLOCK_H=block_h, BLOCK_R=triton.next_power_of_2(max(r // 2, 1)),
+        BLOCK_P=triton.next_power_of_2(max(d - r, 1)),
         enable_fp_fusion=False,  # else fp16 products and their sum fuse into one fma.f16, skipping a rounding
     )
+    return y
 
 
 def rms_norm_rope_ref(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float = 1e-6):

@@ -5,34 +5,17 @@ From the fused projection qkv = cat([to_q(x), to_k(x), to_v(x)], -1) of L tokens
     q = rope(rms_norm(q) * w_q),  k = rope(rms_norm(k) * w_k),  v = v
 Matches diffusers' QwenDoubleStreamAttnProcessor2_0 up to its torch.cat([text, image]): RMSNorm as in diffusers
 (normalize in fp32, cast to the weight's dtype, multiply by the weight in that dtype), then
-`apply_rotary_emb_qwen(use_real=False)` (rope_qwen_image: fp32 complex multiply, cast back). The kernel rounds to the
-dtype at the same two places before the fp32 rotation.
+`apply_rotary_emb_qwen(use_real=False)` (fp32 complex multiply, cast back). The kernel rounds to the dtype at the
+same two places before the fp32 rotation. The formulas are rms_norm.py's and rope.py's tiles.
 """
 
 import torch
 import triton
 import triton.language as tl
 
-from ._utils import FLOAT_DTYPES, check_tensor, round_to
-from .rms_norm import rms_norm_ref
-from .rope import head_block, rope_qwen_image_ref
-
-
-@triton.jit
-def _rms_norm_diffusers(x, w, eps, HEAD_DIM: tl.constexpr):
-    """x: [BLOCK_T, BLOCK_H, BLOCK_D] fp32 with masked lanes 0; w: [BLOCK_D] in the output dtype. Returns fp32
-    values that are exactly representable in that dtype, as diffusers' RMSNorm output is."""
-    rstd = tl.rsqrt(tl.sum(x * x, axis=2) / HEAD_DIM + eps)  # [BLOCK_T, BLOCK_H]
-    n = round_to(x * rstd[:, :, None], w.dtype)
-    return round_to(n * w.to(tl.float32)[None, None, :], w.dtype)
-
-
-@triton.jit
-def _rope_interleaved_3d(x, cos, sin, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
-    """x: [BLOCK_T, BLOCK_H, BLOCK_D] fp32, pairs (x[2i], x[2i+1]); cos, sin: [BLOCK_T, BLOCK_D // 2] fp32."""
-    xr, xi = tl.split(tl.reshape(x, [BLOCK_T, BLOCK_H, BLOCK_D // 2, 2]))  # [BLOCK_T, BLOCK_H, BLOCK_D // 2]
-    c, s = cos[:, None, :], sin[:, None, :]
-    return tl.reshape(tl.join(xr * c - xi * s, xr * s + xi * c), [BLOCK_T, BLOCK_H, BLOCK_D])
+from ._utils import FLOAT_DTYPES, check_tensor, head_block, round_to
+from .rms_norm import rms_norm_ref, rms_norm_tile, row_rstd
+from .rope import rope_interleaved_tile, rope_qwen_image_ref
 
 
 @triton.jit
@@ -57,15 +40,19 @@ def _qkv_pack_kernel(
     cos = tl.load(f_ptrs, mask=f_mask, other=1.0)
     sin = tl.load(f_ptrs + 1, mask=f_mask, other=0.0)
 
-    w_q = tl.load(WQ + cols, mask=cols < HEAD_DIM, other=0.0)  # [BLOCK_D]
+    dtype = Q.dtype.element_ty
+    # the norms' outputs round to the dtype (diffusers' RMSNorm output is in it), the rotation is fp32, cast once
+    w_q = tl.load(WQ + cols, mask=cols < HEAD_DIM, other=0.0).to(tl.float32)  # [BLOCK_D]
     q = tl.load(src, mask=mask, other=0.0).to(tl.float32)
-    q = _rope_interleaved_3d(_rms_norm_diffusers(q, w_q, eps, HEAD_DIM), cos, sin, BLOCK_T, BLOCK_H, BLOCK_D)
-    tl.store(Q + dst, q.to(Q.dtype.element_ty), mask=mask)
+    q = round_to(rms_norm_tile(q, row_rstd(q, HEAD_DIM, eps), w_q, False, dtype), dtype)
+    q = rope_interleaved_tile(q, cos, sin, BLOCK_T, BLOCK_H, BLOCK_D)
+    tl.store(Q + dst, q.to(dtype), mask=mask)
 
-    w_k = tl.load(WK + cols, mask=cols < HEAD_DIM, other=0.0)
+    w_k = tl.load(WK + cols, mask=cols < HEAD_DIM, other=0.0).to(tl.float32)
     k = tl.load(src + H * HEAD_DIM, mask=mask, other=0.0).to(tl.float32)
-    k = _rope_interleaved_3d(_rms_norm_diffusers(k, w_k, eps, HEAD_DIM), cos, sin, BLOCK_T, BLOCK_H, BLOCK_D)
-    tl.store(K + dst, k.to(K.dtype.element_ty), mask=mask)
+    k = round_to(rms_norm_tile(k, row_rstd(k, HEAD_DIM, eps), w_k, False, dtype), dtype)
+    k = rope_interleaved_tile(k, cos, sin, BLOCK_T, BLOCK_H, BLOCK_D)
+    tl.store(K + dst, k.to(dtype), mask=mask)
 
     v = tl.load(src + 2 * H * HEAD_DIM, mask=mask, other=0.0)
     tl.store(V + dst, v, mask=mask)

@@ -12,8 +12,10 @@ With n(x) = x.float() * rsqrt(mean(x.float() ** 2, -1) + eps) over the last dim:
       y = ((w * n(x).to(x.dtype)) * silu(gate.float())).to(x.dtype)
 
 One kernel does all of them (rows held in registers, several rows per program when rows are narrow, as the
-128-wide per-head norms are); constexpr switches select the residual add, the zero-centred weight and the gate. The kernel computes in fp32 and rounds where upstream
-rounds (`.to(dtype).to(tl.float32)`). Rows up to MAX_N wide; wider rows would need a looped two-pass kernel.
+128-wide per-head norms are); constexpr switches select the residual add, the zero-centred weight and the gate. It
+computes in fp32 and rounds where upstream rounds (round_to). The formulas are @triton.jit tiles (row_rstd,
+rms_norm_tile, gated_norm_tile) that fused kernels call too: qkv_pack, rms_norm_rope, gemv's gated prologue.
+Rows up to MAX_N wide; wider rows would need a looped two-pass kernel.
 """
 
 import torch
@@ -26,11 +28,27 @@ MAX_N = 65536  # past this a register-resident row spills badly (rows_launch giv
 
 
 @triton.jit
+def row_rstd(x, N, eps):
+    """x: [..., BLOCK_N] fp32 rows of width N, masked lanes 0. Returns rsqrt(mean(x * x) + eps) as [..., 1]."""
+    return tl.rsqrt(tl.sum(x * x, axis=-1, keep_dims=True) / N + eps)
+
+
+@triton.jit
+def rms_norm_tile(x, rstd, w, ZERO_CENTERED: tl.constexpr, DTYPE: tl.constexpr):
+    """Rows of rms_norm before the final cast to DTYPE: x [..., BLOCK_N] fp32 holding DTYPE values, rstd [..., 1]
+    (row_rstd), w fp32, broadcast against x. diffusers: round(x * rstd) * w; zero-centred: x * rstd * (1 + w).
+    Also the norm of qkv_pack (diffusers) and of rms_norm_rope (zero-centred)."""
+    if ZERO_CENTERED:
+        return x * rstd * (1.0 + w)
+    else:
+        return round_to(x * rstd, DTYPE) * w
+
+
+@triton.jit
 def gated_norm_tile(x, g, w, N, eps, Y_DTYPE: tl.constexpr, W_DTYPE: tl.constexpr):
     """Rows of gated_rms_norm, before the final cast to Y_DTYPE: x, g [BLOCK_M, BLOCK_N] fp32 (masked columns 0),
     w [1, BLOCK_N] fp32; N the row width. Also the prologue of gemv's gated_rms_norm_gemv."""
-    rstd = tl.rsqrt(tl.sum(x * x, axis=1) / N + eps)  # [BLOCK_M]
-    y = round_to(round_to(x * rstd[:, None], Y_DTYPE) * w, W_DTYPE)  # w * n(x) is rounded to w's dtype
+    y = round_to(rms_norm_tile(x, row_rstd(x, N, eps), w, False, Y_DTYPE), W_DTYPE)  # w * n(x) in w's dtype
     return y * tl.fdiv(g, 1.0 + tl.exp(-g), ieee_rounding=False)  # silu; an IEEE division per element is slow
 
 
@@ -53,11 +71,7 @@ def _rms_norm_fwd_kernel(
         g = tl.load(G + rows[:, None] * stride_g + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         y = gated_norm_tile(x, g, w, N, eps, Y.dtype.element_ty, W.dtype.element_ty)
     else:
-        xn = x * tl.rsqrt(tl.sum(x * x, axis=1) / N + eps)[:, None]
-        if ZERO_CENTERED:
-            y = xn * (1.0 + w)
-        else:
-            y = round_to(xn, Y.dtype.element_ty) * w
+        y = rms_norm_tile(x, row_rstd(x, N, eps), w, ZERO_CENTERED, Y.dtype.element_ty)
     tl.store(Y + rows[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
 
 
