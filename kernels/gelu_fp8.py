@@ -22,7 +22,7 @@ def _gelu_fp8_kernel(H, Q, S, stride_h, M, N, SQRT_2_OVER_PI: tl.constexpr, BLOC
                      BLOCK_N: tl.constexpr):
     rows, cols, mask = tile_rows(M, N, BLOCK_M, BLOCK_N)
     h = tl.load(H + rows[:, None] * stride_h + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    # h * sigmoid(2u) with a fast division: an IEEE division per element made this kernel compute-bound
+    # h * sigmoid(2u) with a fast division: an IEEE division per element would make this kernel compute-bound
     y = tl.fdiv(h, 1.0 + tl.exp(-2.0 * SQRT_2_OVER_PI * (h + 0.044715 * h * h * h)), ieee_rounding=False)
     y = round_to(y, H.dtype.element_ty)
     q, scale = fp8_quantize_rows(y)

@@ -6,12 +6,11 @@ output norm and out_proj).
 Semantics of a bf16/fp16 `F.linear` without bias: products summed in fp32, the sum rounded once to the dtype
 (cuBLAS' compute type; the summation order differs, so results match to fp32 rounding, not bit for bit).
 
-Why not cuBLAS: at M=1 the step only streams the weight, and on an H200 cuBLAS ran the Qwen3.5-9B decode shapes at
-59-98% of copy bandwidth (a split-K kernel + reduce for the 4096 x 4096 projections), this kernel at 72-105% (a
-pure read stream can beat the copy figure, which reads and writes); settings from benchmarks/bench_gemv.py --sweep
-(results/sweep_gemv_71cb1b5.txt): BLOCK_N = 16 output rows per program, 1024-wide K steps, weight loads marked
-evict-first so x stays cached. Each program keeps a [BLOCK_N, BLOCK_K] fp32 accumulator and reduces it once at the
-end.
+Why not cuBLAS: at M=1 the step only streams the weight, and cuBLAS picks a split-K kernel + reduce for some of the
+Qwen3.5-9B decode shapes (the 4096 x 4096 projections); a single pass over the weight streams it closer to copy
+bandwidth (benchmarks/RESULTS.md, GEMV vs cuBLAS). Tile settings are benchmarks/bench_gemv.py --sweep's choice:
+BLOCK_N = 16 output rows per program, 1024-wide K steps, weight loads marked evict-first so x stays cached. Each
+program keeps a [BLOCK_N, BLOCK_K] fp32 accumulator and reduces it once at the end.
 """
 
 import torch

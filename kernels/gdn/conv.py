@@ -10,8 +10,7 @@ the K-1 previous inputs s [C, K-1] (zeros without an initial state):
     final_state = the last K-1 rows of x', as [C, K-1] (what the decode step continues from)
 Matches `causal_conv1d_ref` (naive.py). Upstream transposes to [C, T] for F.conv1d; this kernel reads the strided
 projection in place. With `split` it writes the channel groups (Gated-DeltaNet: q, k, v) as separate contiguous
-[B, T, c_i] tensors, so a consumer that needs them contiguous (fla's chunked kernels) copies nothing: 3 copies of
-8-16 MB a layer at a 2048-token prefill before.
+[B, T, c_i] tensors, so a consumer that needs them contiguous (fla's chunked kernels) copies nothing.
 """
 
 import torch

@@ -14,8 +14,8 @@ gated RMSNorm. For each sequence at position p, with x = mixed_qkv = [q | k | v]
 Upstream divides q by sqrt(Dk); the kernel multiplies by Dk ** -0.5 (within an fp32 ulp).
 
 Grid: (sequence, value head, Dv block), 128 programs a sequence at Qwen3.5-9B's sizes, each with a [Dk, 32] state
-tile: one program per (sequence, key head) walking its value heads and Dv blocks in turn took 15 us a layer on an
-H200, latency-bound on 16 SMs. Every program of a key head needs that head's q and k, so each recomputes their
+tile: one program per (sequence, key head), walking its value heads and Dv blocks in turn, would leave most SMs idle
+at small batch (16 programs at B=1). Every program of a key head needs that head's q and k, so each recomputes their
 conv from the conv state. Shifting the state in place would then race (one program's shift under another's read);
 instead the conv state is a ring of K inputs per channel, slot p % K holding the input at position p: the step at
 position p reads slots (p-K+1 .. p-1) % K and writes only slot p % K, which no program of the step reads. The

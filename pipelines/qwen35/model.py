@@ -58,17 +58,16 @@ def chunk_gated_delta_rule(q, k, v, a, beta, A_log, dt_bias):
         g = -A_log.float().exp() * F.softplus(a.float() + dt_bias)  # [B, T, HV] fp32
         return chunk_gated_delta_rule_ref(q, k, v, g, beta)
     # fla >= 0.5 maps value head j to q/k head j // (HV / H) itself (upstream repeats q and k first: two copies),
-    # and computes g in its cumsum kernel (use_gate_in_kernel: the same fp32 formula) instead of ~7 small launches
+    # and computes g in its cumsum kernel (use_gate_in_kernel: the same fp32 formula), not in small launches here
     return fla(q, k, v, g=a, beta=beta, output_final_state=True, use_qk_l2norm_in_kernel=True,
                use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """F.linear without bias. On CUDA a single row (decode at B=1, prefill's last-token logits) goes to the Triton
-    GEMV: on an H200, cuBLAS ran the 9B decode shapes at 59-98% of copy bandwidth (a split-K kernel + reduce at
-    4096 x 4096), the GEMV at 72-105% (kernels/gemv.py). Not on the CPU, where Triton runs in its interpreter (tests
-    only): its 15k programs for a 248k-token lm_head take seconds a step; tests/kernels/test_gemv.py covers the
-    kernel there, the GPU model tests cover this path."""
+    GEMV, which streams the weight in one pass where cuBLAS splits K for some shapes (kernels/gemv.py). Not on the
+    CPU, where Triton runs in its interpreter (tests only) and a 248k-row lm_head is 15k programs a step;
+    tests/kernels/test_gemv.py covers the kernel there, the GPU model tests cover this path."""
     return gemv(x, weight) if one_row_on_cuda(x) else F.linear(x, weight)
 
 
@@ -116,7 +115,7 @@ class Layer(nn.Module):
         self.down = frozen(mlp.down_proj.weight, device, dtype)  # [D, I]
 
     def mlp(self, x: torch.Tensor) -> torch.Tensor:
-        # gate_up stays on cuBLAS even for one row: 98% of copy bandwidth there on an H200, the GEMV 92%
+        # gate_up stays on cuBLAS even for one row: at that shape it is at least as fast as the GEMV (RESULTS.md)
         return silu_mul_linear(F.linear(x, self.gate_up), self.down)
 
 
@@ -231,7 +230,7 @@ class AttentionLayer(Layer):
 
     def decode(self, x: torch.Tensor, step: Step, state) -> torch.Tensor:
         """x: [B, 1, D]. One kernel pair writes this token's K/V at each sequence's position, attends over the cache
-        up to it and applies the sigmoid gate (it replaced index_put + masked SDPA + sigmoid + mul)."""
+        up to it and applies the sigmoid gate."""
         b = x.shape[0]
         k_cache, v_cache = state  # [B, L, KVH, D]
         q, k, v, gate = self._project(x, step.cos, step.sin)
