@@ -33,7 +33,6 @@ from common import append_results, environment, sync  # noqa: E402
 from qwen_image_fast import FastConfig, QwenImageFastPipeline  # noqa: E402
 from qwen_image_fast.compare import psnr  # noqa: E402
 from qwen_image_fast.kernels._utils import rel_rms_error  # noqa: E402
-from qwen_image_fast.optimize import apply_batched_cfg, apply_scheduler  # noqa: E402
 
 PROMPT = "A red fox sitting in fresh snow at dawn, soft light, detailed fur, shallow depth of field"
 NEGATIVE = "低分辨率，低画质，肢体畸形，手指畸形，画面过饱和，蜡像感，人脸无细节，过度光滑，画面具有AI感。构图混乱。文字模糊，扭曲。"
@@ -73,14 +72,13 @@ def tiny_stock_pipeline():
 
 
 def loop_variant(fast, config: FastConfig, device):
-    """A shallow copy of `fast` with other denoising-loop settings, sharing its converted transformer (and its
-    CUDA graphs, which depend only on the transformer's inputs)."""
+    """A shallow copy of `fast` with other denoising-loop settings (config's transformer fields are not used),
+    sharing its converted transformer and its CUDA graphs, which depend only on the transformer's inputs.
+    Its `applied` says what its calls ran."""
     variant = copy.copy(fast)
     variant.fast_config = config
-    kept = [a for a in fast.applied if a == "fused_transformer" or a.startswith(("fp8", "attention"))]
-    variant.applied = kept + apply_batched_cfg(variant, config) + apply_scheduler(variant, config)
-    variant._graphed_transformer = fast._graphed_transformer if config.cuda_graphs else None
-    variant.applied += ["cuda_graphs"] if variant._graphed_transformer is not None else []
+    variant._graphs = fast._graphs if config.cuda_graphs else None
+    variant._ran = None
     return variant
 
 

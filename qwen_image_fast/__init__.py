@@ -2,19 +2,29 @@
 
     from qwen_image_fast import QwenImageFastPipeline, FastConfig, optimize, PromptEnhancer
 
-The kernels live in `qwen_image_fast.kernels`, the model code in `qwen_image_fast.pipelines`."""
+The kernels live in `qwen_image_fast.kernels`, the model code in `qwen_image_fast.pipelines`. Importing the package
+imports neither torch nor diffusers: each name below loads its module on first use (the CLI starts fast).
+"""
 
-from .config import FastConfig
-from .optimize import optimize
-from .pipeline import QwenImageFastPipeline
+import importlib
 
-__all__ = ["FastConfig", "PromptEnhancer", "QwenImageFastPipeline", "optimize"]
+__all__ = ["FastConfig", "FastQwenImageTransformer", "PromptEnhancer", "QwenImageFastPipeline", "optimize"]
 __version__ = "0.1.0"
+
+_WHERE = {
+    "FastConfig": ".config",
+    "QwenImageFastPipeline": ".pipeline",
+    "optimize": ".pipeline",
+    "FastQwenImageTransformer": ".pipelines.qwen_image.transformer",
+    "PromptEnhancer": ".pipelines.qwen35.enhance",
+}
 
 
 def __getattr__(name):
-    if name == "PromptEnhancer":  # imported on first use: the Qwen3.5 model code is not needed otherwise
-        from .pipelines.qwen35.enhance import PromptEnhancer
-
-        return PromptEnhancer
+    if name in _WHERE:
+        return getattr(importlib.import_module(_WHERE[name], __name__), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(list(globals()) + __all__)

@@ -1,27 +1,30 @@
-"""FastConfig: one field per optimization of the fast pipeline, presets, and a tag for file names."""
+"""FastConfig: one field per optimization of the fast pipeline, presets, and a tag for file names.
 
-from dataclasses import dataclass, replace
+Free of torch/diffusers imports, so the command line can build and validate one before loading anything.
+"""
 
-from .pipelines.qwen_image.attention import BACKENDS
-from .pipelines.qwen_image.transformer import FP8_LINEARS
+from dataclasses import dataclass, fields, replace
+
+from .pipelines.qwen_image.config import FastTransformerConfig
 
 SCHEDULERS = ("euler", "dpm++2m", "unipc")
 PRESETS = ("fast", "baseline")
+# The fields FastConfig passes to the fast transformer (validated there, once).
+TRANSFORMER_FIELDS = tuple(f.name for f in fields(FastTransformerConfig))
 
 
 @dataclass(frozen=True)
 class FastConfig:
-    """What QwenImageFastPipeline / optimize() apply. `pipe.applied` lists what actually was.
+    """What QwenImageFastPipeline / optimize() apply. `pipe.applied` lists what actually ran.
 
     fused_transformer: the fused-kernel transformer (FastQwenImageTransformer) instead of diffusers' blocks.
-    fp8: rowwise-FP8 block linears (needs fused_transformer); bf16_linears keeps some of them in BF16.
-    fp8_fast_accum: cuBLAS's faster FP8 accumulation (torchao's inference default): ~6% faster forward on an H200
-        with the same error vs BF16 as exact accumulation (7.40e-2 vs 7.41e-2, benchmarks/RESULTS.md).
-    attention: "auto" (FlashAttention-4, else cuDNN, else SDPA) | "fa4" | "cudnn" | "sdpa" (needs fused_transformer).
+    fp8, bf16_linears, fp8_fast_accum, attention: the fused transformer's settings (FastTransformerConfig says what
+        each means); they need fused_transformer.
     batched_cfg: prompt and negative prompt in one forward of batch 2N, padded text masked.
     cuda_graphs: replay the transformer forward from a CUDA graph per (resolution, batch, text length bucket);
         text lengths round up to a multiple of text_bucket (padding masked). Needs fused_transformer and CUDA.
-    scheduler: "euler" (the checkpoint's FlowMatchEuler) | "dpm++2m" | "unipc"; the latter two change the sampler.
+    scheduler: "euler" (the pipeline's own scheduler, whatever it is) | "dpm++2m" | "unipc" (derived at call time
+        from the pipeline's scheduler config).
     cfg_fraction: selective CFG, LOSSY: guidance only for the first fraction of the steps (1.0 = every step).
     """
 
@@ -37,18 +40,16 @@ class FastConfig:
     cfg_fraction: float = 1.0
 
     def __post_init__(self):
-        object.__setattr__(self, "bf16_linears", tuple(self.bf16_linears))
-        unknown = [name for name in self.bf16_linears if name not in FP8_LINEARS]
-        if unknown:
-            raise ValueError(f"bf16_linears={unknown}; allowed: {', '.join(FP8_LINEARS)}")
-        if self.attention not in BACKENDS:
-            raise ValueError(f"attention={self.attention!r}; allowed: {', '.join(BACKENDS)}")
+        object.__setattr__(self, "bf16_linears", self.transformer_config().bf16_linears)
         if self.scheduler not in SCHEDULERS:
             raise ValueError(f"scheduler={self.scheduler!r}; allowed: {', '.join(SCHEDULERS)}")
         if not 0.0 < self.cfg_fraction <= 1.0:
             raise ValueError(f"cfg_fraction={self.cfg_fraction}; allowed: 0 < cfg_fraction <= 1 (1 = CFG every step)")
         if not isinstance(self.text_bucket, int) or self.text_bucket < 1:
             raise ValueError(f"text_bucket={self.text_bucket!r}; allowed: an integer >= 1")
+
+    def transformer_config(self) -> FastTransformerConfig:
+        return FastTransformerConfig(**{name: getattr(self, name) for name in TRANSFORMER_FIELDS})
 
     @classmethod
     def preset(cls, name: str) -> "FastConfig":
@@ -58,6 +59,16 @@ class FastConfig:
         if name == "baseline":
             return cls(fused_transformer=False, fp8=False, batched_cfg=False, cuda_graphs=False)
         raise ValueError(f"preset={name!r}; allowed: {', '.join(PRESETS)}")
+
+    @classmethod
+    def coerce(cls, config: "FastConfig | str | None") -> "FastConfig":
+        """A FastConfig as is, a preset name, or None (= "fast")."""
+        if isinstance(config, FastConfig):
+            return config
+        if config is None or isinstance(config, str):
+            return cls.preset(config or "fast")
+        raise TypeError(f"fast_config={config!r}; allowed: a FastConfig, a preset name ({', '.join(PRESETS)}) "
+                        "or None")
 
     def replace(self, **changes) -> "FastConfig":
         return replace(self, **changes)
@@ -76,4 +87,3 @@ class FastConfig:
         parts += [self.scheduler.replace("+", "p")]
         parts += [f"cfg{self.cfg_fraction:g}"] if self.cfg_fraction < 1 else []
         return "-".join(parts)
-

@@ -1,34 +1,35 @@
 """QwenImageFastPipeline: diffusers' QwenImagePipeline with the fast path inside, same call and output.
 
-Differences from the stock denoising loop, each switched by a FastConfig field (pipe.applied says which ran):
+Differences from the stock denoising loop, each switched by a FastConfig field (`pipe.applied` says which ran):
+- the fused transformer (FastQwenImageTransformer: FP8 block linears, fused kernels, FlashAttention-4);
 - batched CFG: prompt and negative prompt go through one transformer forward of batch 2N; both texts are padded
   to one length and the padding is masked (never attended); Qwen's norm-rescaled combination is unchanged;
-- the sampler: the checkpoint's FlowMatchEuler (default), DPM-Solver++ 2M or UniPC, driven with the same
-  dynamic shift mu as the stock pipeline (DPM-Solver++ gets no `sigmas`: its set_timesteps has no such argument);
-- CUDA graphs: the transformer forward replays from a graph per (resolution, batch, text-length bucket);
+- the sampler: the pipeline's own scheduler (default; replacing `pipe.scheduler` works as in stock), or
+  DPM-Solver++ 2M / UniPC derived from it at call time, driven with the same dynamic shift mu;
+- CUDA graphs: the transformer forward replays from a graph per (resolution, batch, text-length bucket); not while
+  offload hooks move the weights;
 - selective CFG (lossy, off by default): guidance only on the first `cfg_fraction` of the steps.
-Text encoding, latent preparation and VAE decoding are diffusers' own.
+Text encoding, latent preparation, callbacks and VAE decoding are diffusers' own.
 
-Prompt enhancement (off by default; `enhance_prompt=` of from_pretrained / from_pipe / optimize): a local Qwen3.5
-(PromptEnhancer) rewrites `prompt` into a detailed one before it is encoded; the negative prompt and prompt_embeds
-are left alone. `pipe.last_enhanced_prompts` holds the rewrites of the last call (None when there were none).
+Prompt enhancement (off by default; `enhance_prompt=`): a local Qwen3.5 (PromptEnhancer) rewrites `prompt` into a
+detailed one before it is encoded; the negative prompt and prompt_embeds are left alone.
 
-Sizes: like diffusers, height and width that are not multiples of 16 are rounded down to one (with a warning).
+`save_pretrained` writes the fast transformer as stored (FP8 weights with their scales); `from_pretrained` loads
+that folder back without requantizing, and the upstream layout by converting it.
 """
 
-import contextlib
 import logging
 import math
+import os
 
-import numpy as np
 import torch
 from diffusers import QwenImagePipeline
 from diffusers.pipelines.qwenimage.pipeline_output import QwenImagePipelineOutput
-from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift, retrieve_timesteps
 
 from .config import FastConfig
-from .optimize import optimize
-from .pipelines.qwen_image.cuda_graph import GraphCaptureError
+from .pipelines.qwen_image.cuda_graph import GraphCaptureError, GraphedForward
+from .pipelines.qwen_image.transformer import FastQwenImageTransformer
+from .samplers import dynamic_shift, make_scheduler, set_timesteps
 
 logger = logging.getLogger(__name__)
 
@@ -47,35 +48,159 @@ def drop_all_ones(mask: torch.Tensor | None) -> torch.Tensor | None:
     return None if mask is None or bool(mask.all()) else mask
 
 
+def has_offload_hooks(model: torch.nn.Module) -> bool:
+    """accelerate's (model / sequential CPU offload) or diffusers' (group offload) hooks: they move weights between
+    forwards, so a captured graph would read stale addresses."""
+    for module in model.modules():
+        registry = getattr(module, "_diffusers_hook", None)
+        if hasattr(module, "_hf_hook") or (registry is not None and registry.hooks):
+            return True
+    return False
+
+
+def fp8_supported(device: torch.device) -> bool:
+    return device.type == "cpu" or (device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9))
+
+
+def resolve_enhancer(enhance_prompt, device=None):
+    """None / False: no enhancer. True: PromptEnhancer.from_pretrained() (DEFAULT_ENHANCER_ID). A str or path: a
+    Qwen3.5 checkpoint (local folder or hub id); "tiny-random": tiny_enhancer(), random weights, for tests. An object
+    with an enhance(prompts) -> list[str] method (a PromptEnhancer): itself. device: where a loaded enhancer runs
+    (None: CUDA when available)."""
+    if enhance_prompt is None or enhance_prompt is False:
+        return None
+    from .pipelines.qwen35.enhance import DEFAULT_ENHANCER_ID, PromptEnhancer
+    from .tiny import TINY_ENHANCER_ID, tiny_enhancer
+
+    if enhance_prompt is True:
+        return PromptEnhancer.from_pretrained(DEFAULT_ENHANCER_ID, device=device)
+    if enhance_prompt == TINY_ENHANCER_ID:
+        return tiny_enhancer(device=device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if isinstance(enhance_prompt, (str, os.PathLike)):
+        return PromptEnhancer.from_pretrained(os.fspath(enhance_prompt), device=device)
+    if callable(getattr(enhance_prompt, "enhance", None)):
+        return enhance_prompt
+    raise TypeError(f"enhance_prompt={enhance_prompt!r}; allowed: None, False, True, a checkpoint path or hub id, "
+                    "or a PromptEnhancer")
+
+
+def is_fast_checkpoint(path_or_id) -> bool:
+    """Whether a pipeline folder (or hub repo) was written by QwenImageFastPipeline.save_pretrained with the fast
+    transformer: its model_index.json names FastQwenImageTransformer."""
+    try:
+        config = QwenImagePipeline.load_config(path_or_id)
+    except OSError:  # not a pipeline folder or repo: diffusers' own loader says so
+        return False
+    return list(config.get("transformer", [None, None]))[-1] == FastQwenImageTransformer.__name__
+
+
 class QwenImageFastPipeline(QwenImagePipeline):
-    """Drop-in for QwenImagePipeline. Build with `from_pretrained(..., fast_config=...)`, `from_pipe(pipe)` or
-    `qwen_image_fast.optimize(pipe)`; `fast_config` and `applied` say what was asked for and what ran."""
+    """Drop-in for QwenImagePipeline: `QwenImageFastPipeline(**components, fast_config=...)` (diffusers' constructor,
+    converts a stock transformer where it is), `from_pretrained(..., fast_config=..., device=...)`, `from_pipe(pipe)`
+    or `qwen_image_fast.optimize(pipe)` (in place). `fast_config` says what was asked for, `applied` what ran."""
 
     fast_config: FastConfig
-    applied: list[str]
     prompt_enhancer = None  # a PromptEnhancer, or None: prompts are encoded as given
-    last_enhanced_prompts: list[str] | None = None
+    last_enhanced_prompts: list[str] | None = None  # the rewrites of the last call (None when there were none)
+    sampler = None  # the scheduler the last call stepped with: pipe.scheduler itself, or one derived from it
+    _graphs: GraphedForward | None = None  # the transformer's CUDA graphs (FastConfig.cuda_graphs)
+    _ran: list[str] | None = None  # what the last call ran (None before the first call)
+
+    def __init__(self, scheduler, vae, text_encoder, tokenizer, transformer, fast_config: FastConfig | str | None = None,
+                 enhance_prompt=None):
+        super().__init__(scheduler=scheduler, vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,
+                         transformer=transformer)
+        self._set_up(FastConfig.coerce(fast_config), None, resolve_enhancer(enhance_prompt))
+
+    def _set_up(self, config: FastConfig, device, enhancer):
+        """The fast state, in __init__ and in optimize(): the transformer converted on `device` (None: where it is)
+        unless it is fast already, the graphs, the enhancer."""
+        transformer = self.transformer
+        if isinstance(transformer, FastQwenImageTransformer):
+            stored = transformer.fast_config
+            if not config.fused_transformer or (stored.fp8, stored.bf16_linears) != (config.fp8, config.bf16_linears):
+                raise ValueError(
+                    f"the pipeline's transformer is a FastQwenImageTransformer (fp8={stored.fp8}, bf16_linears="
+                    f"{list(stored.bf16_linears)}) but fast_config asks for fused_transformer={config.fused_transformer}"
+                    f", fp8={config.fp8}, bf16_linears={list(config.bf16_linears)}: pass a FastConfig that matches "
+                    "it, or build the pipeline from the stock transformer")
+        elif config.fused_transformer:
+            device = torch.device(device) if device is not None else transformer.device
+            transformer_config = config.transformer_config()
+            if config.fp8 and not fp8_supported(device):
+                logger.warning("fp8=True but %s has no FP8 tensor cores (compute capability < 8.9): running BF16 "
+                               "GEMMs", torch.cuda.get_device_name(device))
+                transformer_config = transformer_config.__class__(**{**transformer_config.to_dict(), "fp8": False})
+            self.register_modules(transformer=FastQwenImageTransformer.from_diffusers(transformer, transformer_config,
+                                                                                      device))
+        self.fast_config = config
+        self.prompt_enhancer = enhancer
+        self.last_enhanced_prompts = None
+        self.sampler = None
+        self._graphs = GraphedForward(self.transformer) if config.cuda_graphs and config.fused_transformer else None
+        self._ran = None
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args, fast_config=None, device=None, enhance_prompt=None,
                         **kwargs):
-        """Loads the upstream checkpoint layout unchanged (hub id or local folder), then optimize().
-        device: where the fused transformer is built (e.g. "cuda" from a CPU load: one BF16 copy, on the CPU).
-        enhance_prompt: None / False (off), True (PromptEnhancer.from_pretrained()), a Qwen3.5 checkpoint's path or
-        hub id, or a PromptEnhancer."""
-        kwargs.setdefault("torch_dtype", torch.bfloat16)
+        """The upstream checkpoint layout (hub id or local folder, loaded by diffusers, then converted on `device`:
+        e.g. "cuda" from a CPU load keeps one BF16 copy, on the CPU), or a folder save_pretrained wrote (its FP8
+        transformer loaded as stored, straight onto `device`). enhance_prompt: None / False (off), True
+        (PromptEnhancer.from_pretrained()), a Qwen3.5 checkpoint's path or hub id, or a PromptEnhancer."""
+        config = FastConfig.coerce(fast_config)
+        enhancer = resolve_enhancer(enhance_prompt, device)  # a load error before anything else is loaded
+        if "torch_dtype" not in kwargs:  # diffusers 0.42 names it dtype (torch_dtype is deprecated there)
+            kwargs.setdefault("dtype", torch.bfloat16)
+        if "transformer" not in kwargs and is_fast_checkpoint(pretrained_model_name_or_path):
+            if not config.fused_transformer:
+                raise ValueError(f"{pretrained_model_name_or_path} holds the fast transformer (no stock one): "
+                                 "fast_config must keep fused_transformer=True")
+            kwargs["transformer"] = FastQwenImageTransformer.from_pretrained(
+                pretrained_model_name_or_path, subfolder="transformer", device=device,
+                torch_dtype=kwargs.get("dtype", kwargs.get("torch_dtype")), fast_config=config.transformer_config())
         pipe = QwenImagePipeline.from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
-        return optimize(pipe, fast_config, device=device, enhance_prompt=enhance_prompt)
+        return convert(pipe, config, device, enhancer)
 
     @classmethod
     def from_pipe(cls, pipeline, fast_config=None, device=None, enhance_prompt=None, **kwargs):
         """A fast pipeline sharing `pipeline`'s components (its transformer is left as it is and stays usable).
         Unlike diffusers' from_pipe, which casts the shared components to float32 unless told otherwise (and so
-        changes the source pipeline too), the dtype stays the source transformer's unless torch_dtype is given.
+        changes the source pipeline too), the dtype stays the source transformer's unless dtype is given.
         enhance_prompt: as in from_pretrained."""
-        kwargs.setdefault("torch_dtype", pipeline.transformer.dtype)
-        pipe = QwenImagePipeline.from_pipe(pipeline, **kwargs)
-        return optimize(pipe, fast_config, device=device, enhance_prompt=enhance_prompt)
+        config = FastConfig.coerce(fast_config)
+        enhancer = resolve_enhancer(enhance_prompt, device)
+        if "torch_dtype" not in kwargs:
+            kwargs.setdefault("dtype", pipeline.transformer.dtype)
+        return convert(QwenImagePipeline.from_pipe(pipeline, **kwargs), config, device, enhancer)
+
+    # ---- what ran
+
+    @property
+    def applied(self) -> list[str]:
+        """After a call: what that call ran. Before the first: what is in force and will run when a call allows it
+        (batched_cfg needs CFG, cuda_graphs a CUDA device and no offload hooks)."""
+        if self._ran is not None:
+            return list(self._ran)
+        config, transformer = self.fast_config, self.transformer
+        graphs = self._graphs is not None and transformer.device.type == "cuda" and not has_offload_hooks(transformer)
+        return (self._transformer_entries() + (["batched_cfg"] if config.batched_cfg else [])
+                + (["cuda_graphs"] if graphs else []) + self._sampler_entries()
+                + ([f"cfg_fraction:{config.cfg_fraction:g}"] if config.cfg_fraction < 1 else [])
+                + (["enhance_prompt"] if self.prompt_enhancer is not None else []))
+
+    def _transformer_entries(self) -> list[str]:
+        transformer = self.transformer
+        if not isinstance(transformer, FastQwenImageTransformer):
+            return []
+        fp8 = bool(transformer.fast_config.fp8_linears)
+        return (["fused_transformer"] + (["fp8"] if fp8 else [])
+                + (["fp8_fast_accum"] if fp8 and transformer.fast_config.fp8_fast_accum else [])
+                + [f"attention:{transformer.attention_backend}"])
+
+    def _sampler_entries(self) -> list[str]:
+        return [] if self.fast_config.scheduler == "euler" else [f"scheduler:{self.fast_config.scheduler}"]
+
+    # ---- the call
 
     def _check_fast_inputs(self, prompt, negative_prompt, num_inference_steps, num_images_per_prompt):
         if isinstance(prompt, list) and not prompt:
@@ -88,45 +213,36 @@ class QwenImageFastPipeline(QwenImagePipeline):
         if not isinstance(num_images_per_prompt, int) or num_images_per_prompt < 1:
             raise ValueError(f"num_images_per_prompt={num_images_per_prompt!r}; allowed: an integer >= 1")
 
-    def _timesteps(self, num_inference_steps, sigmas, image_seq_len, device):
-        """Timesteps from the configured sampler with the stock pipeline's dynamic shift mu."""
-        base = self.scheduler.config
-        mu = calculate_shift(image_seq_len, base.get("base_image_seq_len", 256), base.get("max_image_seq_len", 4096),
-                             base.get("base_shift", 0.5), base.get("max_shift", 1.15))
-        name = self.fast_config.scheduler
-        if name == "dpm++2m":
-            if sigmas is not None:
-                raise ValueError("sigmas is not supported with scheduler='dpm++2m' (DPMSolverMultistepScheduler "
-                                 "takes no sigmas); use 'euler' or 'unipc' for custom sigmas")
-            self._sampler.set_timesteps(num_inference_steps, device=device, mu=mu)
-            return self._sampler.timesteps, mu
-        sigmas = np.linspace(1.0, 1 / num_inference_steps, num_inference_steps) if sigmas is None else sigmas
-        timesteps, _ = retrieve_timesteps(self._sampler, num_inference_steps, device, sigmas=sigmas, mu=mu)
-        return timesteps, mu
+    def _enhance(self, prompt, prompt_embeds):
+        """`prompt` rewritten by the prompt enhancer when there is one (and no prompt_embeds), else as given."""
+        self.last_enhanced_prompts = None
+        if self.prompt_enhancer is None or prompt is None or prompt_embeds is not None:
+            return prompt
+        enhanced = self.prompt_enhancer.enhance(prompt)
+        given = 1 if isinstance(prompt, str) else len(prompt)
+        if len(enhanced) != given:
+            raise ValueError(f"the prompt enhancer returned {len(enhanced)} prompts for the {given} it was given")
+        self.last_enhanced_prompts = enhanced
+        return enhanced[0] if isinstance(prompt, str) else enhanced
 
-    def _forward(self, **kwargs) -> torch.Tensor:
-        """One transformer forward: from the CUDA graph when enabled, else eager."""
-        graphed = getattr(self, "_graphed_transformer", None)
-        if graphed is not None and kwargs["hidden_states"].is_cuda:
-            try:
-                return graphed(return_dict=False, **kwargs)[0]
-            except GraphCaptureError as e:
-                logger.warning("CUDA graph capture failed, running the transformer eagerly: %s", e.__cause__ or e)
-                self._graphed_transformer = None
-                self.applied = [a for a in self.applied if a != "cuda_graphs"]
-        context = getattr(self.transformer, "cache_context", None)
-        with context("cond") if context else contextlib.nullcontext():
-            return self.transformer(return_dict=False, **kwargs)[0]
-
-    def _text_inputs(self, embeds: list[torch.Tensor], masks: list[torch.Tensor | None]) -> dict:
+    def _text_inputs(self, embeds: list[torch.Tensor], masks: list[torch.Tensor | None], bucket: int) -> dict:
         """Text embeddings of one or more prompt sets, concatenated along the batch and padded to one length: the
-        longest, rounded up to the graph bucket when graphs replay. The padding is masked."""
-        length = max(e.shape[1] for e in embeds)
-        if getattr(self, "_graphed_transformer", None) is not None:
-            length = math.ceil(length / self.fast_config.text_bucket) * self.fast_config.text_bucket
+        longest, rounded up to `bucket` (the graph bucket; 1 without graphs). The padding is masked."""
+        length = math.ceil(max(e.shape[1] for e in embeds) / bucket) * bucket
         padded = [pad_text(e, m, length) for e, m in zip(embeds, masks)]
         return dict(encoder_hidden_states=torch.cat([e for e, _ in padded]),
                     encoder_hidden_states_mask=drop_all_ones(torch.cat([m for _, m in padded])))
+
+    def _forward(self, use_graphs: bool, context: str, **kwargs) -> torch.Tensor:
+        """One transformer forward: replayed from a CUDA graph when use_graphs, else eager under cache_context."""
+        if use_graphs and self._graphs is not None:
+            try:
+                return self._graphs(return_dict=False, **kwargs)[0]
+            except GraphCaptureError as e:
+                logger.warning("CUDA graph capture failed, running the transformer eagerly: %s", e.__cause__ or e)
+                self._graphs = None
+        with self.transformer.cache_context(context):
+            return self.transformer(return_dict=False, **kwargs)[0]
 
     @torch.no_grad()
     def __call__(
@@ -154,9 +270,12 @@ class QwenImageFastPipeline(QwenImagePipeline):
         max_sequence_length: int = 512,
     ):
         """Same arguments, defaults and output as QwenImagePipeline.__call__ (see its documentation)."""
-        self._check_fast_inputs(prompt, negative_prompt, num_inference_steps, num_images_per_prompt)
+        config = self.fast_config
         height = height or self.default_sample_size * self.vae_scale_factor
         width = width or self.default_sample_size * self.vae_scale_factor
+
+        # 1. Check inputs. Raise error if not correct
+        self._check_fast_inputs(prompt, negative_prompt, num_inference_steps, num_images_per_prompt)
         self.check_inputs(
             prompt, height, width, negative_prompt=negative_prompt, prompt_embeds=prompt_embeds,
             negative_prompt_embeds=negative_prompt_embeds, prompt_embeds_mask=prompt_embeds_mask,
@@ -164,19 +283,13 @@ class QwenImageFastPipeline(QwenImagePipeline):
             callback_on_step_end_tensor_inputs=callback_on_step_end_tensor_inputs,
             max_sequence_length=max_sequence_length,
         )
-        self.last_enhanced_prompts = None
-        if self.prompt_enhancer is not None and prompt is not None and prompt_embeds is None:
-            enhanced = self.prompt_enhancer.enhance(prompt)
-            given = 1 if isinstance(prompt, str) else len(prompt)
-            if len(enhanced) != given:
-                raise ValueError(f"the prompt enhancer returned {len(enhanced)} prompts for the {given} it was given")
-            self.last_enhanced_prompts = enhanced
-            prompt = self.last_enhanced_prompts[0] if isinstance(prompt, str) else self.last_enhanced_prompts
+        prompt = self._enhance(prompt, prompt_embeds)
         self._guidance_scale = guidance_scale
         self._attention_kwargs = attention_kwargs or {}
         self._current_timestep = None
         self._interrupt = False
 
+        # 2. Define call parameters
         if prompt is not None:
             batch_size = 1 if isinstance(prompt, str) else len(prompt)
         else:
@@ -193,6 +306,8 @@ class QwenImageFastPipeline(QwenImagePipeline):
             logger.warning(" negative_prompt is passed but classifier-free guidance is not enabled since "
                            "true_cfg_scale <= 1")
         do_true_cfg = true_cfg_scale > 1 and has_neg_prompt
+
+        # 3. Encode the prompts
         prompt_embeds, prompt_embeds_mask = self.encode_prompt(
             prompt=prompt, prompt_embeds=prompt_embeds, prompt_embeds_mask=prompt_embeds_mask, device=device,
             num_images_per_prompt=num_images_per_prompt, max_sequence_length=max_sequence_length,
@@ -204,15 +319,21 @@ class QwenImageFastPipeline(QwenImagePipeline):
                 num_images_per_prompt=num_images_per_prompt, max_sequence_length=max_sequence_length,
             )
 
+        # 4. Prepare latent variables
         num_channels_latents = self.transformer.config.in_channels // 4
         latents = self.prepare_latents(batch_size * num_images_per_prompt, num_channels_latents, height, width,
                                        prompt_embeds.dtype, device, generator, latents)
         img_shapes = [[(1, height // self.vae_scale_factor // 2, width // self.vae_scale_factor // 2)]] * batch_size
-        timesteps, _ = self._timesteps(num_inference_steps, sigmas, latents.shape[1], device)
-        sampler = self._sampler
+
+        # 5. Prepare timesteps: the sampler of this call, from the pipeline's scheduler as it is now
+        sampler = self.sampler = make_scheduler(config.scheduler, self.scheduler)
+        mu = dynamic_shift(self.scheduler.config, latents.shape[1])
+        timesteps, num_inference_steps = set_timesteps(sampler, config.scheduler, num_inference_steps, sigmas, mu,
+                                                       device)
         num_warmup_steps = max(len(timesteps) - num_inference_steps * sampler.order, 0)
         self._num_timesteps = len(timesteps)
 
+        # handle guidance
         if self.transformer.config.guidance_embeds and guidance_scale is None:
             raise ValueError("guidance_scale is required for guidance-distilled model.")
         guidance = None
@@ -222,16 +343,27 @@ class QwenImageFastPipeline(QwenImagePipeline):
             logger.warning(f"guidance_scale is passed as {guidance_scale}, but ignored since the model is not "
                            "guidance-distilled.")
 
-        # Text conditioning. Batched CFG: [cond; uncond] padded to one length; else each on its own.
-        batched = do_true_cfg and self.fast_config.batched_cfg
-        cond = self._text_inputs([prompt_embeds], [prompt_embeds_mask])
-        if batched:
-            both = self._text_inputs([prompt_embeds, negative_prompt_embeds],
-                                     [prompt_embeds_mask, negative_prompt_embeds_mask])
-        elif do_true_cfg:
-            uncond = self._text_inputs([negative_prompt_embeds], [negative_prompt_embeds_mask])
-        cfg_steps = math.ceil(self.fast_config.cfg_fraction * len(timesteps)) if do_true_cfg else 0
+        # Text conditioning, padded to one length (rounded up to the graph bucket when graphs replay): cond, and
+        # with CFG [cond; uncond] in one batch (batched) or uncond on its own. Rebuilt if a callback changes it.
+        use_graphs = (self._graphs is not None and latents.is_cuda and not has_offload_hooks(self.transformer))
+        if use_graphs:
+            self._graphs.drop_if_weights_moved()
+        bucket = config.text_bucket if use_graphs else 1
+        batched = do_true_cfg and config.batched_cfg
 
+        def text_inputs(prompt_embeds):
+            inputs = {"cond": self._text_inputs([prompt_embeds], [prompt_embeds_mask], bucket)}
+            if batched:
+                inputs["both"] = self._text_inputs([prompt_embeds, negative_prompt_embeds],
+                                                   [prompt_embeds_mask, negative_prompt_embeds_mask], bucket)
+            elif do_true_cfg:
+                inputs["uncond"] = self._text_inputs([negative_prompt_embeds], [negative_prompt_embeds_mask], bucket)
+            return inputs
+
+        text = text_inputs(prompt_embeds)
+        cfg_steps = math.ceil(config.cfg_fraction * len(timesteps)) if do_true_cfg else 0
+
+        # 6. Denoising loop
         sampler.set_begin_index(0)
         with self.progress_bar(total=num_inference_steps) as progress_bar:
             for i, t in enumerate(timesteps):
@@ -246,29 +378,42 @@ class QwenImageFastPipeline(QwenImagePipeline):
                     twice = dict(common, timestep=torch.cat([common["timestep"]] * 2), img_shapes=img_shapes * 2,
                                  guidance=None if guidance is None else torch.cat([guidance] * 2))
                     noise_pred, neg_noise_pred = self._forward(
-                        hidden_states=torch.cat([latents, latents]), **twice, **both).chunk(2)
+                        use_graphs, "cond_uncond", hidden_states=torch.cat([latents, latents]), **twice,
+                        **text["both"]).chunk(2)
                 else:
-                    noise_pred = self._forward(hidden_states=latents, **common, **cond)
+                    noise_pred = self._forward(use_graphs, "cond", hidden_states=latents, **common, **text["cond"])
                     if cfg_now:
-                        neg_noise_pred = self._forward(hidden_states=latents, **common, **uncond)
+                        neg_noise_pred = self._forward(use_graphs, "uncond", hidden_states=latents, **common,
+                                                       **text["uncond"])
                 if cfg_now:
                     comb_pred = neg_noise_pred + true_cfg_scale * (noise_pred - neg_noise_pred)
                     cond_norm = torch.norm(noise_pred, dim=-1, keepdim=True)
                     noise_norm = torch.norm(comb_pred, dim=-1, keepdim=True)
                     noise_pred = comb_pred * (cond_norm / noise_norm)
 
+                # compute the previous noisy sample x_t -> x_t-1
                 latents = sampler.step(noise_pred, t, latents, return_dict=False)[0]
 
-                if callback_on_step_end is not None:
+                if callback_on_step_end is not None:  # as the stock pipeline: latents and prompt_embeds are taken back
                     values = dict(latents=latents, prompt_embeds=prompt_embeds)
                     callback_kwargs = {k: values[k] for k in callback_on_step_end_tensor_inputs}
                     callback_outputs = callback_on_step_end(self, i, t, callback_kwargs)
                     latents = callback_outputs.pop("latents", latents)
-                    prompt_embeds = callback_outputs.pop("prompt_embeds", prompt_embeds)
+                    new_embeds = callback_outputs.pop("prompt_embeds", prompt_embeds)
+                    if new_embeds is not prompt_embeds:
+                        prompt_embeds, text = new_embeds, text_inputs(new_embeds)
+
                 if i == len(timesteps) - 1 or ((i + 1) > num_warmup_steps and (i + 1) % sampler.order == 0):
                     progress_bar.update()
 
         self._current_timestep = None
+        self._ran = (self._transformer_entries() + (["batched_cfg"] if batched and cfg_steps else [])
+                     + (["cuda_graphs"] if use_graphs and self._graphs is not None else [])
+                     + self._sampler_entries()
+                     + ([f"cfg_fraction:{config.cfg_fraction:g}"] if do_true_cfg and config.cfg_fraction < 1 else [])
+                     + (["enhance_prompt"] if self.last_enhanced_prompts is not None else []))
+
+        # 7. Decode
         if output_type == "latent":
             image = latents
         else:
@@ -289,3 +434,30 @@ class QwenImageFastPipeline(QwenImagePipeline):
         latents = latents / inv_std + mean
         image = self.vae.decode(latents, return_dict=False)[0][:, :, 0]
         return self.image_processor.postprocess(image, output_type=output_type)
+
+
+def convert(pipe: QwenImagePipeline, config: FastConfig, device, enhancer) -> QwenImageFastPipeline:
+    """A QwenImagePipeline -> QwenImageFastPipeline in place (its class and fast state; the transformer converted
+    unless it is a FastQwenImageTransformer already)."""
+    pipe.__class__ = QwenImageFastPipeline
+    try:
+        pipe._set_up(config, device, enhancer)
+    except BaseException:
+        pipe.__class__ = QwenImagePipeline  # a failed conversion leaves the pipeline as it was
+        raise
+    return pipe
+
+
+def optimize(pipe, config: FastConfig | str | None = None, device=None, enhance_prompt=None) -> QwenImageFastPipeline:
+    """Convert `pipe` (a diffusers QwenImagePipeline) into a QwenImageFastPipeline in place and return it.
+
+    config: a FastConfig, a preset name ("fast", "baseline") or None (= "fast"). device: where the fused
+    transformer is built (default: where pipe.transformer is); build from a CPU pipeline straight onto the GPU
+    to never hold two BF16 copies there. enhance_prompt: rewrite each prompt with a local Qwen3.5 before encoding
+    it (see resolve_enhancer; a loaded enhancer runs on `device`, or on CUDA when available if device is None)."""
+    config = FastConfig.coerce(config)
+    if isinstance(pipe, QwenImageFastPipeline):
+        raise ValueError("this pipeline is already optimized; call optimize() on a fresh QwenImagePipeline")
+    if type(pipe) is not QwenImagePipeline:
+        raise TypeError(f"optimize() takes a diffusers QwenImagePipeline, got {type(pipe).__name__}")
+    return convert(pipe, config, device, resolve_enhancer(enhance_prompt, device))

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-BACKENDS = ("auto", "fa4", "cudnn", "sdpa")
+from .config import ATTENTION_BACKENDS as BACKENDS
 
 
 @cache

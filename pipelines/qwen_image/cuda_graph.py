@@ -29,6 +29,15 @@ class GraphedForward:
         self.model = model
         self.warmup_runs = warmup_runs
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, dict, torch.Tensor]] = {}
+        self.weights_at: tuple[int, ...] = ()
+
+    def drop_if_weights_moved(self):
+        """A graph reads the weights at the addresses they had at capture: after `.to(...)` moved them, capture anew
+        (and free the stale graphs)."""
+        addresses = tuple(t.data_ptr() for t in (*self.model.parameters(), *self.model.buffers()))
+        if addresses != self.weights_at:
+            self.graphs.clear()
+            self.weights_at = addresses
 
     @torch.no_grad()
     def __call__(self, return_dict: bool = True, **kwargs):

@@ -16,7 +16,7 @@ from transformers import Qwen2Tokenizer
 
 from qwen_image_fast import FastConfig, PromptEnhancer, QwenImageFastPipeline, optimize
 from qwen_image_fast.kernels._utils import rel_rms_error
-from qwen_image_fast.optimize import make_scheduler
+from qwen_image_fast.samplers import make_scheduler
 from qwen_image_fast.pipelines.qwen35.enhance import DEFAULT_ENHANCER_ID
 from qwen_image_fast.tiny import tiny_components, tiny_enhancer, tiny_tokenizer
 
@@ -72,7 +72,7 @@ def test_call_signature_matches_upstream():
 
 def test_from_pretrained_loads_the_upstream_layout(tmp_path):
     stock_pipeline().save_pretrained(tmp_path)
-    pipe = QwenImageFastPipeline.from_pretrained(tmp_path, torch_dtype=torch.float32, fast_config=EXACT)
+    pipe = QwenImageFastPipeline.from_pretrained(tmp_path, dtype=torch.float32, fast_config=EXACT)
     assert type(pipe) is QwenImageFastPipeline
     assert pipe.applied == ["fused_transformer", "attention:sdpa", "batched_cfg"]
     assert_close(run(pipe, prompt="a cat"), run(QwenImagePipeline.from_pretrained(tmp_path), prompt="a cat"), 1e-5)
@@ -136,7 +136,7 @@ def test_scheduler_ladder_matches_the_scheduler_driven_directly(name):
         direct.set_timesteps(steps, mu=mu)
     else:
         direct.set_timesteps(steps, sigmas=np.linspace(1.0, 1 / steps, steps), mu=mu)
-    assert torch.equal(fast._sampler.sigmas, direct.sigmas)
+    assert torch.equal(fast.sampler.sigmas, direct.sigmas)
     assert fast.applied[-1] == f"scheduler:{name}"
 
 
@@ -148,7 +148,7 @@ def test_unipc_reproduces_qwen_sigma_ladder():
     sigmas = np.linspace(1.0, 1 / 6, 6)
     mu = calculate_shift(24, 256, 8192, 0.5, 0.9)
     euler.set_timesteps(6, sigmas=sigmas, mu=mu)
-    torch.testing.assert_close(fast._sampler.sigmas, euler.sigmas, atol=2e-6, rtol=0)
+    torch.testing.assert_close(fast.sampler.sigmas, euler.sigmas, atol=2e-6, rtol=0)
 
 
 def test_applied_per_field():
@@ -357,4 +357,4 @@ def test_cuda_graph_replay_matches_eager_on_gpu():
                     generator=torch.Generator("cuda").manual_seed(0)).images
 
     assert_close(latents(graphed), latents(eager), 1e-5, "graph replay vs eager (fp32)")
-    assert len(graphed._graphed_transformer.graphs) == 1
+    assert len(graphed._graphs.graphs) == 1

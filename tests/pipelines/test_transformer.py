@@ -148,7 +148,7 @@ def test_policy_keeps_named_linears_in_bf16():
     stock = tiny_stock(num_layers=3)
     config = FastTransformerConfig(fp8=True, bf16_linears=("img_fc2", "txt_out"))
     fast = FastQwenImageTransformer.from_diffusers(stock, config)
-    for blk in fast.blocks:
+    for blk in fast.transformer_blocks:
         assert {name: getattr(blk, name).fp8 for name in FP8_LINEARS} == {
             name: name not in ("img_fc2", "txt_out") for name in FP8_LINEARS}
     inputs = make_inputs(stock, "square", padded=True)
@@ -255,3 +255,158 @@ def test_auto_attention_never_picks_fa4_for_fp32(monkeypatch):
     assert attention.resolve_backend("auto", cuda, torch.float32) == "cudnn"  # FA4 takes fp16/bf16 only
     with pytest.raises(ValueError, match="attention='fa4' needs a float16/bfloat16 model, this one is torch.float32"):
         attention.resolve_backend("fa4", cuda, torch.float32)
+
+
+# ---- the drop-in contract: a diffusers model like the stock one
+
+
+def test_config_is_the_stock_config_plus_how_linears_are_stored():
+    stock = tiny_stock(zero_cond_t=True)
+    fast = FastQwenImageTransformer.from_diffusers(stock, FastTransformerConfig(fp8=True, bf16_linears=("img_fc2",)))
+    stock_keys = [k for k in stock.config if not k.startswith("_")]
+    assert {k: fast.config[k] for k in stock_keys} == {k: stock.config[k] for k in stock_keys}
+    assert set(fast.config) - set(stock.config) == {"fast_config"}
+    assert fast.config.fast_config == {"fp8": True, "bf16_linears": ["img_fc2"], "fp8_fast_accum": False,
+                                       "attention": "auto"}
+    assert fast.dtype == torch.float32 and fast.device == torch.device("cpu")
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_every_weight_is_registered(fp8):
+    # .to(device), state_dict() and offload hooks only see parameters and buffers: no weight may be a plain attribute
+    fast = FastQwenImageTransformer.from_diffusers(tiny_stock(), FastTransformerConfig(fp8=fp8))
+    registered = {id(t) for t in (*fast.parameters(), *fast.buffers())}
+    for name, module in fast.named_modules():
+        if module is fast.pos_embed:
+            continue  # rotary tables, computed (diffusers keeps them unregistered too)
+        loose = [k for k, v in vars(module).items() if isinstance(v, torch.Tensor) and id(v) not in registered]
+        assert not loose, (name, loose)
+    fast.to("meta")
+    assert all(t.device.type == "meta" for t in (*fast.parameters(), *fast.buffers()))
+    keys = fast.state_dict().keys()
+    assert "transformer_blocks.0.norm_added_k" in keys and "transformer_blocks.1.img_mod.1.weight" in keys
+    assert ("transformer_blocks.0.img_qkv.weight_q" in keys) == fp8
+
+
+def test_non_block_weights_keep_the_stock_state_dict_keys():
+    stock = tiny_stock()
+    fast = FastQwenImageTransformer.from_diffusers(stock, FastTransformerConfig(fp8=True)).state_dict()
+    for key, value in stock.state_dict().items():
+        if not key.startswith("transformer_blocks.") or ".img_mod." in key or ".txt_mod." in key:
+            assert torch.equal(fast[key], value), key
+
+
+@pytest.mark.parametrize("cast", ["to", "half", "bfloat16"])
+def test_dtype_cast_keeps_fp8_weights_and_scales(cast):
+    stock = tiny_stock()
+    fast = FastQwenImageTransformer.from_diffusers(copy.deepcopy(stock), FastTransformerConfig(fp8=True))
+    fp8 = {k: v.clone() for k, v in fast.state_dict().items() if k.endswith(("weight_q", "weight_scale"))}
+    dtype = torch.float16 if cast == "half" else torch.bfloat16
+    fast = fast.to(dtype) if cast == "to" else getattr(fast, cast)()
+    state = fast.state_dict()
+    assert fp8 and all(torch.equal(state[k], v) and state[k].dtype == v.dtype for k, v in fp8.items())
+    assert {v.dtype for k, v in state.items() if k not in fp8} == {dtype}
+    assert fast.dtype == dtype
+    inputs = make_inputs(stock, "square", dtype=dtype)
+    out = run(fast, inputs)
+    assert out.dtype == dtype
+    err = rel_rms_error(out.float(), run(stock, {k: v.float() if torch.is_tensor(v) and v.is_floating_point() else v
+                                                for k, v in inputs.items()}))
+    assert err < 0.1, err
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("zero_cond_t", [False, True])
+def test_controlnet_residuals_added_as_diffusers_adds_them(fp8, zero_cond_t):
+    stock = tiny_stock(zero_cond_t, num_layers=3)
+    fast = FastQwenImageTransformer.from_diffusers(stock, FastTransformerConfig(fp8=fp8))
+    inputs = make_inputs(stock, "edit" if zero_cond_t else "wide", padded=True)
+    img_len = inputs["hidden_states"].shape[1]
+    torch.manual_seed(1)
+    inputs["controlnet_block_samples"] = [torch.randn(2, img_len, 48) for _ in range(2)]  # interval 2: blocks 0-1, 2
+    ref = run(stock, inputs)
+    assert rel_rms_error(ref, run(stock, {**inputs, "controlnet_block_samples": None})) > 0.05  # they matter
+    if fp8:
+        err, err_emulated = rel_rms_error(run(fast, inputs), ref), rel_rms_error(run(emulate_fp8(stock), inputs), ref)
+        assert err <= err_emulated * 1.02, (err, err_emulated)
+    else:
+        assert_close(run(fast, inputs), ref, 1e-5, "controlnet, bf16 mode (fp32)")
+
+
+def test_additional_t_cond_and_layer3d_rope_match_diffusers():
+    # QwenImageLayeredPipeline's transformer: an embedding of additional_t_cond added to the timestep's, 3-D RoPE
+    stock = tiny_stock(use_additional_t_cond=True, use_layer3d_rope=True)
+    fast = FastQwenImageTransformer.from_diffusers(stock, FastTransformerConfig(fp8=False))
+    inputs = make_inputs(stock, "square")
+    inputs["img_shapes"] = [[(1, 2, 2), (1, 2, 2), (1, 2, 2), (1, 2, 2)]] * 2  # layers of one image
+    inputs["additional_t_cond"] = torch.tensor([0, 1])
+    assert_close(run(fast, inputs), run(stock, inputs), 1e-5, "additional_t_cond + layer3d rope")
+
+
+def test_guidance_fails_as_in_diffusers():
+    # diffusers 0.42's QwenTimestepProjEmbeddings takes no guidance: the stock model raises TypeError; so does ours
+    stock = tiny_stock(num_layers=1)
+    fast = FastQwenImageTransformer.from_diffusers(stock, FastTransformerConfig(fp8=False))
+    inputs = dict(make_inputs(stock, "square"), guidance=torch.tensor([3.5, 3.5]))
+    for model in (stock, fast):
+        with pytest.raises(TypeError):
+            run(model, inputs)
+
+
+def test_cache_context_and_methods_it_cannot_honour():
+    fast = FastQwenImageTransformer.from_diffusers(tiny_stock(num_layers=1), FastTransformerConfig(fp8=False))
+    with fast.cache_context("cond"):  # diffusers pipelines wrap every forward in it
+        pass
+    calls = {
+        "enable_cache": ({},), "set_attention_backend": ("flash",), "enable_gradient_checkpointing": (),
+        "compile_repeated_blocks": (), "fuse_qkv_projections": (), "enable_layerwise_casting": (),
+        "load_lora_adapter": ({},), "fuse_lora": (), "set_adapters": (["a"],), "unload_lora": (),
+        "enable_xformers_memory_efficient_attention": (),
+    }
+    for name, args in calls.items():
+        with pytest.raises(NotImplementedError, match=f"FastQwenImageTransformer.{name}: .+"):
+            getattr(fast, name)(*args)
+    with pytest.raises(NotImplementedError, match="FastConfig\\(attention=...\\)"):
+        fast.attn_processors  # noqa: B018
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_save_pretrained_round_trip_is_bit_exact(tmp_path, fp8):
+    stock = tiny_stock(zero_cond_t=True)
+    config = FastTransformerConfig(fp8=fp8, bf16_linears=("txt_fc2",) if fp8 else ())
+    fast = FastQwenImageTransformer.from_diffusers(stock, config)
+    fast.save_pretrained(tmp_path, max_shard_size="20KB")  # sharded, as full-size checkpoints are
+    assert len(list(tmp_path.glob("*.safetensors"))) > 1 and (tmp_path / "config.json").exists()
+    loaded = FastQwenImageTransformer.from_pretrained(tmp_path)
+    assert loaded.fast_config == config and loaded.zero_cond_t
+    before, after = fast.state_dict(), loaded.state_dict()
+    assert before.keys() == after.keys()
+    assert all(torch.equal(before[k], after[k]) and before[k].dtype == after[k].dtype for k in before)
+    inputs = make_inputs(stock, "edit", padded=True)
+    assert torch.equal(run(loaded, inputs), run(fast, inputs))
+
+
+def test_from_pretrained_refuses_what_it_cannot_load(tmp_path):
+    stock = tiny_stock(num_layers=1)
+    FastQwenImageTransformer.from_diffusers(stock, FastTransformerConfig(fp8=True)).save_pretrained(tmp_path / "fast")
+    with pytest.raises(ValueError, match="stores the block linears with fp8=True"):
+        FastQwenImageTransformer.from_pretrained(tmp_path / "fast", fast_config=FastTransformerConfig(fp8=False))
+    with pytest.raises(ValueError, match="QwenImageFastPipeline.from_pretrained"):  # what diffusers' loader passes
+        FastQwenImageTransformer.from_pretrained(tmp_path / "fast", low_cpu_mem_usage=True, device_map=None)
+    stock.save_pretrained(tmp_path / "stock")
+    with pytest.raises(ValueError, match="holds a QwenImageTransformer2DModel checkpoint.+from_diffusers"):
+        FastQwenImageTransformer.from_pretrained(tmp_path / "stock")
+
+
+def test_unfused_lora_adapters_are_refused_not_dropped():
+    stock = tiny_stock(num_layers=1)
+
+    class LoraLayer(nn.Linear):  # what peft's BaseTunerLayer exposes
+        active_adapters, merged_adapters, disable_adapters = ["style"], [], False
+
+    lora = LoraLayer(48, 48)
+    stock.transformer_blocks[0].attn.to_q = lora
+    with pytest.raises(ValueError, match="not fused.+transformer_blocks.0.attn.to_q.+fuse_lora"):
+        FastQwenImageTransformer.from_diffusers(stock, FastTransformerConfig(fp8=False))
+    lora.merged_adapters = ["style"]  # fused into the weight: carried over
+    FastQwenImageTransformer.from_diffusers(stock, FastTransformerConfig(fp8=False))

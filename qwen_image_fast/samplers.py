@@ -1,0 +1,55 @@
+"""The sampler of a call: the pipeline's scheduler itself ("euler", whatever class it is), or DPM-Solver++ 2M /
+UniPC derived from its config when FastConfig.scheduler asks for them. Built at call time, so replacing
+`pipe.scheduler` works as in the stock pipeline."""
+
+import inspect
+
+import numpy as np
+from diffusers import DPMSolverMultistepScheduler, UniPCMultistepScheduler
+from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift, retrieve_timesteps
+
+from .config import SCHEDULERS
+
+
+def scheduler_kwargs(cls, config) -> dict:
+    """The entries of a scheduler config that `cls` accepts (Qwen's FlowMatch config has extra keys)."""
+    accepted = inspect.signature(cls.__init__).parameters
+    return {k: v for k, v in config.items() if k in accepted}
+
+
+def make_scheduler(name: str, base):
+    """The sampler for `name`: `base` itself for "euler", else configured from `base`'s config."""
+    if name == "euler":
+        return base
+    if name == "dpm++2m":
+        return DPMSolverMultistepScheduler(**{
+            **scheduler_kwargs(DPMSolverMultistepScheduler, base.config),
+            "prediction_type": "flow_prediction", "use_flow_sigmas": True, "algorithm_type": "dpmsolver++",
+            "solver_order": 2, "final_sigmas_type": "zero", "lower_order_final": True,
+        })
+    if name == "unipc":
+        return UniPCMultistepScheduler(**{
+            **scheduler_kwargs(UniPCMultistepScheduler, base.config),
+            "prediction_type": "flow_prediction", "use_flow_sigmas": True,
+        })
+    raise ValueError(f"scheduler={name!r}; allowed: {', '.join(SCHEDULERS)}")
+
+
+def dynamic_shift(scheduler_config, image_seq_len: int) -> float:
+    """The stock pipeline's mu, from the pipeline's scheduler config with its defaults."""
+    return calculate_shift(image_seq_len, scheduler_config.get("base_image_seq_len", 256),
+                           scheduler_config.get("max_image_seq_len", 4096), scheduler_config.get("base_shift", 0.5),
+                           scheduler_config.get("max_shift", 1.15))
+
+
+def set_timesteps(sampler, name: str, num_inference_steps: int, sigmas, mu: float, device):
+    """Timesteps as the stock pipeline sets them (sigmas linspace(1, 1/N, N) unless given, with mu); DPM-Solver++
+    takes no sigmas (its set_timesteps has no such argument), so a custom ladder is refused there."""
+    if name == "dpm++2m":
+        if sigmas is not None:
+            raise ValueError("sigmas is not supported with scheduler='dpm++2m' (DPMSolverMultistepScheduler "
+                             "takes no sigmas); use 'euler' or 'unipc' for custom sigmas")
+        sampler.set_timesteps(num_inference_steps, device=device, mu=mu)
+        return sampler.timesteps, len(sampler.timesteps)
+    sigmas = np.linspace(1.0, 1 / num_inference_steps, num_inference_steps) if sigmas is None else sigmas
+    return retrieve_timesteps(sampler, num_inference_steps, device, sigmas=sigmas, mu=mu)
