@@ -76,6 +76,8 @@ def triton_runs_on(device: torch.device) -> bool:
 
 
 def check_triton_runs_on(device: torch.device):
+    """Before converting onto `device` (a CPU build may be meant for offload to a GPU, so only without one) and in
+    every forward (the inputs' device): a clear error instead of Triton's "0 active drivers"."""
     if not triton_runs_on(device):
         raise RuntimeError(
             f"the fast transformer's Triton kernels cannot run on {device}: on a CPU they need Triton's interpreter, "
@@ -432,7 +434,8 @@ class FastQwenImageTransformer(ModelMixin, ConfigMixin):
                              f"converting would drop them. {LORA_ADVICE}")
         config = config or FastTransformerConfig()
         device = torch.device(device) if device is not None else stock.device
-        check_triton_runs_on(device)
+        if not torch.cuda.is_available():
+            check_triton_runs_on(device)
         if config.attention != "auto":
             resolve_backend(config.attention, device, stock.dtype)  # a clear error before any conversion
         stock_config = {name: stock.config[name] for name in STOCK_CONFIG if name in stock.config}
@@ -475,7 +478,8 @@ class FastQwenImageTransformer(ModelMixin, ConfigMixin):
                 f"fast_config asks for fp8={run.fp8}, bf16_linears={list(run.bf16_linears)}: pass a config with the "
                 "stored values, or convert the stock checkpoint with the ones you want")
         device = torch.device(device or "cpu")
-        check_triton_runs_on(device)
+        if not torch.cuda.is_available():
+            check_triton_runs_on(device)
         stock_config = {name: saved[name] for name in STOCK_CONFIG if name in saved}
         with torch.device("meta"):
             model = cls(run, **stock_config)
@@ -542,10 +546,11 @@ class FastQwenImageTransformer(ModelMixin, ConfigMixin):
     ):
         if attention_kwargs:
             raise NotImplementedError(f"attention_kwargs={attention_kwargs!r}: {LORA_ADVICE}")
+        device = hidden_states.device
+        check_triton_runs_on(device)
         hidden_states = self.img_in(hidden_states)  # [B, L_img, D]
         timestep = timestep.to(hidden_states.dtype)
         batch, img_len, _ = hidden_states.shape
-        device = hidden_states.device
         mod_row = None
         if self.zero_cond_t:
             timestep = torch.cat([timestep, timestep * 0], dim=0)

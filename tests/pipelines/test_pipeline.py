@@ -1,13 +1,18 @@
 """QwenImageFastPipeline against the stock QwenImagePipeline on tiny random components (CPU, offline)."""
 
 import inspect
+import json
 import logging
+import math
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from diffusers import QwenImagePipeline
+from diffusers import FlowMatchEulerDiscreteScheduler, QwenImagePipeline
 from diffusers.pipelines.qwenimage.pipeline_output import QwenImagePipelineOutput
 from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift
 from diffusers.utils import logging as diffusers_logging
@@ -18,6 +23,7 @@ from qwen_image_fast import FastConfig, PromptEnhancer, QwenImageFastPipeline, o
 from qwen_image_fast.kernels._utils import rel_rms_error
 from qwen_image_fast.samplers import make_scheduler
 from qwen_image_fast.pipelines.qwen35.enhance import DEFAULT_ENHANCER_ID
+from qwen_image_fast.pipelines.qwen_image.transformer import FastQwenImageTransformer
 from qwen_image_fast.tiny import tiny_components, tiny_enhancer, tiny_tokenizer
 
 FIXTURE_TOKENIZER = Path(__file__).resolve().parents[1] / "fixtures" / "tiny_qwen_tokenizer"
@@ -358,3 +364,209 @@ def test_cuda_graph_replay_matches_eager_on_gpu():
 
     assert_close(latents(graphed), latents(eager), 1e-5, "graph replay vs eager (fp32)")
     assert len(graphed._graphs.graphs) == 1
+
+
+# ---- diffusers' contract: constructor, replaced scheduler, callbacks, save/load, casts, what `applied` reports
+
+
+def test_diffusers_constructor_gives_a_working_fast_pipeline():
+    components = tiny_components(0)
+    components["tokenizer"] = Qwen2Tokenizer.from_pretrained(FIXTURE_TOKENIZER)
+    pipe = QwenImageFastPipeline(**components, fast_config=EXACT)
+    assert isinstance(pipe.transformer, FastQwenImageTransformer)
+    assert pipe.applied == ["fused_transformer", "attention:sdpa", "batched_cfg"]
+    case = dict(prompt="a cat", negative_prompt="blurry")
+    assert_close(run(pipe, **case), run(stock_pipeline(), **case), 1e-5)
+    assert type(QwenImageFastPipeline(**stock_pipeline().components).transformer) is FastQwenImageTransformer
+
+
+def lightning_scheduler(pipe):
+    """The few-step (Lightning) recipe's scheduler, built from the pipeline's own config as users do."""
+    return FlowMatchEulerDiscreteScheduler.from_config(
+        pipe.scheduler.config, base_shift=math.log(3), max_shift=math.log(3), shift_terminal=None)
+
+
+def test_replaced_scheduler_is_used_as_in_stock():
+    stock, fast = stock_pipeline(), fast_pipeline()
+    case = dict(prompt="a cat", true_cfg_scale=1.0, num_inference_steps=4)
+    before = run(fast, **case)
+    stock.scheduler, fast.scheduler = lightning_scheduler(stock), lightning_scheduler(fast)
+    expected = run(stock, **case)
+    assert rel_rms_error(expected, before) > 1e-3  # the replacement matters
+    assert_close(run(fast, **case), expected, 1e-5, "replaced scheduler")
+    assert fast.sampler is fast.scheduler
+
+
+@pytest.mark.parametrize("name", ["dpm++2m", "unipc"])
+def test_derived_sampler_follows_the_replaced_scheduler(name):
+    fast = fast_pipeline(EXACT.replace(scheduler=name))
+    run(fast, prompt="a cat", num_inference_steps=4)
+    before = fast.sampler.sigmas
+    fast.scheduler = lightning_scheduler(fast)
+    run(fast, prompt="a cat", num_inference_steps=4)
+    assert not torch.equal(fast.sampler.sigmas, before)  # mu comes from the replaced scheduler's shifts
+    direct = make_scheduler(name, fast.scheduler)
+    mu = calculate_shift(24, 256, 8192, math.log(3), math.log(3))
+    if name == "dpm++2m":
+        direct.set_timesteps(4, mu=mu)
+    else:
+        direct.set_timesteps(4, sigmas=np.linspace(1.0, 1 / 4, 4), mu=mu)
+    assert torch.equal(fast.sampler.sigmas, direct.sigmas)
+
+
+@pytest.mark.parametrize("batched_cfg", [True, False])
+def test_callback_outputs_honoured_as_in_stock(batched_cfg):
+    def callback(pipe, step, timestep, tensors):
+        if step == 0:
+            return {"latents": tensors["latents"] * 0.9, "prompt_embeds": tensors["prompt_embeds"] * 2}
+        return {}
+
+    case = dict(prompt=["a cat", "a large dog in the park"], negative_prompt="bad", callback_on_step_end=callback,
+                callback_on_step_end_tensor_inputs=["latents", "prompt_embeds"])
+    stock_case = dict(case, negative_prompt=["bad", "bad"])  # the stock pipeline needs one per prompt
+    expected = run(stock_pipeline(), **stock_case)
+    assert rel_rms_error(expected, run(stock_pipeline(), **dict(stock_case, callback_on_step_end=None))) > 1e-3
+    assert_close(run(fast_pipeline(EXACT.replace(batched_cfg=batched_cfg)), **case), expected, 1e-5, "callback")
+
+
+def test_negative_pass_runs_under_the_uncond_cache_context():
+    fast = fast_pipeline(EXACT.replace(batched_cfg=False))
+    names, context = [], fast.transformer.cache_context
+
+    def spying(name):
+        names.append(name)
+        return context(name)
+
+    fast.transformer.cache_context = spying
+    run(fast, prompt="a cat", negative_prompt="bad", num_inference_steps=2)
+    assert names == ["cond", "uncond"] * 2
+
+
+@pytest.mark.parametrize("config", [FastConfig(), EXACT], ids=["fp8", "bf16-mode"])
+def test_save_pretrained_round_trip(tmp_path, config):
+    fast = fast_pipeline(config)
+    fast.save_pretrained(tmp_path)
+    index = json.loads((tmp_path / "model_index.json").read_text())
+    assert index["_class_name"] == "QwenImageFastPipeline" and index["transformer"][1] == "FastQwenImageTransformer"
+    saved = json.loads((tmp_path / "transformer" / "config.json").read_text())
+    assert saved["fast_config"]["fp8"] == config.fp8
+    loaded = QwenImageFastPipeline.from_pretrained(tmp_path, dtype=torch.float32, fast_config=config)
+    before, after = fast.transformer.state_dict(), loaded.transformer.state_dict()
+    assert all(torch.equal(before[k], after[k]) and before[k].dtype == after[k].dtype for k in before)
+    case = dict(prompt="a cat", negative_prompt="blurry")
+    assert torch.equal(run(loaded, **case), run(fast, **case))
+    with pytest.raises(ValueError, match="QwenImageFastPipeline.from_pretrained"):
+        QwenImagePipeline.from_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="fused_transformer=True"):
+        QwenImageFastPipeline.from_pretrained(tmp_path, fast_config="baseline")
+
+
+def test_cast_to_bf16_after_optimize_keeps_fp8_and_runs():
+    fast = fast_pipeline(FastConfig())
+    fp8 = {k: v.clone() for k, v in fast.transformer.state_dict().items() if k.endswith(("weight_q", "weight_scale"))}
+    fast.to(torch.bfloat16)
+    state = fast.transformer.state_dict()
+    assert all(torch.equal(state[k], v) and state[k].dtype == v.dtype for k, v in fp8.items())
+    assert fast.transformer.dtype == torch.bfloat16
+    case = dict(prompt="a cat", negative_prompt="blurry", num_inference_steps=2)
+    out = run(fast, **case)
+    assert out.dtype == torch.bfloat16
+    assert rel_rms_error(out.float(), run(stock_pipeline(), **case)) < 0.1
+
+
+def test_applied_reports_what_the_last_call_ran():
+    pipe = fast_pipeline(EXACT.replace(cfg_fraction=0.5))
+    assert pipe.applied == ["fused_transformer", "attention:sdpa", "batched_cfg", "cfg_fraction:0.5"]  # planned
+    run(pipe, prompt="a cat", true_cfg_scale=1.0)
+    assert pipe.applied == ["fused_transformer", "attention:sdpa"]  # no CFG ran: neither batched nor selective
+    run(pipe, prompt="a cat", negative_prompt="bad", num_inference_steps=4)
+    assert pipe.applied == ["fused_transformer", "attention:sdpa", "batched_cfg", "cfg_fraction:0.5"]
+    run(pipe, prompt="a cat", true_cfg_scale=4.0)  # no negative prompt: no CFG
+    assert "batched_cfg" not in pipe.applied
+    baseline = optimize(stock_pipeline(), "baseline")
+    run(baseline, prompt="a cat", negative_prompt="bad")
+    assert baseline.applied == []
+
+
+def test_conversion_on_a_cpu_without_the_triton_interpreter_says_how_to_fix_it():
+    script = ("from qwen_image_fast import optimize\n"
+              "from qwen_image_fast.tiny import tiny_pipeline\n"
+              "optimize(tiny_pipeline(), 'baseline')\n"  # the stock computation needs no Triton
+              "try:\n    optimize(tiny_pipeline())\n"
+              "except RuntimeError as e:\n    print('raised:', e)\n")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "raised:" in result.stdout and "TRITON_INTERPRET=1" in result.stdout
+
+
+@pytest.mark.parametrize("name", ["QwenImagePipeline", "QwenImageImg2ImgPipeline", "QwenImageInpaintPipeline"])
+def test_fast_transformer_drops_into_diffusers_pipelines(name):
+    # diffusers' own pipelines, unchanged, with the fast transformer (BF16 mode, fp32) in place of the stock one
+    import diffusers
+    from PIL import Image
+
+    cls = getattr(diffusers, name)
+
+    def pipeline(fast: bool):
+        components = tiny_components(0)
+        components["tokenizer"] = Qwen2Tokenizer.from_pretrained(FIXTURE_TOKENIZER)
+        if fast:
+            components["transformer"] = FastQwenImageTransformer.from_diffusers(
+                components["transformer"], EXACT.transformer_config())
+        return cls(**components)
+
+    rng = np.random.default_rng(0)
+    case = dict(prompt="a cat", negative_prompt="blurry", num_inference_steps=3)
+    if name != "QwenImagePipeline":
+        case |= dict(image=Image.fromarray(rng.integers(0, 256, (32, 48, 3), dtype=np.uint8)), strength=0.7)
+    if name == "QwenImageInpaintPipeline":
+        case |= dict(mask_image=Image.fromarray(((rng.random((32, 48)) > 0.5) * 255).astype(np.uint8)))
+    assert_close(run(pipeline(fast=True), **case), run(pipeline(fast=False), **case), 1e-5, name)
+
+
+def offload(pipe, how: str):
+    if how == "model":
+        pipe.enable_model_cpu_offload()
+        return
+    kind, *stream = how.removeprefix("group-").split("-")
+    pipe.text_encoder.to("cuda")
+    pipe.vae.to("cuda")
+    pipe.transformer.enable_group_offload(onload_device=torch.device("cuda"), offload_device=torch.device("cpu"),
+                                          offload_type=f"{kind}_level", num_blocks_per_group=1 if kind == "block" else None,
+                                          use_stream=bool(stream))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("how", ["model", "group-block", "group-block-stream", "group-leaf", "group-leaf-stream"])
+@pytest.mark.parametrize("fp8", [False, True])
+def test_offload_with_the_fast_transformer_on_gpu(how, fp8):
+    dtype = torch.bfloat16 if fp8 else torch.float32
+    config = FastConfig(fp8=fp8)
+    case = dict(prompt=["a cat", "a large dog in the park"], negative_prompt="bad", height=64, width=64,
+                num_inference_steps=3, output_type="latent")
+
+    def latents(pipe):
+        return pipe(**case, generator=torch.Generator("cuda").manual_seed(0)).images
+
+    resident = optimize(stock_pipeline().to("cuda", dtype), config.replace(cuda_graphs=False))
+    expected = latents(resident)
+    pipe = optimize(stock_pipeline().to(dtype), config, device="cuda")  # built on the GPU, then offloaded
+    offload(pipe, how)
+    assert "cuda_graphs" not in pipe.applied  # offload hooks move the weights: no graph replay
+    assert_close(latents(pipe), expected, 1e-6, f"{how} offload vs resident")
+    assert "cuda_graphs" not in pipe.applied and "fused_transformer" in pipe.applied
+
+
+@pytest.mark.gpu
+def test_graphs_are_recaptured_after_the_weights_move():
+    case = dict(prompt="a cat", negative_prompt="bad", height=64, width=64, num_inference_steps=2,
+                output_type="latent")
+    pipe = optimize(stock_pipeline().to("cuda"), FastConfig(fp8=False))
+    first = pipe(**case, generator=torch.Generator("cuda").manual_seed(0)).images
+    assert "cuda_graphs" in pipe.applied and len(pipe._graphs.graphs) == 1
+    pipe.to("cpu")
+    pipe.to("cuda")
+    again = pipe(**case, generator=torch.Generator("cuda").manual_seed(0)).images
+    assert torch.equal(first, again) and len(pipe._graphs.graphs) == 1
