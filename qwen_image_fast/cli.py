@@ -1,25 +1,28 @@
 """The command line: `qwen-image-fast render ...` and `qwen-image-fast compare ...` (also `python -m qwen_image_fast`).
 
-Bad input exits with status 2 and a message, as argparse does, before any model is loaded. Several processes
-(accelerate launch / torchrun) split the prompts by RANK and WORLD_SIZE; LOCAL_RANK picks the GPU.
+Bad input exits with status 2, argparse's usage line and one line saying what is wrong, before any model is loaded
+and before the output folder is created; a model that then fails to load exits the same way and leaves no folder
+behind. Ctrl-C exits with 130 and one line; finished images are kept. Several processes (accelerate launch /
+torchrun) split the prompts by RANK and WORLD_SIZE; LOCAL_RANK picks the GPU.
+
+torch, diffusers and the model code are imported inside the commands, so that `--help` answers at once.
 """
 
 import argparse
+import math
 import os
 import re
+import sys
 from pathlib import Path
 
-import torch
-
-from . import compare, render
-from .config import SCHEDULERS
-from .optimize import resolve_enhancer
-from .render import ASPECTS, REAL_MODEL_ID, TINY_MODEL_ID
-from .tiny import TINY_ENHANCER_ID
+from . import render
+from .config import PRESETS, SCHEDULERS, FastConfig
+from .render import ASPECTS, DEFAULT_ENHANCER_ID, MAX_SEED, REAL_MODEL_ID, TINY_ENHANCER_ID, TINY_MODEL_ID
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 REAL_STEPS, REAL_CFG = 50, 4.0
+INTERRUPTED = 130  # 128 + SIGINT, as shells report it
 
 
 def multiple_of_16(text: str) -> int:
@@ -32,27 +35,42 @@ def multiple_of_16(text: str) -> int:
     return value
 
 
-def int_at_least(minimum: int):
+def int_in(minimum: int, maximum: int | None = None):
     def parse(text: str) -> int:
         try:
             value = int(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+        if value < minimum or (maximum is not None and value > maximum):
+            raise argparse.ArgumentTypeError(
+                f"must be >= {minimum}, got {value}" if maximum is None else
+                f"must be in {minimum}..{maximum}, got {value}")
+        return value
+
+    return parse
+
+
+def finite_float(minimum: float | None = None):
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
+        if minimum is not None and value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum:g}, got {text!r}")
         return value
 
     return parse
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .pipelines.qwen35.enhance import DEFAULT_ENHANCER_ID  # not at the top: `import cli` skips the Qwen3.5 model
-
     parser = argparse.ArgumentParser(prog="qwen-image-fast", description="Fast Qwen-Image-2512 inference.")
     commands = parser.add_subparsers(dest="command", required=True)
 
     render_parser = commands.add_parser(
-        "render", help="render prompts to image files",
+        "render", help="render prompts to image files", usage="%(prog)s [options] [prompt ...]",
         description="Render prompts to image files with their settings embedded, a manifest.jsonl, and resume "
                     "(finished images are skipped on a re-run).")
     add = render_parser.add_argument
@@ -63,48 +81,59 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"hub id or local folder (default {REAL_MODEL_ID}); {TINY_MODEL_ID}: a tiny random model built in "
              f"memory (its images are noise); auto: the real model if cached locally and a GPU is there, else "
              f"{TINY_MODEL_ID}")
-    add("--preset", choices=("fast", "baseline"), default="fast",
-        help="fast: every optimization; baseline: the stock diffusers pipeline")
+    add("--preset", choices=PRESETS, default=PRESETS[0],
+        help=f"{PRESETS[0]}: every optimization; {render.STOCK_PRESET}: the stock diffusers pipeline")
     add("--aspect", choices=tuple(ASPECTS),
         help="official size: " + ", ".join(f"{k} {w}x{h}" for k, (w, h) in ASPECTS.items()))
     add("--width", type=multiple_of_16, help="multiple of 16 (with --height)")
     add("--height", type=multiple_of_16, help="multiple of 16 (with --width)")
-    add("--steps", type=int_at_least(render.MIN_STEPS),
+    add("--steps", type=int_in(render.MIN_STEPS),
         help=f"denoising steps (default {REAL_STEPS}; {render.TINY_STEPS} with {TINY_MODEL_ID})")
-    add("--cfg", type=float, default=REAL_CFG, help="true_cfg_scale (default 4.0; <= 1: no CFG)")
+    add("--cfg", type=finite_float(), default=REAL_CFG, help="true_cfg_scale (default 4.0; <= 1: no CFG)")
     add("--negative-prompt", default=render.NEGATIVE_PROMPT, help="default: Qwen-Image-2512's recommended one")
     add("--scheduler", choices=SCHEDULERS, default="euler")
-    add("--seed", type=int, default=0,
-        help="base seed: prompt i gets seed+i (seed+crc32(id) with a JSONL id) unless its line gives one")
-    add("--batch-size", type=int_at_least(1), default=1, help="prompts per pipeline call")
+    add("--seed", type=int_in(0, MAX_SEED), default=0,
+        help="base seed, 0..2**64-1: prompt i gets seed+i (seed+crc32(id) with a JSONL id) unless its line gives one")
+    add("--batch-size", type=int_in(1), default=1, help="prompts per pipeline call")
     add("--enhance", nargs="?", const=DEFAULT_ENHANCER_ID, metavar="PATH_OR_ID",
         help=f"rewrite each prompt into a detailed one with a local Qwen3.5 before rendering it, stored as "
              f"enhanced_prompt (no value: {DEFAULT_ENHANCER_ID}; or a hub id or local folder; {TINY_ENHANCER_ID}: a "
              f"tiny random model, its rewrites are gibberish). Put it after the prompts, or write --enhance=ID")
     add("--out", default="out", help="output folder (default ./out)")
     add("--format", choices=tuple(render.FORMATS), default="png")
-    add("--device", help="default: cuda (cuda:LOCAL_RANK with several processes) if available, else cpu")
+    add("--device", help="cpu, cuda or cuda:N; default: cuda (cuda:LOCAL_RANK with several processes) if "
+        "available, else cpu")
     add("--no-resume", dest="resume", action="store_false",
-        help="render everything again (default: skip images already in the manifest and on disk)")
+        help="render everything again, overwriting images of the same name (default: skip images already in the "
+             "manifest and on disk, and refuse to overwrite one made with other settings)")
     render_parser.set_defaults(run=run_render, parser=render_parser)
 
     compare_parser = commands.add_parser(
-        "compare", help="compare two folders of images",
-        description="Pair images by file name; PSNR, SSIM, max |A-B|; side-by-side grids and an index.html report.")
+        "compare", help="compare two folders of images", usage="%(prog)s [options] A_DIR B_DIR --out REPORT",
+        description="Pair images by file name; PSNR, SSIM, max |A-B|; side-by-side grids and an index.html report. "
+                    "Exits 1 when nothing pairs, a pair cannot be measured (unreadable, sizes differ) or is below "
+                    "--min-psnr.")
     add = compare_parser.add_argument
     add("a_dir", help="folder A (e.g. the baseline's images)")
     add("b_dir", help="folder B")
     add("--out", required=True, help="report folder")
-    add("--min-psnr", type=float, help="exit 1 if a pair is below this PSNR (dB), or if nothing was paired")
+    add("--min-psnr", type=finite_float(minimum=0.0), metavar="DB",
+        help="exit 1 if a pair is below this PSNR (dB, finite, >= 0)")
     compare_parser.set_defaults(run=run_compare, parser=compare_parser)
     return parser
 
 
-def distributed_env() -> tuple[int, int, int]:
-    """(RANK, WORLD_SIZE, LOCAL_RANK) as set by torchrun / accelerate launch; (0, 1, 0) otherwise."""
+def one_line(text: str, limit: int = 400) -> str:
+    """An error message from a library as one line (they can span many)."""
+    text = " ".join(str(text).split())
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def distributed_env() -> tuple[int, int, int | None]:
+    """(RANK, WORLD_SIZE, LOCAL_RANK) as set by torchrun / accelerate launch; (0, 1, None) otherwise."""
     try:
         rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-        local_rank = int(os.environ.get("LOCAL_RANK", rank % max(torch.cuda.device_count(), 1)))
+        local_rank = int(os.environ["LOCAL_RANK"]) if "LOCAL_RANK" in os.environ else None
     except ValueError as e:
         raise ValueError(f"RANK / WORLD_SIZE / LOCAL_RANK must be integers ({e})") from e
     if not 0 <= rank < world_size:
@@ -112,35 +141,78 @@ def distributed_env() -> tuple[int, int, int]:
     return rank, world_size, local_rank
 
 
-def resolve_device(name: str | None, local_rank: int) -> torch.device:
-    if name is None:
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(name)
-    return torch.device("cuda", local_rank) if device.type == "cuda" and device.index is None else device
+def resolve_device(name: str | None, rank: int, local_rank: int | None):
+    """--device (None: cuda if available, else cpu) -> a torch.device; plain "cuda" -> GPU LOCAL_RANK (else RANK
+    modulo the GPU count). ValueError for a device that is not here."""
+    import torch
+
+    try:
+        device = torch.device(name if name is not None else "cuda" if torch.cuda.is_available() else "cpu")
+    except RuntimeError:
+        raise ValueError(f"--device {name}: not a device; use cpu, cuda or cuda:N") from None
+    if device.type == "cpu":
+        return device
+    if device.type != "cuda":
+        raise ValueError(f"--device {name}: only cpu and cuda are supported")
+    if not torch.cuda.is_available():
+        raise ValueError(f"--device {name}: CUDA is not available here (torch {torch.__version__}, "
+                         f"{'a CPU-only build' if torch.version.cuda is None else 'no GPU found'}); use --device cpu")
+    count = torch.cuda.device_count()
+    index = device.index if device.index is not None else (local_rank if local_rank is not None else rank % count)
+    if index >= count:
+        raise ValueError(f"--device {name}: GPU {index} asked for, {count} here")
+    return torch.device("cuda", index)
 
 
-def check_triton_on_cpu(device: torch.device, preset: str, enhance: str | None = None):
-    """The fast preset's and the prompt enhancer's Triton kernels run on the CPU only under Triton's interpreter,
-    which must be on before triton is first imported (importing qwen_image_fast imports it)."""
+def check_triton_on_cpu(device, labels: render.Labels, enhance: str | None = None):
+    """The fused transformer's and the prompt enhancer's Triton kernels run on the CPU only under Triton's
+    interpreter, which must be on before triton is first imported."""
     if device.type != "cpu" or os.environ.get("TRITON_INTERPRET") == "1":
         return
-    if preset == "fast":
-        raise ValueError("--preset fast on the CPU runs its Triton kernels in Triton's interpreter: start the "
-                         "command with TRITON_INTERPRET=1 (it must be set before Python starts), or use "
-                         "--preset baseline")
+    if labels.preset != render.STOCK_PRESET and labels.config.fused_transformer:
+        raise ValueError(f"--preset {labels.preset} on the CPU runs its Triton kernels in Triton's interpreter: start "
+                         "the command with TRITON_INTERPRET=1 (it must be set before Python starts), or use "
+                         f"--preset {render.STOCK_PRESET}")
     if enhance is not None:
         raise ValueError("--enhance on the CPU runs the Qwen3.5 model's Triton kernels in Triton's interpreter: start "
                          "the command with TRITON_INTERPRET=1 (it must be set before Python starts)")
 
 
+def hub_offline() -> bool:
+    from huggingface_hub import constants
+
+    return bool(constants.HF_HUB_OFFLINE)
+
+
+def check_checkpoint(option: str, name: str, marker: str):
+    """A local folder must hold `marker` (model_index.json for a diffusers pipeline, config.json for a transformers
+    model); anything else must look like a hub id, and be cached when the hub is offline (HF_HUB_OFFLINE=1)."""
+    path = Path(name).expanduser()
+    if path.exists():
+        if not (path / marker).is_file():
+            raise ValueError(f"{option} {name}: a local {'folder' if path.is_dir() else 'file'} without "
+                             f"{marker}, not a checkpoint")
+        return
+    if not HUB_ID.match(name):
+        raise ValueError(f"{option} {name}: no such local folder, and not a hub id (owner/name)")
+    if hub_offline() and not render.cached_locally(name, marker):
+        raise ValueError(f"{option} {name}: not in the local Hugging Face cache, and HF_HUB_OFFLINE=1 forbids "
+                         "downloading it")
+
+
+def check_model(model: str):
+    if model != TINY_MODEL_ID:
+        check_checkpoint("--model", model, "model_index.json")
+
+
 def check_enhancer(enhance: str | None):
     """--enhance's value must name a model: `render --enhance "a red fox"` would otherwise take the prompt for one."""
-    if enhance is None or enhance == TINY_ENHANCER_ID or Path(enhance).is_dir() or HUB_ID.match(enhance):
+    if enhance is None or enhance == TINY_ENHANCER_ID:
         return
-    from .pipelines.qwen35.enhance import DEFAULT_ENHANCER_ID
-
-    raise ValueError(f"--enhance {enhance!r}: neither a local folder nor a hub id (owner/name); to rewrite with the "
-                     f"default model, put the prompts before --enhance or write --enhance={DEFAULT_ENHANCER_ID}")
+    if not Path(enhance).expanduser().exists() and not HUB_ID.match(enhance):
+        raise ValueError(f"--enhance {enhance!r}: neither a local folder nor a hub id (owner/name); to rewrite with "
+                         f"the default model, put the prompts before --enhance or write --enhance={DEFAULT_ENHANCER_ID}")
+    check_checkpoint("--enhance", enhance, "config.json")
 
 
 def render_defaults(args, tiny: bool) -> render.Defaults:
@@ -160,49 +232,72 @@ def render_defaults(args, tiny: bool) -> render.Defaults:
 
 
 def run_render(args) -> int:
+    # 1. Check inputs: everything that can be checked without loading a model, before the output folder exists.
     try:
-        check_enhancer(args.enhance)
+        check_enhancer(args.enhance)  # first: `--enhance "a cat"` took the prompt for a model
         if args.prompt and args.prompts:
             raise ValueError("give prompts as arguments or with --prompts, not both")
         if not args.prompt and not args.prompts:
             raise ValueError("no prompts: give them as arguments or with --prompts FILE")
+        entries = render.read_prompt_file(args.prompts) if args.prompts else render.command_line_entries(args.prompt)
         rank, world_size, local_rank = distributed_env()
-        device = resolve_device(args.device, local_rank)
-        check_triton_on_cpu(device, args.preset, args.enhance)
-        entries = render.read_prompt_file(args.prompts) if args.prompts else [{"prompt": p} for p in args.prompt]
+        device = resolve_device(args.device, rank, local_rank)
         model, why = render.resolve_model(args.model, device)
+        check_model(model)
+        labels = render.labels_for(model, args.preset,
+                                   FastConfig.preset(args.preset).replace(scheduler=args.scheduler),
+                                   enhancer=args.enhance)
+        check_triton_on_cpu(device, labels, args.enhance)
         jobs = render.make_jobs(entries, render_defaults(args, tiny=model == TINY_MODEL_ID))
+        mine = render.shard(jobs, rank, world_size)
+        conflict = render.find_conflict(mine, Path(args.out), args.format, labels) if args.resume else None
+        if conflict:
+            raise ValueError(f"{conflict}; rendering would overwrite it: use another --out, or --no-resume to "
+                             "overwrite")
+        created = render.missing_folders(args.out)
         out_dir = render.prepare_out_dir(args.out)
-        labels = render.labels_for(model, args.preset, args.scheduler, enhancer=args.enhance)
     except ValueError as e:
-        args.parser.error(str(e))
+        args.parser.error(one_line(e))
 
     prefix = f"rank {rank}/{world_size}: " if world_size > 1 else ""
-    mine = render.shard(jobs, rank, world_size)
     enhancer = f", prompts rewritten by {args.enhance}" if args.enhance else ""
     print(f"{prefix}model {model} ({why}), preset {args.preset}, device {device}{enhancer}; {len(mine)} of "
           f"{len(jobs)} prompts -> {out_dir}", flush=True)
 
     def load_pipe():
         try:
-            return render.load_pipeline(model, args.preset, args.scheduler, device)
-        except OSError as e:  # e.g. not on the hub and not a local folder, or not cached while offline
-            args.parser.error(f"--model {model}: cannot load it ({e})")
+            return render.load_pipeline(model, labels.preset, labels.config, device)
+        except Exception as e:  # e.g. not a complete checkpoint: a one-line error, not a traceback
+            raise render.LoadError(f"--model {model}: cannot load it ({type(e).__name__}: {e})") from e
 
     def load_enhancer():
+        from .pipeline import resolve_enhancer
+
         try:
             return resolve_enhancer(args.enhance, device)
-        except OSError as e:
-            args.parser.error(f"--enhance {args.enhance}: cannot load it ({e})")
+        except Exception as e:
+            raise render.LoadError(f"--enhance {args.enhance}: cannot load it ({type(e).__name__}: {e})") from e
 
-    summary = render.render_jobs(load_pipe, mine, out_dir, labels, fmt=args.format, resume=args.resume,
-                                 batch_size=args.batch_size, rank=rank, world_size=world_size,
-                                 load_enhancer=load_enhancer if args.enhance else None)
+    try:
+        summary = render.render_jobs(load_pipe, mine, out_dir, labels, fmt=args.format, resume=args.resume,
+                                     batch_size=args.batch_size, rank=rank, world_size=world_size,
+                                     load_enhancer=load_enhancer if args.enhance else None)
+    except render.LoadError as e:
+        render.remove_empty_folders(created)
+        args.parser.error(one_line(e))
+    except KeyboardInterrupt as e:
+        render.remove_empty_folders(created)
+        written = getattr(e, "written", 0)
+        print(f"{prefix}interrupted; {written} image(s) finished by this run are kept in {out_dir} (the same command "
+              "resumes)", file=sys.stderr, flush=True)
+        return INTERRUPTED
     print(render.format_summary(summary, labels, out_dir, rank, world_size), flush=True)
     return 1 if summary.failed else 0
 
 
 def run_compare(args) -> int:
+    from . import compare
+
     for folder in (args.a_dir, args.b_dir):
         if not Path(folder).is_dir():
             args.parser.error(f"{folder}: not a folder")
@@ -210,7 +305,7 @@ def run_compare(args) -> int:
         compare.structural_similarity_function()
         report_dir = compare.prepare_report_dir(args.out)
     except ValueError as e:
-        args.parser.error(str(e))
+        args.parser.error(one_line(e))
     report = compare.compare_folders(args.a_dir, args.b_dir, report_dir, min_psnr=args.min_psnr)
     print(compare.format_table(report))
     return 0 if report.passed else 1
@@ -218,5 +313,8 @@ def run_compare(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return args.run(args)
-
+    try:
+        return args.run(args)
+    except KeyboardInterrupt:
+        print(f"qwen-image-fast {args.command}: interrupted", file=sys.stderr, flush=True)
+        return INTERRUPTED

@@ -3,6 +3,9 @@
 
 PSNR = 10 log10(255^2 / MSE) over all pixels and RGB channels (inf for identical images). SSIM is scikit-image's
 (7x7 window, per channel, averaged); it is imported only here, so the rest of the CLI works without it.
+
+A comparison fails (Report.failures) when nothing pairs, when a pair cannot be measured (a file unreadable, the
+sizes differ), or when a pair is below min_psnr.
 """
 
 import html
@@ -42,20 +45,41 @@ class Report:
     min_psnr: float | None
     report_dir: Path
 
+    def unmeasured(self) -> list[Pair]:
+        """Pairs without a PSNR: a file unreadable, or the sizes differ."""
+        return [p for p in self.pairs if p.psnr is None]
+
     def below(self) -> list[Pair]:
-        """Pairs under min_psnr (pairs without a PSNR count as under)."""
+        """Measured pairs under min_psnr."""
         if self.min_psnr is None:
             return []
-        return [p for p in self.pairs if p.psnr is None or p.psnr < self.min_psnr]
+        return [p for p in self.pairs if p.psnr is not None and p.psnr < self.min_psnr]
 
     @property
     def model_notes(self) -> list[str]:
         return sorted({p.model_note for p in self.pairs if p.model_note})
 
+    def failures(self) -> list[str]:
+        """Why the comparison fails, one reason a line; [] when it passes."""
+        reasons = [] if self.pairs else ["no pair: no file name is in both folders"]
+        if self.unmeasured():
+            reasons.append(f"{len(self.unmeasured())} pair(s) not measured (unreadable, or the sizes differ): "
+                           + ", ".join(p.name for p in self.unmeasured()))
+        if self.below():
+            reasons.append(f"{len(self.below())} pair(s) below --min-psnr {self.min_psnr:g} dB: "
+                           + ", ".join(p.name for p in self.below()))
+        return reasons
+
     @property
     def passed(self) -> bool:
-        """No threshold, or at least one pair and none below it (a gate that checked nothing does not pass)."""
-        return self.min_psnr is None or (bool(self.pairs) and not self.below())
+        return not self.failures()
+
+    def verdict(self) -> str:
+        """One line: pass, with what was checked, or FAIL with why."""
+        if not self.passed:
+            return "FAIL: " + "; ".join(self.failures())
+        threshold = "" if self.min_psnr is None else f", none below --min-psnr {self.min_psnr:g} dB"
+        return f"pass: {len(self.pairs)} pair(s) measured{threshold}"
 
 
 def structural_similarity_function():
@@ -119,7 +143,7 @@ def compare_pair(name: str, a_path: Path, b_path: Path, report_dir: Path, titles
     try:
         a, b = load_rgb(a_path), load_rgb(b_path)
         a_settings, b_settings = read_settings(a_path), read_settings(b_path)
-    except OSError as e:  # not an image after all, or truncated
+    except (OSError, SyntaxError, ValueError) as e:  # not an image after all, truncated, a broken chunk
         return Pair(name, None, None, None, None, None, None, f"unreadable: {e}")
     prompt, model_note = a_settings.get("prompt"), a_settings.get("note") or b_settings.get("note")
     if a.shape != b.shape:
@@ -158,10 +182,10 @@ def format_number(value: float | None, digits: int) -> str:
 
 
 def write_html(report: Report, a_dir: Path, b_dir: Path):
-    below = {p.name for p in report.below()}
+    failing = {p.name for p in report.below() + report.unmeasured()}
     title = f"{html.escape(str(a_dir))} (A) vs {html.escape(str(b_dir))} (B)"
     rows = "\n".join(
-        f'<tr class="{"below" if p.name in below else ""}"><td><a href="#{quote(p.name)}">{html.escape(p.name)}</a>'
+        f'<tr class="{"fail" if p.name in failing else ""}"><td><a href="#{quote(p.name)}">{html.escape(p.name)}</a>'
         f"</td><td>{format_number(p.psnr, 2)}</td><td>{format_number(p.ssim, 4)}</td>"
         f"<td>{'-' if p.max_abs_diff is None else p.max_abs_diff}</td>"
         f"<td>{html.escape(p.note or p.prompt or '')}</td></tr>"
@@ -172,17 +196,15 @@ def write_html(report: Report, a_dir: Path, b_dir: Path):
         for p in report.pairs if p.grid)
     unpaired = "".join(f"<li>only in A: {html.escape(n)}</li>" for n in report.only_a)
     unpaired += "".join(f"<li>only in B: {html.escape(n)}</li>" for n in report.only_b)
-    threshold = "" if report.min_psnr is None else (
-        f"<p>--min-psnr {report.min_psnr:g} dB: {len(below)} pair(s) below "
-        f"({'pass' if report.passed else 'FAIL'})</p>")
+    verdict = f"<p><b>{html.escape(report.verdict())}</b></p>"
     notes = "".join(f"<p><b>Note: these images are {html.escape(note)}.</b></p>" for note in report.model_notes)
     (report.report_dir / "index.html").write_text(f"""<!doctype html>
 <html><head><meta charset="utf-8"><title>{title}</title>
 <style>body{{font-family:sans-serif;margin:2em}} table{{border-collapse:collapse}}
-td,th{{border:1px solid #ccc;padding:4px 8px;text-align:left}} tr.below{{background:#fdd}}
+td,th{{border:1px solid #ccc;padding:4px 8px;text-align:left}} tr.fail{{background:#fdd}}
 img{{max-width:100%}}</style></head>
 <body><h1>{title}</h1>
-<p>{len(report.pairs)} pair(s) by file name. Grids: A | B | |A-B| x{DIFF_GAIN}.</p>{threshold}{notes}
+<p>{len(report.pairs)} pair(s) by file name. Grids: A | B | |A-B| x{DIFF_GAIN}.</p>{verdict}{notes}
 <table><tr><th>image</th><th>PSNR (dB)</th><th>SSIM</th><th>max |A-B|</th><th>prompt</th></tr>
 {rows}
 </table>
@@ -205,9 +227,7 @@ def format_table(report: Report) -> str:
     else:
         lines.append("no pair of images with the same name and size")
     lines += [f"only in A: {name}" for name in report.only_a] + [f"only in B: {name}" for name in report.only_b]
-    if report.min_psnr is not None:
-        lines.append(f"--min-psnr {report.min_psnr:g}: {len(report.below())} pair(s) below: "
-                     f"{'pass' if report.passed else 'FAIL'}")
     lines += [f"note: these images are {note}" for note in report.model_notes]
+    lines.append(report.verdict())
     lines.append(f"report: {report.report_dir / 'index.html'}")
     return "\n".join(lines)

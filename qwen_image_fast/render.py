@@ -9,14 +9,23 @@ Output folder layout:
 
 Crash safety: an image is written to a temporary file, fsynced and renamed into place; only then is its manifest
 line appended (and fsynced). An image is done when its manifest line has the same settings and its file exists.
+An image file of the same name with other settings is never overwritten silently: find_conflict names it, and the
+command line refuses to run (--no-resume overwrites on purpose).
+
+Settings (embedded and in the manifest): what was asked for (settings_of: prompt, seed, size, steps, cfg, model,
+preset, scheduler, enhancer; resume compares these) and `applied`, what the pipeline call that made the image ran
+(pipe.applied after that call; not compared).
 
 Prompt enhancement (--enhance): each batch's prompts are rewritten by a local Qwen3.5 just before the batch renders;
 the rewrite is recorded as `enhanced_prompt` next to `prompt` (embedded and in the manifest), and `enhancer` (which
 model rewrote it) is one of the settings resume compares. Resume matches the original prompt, never the rewrite.
+
+Importing this module is light (no torch, diffusers or triton): the command line imports it to build its parser.
 """
 
 import fcntl
 import json
+import math
 import os
 import time
 import zlib
@@ -24,17 +33,17 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 from PIL import Image
 from PIL.PngImagePlugin import PngInfo
 from tqdm import tqdm
 
 from .config import FastConfig
-from .optimize import optimize
-from .pipeline import QwenImageFastPipeline
-from .tiny import TINY_ENHANCER_ID, TINY_MODEL_ID, tiny_pipeline
 
 REAL_MODEL_ID = "Qwen/Qwen-Image-2512"
+# Also in tiny.py and pipelines/qwen35/enhance.py, which import torch and diffusers; test_cli checks they agree.
+TINY_MODEL_ID = "tiny-random"
+TINY_ENHANCER_ID = "tiny-random"
+DEFAULT_ENHANCER_ID = "Qwen/Qwen3.5-4B"
 # Qwen-Image-2512's recommended negative prompt (QwenLM/Qwen-Image README).
 NEGATIVE_PROMPT = "低分辨率，低画质，肢体畸形，手指畸形，画面过饱和，蜡像感，人脸无细节，过度光滑，画面具有AI感。构图混乱。文字模糊，扭曲。"
 # The official sizes of Qwen-Image-2512, as (width, height).
@@ -50,16 +59,34 @@ ASPECTS = {
 TINY_SIZE, TINY_STEPS = 64, 2
 # One step gives NaN images: Qwen's scheduler stretches 1 - sigma by its last value (shift_terminal), 0 at 1 step.
 MIN_STEPS = 2
+# torch.Generator.manual_seed takes -2**63 .. 2**64 - 1 and wraps negatives (-1 is 2**64 - 1): only 0 .. 2**64 - 1,
+# so that two different seeds never give the same image under two names.
+MAX_SEED = 2**64 - 1
+# "baseline" renders with diffusers' own QwenImagePipeline, untouched; every other preset with QwenImageFastPipeline.
+STOCK_PRESET = "baseline"
 TINY_NOTE = "noise from random weights (tiny-random test model), not a rendering of the prompt"
 TINY_ENHANCER_NOTE = "gibberish from random weights (tiny-random Qwen3.5), not a rewriting of the prompt"
 
 FORMATS = {"png": "PNG", "jpg": "JPEG", "webp": "WEBP"}
 EXIF_IMAGE_DESCRIPTION = 0x010E
+PNG_DESCRIPTION = "Description"  # PNG's standard keyword, the counterpart of EXIF ImageDescription
 TEMP_PREFIX = ".tmp-"
 MANIFEST = "manifest.jsonl"
 MANIFEST_LOCK = ".manifest.lock"
 JSONL_FIELDS = {"prompt", "negative_prompt", "seed", "width", "height", "steps", "cfg", "id"}
 ID_CHARACTERS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
+
+
+class LoadError(ValueError):
+    """The model or the prompt enhancer could not be loaded (not cached, not a checkpoint, ...): bad input."""
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C during render_jobs, after `written` images of this run were finished (they are kept)."""
+
+    def __init__(self, written: int):
+        super().__init__(written)
+        self.written = written
 
 
 @dataclass(frozen=True)
@@ -95,15 +122,20 @@ class Job:
 
 @dataclass(frozen=True)
 class Labels:
-    """What produced the images, recorded with each of them. note: set for the tiny random model. enhancer: the
+    """What produces the images, recorded with each of them. preset: a FastConfig preset name (STOCK_PRESET: the
+    stock pipeline); config: the one FastConfig of the command. note: set for the tiny random model. enhancer: the
     prompt enhancer's checkpoint (None: prompts rendered as given); enhancer_note: set for the tiny random one."""
 
     model: str
-    scheduler: str
-    config: str  # FastConfig.tag()
+    preset: str
+    config: FastConfig
     note: str | None
     enhancer: str | None = None
     enhancer_note: str | None = None
+
+    @property
+    def scheduler(self) -> str:
+        return self.config.scheduler
 
 
 @dataclass
@@ -113,7 +145,7 @@ class Summary:
     failed: int = 0
     seconds: float = 0.0  # wall time of the written images, prompt enhancement included
     enhance_seconds: float = 0.0  # the part of it spent rewriting prompts
-    applied: tuple[str, ...] = ()  # pipe.applied: what the fast pipeline really ran (empty: stock or not loaded)
+    applied: tuple[str, ...] = ()  # pipe.applied after the last call: what it ran (empty: stock or nothing rendered)
 
     @property
     def seconds_per_image(self) -> float | None:
@@ -142,6 +174,15 @@ def read_prompt_file(path: str | Path) -> list[dict]:
     return entries
 
 
+def command_line_entries(prompts: list[str]) -> list[dict]:
+    """Prompts given as arguments -> entries; an empty or blank one is rejected, as in a JSONL file."""
+    for number, prompt in enumerate(prompts, start=1):
+        if not prompt.strip():
+            raise ValueError(f"prompt {number} is {'empty' if not prompt else 'only whitespace'}: give a non-empty "
+                             "prompt")
+    return [{"prompt": prompt} for prompt in prompts]
+
+
 def parse_jsonl_line(path: Path, number: int, line: str) -> dict:
     def bad(why):
         return ValueError(f"--prompts {path}, line {number}: {why}")
@@ -167,8 +208,11 @@ def parse_jsonl_line(path: Path, number: int, line: str) -> dict:
             raise bad(f'"{name}" must be a positive multiple of 16, got {entry[name]}')
     if "steps" in entry and entry["steps"] < MIN_STEPS:
         raise bad(f'"steps" must be >= {MIN_STEPS}, got {entry["steps"]}')
-    if "cfg" in entry and (not isinstance(entry["cfg"], (int, float)) or isinstance(entry["cfg"], bool)):
-        raise bad(f'"cfg" must be a number, got {entry["cfg"]!r}')
+    if "seed" in entry and not 0 <= entry["seed"] <= MAX_SEED:
+        raise bad(f'"seed" must be in 0..{MAX_SEED} (2**64 - 1), got {entry["seed"]}')
+    if "cfg" in entry and (not isinstance(entry["cfg"], (int, float)) or isinstance(entry["cfg"], bool)
+                           or not math.isfinite(entry["cfg"])):
+        raise bad(f'"cfg" must be a finite number, got {entry["cfg"]!r}')
     if "id" in entry:
         entry["id"] = str(entry["id"])
         if not entry["id"] or not set(entry["id"]) <= ID_CHARACTERS:
@@ -183,23 +227,28 @@ def derive_seed(base: int, index: int, id: str | None) -> int:
 
 
 def make_jobs(entries: list[dict], defaults: Defaults) -> list[Job]:
-    """Entries (read_prompt_file, or {"prompt": ...} from the command line) -> jobs. ValueError when two would
-    write the same file."""
+    """Entries (read_prompt_file, or command_line_entries) -> jobs. ValueError when two would write the same file,
+    or a derived seed leaves 0..MAX_SEED."""
     jobs, seen = [], {}
     for index, entry in enumerate(entries):
+        where = f"line {entry['line']}" if "line" in entry else f"prompt {index + 1}"
         cfg = float(entry.get("cfg", defaults.cfg))
+        seed = entry.get("seed", derive_seed(defaults.seed, index, entry.get("id")))
+        if not 0 <= seed <= MAX_SEED:
+            how = f"crc32 of its id {entry['id']!r}" if entry.get("id") is not None else f"its index {index}"
+            raise ValueError(f"{where}: its seed {seed} (--seed {defaults.seed} + {how}) is beyond {MAX_SEED} "
+                             "(2**64 - 1), the largest torch.Generator seed; use a smaller --seed")
         job = Job(
             index=index,
             id=entry.get("id"),
             prompt=entry["prompt"],
             negative_prompt=entry.get("negative_prompt", defaults.negative_prompt) if cfg > 1 else None,
-            seed=entry.get("seed", derive_seed(defaults.seed, index, entry.get("id"))),
+            seed=seed,
             width=entry.get("width", defaults.width),
             height=entry.get("height", defaults.height),
             steps=entry.get("steps", defaults.steps),
             cfg=cfg,
         )
-        where = f"line {entry['line']}" if "line" in entry else f"prompt {index + 1}"
         if job.stem in seen:
             raise ValueError(f"{where} and {seen[job.stem]} would both write {job.stem}.*; give them different "
                              "ids or seeds")
@@ -216,13 +265,13 @@ def shard(jobs: list[Job], rank: int, world_size: int) -> list[Job]:
 # ---- model
 
 
-def cached_locally(repo_id: str) -> bool:
+def cached_locally(repo_id: str, filename: str = "model_index.json") -> bool:
     from huggingface_hub import try_to_load_from_cache
 
-    return isinstance(try_to_load_from_cache(repo_id, "model_index.json"), str)
+    return isinstance(try_to_load_from_cache(repo_id, filename), str)
 
 
-def resolve_model(model: str, device: torch.device) -> tuple[str, str]:
+def resolve_model(model: str, device) -> tuple[str, str]:
     """"auto" -> the real model when it is in the local Hugging Face cache and a GPU is there, else tiny-random.
     Returns (model, why it was chosen)."""
     if model != "auto":
@@ -235,34 +284,36 @@ def resolve_model(model: str, device: torch.device) -> tuple[str, str]:
 
 
 def check_scheduler(preset: str, scheduler: str):
-    if preset == "baseline" and scheduler != "euler":
-        raise ValueError(f"--preset baseline runs the stock diffusers pipeline, which samples with Euler only; "
-                         f"--scheduler {scheduler} needs --preset fast")
+    if preset == STOCK_PRESET and scheduler != "euler":
+        raise ValueError(f"--preset {STOCK_PRESET} runs the stock diffusers pipeline, which samples with Euler only; "
+                         f"--scheduler {scheduler} needs another preset")
 
 
-def labels_for(model: str, preset: str, scheduler: str, enhancer: str | None = None) -> Labels:
-    check_scheduler(preset, scheduler)
-    return Labels(model=model, scheduler=scheduler, config=FastConfig.preset(preset).replace(scheduler=scheduler).tag(),
-                  note=TINY_NOTE if model == TINY_MODEL_ID else None, enhancer=enhancer,
-                  enhancer_note=TINY_ENHANCER_NOTE if enhancer == TINY_ENHANCER_ID else None)
+def labels_for(model: str, preset: str, config: FastConfig, enhancer: str | None = None) -> Labels:
+    check_scheduler(preset, config.scheduler)
+    return Labels(model=model, preset=preset, config=config, note=TINY_NOTE if model == TINY_MODEL_ID else None,
+                  enhancer=enhancer, enhancer_note=TINY_ENHANCER_NOTE if enhancer == TINY_ENHANCER_ID else None)
 
 
-def load_pipeline(model: str, preset: str, scheduler: str, device: torch.device):
-    """"fast": QwenImageFastPipeline with FastConfig.preset("fast"). "baseline": diffusers' own QwenImagePipeline,
-    untouched, so that comparisons are against code this project did not write; it samples with the checkpoint's
-    Euler scheduler only. Real weights load in BF16; tiny-random is built in FP32."""
+def load_pipeline(model: str, preset: str, config: FastConfig, device):
+    """STOCK_PRESET: diffusers' own QwenImagePipeline, untouched, so that comparisons are against code this project
+    did not write (it samples with the checkpoint's Euler scheduler only). Any other preset: QwenImageFastPipeline
+    with `config`. Real weights load in BF16; tiny-random is built in FP32."""
+    import torch
     from diffusers import QwenImagePipeline
 
-    check_scheduler(preset, scheduler)
-    config = FastConfig.preset(preset).replace(scheduler=scheduler)
+    from .pipeline import QwenImageFastPipeline, optimize
+
+    check_scheduler(preset, config.scheduler)
     if model == TINY_MODEL_ID:
+        from .tiny import tiny_pipeline
+
         pipe = tiny_pipeline()
-        pipe = optimize(pipe, config, device=device) if preset == "fast" else pipe
-    elif preset == "fast":
-        pipe = QwenImageFastPipeline.from_pretrained(model, torch_dtype=torch.bfloat16, fast_config=config,
-                                                     device=device)
+        pipe = pipe if preset == STOCK_PRESET else optimize(pipe, config, device=device)
+    elif preset == STOCK_PRESET:  # dtype=, not torch_dtype= (deprecated in diffusers 0.42: a warning at every load)
+        pipe = QwenImagePipeline.from_pretrained(model, dtype=torch.bfloat16)
     else:
-        pipe = QwenImagePipeline.from_pretrained(model, torch_dtype=torch.bfloat16)
+        pipe = QwenImageFastPipeline.from_pretrained(model, dtype=torch.bfloat16, fast_config=config, device=device)
     pipe = pipe.to(device)
     pipe.set_progress_bar_config(disable=True)  # our own bars count images and steps
     return pipe
@@ -272,21 +323,26 @@ def load_pipeline(model: str, preset: str, scheduler: str, device: torch.device)
 
 
 def settings_of(job: Job, labels: Labels) -> dict:
-    """The settings embedded in an image and recorded in its manifest line (resume compares them). `enhancer` is
-    always there (None without --enhance), so a run with another enhancer, or none, renders the image again."""
+    """What was asked for, embedded in an image and recorded in its manifest line: resume compares these.
+    `enhancer` is always there (None without --enhance), so a run with another enhancer, or none, differs."""
     settings = dict(prompt=job.prompt, negative_prompt=job.negative_prompt, seed=job.seed, width=job.width,
-                    height=job.height, steps=job.steps, cfg=job.cfg, scheduler=labels.scheduler, model=labels.model,
-                    config=labels.config, enhancer=labels.enhancer)
+                    height=job.height, steps=job.steps, cfg=job.cfg, model=labels.model, preset=labels.preset,
+                    scheduler=labels.scheduler, enhancer=labels.enhancer)
     return (settings | ({"note": labels.note} if labels.note else {})
             | ({"enhancer_note": labels.enhancer_note} if labels.enhancer_note else {}))
 
 
-def with_enhanced_prompt(settings: dict, enhanced: str | None) -> dict:
-    """settings with enhanced_prompt right after prompt (unchanged when enhanced is None)."""
-    if enhanced is None:
-        return settings
-    return {"prompt": settings["prompt"], "enhanced_prompt": enhanced,
-            **{k: v for k, v in settings.items() if k != "prompt"}}
+def image_settings(settings: dict, enhanced: str | None, applied: list[str]) -> dict:
+    """What an image records: settings, enhanced_prompt right after prompt (when there is one), and applied."""
+    if enhanced is not None:
+        settings = {"prompt": settings["prompt"], "enhanced_prompt": enhanced,
+                    **{k: v for k, v in settings.items() if k != "prompt"}}
+    return {**settings, "applied": list(applied)}
+
+
+def to_json(value, ensure_ascii: bool = False) -> str:
+    """Strict JSON: a NaN or infinity raises instead of writing what JSON readers reject."""
+    return json.dumps(value, ensure_ascii=ensure_ascii, allow_nan=False)
 
 
 def fsync_folder(folder: Path):
@@ -313,25 +369,26 @@ def write_atomic(path: Path, write):
 
 
 def save_image(image: Image.Image, path: Path, fmt: str, settings: dict):
-    """PNG: one text chunk per setting. JPEG/WebP: the settings as JSON in EXIF ImageDescription (ASCII-escaped)."""
+    """The settings as one JSON object: PNG in an iTXt "Description" chunk (UTF-8), JPEG/WebP in EXIF
+    ImageDescription (ASCII-escaped). The same JSON in every format, so read_settings gives the same types."""
     if fmt == "png":
         info = PngInfo()
-        for key, value in settings.items():
-            if value is not None:
-                info.add_text(key, str(value))  # non-Latin-1 text goes into an iTXt chunk
+        info.add_itxt(PNG_DESCRIPTION, to_json(settings))
         write_atomic(path, lambda f: image.save(f, format="PNG", pnginfo=info))
     else:
         exif = Image.Exif()
-        exif[EXIF_IMAGE_DESCRIPTION] = json.dumps(settings)
+        exif[EXIF_IMAGE_DESCRIPTION] = to_json(settings, ensure_ascii=True)
         write_atomic(path, lambda f: image.save(f, format=FORMATS[fmt], exif=exif, quality=95))
 
 
 def read_settings(path: str | Path) -> dict:
-    """The settings embedded by save_image: PNG -> {key: text}; JPEG/WebP -> the JSON object. {} if none."""
+    """The settings embedded by save_image, as the JSON object they were written as (the same Python types for PNG,
+    JPEG and WebP). {} if there are none. OSError if the file is not a readable image."""
     with Image.open(path) as image:
         if image.format == "PNG":
-            return dict(image.text)
-        description = image.getexif().get(EXIF_IMAGE_DESCRIPTION)
+            description = image.text.get(PNG_DESCRIPTION)
+        else:
+            description = image.getexif().get(EXIF_IMAGE_DESCRIPTION)
     try:
         settings = json.loads(description) if description else {}
     except json.JSONDecodeError:
@@ -344,6 +401,24 @@ def remove_stale_temp_files(out_dir: Path, jobs: list[Job]):
     for job in jobs:
         for temp in out_dir.glob(f"{TEMP_PREFIX}{job.stem}.*"):
             temp.unlink(missing_ok=True)
+
+
+def missing_folders(out_dir: str | Path) -> list[Path]:
+    """The folders that creating out_dir will create, deepest first."""
+    path, missing = Path(out_dir).absolute(), []
+    while not path.exists() and path != path.parent:
+        missing.append(path)
+        path = path.parent
+    return missing
+
+
+def remove_empty_folders(folders: list[Path]):
+    """Undo prepare_out_dir after a run that wrote nothing (folders from missing_folders, deepest first)."""
+    for folder in folders:
+        try:
+            folder.rmdir()  # only when empty
+        except OSError:
+            return
 
 
 def prepare_out_dir(out_dir: str | Path) -> Path:
@@ -377,7 +452,7 @@ def drop_partial_last_line(path: Path):
 
 def append_line(path: Path, record: dict):
     with open(path, "a", encoding="utf-8") as f:
-        f.write(json.dumps(record, ensure_ascii=False) + "\n")
+        f.write(to_json(record) + "\n")
         f.flush()
         os.fsync(f.fileno())
 
@@ -408,19 +483,55 @@ def merge_manifests(out_dir: Path):
     with open(out_dir / MANIFEST_LOCK, "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         records = [r for name, r in sorted(read_records(out_dir).items()) if (out_dir / name).exists()]
-        text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
+        text = "".join(to_json(r) + "\n" for r in records)
         write_atomic(out_dir / MANIFEST, lambda f: f.write(text.encode("utf-8")))
 
 
 # ---- rendering
 
 
+def differing_settings(job: Job, recorded: dict, labels: Labels) -> list[str]:
+    """The settings of `job` that `recorded` (a manifest line or embedded settings) does not have."""
+    wanted = settings_of(job, labels)
+    return [key for key, value in wanted.items() if recorded.get(key) != value]
+
+
 def is_done(job: Job, records: dict[str, dict], out_dir: Path, fmt: str, labels: Labels) -> bool:
     name = f"{job.stem}.{fmt}"
     record = records.get(name)
-    if record is None or not (out_dir / name).exists():
-        return False
-    return {key: record.get(key) for key in settings_of(job, labels)} == settings_of(job, labels)
+    return record is not None and (out_dir / name).exists() and not differing_settings(job, record, labels)
+
+
+def find_conflict(jobs: list[Job], out_dir: Path, fmt: str, labels: Labels) -> str | None:
+    """A job whose file already exists in out_dir with other settings (its manifest line's, else its embedded
+    ones; a file with neither is someone else's), which rendering would overwrite: a one-line description, or
+    None when there is no such job."""
+    if not out_dir.is_dir():
+        return None
+    records = read_records(out_dir)
+    for job in jobs:
+        path = out_dir / f"{job.stem}.{fmt}"
+        if not path.exists():
+            continue
+        recorded = records.get(path.name)
+        if recorded is None:
+            try:
+                recorded = read_settings(path)
+            except (OSError, SyntaxError, ValueError):
+                recorded = {}
+        differing = differing_settings(job, recorded, labels)
+        if differing and not recorded:
+            return f"{path} exists and was not made by this tool (no settings in it)"
+        if differing:
+            wanted = settings_of(job, labels)
+            changes = "; ".join(f"{key} {short(recorded.get(key))}, now {short(wanted[key])}" for key in differing)
+            return f"{path} exists, made with other settings ({changes})"
+    return None
+
+
+def short(value, limit: int = 30) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 4] + "...'"
 
 
 def batch_key(job: Job) -> tuple:
@@ -442,6 +553,8 @@ def batches_of(jobs: list[Job], batch_size: int) -> list[list[Job]]:
 def run_batch(pipe, batch: list[Job], on_step, prompts: list[str] | None = None) -> list[Image.Image]:
     """One pipeline call (prompts: what to render instead of the jobs' own, e.g. their rewrites). One CPU generator
     per image: the same seed gives the same latents at any batch size and on any device."""
+    import torch
+
     first = batch[0]
     return pipe(
         prompt=prompts or [job.prompt for job in batch],
@@ -461,7 +574,8 @@ def render_jobs(load_pipe: Callable, jobs: list[Job], out_dir: Path, labels: Lab
     """Render this rank's jobs into out_dir (prepare_out_dir first), skipping finished ones when resuming, then
     merge the manifest. load_pipe() and load_enhancer() (needed when labels.enhancer is set) are called only if
     something is left to render. A failed batch (enhancement or rendering) is reported and counted; the others go
-    on."""
+    on. Each image records pipe.applied as it is after the call that made it. Ctrl-C: the manifest is merged and
+    Interrupted(written) raised; finished images are kept, no partial file is left."""
     if labels.enhancer is not None and load_enhancer is None:
         raise ValueError(f"labels.enhancer={labels.enhancer!r} needs load_enhancer")
     remove_stale_temp_files(out_dir, jobs)
@@ -470,46 +584,50 @@ def render_jobs(load_pipe: Callable, jobs: list[Job], out_dir: Path, labels: Lab
     summary = Summary(skipped=len(jobs) - len(pending))
     enhancer = load_enhancer() if pending and labels.enhancer is not None else None
     pipe = load_pipe() if pending else None
-    summary.applied = tuple(getattr(pipe, "applied", ()))
     shard_path = manifest_path(out_dir, rank, world_size)
     drop_partial_last_line(shard_path)
     batches = batches_of(pending, batch_size)
     prefix = f"rank {rank}: " if world_size > 1 else ""
 
-    with tqdm(total=len(pending), desc=f"{prefix}images", unit="img", position=0) as images_bar, \
-            tqdm(total=sum(batch[0].steps for batch in batches), desc=f"{prefix}steps", unit="step",
-                 position=1, leave=False) as steps_bar:
+    try:
+        with tqdm(total=len(pending), desc=f"{prefix}images", unit="img", position=0) as images_bar, \
+                tqdm(total=sum(batch[0].steps for batch in batches), desc=f"{prefix}steps", unit="step",
+                     position=1, leave=False) as steps_bar:
 
-        def on_step(pipe, step, timestep, callback_kwargs):
-            steps_bar.update()
-            return {}
+            def on_step(pipe, step, timestep, callback_kwargs):
+                steps_bar.update()
+                return {}
 
-        for batch in batches:
-            start = time.perf_counter()
-            enhanced, enhance_seconds = [None] * len(batch), 0.0
-            try:
+            for batch in batches:
+                start = time.perf_counter()
+                enhanced, enhance_seconds = [None] * len(batch), 0.0
+                try:
+                    if enhancer is not None:
+                        enhanced = enhancer.enhance([job.prompt for job in batch])
+                        enhance_seconds = time.perf_counter() - start
+                    images = run_batch(pipe, batch, on_step, prompts=None if enhancer is None else enhanced)
+                except Exception as e:  # e.g. out of memory at one size: report it and render the rest
+                    summary.failed += len(batch)
+                    tqdm.write(f"{prefix}failed: {', '.join(job.stem for job in batch)}: {type(e).__name__}: {e}")
+                    continue
+                summary.applied = tuple(getattr(pipe, "applied", ()))  # what this call ran
+                seconds = (time.perf_counter() - start) / len(batch)
+                timing = {"seconds": round(seconds, 3)}
                 if enhancer is not None:
-                    enhanced = enhancer.enhance([job.prompt for job in batch])
-                    enhance_seconds = time.perf_counter() - start
-                images = run_batch(pipe, batch, on_step, prompts=None if enhancer is None else enhanced)
-            except Exception as e:  # e.g. out of memory at one size: report it and render the rest
-                summary.failed += len(batch)
-                tqdm.write(f"{prefix}failed: {', '.join(job.stem for job in batch)}: {type(e).__name__}: {e}")
-                continue
-            seconds = (time.perf_counter() - start) / len(batch)
-            timing = {"seconds": round(seconds, 3)}
-            if enhancer is not None:
-                timing["enhance_seconds"] = round(enhance_seconds / len(batch), 3)
-            for job, image, rewrite in zip(batch, images, enhanced):
-                name = f"{job.stem}.{fmt}"
-                settings = with_enhanced_prompt(settings_of(job, labels), rewrite)
-                save_image(image, out_dir / name, fmt, settings)
-                append_line(shard_path, dict(file=name, id=job.id, index=job.index, **settings,
-                                             applied=list(summary.applied), **timing, rank=rank, time=time.time()))
-            summary.written += len(batch)
-            summary.enhance_seconds += enhance_seconds
-            summary.seconds += time.perf_counter() - start
-            images_bar.update(len(batch))
+                    timing["enhance_seconds"] = round(enhance_seconds / len(batch), 3)
+                for job, image, rewrite in zip(batch, images, enhanced):
+                    name = f"{job.stem}.{fmt}"
+                    settings = image_settings(settings_of(job, labels), rewrite, summary.applied)
+                    save_image(image, out_dir / name, fmt, settings)
+                    append_line(shard_path, dict(file=name, id=job.id, index=job.index, **settings, **timing,
+                                                 rank=rank, time=time.time()))
+                    summary.written += 1
+                    images_bar.update()
+                summary.enhance_seconds += enhance_seconds
+                summary.seconds += time.perf_counter() - start
+    except KeyboardInterrupt:
+        merge_manifests(out_dir)
+        raise Interrupted(summary.written) from None
     merge_manifests(out_dir)
     return summary
 
@@ -526,4 +644,3 @@ def format_summary(summary: Summary, labels: Labels, out_dir: Path, rank: int = 
     if labels.enhancer_note:
         lines.append(f"{prefix}note: the enhanced prompts are {labels.enhancer_note}")
     return "\n".join(lines)
-

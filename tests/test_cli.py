@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 import zlib
 
 import numpy as np
@@ -42,7 +43,7 @@ def write_lines(path, lines):
     return path
 
 
-# ---- bad input: exit status 2 and a message naming the problem, before any model is loaded
+# ---- bad input: exit status 2, usage + one line naming the problem, before any model is loaded; no folder left
 
 
 def empty_prompt_file(tmp_path):
@@ -58,37 +59,108 @@ def jsonl_bad_width(tmp_path):
     return ["--prompts", str(write_lines(tmp_path / "p.jsonl", lines))]
 
 
+def jsonl(*lines):
+    return lambda tmp_path: ["--prompts", str(write_lines(tmp_path / "p.jsonl", lines))]
+
+
 def unwritable_out(tmp_path):
     (tmp_path / "a_file").write_text("")
     return ["--out", str(tmp_path / "a_file" / "images"), "a cat"]
 
 
-@pytest.mark.parametrize("make_args, message", [
-    (lambda tmp: ["--aspect", "5:4", "a cat"], "argument --aspect: invalid choice: '5:4'"),
-    (lambda tmp: ["--seed", "1.5", "a cat"], "argument --seed: invalid int value: '1.5'"),
-    (lambda tmp: ["--width", "100", "--height", "64", "a cat"], "--width: must be a positive multiple of 16, got 100"),
-    (lambda tmp: ["--steps", "1", "a cat"], "--steps: must be >= 2"),
-    (empty_prompt_file, "no prompts in it"),
-    (malformed_jsonl, "line 2: not valid JSON"),
-    (jsonl_bad_width, 'line 3: "width" must be a positive multiple of 16, got 40'),
-    (unwritable_out, "not a writable folder"),
-    (lambda tmp: [], "no prompts"),
-    (lambda tmp: ["--scheduler", "unipc", "a cat"], "--preset baseline runs the stock diffusers pipeline"),
-    (lambda tmp: ["--enhance", "a cat"], "'a cat': neither a local folder nor a hub id"),
-], ids=["aspect", "seed", "width", "steps", "empty-file", "malformed-jsonl", "jsonl-width", "unwritable-out",
-        "no-prompt", "baseline-scheduler", "enhance-takes-the-prompt"])
-def test_bad_input_exits_2_with_a_message(make_args, message, tmp_path, capsys):
+def folder_without_model_index(tmp_path):
+    (tmp_path / "model").mkdir()
+    return ["--model", str(tmp_path / "model"), "a cat"]
+
+
+def unloadable_model(tmp_path):
+    """Passes the checks (a folder with model_index.json), fails in diffusers' loader: after the out folder exists."""
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "model_index.json").write_text("{}")
+    return ["--model", str(tmp_path / "model"), "--out", str(tmp_path / "out" / "a" / "b"), "a cat"]
+
+
+def missing_gpu(tmp_path):
+    import torch
+
+    return ["--device", "cuda:99" if torch.cuda.is_available() else "cuda", "a cat"]
+
+
+BAD_INPUT = {
+    "aspect": (lambda tmp: ["--aspect", "5:4", "a cat"], "argument --aspect: invalid choice: '5:4'"),
+    "seed": (lambda tmp: ["--seed", "1.5", "a cat"], "argument --seed: must be an integer, got '1.5'"),
+    "seed-too-large": (lambda tmp: ["--seed", "99999999999999999999999", "a cat"],
+                       f"argument --seed: must be in 0..{2**64 - 1}, got 99999999999999999999999"),
+    "seed-negative": (lambda tmp: ["--seed", "-1", "a cat"], f"argument --seed: must be in 0..{2**64 - 1}, got -1"),
+    "derived-seed-too-large": (lambda tmp: ["--seed", str(2**64 - 1), "a cat", "a dog"],
+                               f"prompt 2: its seed {2**64} (--seed {2**64 - 1} + its index 1) is beyond"),
+    "cfg-nan": (lambda tmp: ["--cfg", "nan", "a cat"], "argument --cfg: must be a finite number, got 'nan'"),
+    "cfg-inf": (lambda tmp: ["--cfg", "inf", "a cat"], "argument --cfg: must be a finite number, got 'inf'"),
+    "empty-prompt": (lambda tmp: ["a cat", ""], "prompt 2 is empty"),
+    "blank-prompt": (lambda tmp: ["a cat", " \t "], "prompt 2 is only whitespace"),
+    "width": (lambda tmp: ["--width", "100", "--height", "64", "a cat"],
+              "--width: must be a positive multiple of 16, got 100"),
+    "steps": (lambda tmp: ["--steps", "1", "a cat"], "--steps: must be >= 2"),
+    "empty-file": (empty_prompt_file, "no prompts in it"),
+    "malformed-jsonl": (malformed_jsonl, "line 2: not valid JSON"),
+    "jsonl-width": (jsonl_bad_width, 'line 3: "width" must be a positive multiple of 16, got 40'),
+    "jsonl-cfg-nan": (jsonl('{"prompt": "a cat", "cfg": NaN}'), 'line 1: "cfg" must be a finite number, got nan'),
+    "jsonl-cfg-inf": (jsonl('{"prompt": "a cat"}', '{"prompt": "a dog", "cfg": 1e999}'),
+                      'line 2: "cfg" must be a finite number, got inf'),
+    "jsonl-seed": (jsonl(f'{{"prompt": "a cat", "seed": {2**64}}}'), f'line 1: "seed" must be in 0..{2**64 - 1}'),
+    "jsonl-derived-seed": (lambda tmp: ["--seed", str(2**64 - 1), *jsonl('{"prompt": "a cat", "id": "cat"}')(tmp)],
+                           "line 1: its seed"),
+    "unwritable-out": (unwritable_out, "not a writable folder"),
+    "no-prompt": (lambda tmp: [], "no prompts"),
+    "baseline-scheduler": (lambda tmp: ["--scheduler", "unipc", "a cat"],
+                           "--preset baseline runs the stock diffusers pipeline"),
+    "enhance-takes-the-prompt": (lambda tmp: ["--enhance", "a cat"], "'a cat': neither a local folder nor a hub id"),
+    "enhance-not-cached": (lambda tmp: ["a cat", "--enhance=nobody/no-such-model"],
+                           "--enhance nobody/no-such-model: not in the local Hugging Face cache, and HF_HUB_OFFLINE=1"),
+    "model-no-such-path": (lambda tmp: ["--model", "/nonexistent/path", "a cat"],
+                           "--model /nonexistent/path: no such local folder, and not a hub id"),
+    "model-not-cached": (lambda tmp: ["--model", "nobody/no-such-model", "a cat"],
+                         "--model nobody/no-such-model: not in the local Hugging Face cache, and HF_HUB_OFFLINE=1"),
+    "model-folder-not-a-pipeline": (folder_without_model_index, "without model_index.json, not a checkpoint"),
+    "model-fails-to-load": (unloadable_model, "cannot load it (KeyError: '_class_name')"),
+    "device-missing-gpu": (missing_gpu, "--device cuda"),
+    "device-not-a-device": (lambda tmp: ["--device", "tpu9", "a cat"], "--device tpu9: not a device"),
+}
+
+
+@pytest.mark.parametrize("make_args, message", BAD_INPUT.values(), ids=BAD_INPUT.keys())
+def test_bad_input_exits_2_with_one_line_and_leaves_no_folder(make_args, message, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)
     args = ["render", *BASELINE, "--out", str(tmp_path / "out"), *make_args(tmp_path)]
     with pytest.raises(SystemExit) as exit_info:
         main(args)
     assert exit_info.value.code == 2
-    assert message in capsys.readouterr().err
+    err = capsys.readouterr().err
+    usage, error = err.splitlines()  # argparse's one usage line, then one line saying what is wrong
+    assert usage.startswith("usage: qwen-image-fast render") and error.startswith("qwen-image-fast render: error: ")
+    assert message in error
+    assert not (tmp_path / "out").exists()
 
 
-def test_importing_the_cli_skips_the_qwen35_model():
-    code = "import sys, qwen_image_fast.cli; print(sorted(m for m in sys.modules if 'qwen35' in m))"
+def test_help_imports_neither_torch_nor_diffusers_nor_the_model_code():
+    """`--help` answers at once: torch, diffusers, triton, transformers and the Qwen3.5 code stay unimported."""
+    code = ("import sys\nfrom qwen_image_fast.cli import main\n"
+            "for argv in (['--help'], ['render', '--help'], ['compare', '--help']):\n"
+            "    try:\n        main(argv)\n    except SystemExit as e:\n        assert e.code == 0, e\n"
+            "heavy = ('torch', 'diffusers', 'triton', 'transformers', 'numpy', 'qwen_image_fast.pipelines.qwen35')\n"
+            "print(sorted(m for m in heavy if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "[]"
+    assert out.stdout.splitlines()[-1] == "[]"
+
+
+def test_ids_copied_into_render_match_their_modules():
+    """render.py keeps copies of ids from modules that import torch (tiny.py, the enhancer): they must agree."""
+    from qwen_image_fast import tiny
+    from qwen_image_fast.pipelines.qwen35 import enhance
+
+    assert (render.TINY_MODEL_ID, render.TINY_ENHANCER_ID) == (tiny.TINY_MODEL_ID, tiny.TINY_ENHANCER_ID)
+    assert render.DEFAULT_ENHANCER_ID == enhance.DEFAULT_ENHANCER_ID
 
 
 def test_fast_preset_on_cpu_without_interpreter_exits_2(tmp_path, monkeypatch, capsys):
@@ -122,33 +194,74 @@ def test_model_auto_uses_the_real_model_only_when_cached_and_on_a_gpu(monkeypatc
 
 
 @needs_interpreter
-def test_fast_preset_png_settings_round_trip_and_tiny_is_labeled_noise(tmp_path, capsys):
-    """The default preset (fused Triton kernels) with the tiny model's default size and steps (64x64, 2)."""
-    assert main(["render", "--model", "tiny-random", "--device", "cpu", "--out", str(tmp_path), "a cat"]) == 0
+def test_fast_preset_records_what_ran_per_image_and_tiny_is_labeled_noise(tmp_path, capsys):
+    """The default preset (fused Triton kernels) with the tiny model's default size and steps (64x64, 2). Each image
+    records what its own pipeline call ran: no CFG, no batched CFG; never CUDA graphs on a CPU."""
+    prompts = write_lines(tmp_path / "p.jsonl", ['{"prompt": "a cat"}', '{"prompt": "a dog", "cfg": 1}'])
+    out_dir = tmp_path / "out"
+    assert main(["render", "--model", "tiny-random", "--device", "cpu", "--prompts", str(prompts),
+                 "--out", str(out_dir)]) == 0
     out = capsys.readouterr().out
-    assert "1 written, 0 skipped" in out and "noise from random weights" in out
-    [line] = manifest(tmp_path)
-    assert line["file"] == "00000-0.png" and "fused_transformer" in line["applied"]
-    assert "noise from random weights" in line["note"]
-    text = render.read_settings(tmp_path / "00000-0.png")
+    assert "2 written, 0 skipped" in out and "noise from random weights" in out
+    cat, dog = manifest(out_dir)
+    assert cat["file"] == "00000-0.png" and "noise from random weights" in cat["note"]
     expected = dict(prompt="a cat", negative_prompt=render.NEGATIVE_PROMPT, seed=0, width=64, height=64, steps=2,
-                    cfg=4.0, scheduler="euler", model="tiny-random", config="fused-fp8-fastacc-auto-bcfg-graphs-euler",
+                    cfg=4.0, model="tiny-random", preset="fast", scheduler="euler", enhancer=None,
                     note=render.TINY_NOTE)
-    assert text == {key: str(value) for key, value in expected.items()}
-    assert {key: line[key] for key in expected} == expected
-    image = pixels(tmp_path / "00000-0.png")
+    embedded = render.read_settings(out_dir / "00000-0.png")
+    assert embedded == {**expected, "applied": cat["applied"]}  # the same values and types as the manifest line
+    assert {key: cat[key] for key in expected} == expected
+    assert "fused_transformer" in cat["applied"] and "batched_cfg" in cat["applied"]
+    assert "fused_transformer" in dog["applied"] and "batched_cfg" not in dog["applied"]
+    assert not any("graph" in entry for entry in cat["applied"] + dog["applied"])
+    image = pixels(out_dir / "00000-0.png")
     assert image.shape == (64, 64, 3) and image.std() > 0
 
 
-@pytest.mark.parametrize("fmt", ["jpg", "webp"])
-def test_jpeg_and_webp_settings_round_trip(fmt, tmp_path):
+def test_each_image_records_what_its_own_pipeline_call_ran(tmp_path):
+    """pipe.applied is read after each call (it says what that call ran), not once at load."""
+
+    class Pipe:
+        applied = ["loaded"]
+
+        def __call__(self, prompt, true_cfg_scale, width, height, **kwargs):
+            self.applied = ["fused_transformer"] + (["batched_cfg"] if true_cfg_scale > 1 else [])
+            return type("Output", (), {"images": [Image.new("RGB", (width, height))] * len(prompt)})
+
+    jobs = render.make_jobs([{"prompt": "a cat"}, {"prompt": "a dog", "cfg": 1.0}, {"prompt": "a cow"}],
+                            render.Defaults(negative_prompt="", seed=0, width=16, height=16, steps=2, cfg=4.0))
+    labels = render.labels_for("tiny-random", "fast", render.FastConfig())
+    summary = render.render_jobs(Pipe, jobs, render.prepare_out_dir(tmp_path), labels)
+    assert summary.written == 3 and summary.applied == ("fused_transformer", "batched_cfg")
+    assert [line["applied"] for line in manifest(tmp_path)] == [
+        ["fused_transformer", "batched_cfg"], ["fused_transformer"], ["fused_transformer", "batched_cfg"]]
+    assert render.read_settings(tmp_path / "00001-1.png")["applied"] == ["fused_transformer"]
+
+
+@pytest.mark.parametrize("fmt", ["png", "jpg", "webp"])
+def test_settings_round_trip_with_their_types_in_every_format(fmt, tmp_path):
     assert main(["render", *BASELINE, "--format", fmt, "--seed", "5", "--out", str(tmp_path), "un chat 猫"]) == 0
     [line] = manifest(tmp_path)
     assert line["file"] == f"00000-5.{fmt}"
     settings = render.read_settings(tmp_path / line["file"])
-    assert settings == {key: line[key] for key in settings}
-    assert settings["prompt"] == "un chat 猫" and settings["config"] == "stock-euler" and "note" in settings
-    assert Image.open(tmp_path / line["file"]).format == {"jpg": "JPEG", "webp": "WEBP"}[fmt]
+    assert settings == {key: line[key] for key in settings} and settings["seed"] == 5 and settings["cfg"] == 4.0
+    assert settings["prompt"] == "un chat 猫" and settings["preset"] == "baseline" and settings["applied"] == []
+    assert "note" in settings
+    assert Image.open(tmp_path / line["file"]).format == {"png": "PNG", "jpg": "JPEG", "webp": "WEBP"}[fmt]
+
+
+def test_a_local_checkpoint_loads_without_deprecation_warnings(tmp_path):
+    """diffusers 0.42 deprecates from_pretrained's torch_dtype (a FutureWarning at every load): we pass dtype."""
+    from qwen_image_fast.tiny import tiny_pipeline
+
+    tiny_pipeline().save_pretrained(tmp_path / "model")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert main(["render", *BASELINE, "--model", str(tmp_path / "model"), "--out", str(tmp_path / "out"),
+                     "a cat"]) == 0
+    assert [str(w.message) for w in caught if "dtype" in str(w.message)] == []
+    [line] = manifest(tmp_path / "out")
+    assert line["model"] == str(tmp_path / "model") and "note" not in line
 
 
 def test_jsonl_fields_ids_and_seeds(tmp_path):
@@ -203,7 +316,10 @@ def test_enhance_tiny_random_records_the_rewrites_and_resumes(tmp_path, capsys):
 
     assert main(args) == 0  # the same prompts and --enhance: done
     assert "0 written, 2 skipped" in capsys.readouterr().out
-    assert main(args[:-2]) == 0  # no --enhance: other settings, rendered again
+    with pytest.raises(SystemExit):  # no --enhance: other settings, which would overwrite the images
+        main(args[:-2])
+    assert "exists, made with other settings (enhancer 'tiny-random', now None" in capsys.readouterr().err
+    assert main([*args[:-2], "--no-resume"]) == 0
     assert "2 written, 0 skipped" in capsys.readouterr().out
     assert all(line["enhancer"] is None and "enhanced_prompt" not in line for line in manifest(out_dir))
 
@@ -228,11 +344,26 @@ def test_resume_renders_only_what_is_missing(tmp_path, capsys):
     assert not list(tmp_path.glob(".tmp-*"))
     assert [line["file"] for line in manifest(tmp_path)] == ["00000-0.png", "00001-1.png", "00002-2.png"]
 
-    assert main([*args, "--cfg", "3"]) == 0  # other settings: everything again
+    before = {path.name: path.stat().st_mtime_ns for path in tmp_path.iterdir()}
+    with pytest.raises(SystemExit) as exit_info:  # other settings would overwrite the images: refused
+        main([*args, "--cfg", "3"])
+    assert exit_info.value.code == 2
+    assert "00000-0.png exists, made with other settings (cfg 4.0, now 3.0); rendering would overwrite it: use " \
+           "another --out, or --no-resume" in capsys.readouterr().err
+    assert {path.name: path.stat().st_mtime_ns for path in tmp_path.iterdir()} == before
+    assert main([*args, "--cfg", "3", "--no-resume"]) == 0  # on purpose
     assert "3 written, 0 skipped" in capsys.readouterr().out
-    assert main([*args, "--cfg", "3", "--no-resume"]) == 0
-    assert "3 written, 0 skipped" in capsys.readouterr().out
-    assert len(manifest(tmp_path)) == 3
+    assert [line["cfg"] for line in manifest(tmp_path)] == [3.0, 3.0, 3.0]
+
+
+def test_a_file_not_made_by_this_tool_is_never_overwritten(tmp_path, capsys):
+    Image.new("RGB", (8, 8)).save(tmp_path / "00000-0.png")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["render", *BASELINE, "--out", str(tmp_path), "a cat"])
+    assert exit_info.value.code == 2
+    assert "00000-0.png exists and was not made by this tool" in capsys.readouterr().err
+    assert Image.open(tmp_path / "00000-0.png").size == (8, 8) and sorted(tmp_path.iterdir()) == [
+        tmp_path / "00000-0.png"]
 
 
 def test_kill_9_loses_no_finished_image_and_leaves_no_partial_file(tmp_path, capsys):
@@ -259,6 +390,35 @@ def test_kill_9_loses_no_finished_image_and_leaves_no_partial_file(tmp_path, cap
     written, skipped = (int(summary.split(" written")[0].split()[-1]), int(summary.split(" skipped")[0].split()[-1]))
     assert skipped >= len(listed) and written + skipped == 8
     assert len(manifest(out_dir)) == 8 and len(images(out_dir)) == 8
+    assert not list(out_dir.glob(".tmp-*"))
+
+
+def test_ctrl_c_exits_130_with_one_line_and_keeps_finished_images(tmp_path):
+    prompts = write_lines(tmp_path / "p.txt", [f"prompt number {i}" for i in range(6)])
+    out_dir = tmp_path / "out"
+    args = ["render", "--model", "tiny-random", "--device", "cpu", "--preset", "baseline", "--width", "64",
+            "--height", "64", "--steps", "20", "--prompts", str(prompts), "--out", str(out_dir)]
+    # SIGINT as a terminal sends it; a child of a non-interactive shell may inherit it ignored: restore the default.
+    process = subprocess.Popen([sys.executable, "-m", "qwen_image_fast", *args], stdout=subprocess.DEVNULL,
+                               stderr=subprocess.PIPE, text=True,
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    manifest_path = out_dir / "manifest.jsonl"
+    deadline = time.monotonic() + 60
+    while not (manifest_path.exists() and manifest_path.read_text().count("\n") >= 1) and time.monotonic() < deadline:
+        assert process.poll() is None, f"the render exited (status {process.returncode}) before it was interrupted"
+        time.sleep(0.01)
+    process.send_signal(signal.SIGINT)
+    err = process.communicate(timeout=60)[1]
+
+    assert process.returncode == 130 and "Traceback" not in err
+    last = err.splitlines()[-1]
+    assert last.startswith("interrupted; ") and last.endswith(f"kept in {out_dir} (the same command resumes)")
+    listed = [line["file"] for line in manifest(out_dir)]
+    assert f"; {len(listed)} image(s) finished by this run" in last and 1 <= len(listed) < 6
+    on_disk = {path.name for path in images(out_dir)}
+    assert set(listed) <= on_disk and len(on_disk - set(listed)) <= 1  # at most one between its save and its line
+    for name in on_disk:
+        Image.open(out_dir / name).load()
     assert not list(out_dir.glob(".tmp-*"))
 
 

@@ -60,28 +60,48 @@ def test_cli_report_grids_and_html(folders, tmp_path, capsys):
 @pytest.mark.parametrize("min_psnr, status", [(20.0, 0), (40.0, 1)])
 def test_min_psnr_sets_the_exit_status(folders, tmp_path, capsys, min_psnr, status):
     assert main(["compare", *map(str, folders), "--out", str(tmp_path / "r"), "--min-psnr", str(min_psnr)]) == status
-    assert ("FAIL" in capsys.readouterr().out) == bool(status)
+    verdict = capsys.readouterr().out.splitlines()[-2]  # the last line names the report
+    assert verdict == ("pass: 4 pair(s) measured, none below --min-psnr 20 dB" if status == 0 else
+                       "FAIL: 2 pair(s) below --min-psnr 40 dB: offset-20.png, offset-5.png")
 
 
-def test_different_sizes_and_unreadable_files_are_reported_and_fail_the_threshold(tmp_path):
+def test_unmeasurable_pairs_fail_without_a_threshold_and_say_why(tmp_path, capsys):
     a_dir, b_dir = tmp_path / "a", tmp_path / "b"
     a_dir.mkdir(), b_dir.mkdir()
     Image.new("RGB", (32, 32)).save(a_dir / "x.png")
     Image.new("RGB", (64, 32)).save(b_dir / "x.png")
     Image.new("RGB", (32, 32)).save(a_dir / "y.png")
     (b_dir / "y.png").write_bytes(b"not an image")
-    report = compare.compare_folders(a_dir, b_dir, compare.prepare_report_dir(tmp_path / "r"), min_psnr=10)
-    x, y = report.pairs
-    assert x.psnr is None and "sizes differ" in x.note
-    assert y.psnr is None and "unreadable" in y.note
-    assert not report.passed
+    Image.new("RGB", (32, 32)).save(a_dir / "z.png")
+    Image.new("RGB", (32, 32)).save(b_dir / "z.png")
+    assert main(["compare", str(a_dir), str(b_dir), "--out", str(tmp_path / "r")]) == 1
+    out = capsys.readouterr().out
+    assert "FAIL: 2 pair(s) not measured (unreadable, or the sizes differ): x.png, y.png" in out
+    assert "sizes differ: 32x32 vs 64x32" in out and "unreadable" in out
+    assert "FAIL: 2 pair(s) not measured" in (tmp_path / "r" / "index.html").read_text()
 
 
-def test_no_pair_fails_a_threshold_and_a_missing_folder_exits_2(tmp_path, capsys):
+def test_nothing_paired_fails_and_says_why(tmp_path, capsys):
     (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
-    assert main(["compare", str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(tmp_path / "r")]) == 0
-    assert main(["compare", str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(tmp_path / "r"),
-                 "--min-psnr", "30"]) == 1
+    Image.new("RGB", (8, 8)).save(tmp_path / "a" / "x.png")
+    for threshold in ([], ["--min-psnr", "30"]):
+        assert main(["compare", str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(tmp_path / "r"),
+                     *threshold]) == 1
+        out = capsys.readouterr().out
+        assert "FAIL: no pair: no file name is in both folders" in out and "0 pair(s) below" not in out
+
+
+@pytest.mark.parametrize("make_args, message", [
+    (lambda a, b, missing: [a, b, "--min-psnr", "nan"], "argument --min-psnr: must be a finite number, got 'nan'"),
+    (lambda a, b, missing: [a, b, "--min-psnr", "inf"], "argument --min-psnr: must be a finite number, got 'inf'"),
+    (lambda a, b, missing: [a, b, "--min-psnr=-1"], "argument --min-psnr: must be >= 0, got '-1'"),
+    (lambda a, b, missing: [a, b, "--min-psnr", "x"], "argument --min-psnr: must be a number, got 'x'"),
+    (lambda a, b, missing: [missing, b], "missing: not a folder"),
+], ids=["nan", "inf", "negative", "not-a-number", "missing-folder"])
+def test_bad_arguments_exit_2_with_one_line_and_write_no_report(make_args, message, folders, tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
-        main(["compare", str(tmp_path / "missing"), str(tmp_path / "b"), "--out", str(tmp_path / "r")])
-    assert exit_info.value.code == 2 and "not a folder" in capsys.readouterr().err
+        main(["compare", *make_args(*map(str, folders), str(tmp_path / "missing")), "--out", str(tmp_path / "r")])
+    assert exit_info.value.code == 2
+    usage, error = capsys.readouterr().err.splitlines()
+    assert usage.startswith("usage: qwen-image-fast compare") and error.startswith("qwen-image-fast compare: error: ")
+    assert message in error and not (tmp_path / "r").exists()
