@@ -82,6 +82,8 @@ def loop_variant(fast, config: FastConfig, device):
     return variant
 
 
+VARIANTS = ("fast", "no-graphs", "no-fastacc", "dpm++2m", "unipc")
+
 # What a timed row must pass against its reference (latent rel-RMS, image PSNR). FP8 with the same sampler sits at
 # ~4.4e-2 / 45 dB on random weights (H200); a 20-step solver against 50 Euler steps at ~0.15-0.28 / 31-36 dB (a
 # sampler difference, so only a sanity bound); graph replay against our own eager loop is bf16 noise.
@@ -134,8 +136,14 @@ def main():
                         help="square sizes where only fast and no-graphs run (graphs vs eager where launches matter)")
     parser.add_argument("--tokenizer", type=Path, default=None,
                         help="a Qwen2.5 BPE tokenizer folder (benchmarks/qwen_bpe_tokenizer.py); default byte-level")
+    parser.add_argument("--variants", default=",".join(VARIANTS),
+                        help=f"which of ours run at the first size (comma-separated from {', '.join(VARIANTS)})")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
+    chosen = [v for v in args.variants.split(",") if v]
+    unknown = sorted(set(chosen) - set(VARIANTS))
+    if unknown or "fast" not in chosen:
+        parser.error(f"--variants {args.variants}: needs fast, allowed: {', '.join(VARIANTS)}")
     device = torch.device("cpu" if args.tiny else "cuda")
     if args.tiny:
         stock = tiny_stock_pipeline()
@@ -157,11 +165,12 @@ def main():
     variants = {"fast": fast}
     for name, config in (("no-graphs", FastConfig(cuda_graphs=False)), ("dpm++2m", FastConfig(scheduler="dpm++2m")),
                          ("unipc", FastConfig(scheduler="unipc"))):
-        variants[name] = loop_variant(fast, config, device)
-    # exact FP8 accumulation needs its own converted transformer
-    variants["no-fastacc"] = QwenImageFastPipeline.from_pipe(stock, fast_config=FastConfig(fp8_fast_accum=False),
-                                                             device=device)
-    variants["no-fastacc"].set_progress_bar_config(disable=True)
+        if name in chosen or (name == "no-graphs" and graph_sizes):
+            variants[name] = loop_variant(fast, config, device)
+    if "no-fastacc" in chosen:  # exact FP8 accumulation needs its own converted transformer
+        variants["no-fastacc"] = QwenImageFastPipeline.from_pipe(stock, fast_config=FastConfig(fp8_fast_accum=False),
+                                                                 device=device)
+        variants["no-fastacc"].set_progress_bar_config(disable=True)
 
     rows = []
 
@@ -203,10 +212,13 @@ def main():
     for resolution in sizes:
         ref = record("diffusers", "stock", stock, resolution, steps, None)
         for name in ("fast", "no-graphs", "no-fastacc") if resolution == sizes[0] else ("fast",):
-            record("ours", name, variants[name], resolution, steps, ref, gate=SAME_SAMPLER_GATE)
+            if name in chosen:
+                record("ours", name, variants[name], resolution, steps, ref, gate=SAME_SAMPLER_GATE)
         if resolution == sizes[0]:
-            del variants["no-fastacc"]
+            variants.pop("no-fastacc", None)
             for name in ("dpm++2m", "unipc"):
+                if name not in chosen:
+                    continue
                 record("ours", name, variants[name], resolution, fast_steps, ref, gate=OTHER_SAMPLER_GATE)
         del ref
         gc.collect()
