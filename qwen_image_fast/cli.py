@@ -201,7 +201,7 @@ def check_checkpoint(option: str, name: str, marker: str):
 
 
 def check_model(model: str):
-    if model != TINY_MODEL_ID:
+    if model not in (TINY_MODEL_ID, "auto"):
         check_checkpoint("--model", model, "model_index.json")
 
 
@@ -232,7 +232,7 @@ def render_defaults(args, tiny: bool) -> render.Defaults:
 
 
 def run_render(args) -> int:
-    # 1. Check inputs: everything that can be checked without loading a model, before the output folder exists.
+    # Everything that can be checked without loading a model, before the output folder exists.
     try:
         check_enhancer(args.enhance)  # first: `--enhance "a cat"` took the prompt for a model
         if args.prompt and args.prompts:
@@ -240,13 +240,12 @@ def run_render(args) -> int:
         if not args.prompt and not args.prompts:
             raise ValueError("no prompts: give them as arguments or with --prompts FILE")
         entries = render.read_prompt_file(args.prompts) if args.prompts else render.command_line_entries(args.prompt)
+        check_model(args.model)
         rank, world_size, local_rank = distributed_env()
         device = resolve_device(args.device, rank, local_rank)
-        model, why = render.resolve_model(args.model, device)
-        check_model(model)
-        labels = render.labels_for(model, args.preset,
-                                   FastConfig.preset(args.preset).replace(scheduler=args.scheduler),
-                                   enhancer=args.enhance)
+        model, why = render.resolve_model(args.model, device)  # auto: tiny-random, or the real model when cached
+        config = FastConfig.preset(args.preset).replace(scheduler=args.scheduler)  # the command's one config
+        labels = render.labels_for(model, args.preset, config, enhancer=args.enhance)
         check_triton_on_cpu(device, labels, args.enhance)
         jobs = render.make_jobs(entries, render_defaults(args, tiny=model == TINY_MODEL_ID))
         mine = render.shard(jobs, rank, world_size)

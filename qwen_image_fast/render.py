@@ -531,7 +531,7 @@ def find_conflict(jobs: list[Job], out_dir: Path, fmt: str, labels: Labels) -> s
 
 def short(value, limit: int = 30) -> str:
     text = repr(value)
-    return text if len(text) <= limit else text[:limit - 4] + "...'"
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 def batch_key(job: Job) -> tuple:
@@ -574,8 +574,8 @@ def render_jobs(load_pipe: Callable, jobs: list[Job], out_dir: Path, labels: Lab
     """Render this rank's jobs into out_dir (prepare_out_dir first), skipping finished ones when resuming, then
     merge the manifest. load_pipe() and load_enhancer() (needed when labels.enhancer is set) are called only if
     something is left to render. A failed batch (enhancement or rendering) is reported and counted; the others go
-    on. Each image records pipe.applied as it is after the call that made it. Ctrl-C: the manifest is merged and
-    Interrupted(written) raised; finished images are kept, no partial file is left."""
+    on. Each image records pipe.applied as it is after the call that made it. Ctrl-C raises Interrupted(written)
+    after merging the manifest (when this run wrote something); finished images are kept, no partial file is left."""
     if labels.enhancer is not None and load_enhancer is None:
         raise ValueError(f"labels.enhancer={labels.enhancer!r} needs load_enhancer")
     remove_stale_temp_files(out_dir, jobs)
@@ -626,7 +626,8 @@ def render_jobs(load_pipe: Callable, jobs: list[Job], out_dir: Path, labels: Lab
                 summary.enhance_seconds += enhance_seconds
                 summary.seconds += time.perf_counter() - start
     except KeyboardInterrupt:
-        merge_manifests(out_dir)
+        if summary.written:
+            merge_manifests(out_dir)
         raise Interrupted(summary.written) from None
     merge_manifests(out_dir)
     return summary
