@@ -35,7 +35,7 @@ def multiple_of_16(text: str) -> int:
     return value
 
 
-def int_in(minimum: int, maximum: int | None = None):
+def int_at_least(minimum: int, maximum: int | None = None):
     def parse(text: str) -> int:
         try:
             value = int(text)
@@ -87,14 +87,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="official size: " + ", ".join(f"{k} {w}x{h}" for k, (w, h) in ASPECTS.items()))
     add("--width", type=multiple_of_16, help="multiple of 16 (with --height)")
     add("--height", type=multiple_of_16, help="multiple of 16 (with --width)")
-    add("--steps", type=int_in(render.MIN_STEPS),
+    add("--steps", type=int_at_least(render.MIN_STEPS),
         help=f"denoising steps (default {REAL_STEPS}; {render.TINY_STEPS} with {TINY_MODEL_ID})")
     add("--cfg", type=finite_float(), default=REAL_CFG, help="true_cfg_scale (default 4.0; <= 1: no CFG)")
     add("--negative-prompt", default=render.NEGATIVE_PROMPT, help="default: Qwen-Image-2512's recommended one")
     add("--scheduler", choices=SCHEDULERS, default="euler")
-    add("--seed", type=int_in(0, MAX_SEED), default=0,
+    add("--seed", type=int_at_least(0, maximum=MAX_SEED), default=0,
         help="base seed, 0..2**64-1: prompt i gets seed+i (seed+crc32(id) with a JSONL id) unless its line gives one")
-    add("--batch-size", type=int_in(1), default=1, help="prompts per pipeline call")
+    add("--batch-size", type=int_at_least(1), default=1, help="prompts per pipeline call")
     add("--enhance", nargs="?", const=DEFAULT_ENHANCER_ID, metavar="PATH_OR_ID",
         help=f"rewrite each prompt into a detailed one with a local Qwen3.5 before rendering it, stored as "
              f"enhanced_prompt (no value: {DEFAULT_ENHANCER_ID}; or a hub id or local folder; {TINY_ENHANCER_ID}: a "
