@@ -32,7 +32,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before qwen_image_fast imports triton: its kernels on the CPU
 
-from qwen_image_fast import compare, render  # noqa: E402
+from qwen_image_fast import FastConfig, compare, render  # noqa: E402
 from qwen_image_fast.cli import int_at_least, multiple_of_16  # noqa: E402
 from qwen_image_fast.tiny import TINY_MODEL_ID  # noqa: E402
 
@@ -90,13 +90,13 @@ def main():
     if random_weights and device.type != "cuda":
         sys.exit(f"--model {RANDOM_MODEL} builds a 20B-parameter model and needs a GPU; use --model {TINY_MODEL_ID}")
     model = str(save_random_checkpoint(args.checkpoint_dir)) if random_weights else args.model
-    labels = {preset: render.labels_for(model, preset, "euler") for preset in PRESETS}
+    labels = {preset: render.labels_for(model, preset, FastConfig.preset(preset)) for preset in PRESETS}
     if random_weights:
         labels = {preset: dataclasses.replace(label, note=RANDOM_NOTE) for preset, label in labels.items()}
     applied = {}
     for preset in PRESETS:
         out_dir = render.prepare_out_dir(args.out / preset)
-        load_pipe = functools.partial(render.load_pipeline, model, preset, "euler", device)
+        load_pipe = functools.partial(render.load_pipeline, model, preset, labels[preset].config, device)
         summary = render.render_jobs(load_pipe, jobs, out_dir, labels[preset], resume=False)
         print(f"{preset}: {render.format_summary(summary, labels[preset], out_dir)}", flush=True)
         applied[preset] = list(summary.applied)
@@ -120,7 +120,7 @@ def main():
             environment(), bench="compare_stock_vs_fast", model=args.model, note=labels["fast"].note,
             prompts=args.prompts,
             images=len(jobs), width=defaults.width, height=defaults.height, steps=defaults.steps,
-            config=labels["fast"].config, applied=applied["fast"],
+            config=labels["fast"].config.tag(), applied=applied["fast"],
             stock_s_per_image=seconds["baseline"], fast_s_per_image=seconds["fast"],
             worst_psnr=min(p.psnr for p in measured), mean_ssim=statistics.mean(p.ssim for p in measured),
             worst_max_abs_diff=max(p.max_abs_diff for p in measured), report=str(args.out / "report"))])
