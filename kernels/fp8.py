@@ -29,8 +29,10 @@ _FP8_AMAX_EPS = tl.constexpr(FP8_AMAX_EPS)
 def fp8_quantize_rows(y):
     """y: [BLOCK_M, BLOCK_N] fp32 with masked lanes = 0. Returns (clamped y / scale, scale [BLOCK_M])."""
     amax = tl.maximum(tl.max(tl.abs(y), axis=1), _FP8_AMAX_EPS)
-    inv = tl.div_rn(_FP8_MAX + 0.0 * amax, amax)  # IEEE, as the reference's tensor division
-    return tl.clamp(y * inv[:, None], -_FP8_MAX, _FP8_MAX), amax / _FP8_MAX
+    fp8_max = _FP8_MAX + 0.0 * amax  # [BLOCK_M]
+    # IEEE divisions, as the reference's tensor / tensor (Triton's `/` is div.full.f32 on NVIDIA GPUs, 2 ulp)
+    inv = tl.div_rn(fp8_max, amax)
+    return tl.clamp(y * inv[:, None], -_FP8_MAX, _FP8_MAX), tl.div_rn(amax, fp8_max)
 
 
 @triton.jit
@@ -67,8 +69,9 @@ def quantize_fp8_rowwise_ref(x: torch.Tensor, q_dtype: torch.dtype = FP8_DTYPE) 
     """The semantics quantize_fp8_rowwise must reproduce (pure PyTorch)."""
     xf = x.float()
     amax = xf.abs().amax(dim=-1, keepdim=True).clamp_min(FP8_AMAX_EPS)
-    inv = torch.full_like(amax, FP8_MAX) / amax  # tensor / tensor: IEEE division on every device
-    return (xf * inv).clamp(-FP8_MAX, FP8_MAX).to(q_dtype), amax / FP8_MAX
+    # tensor / tensor: IEEE division on every device (CUDA multiplies by the reciprocal of a Python-number divisor)
+    fp8_max = torch.full_like(amax, FP8_MAX)
+    return (xf * (fp8_max / amax)).clamp(-FP8_MAX, FP8_MAX).to(q_dtype), amax / fp8_max
 
 
 def dequantize_fp8_rowwise(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

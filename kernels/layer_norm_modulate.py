@@ -4,7 +4,8 @@ y = layer_norm(x, eps) * (1 + scale[g]) + shift[g], where g is the modulation ro
 (row // L) by default, or `mod_row[row]` when each token picks its own row (diffusers' `zero_cond_t`, where
 condition-image tokens use the t=0 modulation). Matches diffusers `QwenImageTransformerBlock`:
 `self._modulate(self.img_norm1(x), mod1)` with `nn.LayerNorm(dim, elementwise_affine=False, eps=1e-6)`, whose
-output is in x's dtype before the modulation; the kernel rounds there too, then modulates in fp32 and rounds once.
+output is in x's dtype, and `_modulate`'s `x * (1 + scale) + shift` in x's dtype (the modulation tables are the
+model's): the kernel computes in fp32 and rounds to x's dtype at the same four places.
 
 The `_fp8` form writes e4m3 rows and their fp32 scales (kernels/fp8.py) instead of y, so the modulated
 activations never reach HBM in bf16.
@@ -19,14 +20,14 @@ from .fp8 import check_q_dtype, fp8_quantize_rows, quantize_fp8_rowwise_ref
 
 
 @triton.jit
-def layer_norm_modulate_rows(x, mask, shift, scale, N, eps, LN_DTYPE: tl.constexpr):
-    """x, shift, scale: [BLOCK_M, BLOCK_N] fp32, masked lanes 0 (so y is 0 there). LayerNorm output rounds to
-    LN_DTYPE."""
+def layer_norm_modulate_rows(x, mask, shift, scale, N, eps, DTYPE: tl.constexpr):
+    """x, shift, scale: [BLOCK_M, BLOCK_N] fp32, masked lanes 0 (so y is 0 there). Returns y fp32 holding DTYPE
+    values: the LayerNorm output, 1 + scale, the product and the sum each round to DTYPE, as upstream's ops do."""
     mean = tl.sum(x, axis=1) / N
     xc = tl.where(mask, x - mean[:, None], 0.0)
     var = tl.sum(xc * xc, axis=1) / N
-    xn = round_to(xc * tl.rsqrt(var + eps)[:, None], LN_DTYPE)
-    return xn * (1.0 + scale) + shift
+    xn = round_to(xc * tl.rsqrt(var + eps)[:, None], DTYPE)
+    return round_to(round_to(xn * round_to(1.0 + scale, DTYPE), DTYPE) + shift, DTYPE)
 
 
 @triton.jit
@@ -47,7 +48,7 @@ def load_mod(T, g, stride, cols, mask):
 
 @triton.jit
 def store_rows(Y, Y_SCALE, rows, M, stride_y, cols, mask, y, QUANT_FP8: tl.constexpr):
-    """Store y [BLOCK_M, BLOCK_N] fp32 (already rounded to the activation dtype) as is, or as rowwise FP8 + scale."""
+    """Store y [BLOCK_M, BLOCK_N] fp32 (holding activation-dtype values) as is, or as rowwise FP8 + scale."""
     if QUANT_FP8:
         q, s = fp8_quantize_rows(y)
         tl.store(Y + rows[:, None] * stride_y + cols[None, :], q.to(Y.dtype.element_ty), mask=mask)
@@ -68,7 +69,6 @@ def _layer_norm_modulate_kernel(
     shift = load_mod(SHIFT, g, stride_shift, cols, mask)
     scale = load_mod(SCALE, g, stride_scale, cols, mask)
     y = layer_norm_modulate_rows(x, mask, shift, scale, N, eps, X.dtype.element_ty)
-    y = round_to(y, X.dtype.element_ty)  # upstream's modulated activations are in x's dtype
     store_rows(Y, Y_SCALE, rows, M, stride_y, cols, mask, y, QUANT_FP8)
 
 
