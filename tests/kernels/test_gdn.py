@@ -7,7 +7,15 @@ from transformers import DynamicCache
 from transformers.models.qwen3_5 import modeling_qwen3_5 as upstream
 from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
 
-from helpers import DEVICES, DTYPES, TOL, assert_close, assert_nearly_exact
+from helpers import (
+    DEVICES,
+    DTYPES,
+    TOL,
+    assert_close,
+    assert_matches_ref,
+    assert_nearly_exact,
+    assert_truncated,
+)
 from qwen_image_fast.kernels.gdn import (
     causal_conv1d,
     causal_conv1d_ref,
@@ -224,6 +232,10 @@ def decode_inputs(bsz, h, hv, dk, dv, kernel_size, dtype, device, strided=False)
     return mixed_qkv, a, b, conv_state, positions, conv_weight, a_log, dt_bias, state
 
 
+# fp32 results of the step's short sums (Dk = 128 products) in another order, exp and rsqrt
+FP32_SUMS_TOL = 2e-6
+
+
 def check_decode(args, h, dk, dv, steps, what, nearly_exact=False):
     """Runs `steps` decode steps of kernel and reference (positions advancing), each on its own copy of the
     states."""
@@ -239,16 +251,30 @@ def check_decode(args, h, dk, dv, steps, what, nearly_exact=False):
         o_ref = gated_delta_rule_decode_ref(mixed_qkv, a, b, conv_ref, positions, conv_weight, a_log, dt_bias,
                                             state_ref, h, dk, dv)
         assert o.dtype == dtype
-        assert_close(o, o_ref, TOL[dtype], f"{what} step {step}: o")
-        if nearly_exact:
-            # a q/k SiLU output that rounds the other way (the kernel's fast exp within an fp32 ulp of torch's)
-            # moves all 2 x 128 outputs of the value heads reading that key head by under an ulp; ~1% of them
-            # round the other way (1.05% seen in fp16 at B=1: 43 of 4096)
-            assert_nearly_exact(o, o_ref, f"{what} step {step}: o", max_ulp=None, max_frac=3e-2)
+        check_decode_output(o, o_ref, f"{what} step {step}: o", nearly_exact)
         assert torch.equal(conv_state, conv_ref), f"{what} step {step}: conv_state"
         # state is fp32; a bf16/fp16 SiLU output that rounds the other way (an fp32 ulp of exp apart from torch's,
         # on a rounding boundary: seen on the CPU too) moves its row or column by that output's ulp
-        assert_close(state, state_ref, 1e-5 if dtype == torch.float32 else 1e-3, f"{what} step {step}: recurrent_state")
+        assert_close(state, state_ref, FP32_SUMS_TOL if dtype == torch.float32 else 3e-4,
+                     f"{what} step {step}: recurrent_state")
+
+
+def check_decode_output(o, o_ref, what, nearly_exact):
+    """The conv, SiLU and beta round where upstream rounds, the state math is fp32 and o rounds once. A q/k SiLU
+    output that rounds the other way (the kernel's exp within an fp32 ulp of torch's) moves every output of the value
+    heads reading that key head by under an ulp, so any share of a small head's outputs can round the other way:
+    under the interpreter every output is within an ulp (bf16: o's last step is a plain cast, which truncates
+    there); on the GPU, at real sizes, ~1% of them differ."""
+    if o.dtype == torch.float32:
+        assert_close(o, o_ref, FP32_SUMS_TOL, what)
+        return
+    assert_close(o, o_ref, TOL[o.dtype], what)
+    if o.device.type == "cpu" and o.dtype == torch.bfloat16:
+        assert_truncated(o, o_ref, what, max_frac=5e-2)
+    elif o.device.type == "cpu":
+        assert_nearly_exact(o, o_ref, what, max_ulp=1.0, max_frac=1.0)
+    elif nearly_exact:
+        assert_nearly_exact(o, o_ref, what, max_ulp=None, max_frac=3e-2)
 
 
 DECODE_SHAPES = [
@@ -361,9 +387,14 @@ def test_causal_conv1d_matches_ref(device, dtype, shape):
     y, final_state = causal_conv1d(x, weight, state)
     y_ref, final_ref = causal_conv1d_ref(x, weight, state)
     assert y.is_contiguous() and torch.equal(final_state, final_ref)
-    assert_close(y.float(), y_ref.float(), TOL[dtype], f"{shape} {dtype}")
+    # The conv's fp32 sum (K taps) runs in another order than F.conv1d's and rounds once, SiLU rounds again: a sum
+    # that rounds the other way moves SiLU's output by up to 2 ulp. SiLU's output is a plain cast, which truncates
+    # bf16 under the interpreter; the conv's output without SiLU is rounded (round_to) first.
+    assert_matches_ref(y, y_ref, f"{shape} {dtype}", max_ulp=2.0, max_frac=1e-3, gpu=(2.0, 1e-2),
+                       truncating_store=True)
     y_linear, _ = causal_conv1d(x, weight, state, activation=None)
-    assert_close(y_linear.float(), causal_conv1d_ref(x, weight, state, activation=None)[0].float(), TOL[dtype])
+    y_linear_ref = causal_conv1d_ref(x, weight, state, activation=None)[0]
+    assert_matches_ref(y_linear, y_linear_ref, f"{shape} {dtype} no SiLU", max_ulp=1.0, max_frac=1e-3, gpu=(1.0, 1e-2))
     # split: the channel groups as separate contiguous tensors, the same values (an empty group included)
     c = x.shape[-1]
     for split in ((c // 4, c // 4, c - 2 * (c // 4)), (0, c - 1, 1)):

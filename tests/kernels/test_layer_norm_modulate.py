@@ -1,7 +1,7 @@
 import pytest
 import torch
 from diffusers.models.transformers.transformer_qwenimage import QwenImageTransformerBlock
-from helpers import DEVICES, DTYPES, TOL, assert_close
+from helpers import DEVICES, DTYPES, assert_e4m3_codes_match, assert_fp8_precast_matches_ref, assert_matches_ref
 
 from qwen_image_fast.kernels.layer_norm_modulate import (
     layer_norm_modulate,
@@ -11,6 +11,15 @@ from qwen_image_fast.kernels.layer_norm_modulate import (
 )
 
 SHAPES = [(1, 1, 48), (2, 37, 123), (1, 3, 3072)]  # (B, L, D); 3072 is the DiT width
+# The kernel rounds where upstream does (LayerNorm output, 1 + scale, product, sum), but its mean and variance sum in
+# another order than torch's layer_norm: a normalized value can round the other way (up to ~2e-4 of them in fp16 /
+# bf16 on the CPU; more on the GPU, whose rsqrt is approximate), and `+ shift` can cancel that ulp into several.
+BOUNDS = dict(max_ulp=None, max_frac=1e-3, gpu=(None, 1e-2))
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
 
 
 def tiny_block(dtype):
@@ -51,7 +60,8 @@ def test_ref_matches_diffusers_block_zero_cond_t(dtype):
 @pytest.mark.parametrize("shape", SHAPES)
 def test_kernel_matches_ref(device, dtype, shape):
     x, shift, scale = make_inputs(*shape, shape[0], dtype, device)
-    assert_close(layer_norm_modulate(x, shift, scale), layer_norm_modulate_ref(x, shift, scale), TOL[dtype])
+    out, ref = layer_norm_modulate(x, shift, scale), layer_norm_modulate_ref(x, shift, scale)
+    assert_matches_ref(out, ref, f"{shape} {dtype}", **BOUNDS)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -61,23 +71,22 @@ def test_fp8_kernel_matches_ref(device, dtype, shape):
     x, shift, scale = make_inputs(*shape, shape[0], dtype, device)
     q, s = layer_norm_modulate_fp8(x, shift, scale, q_dtype=torch.float32)
     q_ref, s_ref = layer_norm_modulate_fp8_ref(x, shift, scale, q_dtype=torch.float32)
-    assert_close(s, s_ref, TOL[dtype], "scale")
-    assert_close(q, q_ref, TOL[dtype], "pre-cast values")
-    if device == "cuda":
-        q8, s8 = layer_norm_modulate_fp8(x, shift, scale)
-        assert_close(q8.float() * s8, q_ref * s_ref, 4e-2, "dequantized e4m3")
+    assert_fp8_precast_matches_ref(q, s, q_ref, s_ref, dtype, f"{shape} {dtype}", **BOUNDS)
+    if device == "cuda":  # e4m3 codes only off the interpreter; a flipped activation rarely moves its code
+        q8, q8_ref = layer_norm_modulate_fp8(x, shift, scale)[0], layer_norm_modulate_fp8_ref(x, shift, scale)[0]
+        assert_e4m3_codes_match(q8, q8_ref, "e4m3")
 
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_mod_row_kernel(device):
     b, l, d = 2, 5, 48
-    x, shift, scale = make_inputs(b, l, d, 2 * b, torch.float32, device)
+    x, shift, scale = make_inputs(b, l, d, 2 * b, torch.float16, device)
     mod_row = torch.randint(0, 2 * b, (b * l,), device=device, dtype=torch.int32)
     out = layer_norm_modulate(x, shift, scale, mod_row=mod_row)
-    assert_close(out, layer_norm_modulate_ref(x, shift, scale, mod_row=mod_row), TOL[torch.float32])
+    assert_matches_ref(out, layer_norm_modulate_ref(x, shift, scale, mod_row=mod_row), "mod_row", **BOUNDS)
     q, s = layer_norm_modulate_fp8(x, shift, scale, mod_row=mod_row, q_dtype=torch.float32)
     q_ref, s_ref = layer_norm_modulate_fp8_ref(x, shift, scale, mod_row=mod_row, q_dtype=torch.float32)
-    assert_close(q * s, q_ref * s_ref, TOL[torch.float32])
+    assert_fp8_precast_matches_ref(q, s, q_ref, s_ref, torch.float16, "mod_row fp8", **BOUNDS)
 
 
 def test_validation_names_the_value():

@@ -9,7 +9,7 @@ from transformers.models.qwen3_5.modeling_qwen3_5 import (
     apply_rotary_pos_emb,
 )
 
-from helpers import DEVICES, DTYPES, TOL, assert_close, assert_nearly_exact
+from helpers import DEVICES, DTYPES, assert_matches_ref
 from qwen_image_fast.kernels.qk_norm_rope import rms_norm_rope, rms_norm_rope_ref
 
 DTYPE_IDS = [str(d).removeprefix("torch.") for d in DTYPES]
@@ -78,9 +78,11 @@ def test_rms_norm_rope_matches_ref(device, dtype, b, s, h, d, r, w_fp32):
     out = rms_norm_rope(x, w, cos, sin, EPS)
     assert out.is_contiguous()
     ref = rms_norm_rope_ref(x, w, cos, sin, EPS)
-    assert_close(out, ref, TOL[dtype], f"rms_norm_rope {(b, s, h, d, r)}")
-    if dtype == torch.float16:  # the interpreter rounds fp16 like torch (its bf16 cast truncates): check rounding
-        assert_nearly_exact(out, ref, f"rms_norm_rope {(b, s, h, d, r)}", max_ulp=None, max_frac=2e-3)
+    # Rounded where upstream rounds (the norm's output, each RoPE product, the sum). rstd's sum runs in another order
+    # (on the GPU also through an approximate rsqrt), so a normed value can round the other way, and the RoPE sum can
+    # cancel that ulp into several. The last step is a plain cast: under the interpreter bf16 truncates there.
+    assert_matches_ref(out, ref, f"rms_norm_rope {(b, s, h, d, r)}", max_ulp=None, max_frac=2e-3, gpu=(None, 1e-2),
+                       truncating_store=True)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -89,7 +91,7 @@ def test_rms_norm_rope_broadcast_tables(device):
     cos, sin = rope_tables(1, 4, 16, torch.float32, device)
     cos, sin = cos.expand(3, -1, -1), sin.expand(3, -1, -1)  # stride 0 over the batch
     w = zero_centred_weight(32, torch.float32, device)
-    assert_close(rms_norm_rope(x, w, cos, sin), rms_norm_rope_ref(x, w, cos, sin), TOL[torch.float32])
+    assert_matches_ref(rms_norm_rope(x, w, cos, sin), rms_norm_rope_ref(x, w, cos, sin), "broadcast tables")
 
 
 # Qwen3.5-9B attention: 16 q heads, 4 kv heads, D=256, R=64; decode (S=1, batch 8) and a 2k-token prefill.
@@ -103,8 +105,7 @@ def test_rms_norm_rope_real_shapes_gpu(dtype, h, b, s):
     cos, sin = rope_tables(b, s, 64, dtype, "cuda")
     out, ref = rms_norm_rope(x, w, cos, sin), rms_norm_rope_ref(x, w, cos, sin)
     # rstd's reduction order can flip a rounding of the normed value; the RoPE sum can cancel it to many ulp
-    assert_nearly_exact(out, ref, f"H={h} B={b} S={s}", max_ulp=None)
-    assert_close(out, ref, TOL[dtype], f"H={h} B={b} S={s}")
+    assert_matches_ref(out, ref, f"H={h} B={b} S={s}", max_ulp=None, max_frac=1e-3)
 
 
 def test_rms_norm_rope_validation():

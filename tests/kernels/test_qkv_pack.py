@@ -3,10 +3,20 @@ import torch
 from diffusers.models.transformers import transformer_qwenimage
 from diffusers.models.transformers.transformer_qwenimage import QwenEmbedRope, QwenImageTransformerBlock
 
-from helpers import DEVICES, DTYPES, TOL, assert_close
+from helpers import DEVICES, DTYPES, assert_matches_ref
 from qwen_image_fast.kernels.qkv_pack import qkv_pack, qkv_pack_ref
 
 SENTINEL = 7.0  # pre-filled into the joint buffers; rows outside [seq_offset, seq_offset + L) must keep it
+# q, k: the norm rounds where diffusers' does, the rotation is fp32 and rounds once. rstd's sum runs in another order
+# (on the GPU also through an approximate rsqrt), so a normed value can round the other way, and the rotation's
+# difference of products can cancel that ulp into several. The last step is a plain cast: under the interpreter
+# bf16 truncates there (assert_truncated).
+QK_BOUNDS = dict(max_ulp=None, max_frac=1e-3, gpu=(None, 1e-2), truncating_store=True)
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
 
 
 def joint_buffers(b, s, h, d, dtype, device):
@@ -87,8 +97,9 @@ def test_qkv_pack_matches_ref(b, l, h, d, s, seq_offset, pad, dtype, device):
     qkv_pack(qkv, w_q, w_k, freqs, *out, seq_offset=seq_offset)
     qkv_pack_ref(qkv, w_q, w_k, freqs, *ref, seq_offset=seq_offset)
     rows = slice(seq_offset, seq_offset + l)
-    for name, got, expected in zip("qkv", out, ref):
-        assert_close(got[:, rows], expected[:, rows], TOL[dtype], f"qkv_pack {name} {(b, l, h, d)} {dtype}")
+    for name, got, expected in zip("qk", out, ref):
+        assert_matches_ref(got[:, rows], expected[:, rows], f"qkv_pack {name} {(b, l, h, d)} {dtype}", **QK_BOUNDS)
+    for name, got in zip("qkv", out):
         outside = torch.cat([got[:, :seq_offset], got[:, seq_offset + l :]], dim=1)
         assert (outside == SENTINEL).all(), f"{name}: a row outside [{seq_offset}, {seq_offset + l}) was written"
     assert torch.equal(out[2][:, rows], qkv[..., 2 * h * d :].unflatten(-1, (h, d))), "v must be copied exactly"

@@ -4,7 +4,7 @@ import re
 import pytest
 import torch
 from diffusers.models.normalization import RMSNorm
-from helpers import DTYPES, TOL, assert_close
+from helpers import DTYPES, assert_matches_ref
 from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5RMSNorm, Qwen3_5RMSNormGated
 
 from qwen_image_fast.kernels.rms_norm import (
@@ -24,6 +24,18 @@ EPS = 1e-6
 # (leading shape, N, strided rows): M=1, an odd width, rows sliced from a wider tensor, 3-D input
 SHAPES = [((1,), 123, False), ((5,), 123, True), ((2, 3), 64, True)]
 SHAPE_IDS = ["M1-N123", "M5-N123-strided", "2x3-N64-strided"]
+
+
+def check(out, ref, what):
+    """Rounded where upstream rounds; rstd's sum runs in another order (on the GPU also through an approximate
+    rsqrt), so a normalized value can round the other way, and `* w` carry that ulp into up to 2 of the output.
+    The last step is a plain cast: under the interpreter bf16 truncates there (assert_truncated)."""
+    assert_matches_ref(out, ref, what, max_ulp=2.0, max_frac=1e-3, gpu=(2.0, 1e-2), truncating_store=True)
+
+
+def check_residual(out, ref, what):
+    """x + residual: one rounding (round_to, exact under the interpreter too), bit-equal (fp32 included)."""
+    assert torch.equal(out, ref), what
 
 
 @pytest.fixture(autouse=True)
@@ -110,7 +122,7 @@ def test_gated_rms_norm_ref_matches_qwen35_gated(dtype):
 def test_rms_norm_kernel(device, dtype, zero_centered, lead, n, strided):
     x = randn(rows(lead, device), n, dtype, device, strided)
     w = weight(n, dtype, device, zero_centered)
-    assert_close(rms_norm(x, w, EPS, zero_centered), rms_norm_ref(x, w, EPS, zero_centered), TOL[dtype], "y")
+    check(rms_norm(x, w, EPS, zero_centered), rms_norm_ref(x, w, EPS, zero_centered), "y")
 
 
 @pytest.mark.parametrize("lead, n, strided", SHAPES, ids=SHAPE_IDS)
@@ -123,8 +135,8 @@ def test_add_rms_norm_kernel(device, dtype, zero_centered, lead, n, strided):
     w = weight(n, dtype, device, zero_centered)
     y, residual_out = add_rms_norm(x, residual, w, EPS, zero_centered)
     y_ref, residual_ref = add_rms_norm_ref(x, residual, w, EPS, zero_centered)
-    assert_close(residual_out, residual_ref, TOL[dtype], "residual_out")
-    assert_close(y, y_ref, TOL[dtype], "y")
+    check_residual(residual_out, residual_ref, "residual_out")
+    check(y, y_ref, "y")
 
 
 @pytest.mark.parametrize("lead, n, strided", SHAPES, ids=SHAPE_IDS)
@@ -134,7 +146,7 @@ def test_gated_rms_norm_kernel(device, dtype, lead, n, strided):
     x = randn(rows(lead, device), n, dtype, device, strided)
     gate = randn(rows(lead, device), n, dtype, device, strided)
     w = weight(n, dtype, device)
-    assert_close(gated_rms_norm(x, gate, w, EPS), gated_rms_norm_ref(x, gate, w, EPS), TOL[dtype], "y")
+    check(gated_rms_norm(x, gate, w, EPS), gated_rms_norm_ref(x, gate, w, EPS), "y")
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -142,9 +154,8 @@ def test_fp32_weight_and_gate_with_bf16_x(device):
     x = randn(rows((4,), device), 128, torch.bfloat16, device)
     gate = randn(rows((4,), device), 128, torch.float32, device)
     w, w0 = weight(128, torch.float32, device), weight(128, torch.float32, device, zero_centered=True)
-    tol = TOL[torch.bfloat16]
-    assert_close(gated_rms_norm(x, gate, w, EPS), gated_rms_norm_ref(x, gate, w, EPS), tol, "gated")
-    assert_close(rms_norm(x, w0, EPS, True), rms_norm_ref(x, w0, EPS, True), tol, "zero-centred")
+    check(gated_rms_norm(x, gate, w, EPS), gated_rms_norm_ref(x, gate, w, EPS), "gated")
+    check(rms_norm(x, w0, EPS, True), rms_norm_ref(x, w0, EPS, True), "zero-centred")
 
 
 # Real widths, few rows on the CPU: DiT QK-norm (head_dim 128) and txt_norm (3584); Qwen3.5 hidden 4096,
@@ -152,20 +163,19 @@ def test_fp32_weight_and_gate_with_bf16_x(device):
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("device", DEVICES)
 def test_real_widths(device, dtype):
-    tol = TOL[dtype]
     for n in (128, 3584):
         x, w = randn(rows((4,), device), n, dtype, device), weight(n, dtype, device)
-        assert_close(rms_norm(x, w, EPS), rms_norm_ref(x, w, EPS), tol, f"diffusers N={n}")
+        check(rms_norm(x, w, EPS), rms_norm_ref(x, w, EPS), f"diffusers N={n}")
     for n in (4096, 256):
         x, r = randn(rows((4,), device), n, dtype, device), randn(rows((4,), device), n, dtype, device)
         w = weight(n, dtype, device, zero_centered=True)
         y, r_out = add_rms_norm(x, r, w, EPS, zero_centered=True)
         y_ref, r_ref = add_rms_norm_ref(x, r, w, EPS, zero_centered=True)
-        assert_close(r_out, r_ref, tol, f"qwen35 residual N={n}")
-        assert_close(y, y_ref, tol, f"qwen35 N={n}")
+        check_residual(r_out, r_ref, f"qwen35 residual N={n}")
+        check(y, y_ref, f"qwen35 N={n}")
     x, gate = randn(rows((2, 4), device), 128, dtype, device), randn(rows((2, 4), device), 128, dtype, device)
     w = weight(128, dtype, device)
-    assert_close(gated_rms_norm(x, gate, w, EPS), gated_rms_norm_ref(x, gate, w, EPS), tol, "gated N=128")
+    check(gated_rms_norm(x, gate, w, EPS), gated_rms_norm_ref(x, gate, w, EPS), "gated N=128")
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -5,7 +5,7 @@ import torch
 from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
 from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5MLP
 
-from helpers import DEVICES, DTYPES, TOL, assert_close, assert_nearly_exact
+from helpers import DEVICES, DTYPES, assert_matches_ref, assert_nearly_exact
 from qwen_image_fast.kernels.swiglu import silu_mul, silu_mul_ref
 
 DTYPE_IDS = [str(d).removeprefix("torch.") for d in DTYPES]
@@ -48,9 +48,9 @@ def test_silu_mul_matches_ref(device, dtype, lead, i, strided):
     x = gate_up(lead, i, dtype, device, strided)
     out = silu_mul(x)
     assert out.shape == (*lead, i) and out.is_contiguous()
-    assert_close(out, silu_mul_ref(x), TOL[dtype], f"silu_mul {lead} I={i}")
-    if dtype == torch.float16:  # the interpreter rounds fp16 like torch (its bf16 cast truncates): check rounding
-        assert_nearly_exact(out, silu_mul_ref(x), f"silu_mul {lead} I={i}", max_ulp=2)
+    # silu and the product each round (round_to, exact under the interpreter too); a silu whose fp32 exp differs from
+    # torch's by an ulp can round the other way, and moves the product by up to |up| ulp of silu: 2 ulp of y
+    assert_matches_ref(out, silu_mul_ref(x), f"silu_mul {lead} I={i}", max_ulp=2.0)
 
 
 @pytest.mark.parametrize("m", [1, 7, 4096])  # decode, a few rows, a prefill
