@@ -42,16 +42,17 @@ def test_kernel_matches_ref(device, dtype, shape):
     h = (torch.randn(shape, device=device) * 3).to(dtype)
     q, s = gelu_fp8(h, torch.float32)
     q_ref, s_ref = gelu_fp8_ref(h, torch.float32)
-    # Upstream's 0.5 h (1 + tanh(u)) cancels for h < -2 (its fp32 value there is off by many ulps of the dtype);
-    # the kernel's h * sigmoid(2u) does not. Above, nearly exact (GPU: approximate exp and division); below, at
-    # least as close to the exact value as upstream, within an ulp.
-    calm = h.float() >= -2.0
+    # Upstream's 0.5 h (1 + tanh(u)) cancels for negative h (1 + tanh(u) is 0.3 at h = -1, 0.04 at -2: its fp32
+    # value is off by many ulps of the dtype further out); the kernel's h * sigmoid(2u) does not. For h >= -1 nearly
+    # exact (GPU: approximate exp and division); below, at least as close to the exact value as upstream, within an
+    # ulp.
+    calm = h.float() >= -1.0
     assert_fp8_precast_matches_ref(q, s, q_ref, s_ref, dtype, f"{shape} {dtype}", where=calm, max_ulp=1.0,
                                    max_frac=1e-3, gpu=(1.0, 1e-2))
     if dtype != torch.float32:
         y, y_ref, exact = fp8_activations(q, s, dtype), fp8_activations(q_ref, s_ref, dtype), gelu_exact(h).to(dtype)
         worse = (ulp_error(y, exact) > ulp_error(y_ref, exact) + 1) & ~calm
-        assert not worse.any(), f"h < -2: {worse.sum().item()} activations further from exact than upstream's"
+        assert not worse.any(), f"h < -1: {worse.sum().item()} activations further from exact than upstream's"
     if device == "cuda":  # e4m3 codes only off the interpreter; a flipped activation rarely moves its code
         q8, q8_ref = gelu_fp8(h)[0], gelu_fp8_ref(h)[0]
         assert_e4m3_codes_match(q8, q8_ref, "e4m3")
