@@ -42,17 +42,18 @@ def check_tensor(name: str, t: torch.Tensor, *, dtypes=None, ndim=None, shape=No
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def row_launch(n_cols: int) -> dict:
+def row_launch(n_cols: int, max_warps: int = 16) -> dict:
     """Block width and warps for kernels that keep one row of `n_cols` in registers."""
     block = triton.next_power_of_2(n_cols)
     num_warps = 4 if block <= 2048 else 8 if block <= 8192 else 16
-    return dict(BLOCK_N=block, num_warps=num_warps)
+    return dict(BLOCK_N=block, num_warps=min(num_warps, max_warps))
 
 
-def rows_launch(n_rows: int, n_cols: int) -> tuple[tuple[int], dict]:
+def rows_launch(n_rows: int, n_cols: int, max_warps: int = 16) -> tuple[tuple[int], dict]:
     """Grid and settings for kernels that hold a [BLOCK_M, BLOCK_N] tile of whole rows in registers: one row per
-    program at the real widths (>= 2048), several narrow rows per program (~2048 elements a tile)."""
-    settings = row_launch(n_cols)
+    program at the real widths (>= 2048), several narrow rows per program (~2048 elements a tile). max_warps caps
+    the warps of a row whose three reductions (mean, variance, amax) cost more barriers with more warps."""
+    settings = row_launch(n_cols, max_warps)
     block_m = max(1, 2048 // settings["BLOCK_N"])
     return (triton.cdiv(n_rows, block_m),), dict(settings, BLOCK_M=block_m)
 
@@ -81,14 +82,31 @@ def tile_rows(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
 
 @triton.jit
 def round_to(x, DTYPE: tl.constexpr):
-    """fp32 x -> the fp32 value of x rounded to DTYPE (round to nearest even), as a cast to DTYPE and back.
-    bf16 through integer ops: a float convert instruction runs at a quarter of the ALU rate, and this runs on
-    every element of the memory-bound kernels (it is also exact under the interpreter, whose cast truncates)."""
+    """fp32 x -> the fp32 value of x rounded to DTYPE (round to nearest even), as a cast to DTYPE and back would
+    give. Through integer ops: on CUDA, Triton drops an fp32 -> fp16 -> fp32 cast pair (measured on an H200: a
+    quarter of fp16 products left unrounded), the interpreter's bf16 cast truncates, and a float convert
+    instruction runs at a quarter of the ALU rate in these memory-bound kernels."""
     if DTYPE == tl.bfloat16:
         bits = x.to(tl.uint32, bitcast=True)
         bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        return bits.to(tl.float32, bitcast=True)
+        return tl.where(x != x, x, bits.to(tl.float32, bitcast=True))  # a NaN's payload could carry to inf or 0
     elif DTYPE == tl.float16:
-        return x.to(tl.float16).to(tl.float32)
+        return round_to_fp16(x)
     else:
         return x
+
+
+@triton.jit
+def round_to_fp16(x):
+    """fp32 -> fp16 round to nearest even, kept in fp32: subnormals, overflow to inf and NaN as the cast."""
+    bits = x.to(tl.uint32, bitcast=True)
+    exp = ((bits >> 23) & 0xFF).to(tl.int32)  # fp32 biased exponent: x = sig * 2^(exp - 150)
+    sig = (bits & 0x7FFFFF) | 0x800000
+    # fp16 keeps 11 significant bits down to 2^-14 (exp 113), below that a fixed quantum of 2^-24
+    shift = tl.minimum(tl.maximum(126 - exp, 13), 31).to(tl.uint32)
+    q = (sig + (1 << (shift - 1)) - 1 + ((sig >> shift) & 1)) >> shift  # <= 2^11
+    pow2 = ((exp - 150 + shift + 127) << 23).to(tl.float32, bitcast=True)  # 2^(exp - 150 + shift), >= 2^-24
+    y = tl.where(exp == 0, 0.0, q.to(tl.float32) * pow2)  # fp32 zeros/subnormals are far below fp16's 2^-25
+    y = tl.where(y > 65504.0, float("inf"), y)
+    y = (y.to(tl.uint32, bitcast=True) | (bits & 0x80000000)).to(tl.float32, bitcast=True)  # Triton's -y is 0 - y
+    return tl.where(x != x, x, y)

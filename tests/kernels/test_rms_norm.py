@@ -28,9 +28,10 @@ SHAPE_IDS = ["M1-N123", "M5-N123-strided", "2x3-N64-strided"]
 
 def check(out, ref, what):
     """Rounded where upstream rounds; rstd's sum runs in another order (on the GPU also through an approximate
-    rsqrt), so a normalized value can round the other way, and `* w` carry that ulp into up to 2 of the output.
-    The last step is a plain cast: under the interpreter bf16 truncates there (assert_truncated)."""
-    assert_matches_ref(out, ref, what, max_ulp=2.0, max_frac=1e-3, gpu=(2.0, 1e-2), truncating_store=True)
+    rsqrt), so a normalized value can round the other way, and `* w` carry that ulp into up to 2 of the output;
+    the gated form's `* silu(gate)` can move the product to a lower binade, where it spans 3 (measured on an H200,
+    fp16). The last step is a plain cast: under the interpreter bf16 truncates there (assert_truncated)."""
+    assert_matches_ref(out, ref, what, max_ulp=2.0, max_frac=1e-3, gpu=(3.0, 1e-2), truncating_store=True)
 
 
 def check_residual(out, ref, what):
