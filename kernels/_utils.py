@@ -42,18 +42,17 @@ def check_tensor(name: str, t: torch.Tensor, *, dtypes=None, ndim=None, shape=No
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def row_launch(n_cols: int, max_warps: int = 16) -> dict:
+def row_launch(n_cols: int) -> dict:
     """Block width and warps for kernels that keep one row of `n_cols` in registers."""
     block = triton.next_power_of_2(n_cols)
     num_warps = 4 if block <= 2048 else 8 if block <= 8192 else 16
-    return dict(BLOCK_N=block, num_warps=min(num_warps, max_warps))
+    return dict(BLOCK_N=block, num_warps=num_warps)
 
 
-def rows_launch(n_rows: int, n_cols: int, max_warps: int = 16) -> tuple[tuple[int], dict]:
+def rows_launch(n_rows: int, n_cols: int) -> tuple[tuple[int], dict]:
     """Grid and settings for kernels that hold a [BLOCK_M, BLOCK_N] tile of whole rows in registers: one row per
-    program at the real widths (>= 2048), several narrow rows per program (~2048 elements a tile). max_warps caps
-    the warps of a row whose three reductions (mean, variance, amax) cost more barriers with more warps."""
-    settings = row_launch(n_cols, max_warps)
+    program at the real widths (>= 2048), several narrow rows per program (~2048 elements a tile)."""
+    settings = row_launch(n_cols)
     block_m = max(1, 2048 // settings["BLOCK_N"])
     return (triton.cdiv(n_rows, block_m),), dict(settings, BLOCK_M=block_m)
 
@@ -80,20 +79,35 @@ def tile_rows(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     return rows, cols, (rows[:, None] < M) & (cols[None, :] < N)
 
 
+# The interpreter runs no PTX: round_to's integer form there.
+_INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
+
+
 @triton.jit
 def round_to(x, DTYPE: tl.constexpr):
     """fp32 x -> the fp32 value of x rounded to DTYPE (round to nearest even), as a cast to DTYPE and back would
-    give. Through integer ops: on CUDA, Triton drops an fp32 -> fp16 -> fp32 cast pair (measured on an H200: a
-    quarter of fp16 products left unrounded), the interpreter's bf16 cast truncates, and a float convert
-    instruction runs at a quarter of the ALU rate in these memory-bound kernels."""
+    give. Not as that cast pair: Triton on CUDA drops it (an H200 left a quarter of fp16 products unrounded) and
+    the interpreter's bf16 cast truncates. bf16 on CUDA: one packed convert for two values, then a shift or a mask
+    (the integer form costs ~7 integer ops a value, and integer ops run at half the fp32 rate on Hopper)."""
     if DTYPE == tl.bfloat16:
-        bits = x.to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        return tl.where(x != x, x, bits.to(tl.float32, bitcast=True))  # a NaN's payload could carry to inf or 0
+        if _INTERPRETED:
+            return round_to_bf16_bits(x)
+        else:
+            return tl.inline_asm_elementwise(
+                "{ .reg .b32 t; cvt.rn.bf16x2.f32 t, $3, $2; shl.b32 $0, t, 16; and.b32 $1, t, 0xFFFF0000; }",
+                "=r,=r,r,r", [x], dtype=tl.float32, is_pure=True, pack=2)
     elif DTYPE == tl.float16:
         return round_to_fp16(x)
     else:
         return x
+
+
+@triton.jit
+def round_to_bf16_bits(x):
+    """fp32 -> bf16 round to nearest even through the bit pattern, kept in fp32; NaN stays NaN."""
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return tl.where(x != x, x, bits.to(tl.float32, bitcast=True))  # a NaN's payload could carry to inf or 0
 
 
 @triton.jit

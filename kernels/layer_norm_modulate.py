@@ -120,7 +120,7 @@ def _launch(x, shift, scale, mod_row, eps, y, y_scale):
     b, l, d = x.shape
     if b * l == 0:
         return
-    grid, settings = rows_launch(b * l, d, max_warps=4)  # D=3072: 4 warps beat 8 (RESULTS.md)
+    grid, settings = rows_launch(b * l, d)
     _layer_norm_modulate_kernel[grid](
         X=x, SHIFT=shift, SCALE=scale, MOD_ROW=mod_row, Y=y, Y_SCALE=y_scale,
         stride_x=d, stride_shift=shift.stride(0), stride_scale=scale.stride(0), stride_y=d,

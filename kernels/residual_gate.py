@@ -93,7 +93,7 @@ def _launch(residual, x, gate, shift, scale, mod_row, eps, res_out, y, y_scale):
     if b * l == 0:
         return
     has_norm = shift is not None
-    grid, settings = rows_launch(b * l, d, max_warps=4)  # D=3072: 4 warps beat 8 (RESULTS.md)
+    grid, settings = rows_launch(b * l, d)
     _residual_gate_kernel[grid](
         RES=residual, X=x, GATE=gate, SHIFT=shift, SCALE=scale, MOD_ROW=mod_row, RES_OUT=res_out, Y=y, Y_SCALE=y_scale,
         stride_gate=gate.stride(0), stride_shift=shift.stride(0) if has_norm else 0,
