@@ -32,9 +32,11 @@ class GraphedForward:
         self.weights_at: tuple[int, ...] = ()
 
     def drop_if_weights_moved(self):
-        """A graph reads the weights at the addresses they had at capture: after `.to(...)` moved them, capture anew
-        (and free the stale graphs)."""
+        """A graph reads the weights at the addresses they had at capture: after `.to(...)` moved them, or LoRA
+        adapters changed, capture anew (and free the stale graphs)."""
         addresses = tuple(t.data_ptr() for t in (*self.model.parameters(), *self.model.buffers()))
+        lora = getattr(self.model, "lora_state", None)  # adapters' set, weights, fusing: packed factors rebuilt
+        addresses += (lora.version,) if lora is not None else ()
         if addresses != self.weights_at:
             self.graphs.clear()
             self.weights_at = addresses

@@ -31,6 +31,7 @@ import torch.nn.functional as F
 import triton
 from diffusers import ConfigMixin, ModelMixin, QwenImageTransformer2DModel
 from diffusers.models.modeling_outputs import Transformer2DModelOutput
+from diffusers.utils import logging
 from diffusers.models.normalization import AdaLayerNormContinuous, RMSNorm
 from diffusers.models.transformers.transformer_qwenimage import (
     QwenEmbedLayer3DRope,
@@ -51,15 +52,18 @@ from ...kernels.residual_gate import (
 )
 from .attention import TextMask, joint_attention, resolve_backend
 from .config import FP8_LINEARS, FastTransformerConfig
+from .lora import LoraLinear, LoraState, LoraTargetLinear, site_of
+
+logger = logging.get_logger(__name__)
+BASELINE_ADVICE = "keep the stock transformer (FastConfig.preset('baseline')) for it"
 
 __all__ = ["FP8_LINEARS", "FastLinear", "FastQwenImageTransformer", "FastTransformerConfig"]
 
 # The stock model's constructor arguments and defaults: its config, which ours keeps (plus "fast_config").
 STOCK_CONFIG = {name: p.default for name, p in inspect.signature(QwenImageTransformer2DModel.__init__).parameters.items()
                 if name != "self"}
-LORA_ADVICE = ("LoRA adapters are not supported on the fast transformer yet: load the LoRA on the stock pipeline and "
-               "fuse it before converting (pipe.load_lora_weights(...); pipe.fuse_lora(); pipe.unload_lora_weights(); "
-               "then optimize(pipe))")
+LORA_ADVICE = ("load the LoRA with pipe.load_lora_weights(...) (or transformer.load_lora_adapter(...)) on the fast "
+               "pipeline, before or after optimize()")
 
 
 @triton.jit
@@ -85,17 +89,11 @@ def check_triton_runs_on(device: torch.device):
             "on a CUDA GPU, or keep the stock transformer (FastConfig.preset('baseline'))")
 
 
-def unmerged_lora_modules(model: nn.Module) -> list[str]:
-    """Names of modules with an active peft LoRA adapter that is not merged into the weights (duck-typed on peft's
-    BaseTunerLayer attributes, so peft need not be installed)."""
-    names = []
-    for name, module in model.named_modules():
-        active = getattr(module, "active_adapters", None)
-        if active is None or not hasattr(module, "merged_adapters") or getattr(module, "disable_adapters", False):
-            continue
-        if set(active) - set(module.merged_adapters):
-            names.append(name)
-    return names
+def peft_lora_layers(model: nn.Module) -> dict[str, nn.Module]:
+    """name -> module of every peft LoRA layer (duck-typed on peft's BaseTunerLayer attributes, so peft need not be
+    installed to find out there is none)."""
+    return {name: m for name, m in model.named_modules()
+            if hasattr(m, "lora_A") and hasattr(m, "merged_adapters") and hasattr(m, "get_base_layer")}
 
 
 # An activation operand: rows [M, K] in the model's dtype, or rowwise FP8 (q [M, K], scale [M, 1]).
@@ -118,6 +116,7 @@ class FastLinear(nn.Module):
             self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype, device=device),
                                        requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype, device=device), requires_grad=False)
+        self.lora: LoraLinear | None = None  # LoRA adapters (lora.py), added by load_lora_adapter
 
     @classmethod
     def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor, fp8: bool, device, fast_accum: bool = False):
@@ -150,8 +149,11 @@ class FastLinear(nn.Module):
         """x: [M, K] (BF16 mode) or (q [M, K], scale [M, 1]) (FP8). Returns [M, N] in the bias's dtype."""
         if self.fp8:
             q, s = x
-            return fp8_linear(q, s, self.weight_q, self.weight_scale, self.bias, self.bias.dtype, self.fast_accum)
-        return F.linear(x, self.weight, self.bias)
+            y = fp8_linear(q, s, self.weight_q, self.weight_scale, self.bias, self.bias.dtype, self.fast_accum)
+            # the low-rank terms read the same operand, dequantized: [M, K] in the model dtype
+            return y if self.lora is None else self.lora((q.float() * s).to(y.dtype), y)
+        y = F.linear(x, self.weight, self.bias)
+        return y if self.lora is None else self.lora(x, y)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, fp8={self.fp8}"
@@ -357,11 +359,31 @@ NOT_SUPPORTED = {
                   "QwenImageTransformer2DModel.from_pretrained(...), FastTransformerConfig(fp8=False))",
     "enable_cache": CACHE_ADVICE,
     "disable_cache": CACHE_ADVICE,
-    **{name: LORA_ADVICE for name in (
-        "load_lora_adapter", "add_adapter", "set_adapter", "set_adapters", "fuse_lora", "unfuse_lora", "unload_lora",
-        "disable_lora", "enable_lora", "delete_adapters", "enable_adapters", "disable_adapters",
-        "enable_lora_hotswap", "save_lora_adapter")},
+    "add_adapter": "adding an untrained adapter (training) is not supported; " + LORA_ADVICE,
+    "enable_lora_hotswap": "hotswapping is not needed here: load another adapter and set_adapters() switches "
+                           "without recompiling (CUDA graphs are recaptured)",
+    "save_lora_adapter": "save the LoRA file you loaded; the fast transformer keeps adapters as loaded",
 }
+
+
+def check_carriable(stock, peft_layers: dict[str, nn.Module]):
+    """Raise unless the stock model's peft adapters can be carried over exactly: LoRA on linears (no DoRA, bias,
+    embedding), none fused into the weights, every layer in the same active/enabled state."""
+    for name, layer in peft_layers.items():
+        if not isinstance(layer.get_base_layer(), nn.Linear) or getattr(layer, "lora_embedding_A", None):
+            raise NotImplementedError(f"the peft adapter at {name} is not a LoRA on a linear layer; " + BASELINE_ADVICE)
+        for adapter in layer.lora_A:
+            if layer.use_dora.get(adapter) or getattr(layer, "lora_bias", {}).get(adapter):
+                raise NotImplementedError(f"adapter {adapter!r} at {name} uses DoRA or a LoRA bias; " + BASELINE_ADVICE)
+        if layer.merged_adapters:
+            raise ValueError(
+                f"adapter(s) {layer.merged_adapters} are fused into the stock weights and still loaded (at {name}): "
+                "converting would leave them impossible to unfuse. Either pipe.unload_lora_weights() first (the fused "
+                "weights are converted as they are), or pipe.unfuse_lora() (the adapters are carried over unfused)")
+    states = {(tuple(m.active_adapters), bool(m.disable_adapters)) for m in peft_layers.values()}
+    if len(states) > 1:
+        raise NotImplementedError(f"the LoRA layers are in different states {sorted(states)}; set them alike with "
+                                  "pipe.set_adapters(...) / enable_lora() before converting")
 
 
 class FastQwenImageTransformer(ModelMixin, ConfigMixin):
@@ -409,6 +431,7 @@ class FastQwenImageTransformer(ModelMixin, ConfigMixin):
         self.zero_cond_t = config["zero_cond_t"]
         self.requires_grad_(False)
         self._mod_rows: dict = {}
+        self.lora_state = LoraState()
 
     @staticmethod
     def _pos_embed(config: dict) -> nn.Module:
@@ -428,10 +451,8 @@ class FastQwenImageTransformer(ModelMixin, ConfigMixin):
         most one block's BF16 linears sit on the device beside the converted ones."""
         if not isinstance(stock, QwenImageTransformer2DModel):
             raise TypeError(f"from_diffusers takes a diffusers QwenImageTransformer2DModel, got {type(stock).__name__}")
-        lora = unmerged_lora_modules(stock)
-        if lora:
-            raise ValueError(f"the transformer has LoRA adapters that are not fused into its weights (e.g. {lora[0]}); "
-                             f"converting would drop them. {LORA_ADVICE}")
+        peft_layers = peft_lora_layers(stock)
+        check_carriable(stock, peft_layers)
         config = config or FastTransformerConfig()
         device = torch.device(device) if device is not None else stock.device
         if not torch.cuda.is_available():
@@ -446,7 +467,38 @@ class FastQwenImageTransformer(ModelMixin, ConfigMixin):
             setattr(fast, name, getattr(stock, name).to(device))
         for i, block in enumerate(stock.transformer_blocks):
             fast.transformer_blocks[i] = FastBlock.from_stock(block, config, device)
+        if peft_layers:
+            fast._carry_lora(stock, peft_layers)
         return fast.requires_grad_(False).eval()
+
+    def _carry_lora(self, stock, peft_layers: dict[str, nn.Module]):
+        """The stock model's peft adapters (check_carriable passed), as they are: factors, scaling, active set."""
+        for name, layer in peft_layers.items():
+            if self.get_submodule(site_of(name)[0]) is layer:  # shared with stock: take its bare base layer
+                self._replace_unshared(name, layer.get_base_layer())
+        first = next(iter(peft_layers.values()))
+        state = self.lora_state
+        for adapter, peft_config in stock.peft_config.items():
+            state.configs[adapter] = peft_config
+            state.layer_scale[adapter] = 1.0
+        weights: dict[str, set] = {a: set() for a in state.configs}
+        for name, layer in peft_layers.items():
+            lora, site = self._lora_host(name)
+            for adapter in layer.lora_A:
+                r, alpha = layer.r[adapter], layer.lora_alpha[adapter]
+                base = alpha / (r ** 0.5 if stock.peft_config[adapter].use_rslora else r)
+                weights[adapter].add(round(layer.scaling[adapter] / base, 12))
+                device = self._site_device(lora)
+                lora.add(site, adapter, layer.lora_A[adapter].weight.detach().to(device, self.dtype),
+                         layer.lora_B[adapter].weight.detach().to(device, self.dtype), base)
+        uneven = {a: sorted(w) for a, w in weights.items() if len(w) > 1}
+        if uneven:
+            raise NotImplementedError(f"adapter weights differ between layers {uneven}; the fast transformer keeps one "
+                                      "weight per adapter: set_adapters(names, weights) with floats before converting")
+        for adapter, w in weights.items():
+            state.weight[adapter] = w.pop() if w else 1.0
+        state.active, state.enabled = list(first.active_adapters), not first.disable_adapters
+        self._lora_changed()
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, subfolder: str | None = None, *, device=None,
@@ -490,6 +542,271 @@ class FastQwenImageTransformer(ModelMixin, ConfigMixin):
         if run.attention != "auto":
             resolve_backend(run.attention, device, model.dtype)
         return model.requires_grad_(False).eval()
+
+    # ---- LoRA adapters (lora.py: where they attach, and how their state follows peft's)
+
+    @property
+    def peft_config(self) -> dict:
+        """adapter name -> peft LoraConfig, as diffusers' PeftAdapterMixin keeps it; absent (AttributeError, as
+        after diffusers' unload) while no adapter is loaded."""
+        if not self.lora_state.configs:
+            raise AttributeError("peft_config: no LoRA adapter is loaded")
+        return self.lora_state.configs
+
+    @property
+    def _hf_peft_config_loaded(self) -> bool:
+        return bool(self.lora_state.configs)
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        """ModelMixin.save_pretrained, refused while LoRA adapters are loaded: the checkpoint would silently lack
+        them (they are not weights of the model)."""
+        if self.lora_state.configs:
+            raise ValueError(
+                f"save_pretrained with LoRA adapters {sorted(self.lora_state.configs)} loaded would write the model "
+                "without them: unload_lora_weights() first and keep the LoRA files to load again, or fuse the LoRA "
+                "into the stock model, unload it there and convert (optimize) that")
+        return super().save_pretrained(save_directory, *args, **kwargs)
+
+    def _lora_changed(self):
+        self.lora_state.version += 1
+
+    def _lora_layers(self) -> list[LoraLinear]:
+        return [m for m in self.modules() if isinstance(m, LoraLinear)]
+
+    def _lora_host(self, stock_name: str) -> tuple[LoraLinear, str]:
+        """The LoraLinear holding the site of a stock module name (created on first use), and that site's name."""
+        name, third = site_of(stock_name)
+        try:
+            module = self.get_submodule(name)
+        except AttributeError:
+            module = None
+        if not isinstance(module, (FastLinear, nn.Linear)):
+            raise ValueError(f"the LoRA targets {stock_name!r}, which is not a linear layer of QwenImageTransformer2DModel "
+                             f"(config: {dict(num_layers=self.config.num_layers)})")
+        if module.lora is None if isinstance(module, FastLinear) else not isinstance(module, LoraTargetLinear):
+            if third is None:
+                sites = {stock_name: (0, module.out_features)}
+            else:
+                n = module.out_features // 3
+                block = stock_name.rsplit(".", 1)[0]  # transformer_blocks.{i}.attn
+                names = (("to_q", "to_k", "to_v") if name.endswith("img_qkv") else
+                         ("add_q_proj", "add_k_proj", "add_v_proj"))
+                sites = {f"{block}.{q}": (i * n, (i + 1) * n) for i, q in enumerate(names)}
+            lora = LoraLinear(sites, module.in_features, self.lora_state)
+            if isinstance(module, FastLinear):
+                module.lora = lora
+            else:
+                self._replace_unshared(name, LoraTargetLinear.wrap(module, lora))
+        module = self.get_submodule(name)
+        return module.lora, stock_name
+
+    def _replace_unshared(self, name: str, new: nn.Module):
+        """Put `new` at `name` without touching modules the stock model may share (from_diffusers shares the
+        embedders, img_mod / txt_mod, norm_out, proj_out): each container on the path is replaced by a shallow copy
+        with its own child table."""
+        *path, leaf = name.split(".")
+        parent = self
+        for part in path:
+            child = parent._modules[part]
+            if not isinstance(child, (FastBlock, nn.ModuleList)):
+                copy = object.__new__(type(child))
+                copy.__dict__ = {**child.__dict__, "_modules": dict(child._modules)}
+                parent._modules[part] = copy
+                child = copy
+            parent = child
+        parent._modules[leaf] = new
+
+    def load_lora_adapter(self, pretrained_model_name_or_path_or_dict, prefix="transformer", hotswap: bool = False,
+                          **kwargs):
+        """diffusers' PeftAdapterMixin.load_lora_adapter: the same arguments, file formats and config inference
+        (diffusers' own _fetch_state_dict and _create_lora_config); the adapter becomes the active one."""
+        from diffusers.loaders.lora_base import _fetch_state_dict
+        from diffusers.utils import convert_unet_state_dict_to_peft
+        from diffusers.utils.peft_utils import _create_lora_config
+        from peft.utils.other import get_pattern_key
+
+        if hotswap:
+            raise NotImplementedError("hotswap=True: " + NOT_SUPPORTED["enable_lora_hotswap"])
+        adapter_name = kwargs.pop("adapter_name", None)
+        network_alphas = kwargs.pop("network_alphas", None)
+        metadata = kwargs.pop("metadata", None)
+        for ignored in ("_pipeline", "low_cpu_mem_usage"):
+            kwargs.pop(ignored, None)
+        fetch = {k: kwargs.pop(k, None) for k in ("cache_dir", "proxies", "local_files_only", "token", "revision",
+                                                    "subfolder", "weight_name", "use_safetensors")}
+        fetch["force_download"] = kwargs.pop("force_download", False)
+        if kwargs:
+            raise TypeError(f"load_lora_adapter got unexpected arguments {sorted(kwargs)}")
+        state_dict, metadata = _fetch_state_dict(pretrained_model_name_or_path_or_dict=pretrained_model_name_or_path_or_dict,
+                                                 user_agent={"file_type": "attn_procs_weights", "framework": "pytorch"},
+                                                 allow_pickle=False, metadata=metadata, **fetch)
+        if network_alphas is not None and prefix is None:
+            raise ValueError("`network_alphas` cannot be None when `prefix` is None.")
+        if prefix is not None:
+            state_dict = {k.removeprefix(f"{prefix}."): v for k, v in state_dict.items() if k.startswith(f"{prefix}.")}
+            if metadata is not None:
+                metadata = {k.removeprefix(f"{prefix}."): v for k, v in metadata.items() if k.startswith(f"{prefix}.")}
+            if network_alphas:
+                network_alphas = {k.removeprefix(f"{prefix}."): v for k, v in network_alphas.items()
+                                  if k.startswith(f"{prefix}.")}
+        if not state_dict:
+            logger.warning(f"No LoRA keys associated to {type(self).__name__} found with the prefix={prefix!r}: "
+                           "nothing was loaded (as diffusers does); pass prefix=None for keys without it")
+            return
+        if adapter_name in self.lora_state.configs:
+            raise ValueError(f"Adapter name {adapter_name} already in use in the model - please select a new adapter "
+                             "name.")
+        adapter_name = adapter_name or f"default_{len(self.lora_state.configs)}"
+        if any(".lokr_" in k for k in state_dict):
+            raise NotImplementedError("LoKr adapters are not supported on the fast transformer; " + BASELINE_ADVICE)
+        if "lora_A" not in next(iter(state_dict)):
+            state_dict = convert_unet_state_dict_to_peft(state_dict)
+        rank = {f"^{k}": v.shape[1] for k, v in state_dict.items() if "lora_B" in k and v.ndim > 1}
+        config = _create_lora_config(state_dict, network_alphas, metadata, rank, adapter_name=adapter_name)
+        if config.use_dora or config.lora_bias:
+            raise NotImplementedError(f"{'DoRA' if config.use_dora else 'LoRA bias'} adapters are not supported on "
+                                      "the fast transformer; " + BASELINE_ADVICE)
+        unknown = [k for k in state_dict if not (k.endswith(".lora_A.weight") or k.endswith(".lora_B.weight"))]
+        if unknown:
+            raise NotImplementedError(f"LoRA tensors {unknown[:3]} are not plain lora_A / lora_B weights; "
+                                      + BASELINE_ADVICE)
+        targets = sorted({k.rsplit(".lora_", 1)[0] for k in state_dict})
+        hosts = [self._lora_host(t) for t in targets]  # every target checked before anything is added
+        for target, (lora, site) in zip(targets, hosts):
+            a, b = state_dict[f"{target}.lora_A.weight"], state_dict[f"{target}.lora_B.weight"]
+            r = config.rank_pattern.get(get_pattern_key(config.rank_pattern.keys(), target), config.r)
+            alpha = config.alpha_pattern.get(get_pattern_key(config.alpha_pattern.keys(), target), config.lora_alpha)
+            base_scale = alpha / (r ** 0.5 if config.use_rslora else r)
+            device = lora.device if len(lora.adapters) else self._site_device(lora)
+            lora.add(site, adapter_name, a.to(device, self.dtype), b.to(device, self.dtype), base_scale)
+        state = self.lora_state
+        state.configs[adapter_name] = config
+        state.weight[adapter_name], state.layer_scale[adapter_name] = 1.0, 1.0
+        state.active = [adapter_name]  # peft activates the adapter it just injected, on every layer
+        self._lora_changed()
+
+    def _site_device(self, lora: LoraLinear) -> torch.device:
+        host = next(m for m in self.modules() if getattr(m, "lora", None) is lora)
+        return host.bias.device
+
+    def _check_adapters(self, names: list[str]):
+        missing = [n for n in names if n not in self.lora_state.configs]
+        if missing:
+            raise ValueError(f"Adapter name(s) {missing} not in the list of present adapters: "
+                             f"{set(self.lora_state.configs)}.")
+
+    def set_adapters(self, adapter_names, weights=None):
+        """Activate these adapters with these weights (None: 1.0), as diffusers' set_adapters."""
+        names = [adapter_names] if isinstance(adapter_names, str) else list(adapter_names)
+        weights = weights if isinstance(weights, list) else [weights] * len(names)
+        if len(names) != len(weights):
+            raise ValueError(f"Length of adapter names {len(names)} is not equal to the length of their weights "
+                             f"{len(weights)}.")
+        if any(isinstance(w, dict) for w in weights):
+            raise NotImplementedError("per-block adapter weights (dicts) are not supported on the fast transformer; "
+                                      "pass one float per adapter")
+        self._check_adapters(names)
+        state = self.lora_state
+        state.active = names
+        for name, w in zip(names, weights):
+            state.weight[name], state.layer_scale[name] = 1.0 if w is None else float(w), 1.0
+        self._lora_changed()
+
+    def set_adapter(self, adapter_name):
+        names = [adapter_name] if isinstance(adapter_name, str) else list(adapter_name)
+        self._check_adapters(names)
+        self.lora_state.active = names
+        self._lora_changed()
+
+    def active_adapters(self) -> list[str]:
+        if not self.lora_state.configs:
+            raise ValueError("No adapter loaded. Please load an adapter first.")
+        return list(self.lora_state.active)
+
+    def _set_enabled(self, enabled: bool):
+        self.lora_state.enabled = enabled
+        if not enabled:  # peft unfuses a disabled layer (at its next forward; nothing runs in between here)
+            for lora in self._lora_layers():
+                lora.unfreeze()
+        self._lora_changed()
+
+    def disable_lora(self):
+        self._set_enabled(False)
+
+    def enable_lora(self):
+        self._set_enabled(True)
+
+    disable_adapters, enable_adapters = disable_lora, enable_lora
+
+    def fuse_lora(self, lora_scale=1.0, safe_fusing=False, adapter_names=None):
+        """peft's merge per layer: the active adapters (or adapter_names) at their scaling times lora_scale (which,
+        as in peft, stays on their scaling) are frozen into the layers; see lora.py."""
+        names = list(self.lora_state.active) if adapter_names is None else list(adapter_names)
+        self._check_adapters(names)
+        if lora_scale != 1.0:
+            for name in self.lora_state.active:
+                self.lora_state.layer_scale[name] *= lora_scale
+        for lora in self._lora_layers():
+            lora.freeze(names, safe_fusing)
+        self._lora_changed()
+
+    def unfuse_lora(self):
+        for lora in self._lora_layers():
+            lora.unfreeze()
+        self._lora_changed()
+
+    @property
+    def fused_adapters(self) -> set[str]:
+        return {a for lora in self._lora_layers() for frozen in lora.frozen.values() for a, _ in frozen}
+
+    def delete_adapters(self, adapter_names):
+        names = [adapter_names] if isinstance(adapter_names, str) else list(adapter_names)
+        fused = set(names) & self.fused_adapters
+        if fused:
+            raise ValueError(f"adapter(s) {sorted(fused)} are fused: unfuse_lora() first, then delete them")
+        state = self.lora_state
+        for name in names:
+            for lora in self._lora_layers():
+                lora.delete(name)
+            for table in (state.configs, state.weight, state.layer_scale):
+                table.pop(name, None)
+            if name in state.active:  # as peft: the other active ones stay, else the first remaining adapter
+                state.active = [a for a in state.active if a != name] or list(state.configs)[:1]
+        self._drop_empty_lora_layers()
+        self._lora_changed()
+
+    def unload_lora(self):
+        """Remove every adapter: fused ones stay in effect, as diffusers' unload keeps merged weights; unfused
+        ones are gone (the base weights are untouched, so unfusing first restores the model exactly)."""
+        fused = self.fused_adapters
+        if fused:
+            raise NotImplementedError(
+                f"adapter(s) {sorted(fused)} are fused, and unloading would have to bake them into the weights, which "
+                "the fast transformer does not do (an FP8 weight would be requantized): call unfuse_lora() before "
+                "unloading, or keep them loaded")
+        state = self.lora_state
+        for lora in self._lora_layers():
+            for name in list(lora.adapters):
+                lora.delete(name)
+        state.configs.clear(), state.weight.clear(), state.layer_scale.clear()
+        state.active, state.enabled = [], True
+        self._drop_empty_lora_layers()
+        self._lora_changed()
+
+    def _drop_empty_lora_layers(self):
+        for name, module in list(self.named_modules()):
+            if isinstance(module, FastLinear) and module.lora is not None and not module.lora.adapters:
+                module.lora = None
+            elif isinstance(module, LoraTargetLinear) and not module.lora.adapters:
+                self._replace_unshared(name, module.original[0])
+
+    @contextlib.contextmanager
+    def _lora_call_scale(self, scale: float):
+        self.lora_state.call_scale = float(scale)
+        try:
+            yield
+        finally:
+            self.lora_state.call_scale = 1.0
 
     # ---- what pipelines and users touch on a diffusers model
 
@@ -544,8 +861,17 @@ class FastQwenImageTransformer(ModelMixin, ConfigMixin):
         additional_t_cond=None,
         return_dict: bool = True,
     ):
-        if attention_kwargs:
-            raise NotImplementedError(f"attention_kwargs={attention_kwargs!r}: {LORA_ADVICE}")
+        attention_kwargs = dict(attention_kwargs or {})
+        scale = attention_kwargs.pop("scale", 1.0)
+        if attention_kwargs:  # diffusers' attention processors ignore these too (with a warning)
+            logger.warning(f"attention_kwargs {sorted(attention_kwargs)} are not expected by the Qwen-Image "
+                           "attention and are ignored (as diffusers does)")
+        with self._lora_call_scale(scale):
+            return self._forward(hidden_states, encoder_hidden_states, encoder_hidden_states_mask, timestep,
+                                 img_shapes, guidance, controlnet_block_samples, additional_t_cond, return_dict)
+
+    def _forward(self, hidden_states, encoder_hidden_states, encoder_hidden_states_mask, timestep, img_shapes,
+                 guidance, controlnet_block_samples, additional_t_cond, return_dict):
         device = hidden_states.device
         check_triton_runs_on(device)
         hidden_states = self.img_in(hidden_states)  # [B, L_img, D]

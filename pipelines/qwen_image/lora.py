@@ -1,0 +1,190 @@
+"""LoRA adapters on the fast transformer, with the semantics diffusers + peft give the stock model.
+
+A Qwen-Image LoRA names stock modules; each is a *site* here: a row range of one of the fast model's linears.
+  transformer_blocks.{i}.attn.to_q / to_k / to_v          rows [0, HD) / [HD, 2HD) / [2HD, 3HD) of img_qkv
+  transformer_blocks.{i}.attn.add_q_proj / add_k / add_v  the same rows of txt_qkv
+  attn.to_out.0 / attn.to_add_out, img_mlp.net.0.proj / img_mlp.net.2 (txt_ likewise)
+                                                           img_out / txt_out, img_fc1 / img_fc2 (txt_fc1 / txt_fc2)
+  any other nn.Linear of the stock model (img_mod.1, txt_mod.1, img_in, txt_in, proj_out, norm_out.linear, the
+  timestep embedder's linear_1 / linear_2)                 the same nn.Linear here, all of its rows
+A linear with adapters computes y = base(x) + (x @ D.T) @ U.T on its input rows, where D [R, K] stacks the A
+factors of every adapter in effect at each of its sites and U [N, R] their B factors times peft's scaling, each in
+its site's rows (zero elsewhere). An FP8 linear's input is its rowwise-FP8 operand, dequantized for the low-rank
+product; its weight is never requantized, so adapters and strengths change without touching the base weights.
+
+State follows peft's LoRA layer (peft 0.17+ as diffusers drives it):
+- scaling[a] = weight[a] * alpha[a] / r[a] (alpha / sqrt(r) with rslora); set_adapters sets weight[a] and resets
+  what scale_layer multiplied; fuse_lora(lora_scale) multiplies the active adapters' scaling (peft's scale_layer)
+  and keeps it; attention_kwargs={"scale": s} multiplies it for one forward.
+- fuse_lora freezes the adapters in effect, at their scaling then, into each site (peft: merged into the weight;
+  here kept as the frozen low-rank product, which is exact and needs no BF16 copy of an FP8 weight); a site with
+  frozen adapters runs base + those only (peft runs the merged weight and no unmerged adapter); unfuse_lora drops
+  them, restoring the base exactly; a forward while disabled unfuses first, as peft does.
+"""
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+
+# Stock block module -> (fast linear, which third of its rows; None: all rows)
+BLOCK_SITES = {
+    "attn.to_q": ("img_qkv", 0), "attn.to_k": ("img_qkv", 1), "attn.to_v": ("img_qkv", 2),
+    "attn.add_q_proj": ("txt_qkv", 0), "attn.add_k_proj": ("txt_qkv", 1), "attn.add_v_proj": ("txt_qkv", 2),
+    "attn.to_out.0": ("img_out", None), "attn.to_add_out": ("txt_out", None),
+    "img_mlp.net.0.proj": ("img_fc1", None), "img_mlp.net.2": ("img_fc2", None),
+    "txt_mlp.net.0.proj": ("txt_fc1", None), "txt_mlp.net.2": ("txt_fc2", None),
+}
+
+
+def site_of(name: str) -> tuple[str, int | None]:
+    """Stock module name -> (the fast model's module name, third of its rows or None)."""
+    parts = name.split(".")
+    if len(parts) > 2 and parts[0] == "transformer_blocks":
+        inner = ".".join(parts[2:])
+        if inner in BLOCK_SITES:
+            linear, third = BLOCK_SITES[inner]
+            return f"transformer_blocks.{parts[1]}.{linear}", third
+    return name, None
+
+
+@dataclass
+class Factors:
+    """One adapter at one site: A [r, K] and B [rows, r] (buffers of the host linear's LoraLinear) and alpha / r."""
+
+    a: str  # buffer names
+    b: str
+    base_scale: float
+
+
+@dataclass
+class LoraState:
+    """The transformer's adapters: what set_adapters / enable / disable / scale change (peft keeps it per layer;
+    diffusers always sets every layer alike). `version` counts changes (CUDA graphs are recaptured on a change)."""
+
+    configs: dict = field(default_factory=dict)  # adapter -> peft LoraConfig (the model's `peft_config`)
+    active: list = field(default_factory=list)
+    weight: dict = field(default_factory=dict)  # adapter -> set_adapters weight
+    layer_scale: dict = field(default_factory=dict)  # adapter -> product of peft scale_layer factors since then
+    enabled: bool = True
+    call_scale: float = 1.0  # attention_kwargs["scale"] of the running forward
+    version: int = 0
+
+    def scaling(self, adapter: str, base_scale: float) -> float:
+        s = base_scale * self.weight[adapter] * self.layer_scale[adapter]
+        return s * self.call_scale if adapter in self.active else s
+
+
+class LoraLinear(nn.Module):
+    """The adapters of one fast linear (a child of it, named `lora`). sites: stock name -> (row0, row1). Factor
+    tensors are non-persistent buffers (they move with .to() and offload hooks; state_dict() stays the base's)."""
+
+    def __init__(self, sites: dict[str, tuple[int, int]], in_features: int, state: LoraState):
+        super().__init__()
+        self.sites, self.in_features = sites, in_features
+        self.state = state
+        self.factors: dict[str, dict[str, Factors]] = {site: {} for site in sites}  # site -> adapter -> factors
+        self.frozen: dict[str, list[tuple[str, float]]] = {site: [] for site in sites}  # fuse_lora: (adapter, scaling)
+        self._count = 0
+        self._packed_version = None
+
+    def add(self, site: str, adapter: str, a: torch.Tensor, b: torch.Tensor, base_scale: float):
+        row0, row1 = self.sites[site]
+        if b.shape[0] != row1 - row0 or a.shape[1] != self.in_features or a.shape[0] != b.shape[1]:
+            raise ValueError(f"LoRA {adapter!r} at {site}: A {tuple(a.shape)} and B {tuple(b.shape)} do not fit a "
+                             f"[{row1 - row0}, {self.in_features}] linear")
+        names = (f"a{self._count}", f"b{self._count}")
+        self._count += 1
+        for name, t in zip(names, (a, b)):
+            self.register_buffer(name, t, persistent=False)
+        self.factors[site][adapter] = Factors(*names, base_scale)
+
+    def delete(self, adapter: str):
+        for site, by_adapter in self.factors.items():
+            f = by_adapter.pop(adapter, None)
+            if f is not None:
+                delattr(self, f.a)
+                delattr(self, f.b)
+        self._packed_version = None
+
+    @property
+    def device(self) -> torch.device | None:
+        return next(iter(self.buffers()), torch.empty(0)).device
+
+    @property
+    def adapters(self) -> set[str]:
+        return {a for by_adapter in self.factors.values() for a in by_adapter}
+
+    def in_effect(self, site: str) -> list[tuple[Factors, float]]:
+        """(factors, scaling) of what this site adds now."""
+        state = self.state
+        if self.frozen[site]:
+            return [(self.factors[site][a], s) for a, s in self.frozen[site]]
+        if not state.enabled:
+            return []
+        return [(self.factors[site][a], state.scaling(a, self.factors[site][a].base_scale))
+                for a in state.active if a in self.factors[site]]
+
+    def freeze(self, adapters: list[str], check_finite: bool):
+        for site in self.sites:
+            for a in adapters:
+                f = self.factors[site].get(a)
+                if f is None:
+                    continue
+                s = self.state.scaling(a, f.base_scale)
+                if check_finite and not torch.isfinite(getattr(self, f.b) @ getattr(self, f.a) * s).all():
+                    raise ValueError(f"NaNs detected in the fused weights of {site} (adapter {a!r}): the LoRA "
+                                     "adapter seems to be broken; nothing was fused there")
+                self.frozen[site].append((a, s))
+        self._packed_version = None
+
+    def unfreeze(self):
+        for site in self.sites:
+            self.frozen[site] = []
+        self._packed_version = None
+
+    def packed(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(D [R, K], U [N, R]) in `dtype`, rebuilt when the state changed; None when nothing is in effect."""
+        key = (self.state.version, self.state.call_scale, dtype, self.device)
+        if self._packed_version != key:
+            downs, ups = [], []
+            n_out = max(row1 for _, row1 in self.sites.values())
+            for site, (row0, row1) in self.sites.items():
+                for f, scaling in self.in_effect(site):
+                    a, b = getattr(self, f.a), getattr(self, f.b)
+                    up = b.new_zeros(n_out, b.shape[1], dtype=torch.float32)
+                    up[row0:row1] = b.float() * scaling
+                    downs.append(a)
+                    ups.append(up)
+            self._packed = None if not downs else (
+                torch.cat(downs).to(dtype), torch.cat(ups, dim=1).to(dtype))
+            self._packed_version = key
+        return self._packed
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """x [M, K] (the linear's input rows, model dtype), y [M, N] its base output: y + the low-rank terms."""
+        packed = self.packed(x.dtype)
+        if packed is None:
+            return y
+        down, up = packed
+        return torch.addmm(y, x @ down.t(), up.t())
+
+
+class LoraTargetLinear(nn.Linear):
+    """An nn.Linear of the fast model that carries adapters: the same weight and bias Parameters as the module it
+    replaces (which the stock model may share), plus `lora`. State-dict keys are unchanged."""
+
+    @classmethod
+    def wrap(cls, linear: nn.Linear, lora: LoraLinear) -> "LoraTargetLinear":
+        with torch.device("meta"):
+            new = cls(1, 1)
+        new.in_features, new.out_features = linear.in_features, linear.out_features
+        new.weight, new.bias = linear.weight, linear.bias
+        new.lora = lora
+        new.original = [linear]  # a list: not registered as a submodule
+        return new
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = super().forward(x)
+        rows = x.reshape(-1, x.shape[-1])
+        return self.lora(rows, y.reshape(-1, y.shape[-1])).view(y.shape)

@@ -1,0 +1,230 @@
+"""LoRA on the fast pipeline against the stock QwenImagePipeline with the same LoRA through peft (tiny fp32
+components on the CPU, FP8 off: <= 1e-5), for every API path: load before / after optimize, several adapters with
+weights, fuse / unfuse, disable / enable, unload, delete, attention_kwargs scale, block and non-block targets."""
+
+import pytest
+import torch
+from helpers import assert_close
+from test_pipeline import EXACT, fast_pipeline, stock_pipeline
+from test_pipeline import run as run_pipeline
+
+from qwen_image_fast import FastConfig, optimize
+from qwen_image_fast.kernels._utils import rel_rms_error
+from qwen_image_fast.pipelines.qwen_image.lora import LoraTargetLinear
+
+pytest.importorskip("peft")
+
+BLOCK = ["attn.to_q", "attn.to_k", "attn.to_v", "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj",
+         "attn.to_out.0", "attn.to_add_out", "img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj",
+         "txt_mlp.net.2"]  # the Lightning release's 12 targets per block
+NON_BLOCK = ["img_in", "txt_in", "proj_out", "norm_out.linear", "time_text_embed.timestep_embedder.linear_1",
+             "time_text_embed.timestep_embedder.linear_2"]
+TOL = 1e-5
+
+
+def run(pipe, **kwargs):
+    """3 steps of CFG (cond and uncond passes both see the adapters)."""
+    return run_pipeline(pipe, **{"prompt": "a red fox in snow", "negative_prompt": "blurry", "true_cfg_scale": 3.0,
+                                 **kwargs})
+
+
+def lightning_format(targets, rank=4, alpha=2.0, seed=0, std=0.6) -> dict[str, torch.Tensor]:
+    """A random LoRA in lightx2v's key format (`{module}.lora_down.weight`, `.lora_up.weight`, `.alpha`), which
+    diffusers' Qwen-Image loader converts, folding alpha / rank into the factors."""
+    shapes = {n: (m.in_features, m.out_features) for n, m in stock_pipeline().transformer.named_modules()
+              if isinstance(m, torch.nn.Linear)}
+    g = torch.Generator().manual_seed(seed)
+    sd = {}
+    for name in targets:
+        k, n = shapes[name]
+        sd[f"{name}.lora_down.weight"] = torch.randn(rank, k, generator=g) * std / k**0.5
+        sd[f"{name}.lora_up.weight"] = torch.randn(n, rank, generator=g) * std
+        sd[f"{name}.alpha"] = torch.tensor(alpha)
+    return sd
+
+
+def diffusers_format(targets, rank=3, seed=1, std=0.3) -> dict[str, torch.Tensor]:
+    """peft / diffusers keys (`transformer.{module}.lora_A.weight`, `.lora_B.weight`), no alpha (scale 1)."""
+    sd = lightning_format(targets, rank, seed=seed, std=std)
+    return {f"transformer.{k.replace('lora_down', 'lora_A').replace('lora_up', 'lora_B')}": v
+            for k, v in sd.items() if not k.endswith(".alpha")}
+
+
+def blocks(*names, layers=(0, 1)):
+    return [f"transformer_blocks.{i}.{n}" for i in layers for n in names]
+
+
+LORA_A = blocks(*BLOCK)
+LORA_B = blocks("attn.to_q", "attn.add_v_proj", "img_mod.1", "txt_mlp.net.2", layers=(1,)) + NON_BLOCK
+
+
+def pair():
+    return stock_pipeline(), fast_pipeline()
+
+
+def same(fast, stock, what, **kwargs):
+    out, ref = run(fast, **kwargs), run(stock, **kwargs)
+    assert_close(out, ref, TOL, what)
+    return out
+
+
+@pytest.fixture(scope="module")
+def no_lora():
+    return run(fast_pipeline())
+
+
+def test_load_after_optimize_matches_stock(no_lora):
+    stock, fast = pair()
+    for pipe in (stock, fast):
+        pipe.load_lora_weights(lightning_format(LORA_A), adapter_name="lightning")
+    out = same(fast, stock, "Lightning-format LoRA on every block linear")
+    assert rel_rms_error(out, no_lora) > 1e-2, "the LoRA must change the output for this test to mean anything"
+    assert fast.get_active_adapters() == stock.get_active_adapters() == ["lightning"]
+    assert fast.get_list_adapters() == stock.get_list_adapters()
+
+
+def test_per_layer_alpha_reaches_the_math():
+    outs = []
+    for alpha in (2.0, 8.0):
+        stock, fast = pair()
+        for pipe in (stock, fast):
+            pipe.load_lora_weights(lightning_format(LORA_A, alpha=alpha))
+        outs.append(same(fast, stock, f"alpha {alpha}"))
+    assert rel_rms_error(outs[0], outs[1]) > 1e-2
+
+
+def test_load_before_optimize_is_carried_over():
+    stock = stock_pipeline()
+    stock.load_lora_weights(lightning_format(LORA_A), adapter_name="a")
+    stock.load_lora_weights(diffusers_format(LORA_B), adapter_name="b")
+    stock.set_adapters(["a", "b"], [0.7, -0.4])
+    ref = run(stock)
+    fast = optimize(stock_pipeline(), EXACT)
+    fast.load_lora_weights(lightning_format(LORA_A), adapter_name="a")
+    fast.load_lora_weights(diffusers_format(LORA_B), adapter_name="b")
+    fast.set_adapters(["a", "b"], [0.7, -0.4])
+    assert_close(run(fast), ref, TOL, "loaded after optimize")
+    carried = optimize(stock, EXACT)  # the LoRA'd stock pipeline itself, converted
+    assert carried.get_active_adapters() == ["a", "b"]
+    assert_close(run(carried), ref, TOL, "carried over by optimize()")
+
+
+def test_two_adapters_weights_disable_enable_delete(no_lora):
+    stock, fast = pair()
+    for pipe in (stock, fast):
+        pipe.load_lora_weights(lightning_format(LORA_A), adapter_name="a")
+        pipe.load_lora_weights(diffusers_format(LORA_B), adapter_name="b")
+    same(fast, stock, "the last loaded adapter is the active one")
+    for pipe in (stock, fast):
+        pipe.set_adapters(["a", "b"], [0.5, 1.5])
+    same(fast, stock, "two adapters with weights")
+    for pipe in (stock, fast):
+        pipe.disable_lora()
+    assert torch.equal(run(fast), no_lora), "disabled: exactly the LoRA-free output"
+    for pipe in (stock, fast):
+        pipe.enable_lora()
+    same(fast, stock, "enabled again")
+    for pipe in (stock, fast):
+        pipe.delete_adapters("b")
+    assert fast.get_list_adapters() == stock.get_list_adapters() == {"transformer": ["a"]}
+    same(fast, stock, "after deleting b")
+
+
+def test_attention_kwargs_scale():
+    stock, fast = pair()
+    for pipe in (stock, fast):
+        pipe.load_lora_weights(lightning_format(LORA_A))
+    same(fast, stock, "attention_kwargs scale 0.3", attention_kwargs={"scale": 0.3})
+    same(fast, stock, "scale applies to one call only")
+
+
+def test_fuse_unfuse_unload(no_lora):
+    stock, fast = pair()
+    for pipe in (stock, fast):
+        pipe.load_lora_weights(lightning_format(LORA_A), adapter_name="a")
+        pipe.load_lora_weights(diffusers_format(LORA_B), adapter_name="b")
+        pipe.set_adapters(["a", "b"], [1.0, 0.6])
+        pipe.fuse_lora(lora_scale=0.5)
+    assert fast.num_fused_loras == stock.num_fused_loras == 2
+    same(fast, stock, "fused at lora_scale 0.5")
+    same(fast, stock, "fused: attention_kwargs scale has no effect", attention_kwargs={"scale": 3.0})
+    for pipe in (stock, fast):
+        pipe.unfuse_lora()
+    same(fast, stock, "unfused (peft keeps lora_scale on the scaling)")
+    fast.unload_lora_weights()
+    assert torch.equal(run(fast), no_lora), "unload restores the LoRA-free output exactly"
+    assert fast.get_list_adapters() == {}
+
+
+def test_unload_of_a_fused_adapter_is_refused():
+    fast = fast_pipeline()
+    fast.load_lora_weights(lightning_format(LORA_A))
+    fast.fuse_lora()
+    with pytest.raises(NotImplementedError, match="unfuse_lora"):
+        fast.unload_lora_weights()
+
+
+def test_fp8_lora_error_is_that_of_fp8():
+    stock = stock_pipeline()
+    fp8 = fast_pipeline(FastConfig())
+    plain = fast_pipeline(FastConfig())
+    ref_plain = run(stock)
+    for pipe in (stock, fp8):
+        pipe.load_lora_weights(lightning_format(LORA_A + LORA_B))
+    err_lora, err_plain = rel_rms_error(run(fp8), run(stock)), rel_rms_error(run(plain), ref_plain)
+    assert err_lora < 1.5 * err_plain + 1e-3, (err_lora, err_plain)
+
+
+def test_graphs_state_changes_with_adapters():
+    fast = fast_pipeline()
+    version = fast.transformer.lora_state.version
+    fast.load_lora_weights(lightning_format(LORA_A))
+    fast.set_adapters(["default_0"], [0.5])
+    assert fast.transformer.lora_state.version > version
+
+
+def test_conversion_refuses_fused_adapters_still_loaded():
+    stock = stock_pipeline()
+    stock.load_lora_weights(lightning_format(LORA_A))
+    stock.fuse_lora()
+    with pytest.raises(ValueError, match="unload_lora_weights"):
+        optimize(stock, EXACT)
+
+
+def test_fused_then_unloaded_stock_converts_with_the_fused_weights():
+    stock = stock_pipeline()
+    stock.load_lora_weights(lightning_format(LORA_A))
+    stock.fuse_lora()
+    stock.unload_lora_weights()
+    ref = run(stock)
+    assert_close(run(optimize(stock, EXACT)), ref, TOL, "fused LoRA baked into the converted weights")
+
+
+def test_lora_naming_a_module_the_model_lacks_is_refused():
+    fast = fast_pipeline()
+    sd = lightning_format(LORA_A)
+    sd["transformer_blocks.7.attn.to_q.lora_down.weight"] = sd["transformer_blocks.0.attn.to_q.lora_down.weight"]
+    sd["transformer_blocks.7.attn.to_q.lora_up.weight"] = sd["transformer_blocks.0.attn.to_q.lora_up.weight"]
+    with pytest.raises(ValueError, match="transformer_blocks.7"):
+        fast.load_lora_weights(sd)
+    assert fast.get_list_adapters() == {}, "nothing half-loaded"
+
+
+def test_stock_model_is_untouched_by_the_fast_models_adapters():
+    stock = stock_pipeline()
+    stock_transformer = stock.transformer
+    fast = optimize(stock, EXACT)  # shares the embedders, img_mod / txt_mod, norm_out, proj_out with its source
+    fast.load_lora_weights(lightning_format(LORA_B))
+    for name in ("img_in", "transformer_blocks.1.img_mod.1", "time_text_embed.timestep_embedder.linear_1"):
+        assert type(stock_transformer.get_submodule(name)) is torch.nn.Linear, name
+        assert type(fast.transformer.get_submodule(name)) is LoraTargetLinear, name
+    fast.unload_lora_weights()
+    assert type(fast.transformer.get_submodule("transformer_blocks.1.img_mod.1")) is torch.nn.Linear
+
+
+def test_save_pretrained_with_adapters_loaded_is_refused(tmp_path):
+    fast = fast_pipeline()
+    fast.load_lora_weights(lightning_format(LORA_A))
+    with pytest.raises(ValueError, match="without them"):
+        fast.transformer.save_pretrained(tmp_path / "t")
+    assert not (tmp_path / "t").exists()
