@@ -71,8 +71,7 @@ class LoraState:
     version: int = 0
 
     def scaling(self, adapter: str, base_scale: float) -> float:
-        s = base_scale * self.weight[adapter] * self.layer_scale[adapter]
-        return s * self.call_scale if adapter in self.active else s
+        return base_scale * self.weight[adapter] * self.layer_scale[adapter] * self.call_scale
 
 
 class LoraLinear(nn.Module):
@@ -108,10 +107,6 @@ class LoraLinear(nn.Module):
         self._packed_version = None
 
     @property
-    def device(self) -> torch.device | None:
-        return next(iter(self.buffers()), torch.empty(0)).device
-
-    @property
     def adapters(self) -> set[str]:
         return {a for by_adapter in self.factors.values() for a in by_adapter}
 
@@ -143,9 +138,10 @@ class LoraLinear(nn.Module):
             self.frozen[site] = []
         self._packed_version = None
 
-    def packed(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(D [R, K], U [N, R]) in `dtype`, rebuilt when the state changed; None when nothing is in effect."""
-        key = (self.state.version, self.state.call_scale, dtype, self.device)
+    def packed(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(D [R, K], U [N, R]) in x's dtype, rebuilt when the state changed or the model moved; None when nothing
+        is in effect."""
+        key = (self.state.version, self.state.call_scale, x.dtype, x.device)
         if self._packed_version != key:
             downs, ups = [], []
             n_out = max(row1 for _, row1 in self.sites.values())
@@ -157,13 +153,13 @@ class LoraLinear(nn.Module):
                     downs.append(a)
                     ups.append(up)
             self._packed = None if not downs else (
-                torch.cat(downs).to(dtype), torch.cat(ups, dim=1).to(dtype))
+                torch.cat(downs).to(x.dtype), torch.cat(ups, dim=1).to(x.dtype))
             self._packed_version = key
         return self._packed
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         """x [M, K] (the linear's input rows, model dtype), y [M, N] its base output: y + the low-rank terms."""
-        packed = self.packed(x.dtype)
+        packed = self.packed(x)
         if packed is None:
             return y
         down, up = packed

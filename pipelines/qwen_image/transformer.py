@@ -483,13 +483,12 @@ class FastQwenImageTransformer(ModelMixin, ConfigMixin):
             state.layer_scale[adapter] = 1.0
         weights: dict[str, set] = {a: set() for a in state.configs}
         for name, layer in peft_layers.items():
-            lora, site = self._lora_host(name)
+            lora, device = self._lora_host(name)
             for adapter in layer.lora_A:
                 r, alpha = layer.r[adapter], layer.lora_alpha[adapter]
                 base = alpha / (r ** 0.5 if stock.peft_config[adapter].use_rslora else r)
                 weights[adapter].add(round(layer.scaling[adapter] / base, 12))
-                device = self._site_device(lora)
-                lora.add(site, adapter, layer.lora_A[adapter].weight.detach().to(device, self.dtype),
+                lora.add(name, adapter, layer.lora_A[adapter].weight.detach().to(device, self.dtype),
                          layer.lora_B[adapter].weight.detach().to(device, self.dtype), base)
         uneven = {a: sorted(w) for a, w in weights.items() if len(w) > 1}
         if uneven:
@@ -573,8 +572,8 @@ class FastQwenImageTransformer(ModelMixin, ConfigMixin):
     def _lora_layers(self) -> list[LoraLinear]:
         return [m for m in self.modules() if isinstance(m, LoraLinear)]
 
-    def _lora_host(self, stock_name: str) -> tuple[LoraLinear, str]:
-        """The LoraLinear holding the site of a stock module name (created on first use), and that site's name."""
+    def _lora_host(self, stock_name: str) -> tuple[LoraLinear, torch.device]:
+        """The LoraLinear holding the site of a stock module name (created on first use), and its linear's device."""
         name, third = site_of(stock_name)
         try:
             module = self.get_submodule(name)
@@ -583,7 +582,8 @@ class FastQwenImageTransformer(ModelMixin, ConfigMixin):
         if not isinstance(module, (FastLinear, nn.Linear)):
             raise ValueError(f"the LoRA targets {stock_name!r}, which is not a linear layer of QwenImageTransformer2DModel "
                              f"(config: {dict(num_layers=self.config.num_layers)})")
-        if module.lora is None if isinstance(module, FastLinear) else not isinstance(module, LoraTargetLinear):
+        lora = getattr(module, "lora", None)  # FastLinear: None until then; a plain nn.Linear: no such attribute
+        if lora is None:
             if third is None:
                 sites = {stock_name: (0, module.out_features)}
             else:
@@ -597,8 +597,7 @@ class FastQwenImageTransformer(ModelMixin, ConfigMixin):
                 module.lora = lora
             else:
                 self._replace_unshared(name, LoraTargetLinear.wrap(module, lora))
-        module = self.get_submodule(name)
-        return module.lora, stock_name
+        return lora, next(module.parameters()).device
 
     def _replace_unshared(self, name: str, new: nn.Module):
         """Put `new` at `name` without touching modules the stock model may share (from_diffusers shares the
@@ -672,22 +671,17 @@ class FastQwenImageTransformer(ModelMixin, ConfigMixin):
                                       + BASELINE_ADVICE)
         targets = sorted({k.rsplit(".lora_", 1)[0] for k in state_dict})
         hosts = [self._lora_host(t) for t in targets]  # every target checked before anything is added
-        for target, (lora, site) in zip(targets, hosts):
+        for target, (lora, device) in zip(targets, hosts):
             a, b = state_dict[f"{target}.lora_A.weight"], state_dict[f"{target}.lora_B.weight"]
             r = config.rank_pattern.get(get_pattern_key(config.rank_pattern.keys(), target), config.r)
             alpha = config.alpha_pattern.get(get_pattern_key(config.alpha_pattern.keys(), target), config.lora_alpha)
             base_scale = alpha / (r ** 0.5 if config.use_rslora else r)
-            device = lora.device if len(lora.adapters) else self._site_device(lora)
-            lora.add(site, adapter_name, a.to(device, self.dtype), b.to(device, self.dtype), base_scale)
+            lora.add(target, adapter_name, a.to(device, self.dtype), b.to(device, self.dtype), base_scale)
         state = self.lora_state
         state.configs[adapter_name] = config
         state.weight[adapter_name], state.layer_scale[adapter_name] = 1.0, 1.0
         state.active = [adapter_name]  # peft activates the adapter it just injected, on every layer
         self._lora_changed()
-
-    def _site_device(self, lora: LoraLinear) -> torch.device:
-        host = next(m for m in self.modules() if getattr(m, "lora", None) is lora)
-        return host.bias.device
 
     def _check_adapters(self, names: list[str]):
         missing = [n for n in names if n not in self.lora_state.configs]

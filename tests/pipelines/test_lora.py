@@ -2,6 +2,8 @@
 components on the CPU, FP8 off: <= 1e-5), for every API path: load before / after optimize, several adapters with
 weights, fuse / unfuse, disable / enable, unload, delete, attention_kwargs scale, block and non-block targets."""
 
+import functools
+
 import pytest
 import torch
 from helpers import assert_close
@@ -28,11 +30,16 @@ def run(pipe, **kwargs):
                                  **kwargs})
 
 
+@functools.cache
+def linear_shapes() -> dict[str, tuple[int, int]]:
+    return {n: (m.in_features, m.out_features) for n, m in stock_pipeline().transformer.named_modules()
+            if isinstance(m, torch.nn.Linear)}
+
+
 def lightning_format(targets, rank=4, alpha=2.0, seed=0, std=0.6) -> dict[str, torch.Tensor]:
     """A random LoRA in lightx2v's key format (`{module}.lora_down.weight`, `.lora_up.weight`, `.alpha`), which
     diffusers' Qwen-Image loader converts, folding alpha / rank into the factors."""
-    shapes = {n: (m.in_features, m.out_features) for n, m in stock_pipeline().transformer.named_modules()
-              if isinstance(m, torch.nn.Linear)}
+    shapes = linear_shapes()
     g = torch.Generator().manual_seed(seed)
     sd = {}
     for name in targets:
@@ -136,6 +143,7 @@ def test_attention_kwargs_scale():
         pipe.load_lora_weights(lightning_format(LORA_A))
     same(fast, stock, "attention_kwargs scale 0.3", attention_kwargs={"scale": 0.3})
     same(fast, stock, "scale applies to one call only")
+    same(fast, stock, "other keys: ignored by both (diffusers warns)", attention_kwargs={"scale": 0.3, "foo": 1})
 
 
 def test_fuse_unfuse_unload(no_lora):
@@ -154,6 +162,17 @@ def test_fuse_unfuse_unload(no_lora):
     fast.unload_lora_weights()
     assert torch.equal(run(fast), no_lora), "unload restores the LoRA-free output exactly"
     assert fast.get_list_adapters() == {}
+
+
+def test_fuse_named_adapters_only():
+    stock, fast = pair()
+    for pipe in (stock, fast):
+        pipe.load_lora_weights(lightning_format(LORA_A), adapter_name="a")
+        pipe.load_lora_weights(diffusers_format(LORA_B), adapter_name="b")
+        pipe.set_adapters(["a", "b"], [0.8, 1.2])
+        pipe.fuse_lora(adapter_names=["b"])
+    assert fast.num_fused_loras == stock.num_fused_loras == 1
+    same(fast, stock, "b fused: a layer holding it runs only b (peft), the others still run a")
 
 
 def test_unload_of_a_fused_adapter_is_refused():
