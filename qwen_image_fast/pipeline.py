@@ -28,7 +28,7 @@ from diffusers.pipelines.qwenimage.pipeline_output import QwenImagePipelineOutpu
 
 from .config import FastConfig
 from .pipelines.qwen_image.cuda_graph import GraphCaptureError, GraphedForward
-from .pipelines.qwen_image.transformer import FastQwenImageTransformer
+from .pipelines.qwen_image.transformer import FastQwenImageTransformer, has_offload_hooks
 from .samplers import dynamic_shift, make_scheduler, set_timesteps
 
 logger = logging.getLogger(__name__)
@@ -46,16 +46,6 @@ def pad_text(embeds: torch.Tensor, mask: torch.Tensor | None, length: int) -> tu
 def drop_all_ones(mask: torch.Tensor | None) -> torch.Tensor | None:
     """An all-valid mask becomes None, as diffusers' encode_prompt does (one host sync per call, before the loop)."""
     return None if mask is None or bool(mask.all()) else mask
-
-
-def has_offload_hooks(model: torch.nn.Module) -> bool:
-    """accelerate's (model / sequential CPU offload) or diffusers' (group offload) hooks: they move weights between
-    forwards, so a captured graph would read stale addresses."""
-    for module in model.modules():
-        registry = getattr(module, "_diffusers_hook", None)
-        if hasattr(module, "_hf_hook") or (registry is not None and registry.hooks):
-            return True
-    return False
 
 
 def fp8_supported(device: torch.device) -> bool:

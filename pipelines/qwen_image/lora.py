@@ -9,17 +9,18 @@ A Qwen-Image LoRA names stock modules; each is a *site* here: a row range of one
   timestep embedder's linear_1 / linear_2)                 the same nn.Linear here, all of its rows
 A linear with adapters computes y = base(x) + (x @ D.T) @ U.T on its input rows, where D [R, K] stacks the A
 factors of every adapter in effect at each of its sites and U [N, R] their B factors times peft's scaling, each in
-its site's rows (zero elsewhere). An FP8 linear's input is its rowwise-FP8 operand, dequantized for the low-rank
-product; its weight is never requantized, so adapters and strengths change without touching the base weights.
+its site's rows (zero elsewhere). An FP8 linear's input is its rowwise-FP8 operand (q, s): x @ D.T = s * (q @ D.T).
+Unfused adapters never touch the base weights, so adapters and strengths change without requantizing anything.
 
 State follows peft's LoRA layer (peft 0.17+ as diffusers drives it):
 - scaling[a] = weight[a] * alpha[a] / r[a] (alpha / sqrt(r) with rslora); set_adapters sets weight[a] and resets
   what scale_layer multiplied; fuse_lora(lora_scale) multiplies the active adapters' scaling (peft's scale_layer)
   and keeps it; attention_kwargs={"scale": s} multiplies it for one forward.
-- fuse_lora freezes the adapters in effect, at their scaling then, into each site (peft: merged into the weight;
-  here kept as the frozen low-rank product, which is exact and needs no BF16 copy of an FP8 weight); a site with
-  frozen adapters runs base + those only (peft runs the merged weight and no unmerged adapter); unfuse_lora drops
-  them, restoring the base exactly; a forward while disabled unfuses first, as peft does.
+- fuse_lora freezes the adapters in effect, at their scaling then, into each site; a site with frozen adapters
+  runs base + those only (peft runs the merged weight and no unmerged adapter); unfuse_lora drops them, restoring
+  the base exactly; a forward while disabled unfuses first, as peft does. An FP8 linear folds its frozen adapters
+  into its weight (FastLinear.fold_lora: requantized, so the fused path costs nothing per forward); a BF16 one
+  keeps them as a frozen low-rank product (exact, and its weight may be shared with the stock model).
 """
 
 from dataclasses import dataclass, field
@@ -84,6 +85,7 @@ class LoraLinear(nn.Module):
         self.state = state
         self.factors: dict[str, dict[str, Factors]] = {site: {} for site in sites}  # site -> adapter -> factors
         self.frozen: dict[str, list[tuple[str, float]]] = {site: [] for site in sites}  # fuse_lora: (adapter, scaling)
+        self.folded = False  # the frozen adapters are in the host FastLinear's weight (fold_lora)
         self._count = 0
         self._packed_version = None
 
@@ -114,7 +116,7 @@ class LoraLinear(nn.Module):
         """(factors, scaling) of what this site adds now."""
         state = self.state
         if self.frozen[site]:
-            return [(self.factors[site][a], s) for a, s in self.frozen[site]]
+            return [] if self.folded else [(self.factors[site][a], s) for a, s in self.frozen[site]]
         if not state.enabled:
             return []
         return [(self.factors[site][a], state.scaling(a, self.factors[site][a].base_scale))
@@ -134,13 +136,29 @@ class LoraLinear(nn.Module):
         self._packed_version = None
 
     def unfreeze(self):
+        if self.folded:
+            raise RuntimeError("unfreeze while the adapters are folded into the weight: FastLinear.unfold_lora first")
         for site in self.sites:
             self.frozen[site] = []
         self._packed_version = None
 
-    def packed(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(D [R, K], U [N, R]) in x's dtype, rebuilt when the state changed or the model moved; None when nothing
-        is in effect."""
+    def frozen_delta(self, n_out: int) -> torch.Tensor | None:
+        """The frozen adapters' sum of scaling * B @ A, [n_out, K] fp32 (zero outside their sites' rows); None when
+        nothing is frozen."""
+        delta = None
+        for site, (row0, row1) in self.sites.items():
+            for a, scaling in self.frozen[site]:
+                f = self.factors[site][a]
+                down, up = getattr(self, f.a), getattr(self, f.b)
+                if delta is None:
+                    delta = torch.zeros(n_out, self.in_features, dtype=torch.float32, device=down.device)
+                delta[row0:row1].addmm_(up.float(), down.float(), alpha=scaling)
+        return delta
+
+    def packed(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(D [R, K], U [N, R]) in like's dtype and on its device, rebuilt when the state changed or the model moved;
+        None when nothing is in effect."""
+        x = like
         key = (self.state.version, self.state.call_scale, x.dtype, x.device)
         if self._packed_version != key:
             downs, ups = [], []
@@ -157,13 +175,18 @@ class LoraLinear(nn.Module):
             self._packed_version = key
         return self._packed
 
-    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """x [M, K] (the linear's input rows, model dtype), y [M, N] its base output: y + the low-rank terms."""
-        packed = self.packed(x)
+    def forward(self, x: torch.Tensor, y: torch.Tensor, row_scale: torch.Tensor | None = None) -> torch.Tensor:
+        """y [M, N] (the base output, which this adds to in place) + the low-rank terms of the input rows: x [M, K]
+        in y's dtype, or an FP8 operand's e4m3 rows x with row_scale [M, 1] fp32 (x @ D.T is then computed on the
+        exactly widened e4m3 values and scaled per row: no dequantized [M, K] copy)."""
+        packed = self.packed(y)
         if packed is None:
             return y
         down, up = packed
-        return torch.addmm(y, x @ down.t(), up.t())
+        t = x.to(y.dtype) @ down.t()  # [M, R]
+        if row_scale is not None:
+            t = (t.float() * row_scale).to(y.dtype)
+        return y.addmm_(t, up.t())
 
 
 class LoraTargetLinear(nn.Linear):
@@ -182,5 +205,4 @@ class LoraTargetLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = super().forward(x)
-        rows = x.reshape(-1, x.shape[-1])
-        return self.lora(rows, y.reshape(-1, y.shape[-1])).view(y.shape)
+        return self.lora(x.reshape(-1, x.shape[-1]), y.view(-1, y.shape[-1])).view(y.shape)

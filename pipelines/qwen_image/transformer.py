@@ -89,6 +89,16 @@ def check_triton_runs_on(device: torch.device):
             "on a CUDA GPU, or keep the stock transformer (FastConfig.preset('baseline'))")
 
 
+def has_offload_hooks(model: nn.Module) -> bool:
+    """accelerate's (model / sequential CPU offload) or diffusers' (group offload) hooks: they move weights between
+    forwards (a captured graph would read stale addresses), and group offload with streams keeps its own host copies."""
+    for module in model.modules():
+        registry = getattr(module, "_diffusers_hook", None)
+        if hasattr(module, "_hf_hook") or (registry is not None and registry.hooks):
+            return True
+    return False
+
+
 def peft_lora_layers(model: nn.Module) -> dict[str, nn.Module]:
     """name -> module of every peft LoRA layer (duck-typed on peft's BaseTunerLayer attributes, so peft need not be
     installed to find out there is none)."""
@@ -150,10 +160,37 @@ class FastLinear(nn.Module):
         if self.fp8:
             q, s = x
             y = fp8_linear(q, s, self.weight_q, self.weight_scale, self.bias, self.bias.dtype, self.fast_accum)
-            # the low-rank terms read the same operand, dequantized: [M, K] in the model dtype
-            return y if self.lora is None else self.lora((q.float() * s).to(y.dtype), y)
+            return y if self.lora is None else self.lora(q, y, row_scale=s)  # the same operand, no dequantized copy
         y = F.linear(x, self.weight, self.bias)
         return y if self.lora is None else self.lora(x, y)
+
+    def fold_lora(self):
+        """FP8: the adapters fuse_lora froze here, into the weight: requantized rowwise from the dequantized weight
+        plus their product (one more e4m3 rounding of each weight; the error is measured in RESULTS.md), so a fused
+        adapter costs nothing per forward. The weight before is copied to the host, for unfold_lora to restore
+        bit-exactly. Does nothing for a BF16 linear (it keeps the exact frozen low-rank terms)."""
+        if not self.fp8 or self.lora is None:
+            return
+        self.unfold_lora()  # a second fuse_lora: fold everything frozen now, from the weight before the first
+        delta = self.lora.frozen_delta(self.out_features)
+        if delta is None:
+            return
+        self._unfolded = (self.weight_q.to("cpu", copy=True), self.weight_scale.to("cpu", copy=True))
+        w = self.weight_q.float() * self.weight_scale[:, None] + delta.to(self.weight_q.device)
+        q, s = quantize_fp8_rowwise_ref(w)
+        self.weight_q.copy_(q)
+        self.weight_scale.copy_(s.view(-1))
+        self.lora.folded = True
+
+    def unfold_lora(self):
+        """Undo fold_lora: the weight and scale as they were, bit for bit."""
+        if self.lora is None or not self.lora.folded:
+            return
+        q, s = self._unfolded
+        self.weight_q.copy_(q)
+        self.weight_scale.copy_(s)
+        del self._unfolded
+        self.lora.folded = False
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, fp8={self.fp8}"
@@ -720,8 +757,7 @@ class FastQwenImageTransformer(ModelMixin, ConfigMixin):
     def _set_enabled(self, enabled: bool):
         self.lora_state.enabled = enabled
         if not enabled:  # peft unfuses a disabled layer (at its next forward; nothing runs in between here)
-            for lora in self._lora_layers():
-                lora.unfreeze()
+            self._unfreeze_all()
         self._lora_changed()
 
     def disable_lora(self):
@@ -742,12 +778,28 @@ class FastQwenImageTransformer(ModelMixin, ConfigMixin):
                 self.lora_state.layer_scale[name] *= lora_scale
         for lora in self._lora_layers():
             lora.freeze(names, safe_fusing)
+        # Folded into FP8 weights unless offload hooks hold their own copies of the weights (group offload with
+        # streams onloads from pinned host copies, which a fold would not reach): then kept low-rank, still exact.
+        if not has_offload_hooks(self):
+            for module in self.modules():
+                if isinstance(module, FastLinear):
+                    module.fold_lora()
         self._lora_changed()
 
     def unfuse_lora(self):
+        self._unfreeze_all()
+        self._lora_changed()
+
+    def _unfreeze_all(self):
+        folded = [m for m in self.modules() if isinstance(m, FastLinear) and m.lora is not None and m.lora.folded]
+        if folded and has_offload_hooks(self):
+            raise RuntimeError("the fused LoRA adapters are folded into the FP8 weights, and offload hooks were added "
+                               "since, which may hold their own copies of the weights: remove the offloading "
+                               "(e.g. pipe.remove_all_hooks()), unfuse, then enable it again")
+        for module in folded:
+            module.unfold_lora()
         for lora in self._lora_layers():
             lora.unfreeze()
-        self._lora_changed()
 
     @property
     def fused_adapters(self) -> set[str]:

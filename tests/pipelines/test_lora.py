@@ -194,6 +194,35 @@ def test_fp8_lora_error_is_that_of_fp8():
     assert err_lora < 1.5 * err_plain + 1e-3, (err_lora, err_plain)
 
 
+def test_fp8_fuse_folds_into_the_weights_and_unfuse_restores_them_bit_exactly():
+    """FP8: fuse_lora requantizes the block linears with the adapters in (no low-rank work left there), within the
+    FP8 bound of stock's fuse; a second fuse_lora folds both from the original weights; disable_lora and unfuse_lora
+    restore the weights and the unfused output bit for bit."""
+    stock, fp8 = stock_pipeline(), fast_pipeline(FastConfig())
+    for pipe in (stock, fp8):
+        pipe.load_lora_weights(lightning_format(LORA_A), adapter_name="a")
+        pipe.load_lora_weights(diffusers_format(LORA_B), adapter_name="b")
+        pipe.set_adapters(["a", "b"], [1.0, 0.6])
+    qkv = fp8.transformer.transformer_blocks[1].img_qkv
+    before = qkv.weight_q.clone(), qkv.weight_scale.clone()
+    unfused = run(fp8)
+    stock.fuse_lora()
+    fp8.fuse_lora(adapter_names=["a"])
+    fp8.fuse_lora(adapter_names=["b"])
+    assert qkv.lora.folded and not any(qkv.lora.in_effect(site) for site in qkv.lora.sites)
+    two_fuses = qkv.weight_q.clone()
+    err_fused, err_unfused = rel_rms_error(run(fp8), run(stock)), rel_rms_error(unfused, run(stock))
+    assert err_fused < 1.5 * err_unfused + 1e-3, (err_fused, err_unfused)
+    fp8.unfuse_lora()
+    assert torch.equal(qkv.weight_q.view(torch.uint8), before[0].view(torch.uint8))
+    assert torch.equal(qkv.weight_scale, before[1]) and not qkv.lora.folded
+    assert torch.equal(run(fp8), unfused), "unfuse restores the unfused output exactly"
+    fp8.fuse_lora()
+    assert torch.equal(qkv.weight_q.view(torch.uint8), two_fuses.view(torch.uint8)), "one fuse of a and b = two"
+    fp8.disable_lora()
+    assert torch.equal(qkv.weight_q.view(torch.uint8), before[0].view(torch.uint8)), "disable unfuses (peft)"
+
+
 def test_graphs_state_changes_with_adapters():
     fast = fast_pipeline()
     version = fast.transformer.lora_state.version
