@@ -1,13 +1,14 @@
-"""LoRA at the real shapes (GPU): error of ours + LoRA against stock + LoRA, beside ours against stock without one,
-and the forward time with and without the LoRA.
+"""LoRA at the real shapes (GPU): error of each of our LoRA paths (unfused low-rank; fused into the FP8 weights;
+fused on the stock model before conversion) against stock + LoRA, beside ours against stock without one, and the
+forward time with and without the LoRA.
 
     python3 benchmarks/bench_lora.py [--out DIR]
 
 A full-size random transformer (bench_transformer.make_stock) and a random LoRA at the Lightning release's shapes:
 the 12 block linears of each of the 60 blocks, rank 64, alpha 8 (scale 1/8), in lightx2v's key format (lora_down /
 lora_up / alpha), loaded through diffusers' QwenImage loader into the stock model (peft) and into ours. 1024^2,
-B=1 (Lightning runs without CFG). The error check runs first; no time is recorded if it fails (ours + LoRA must be
-within 1.1x of ours without). Appends to results/lora.jsonl.
+B=1 (Lightning runs without CFG). No time is recorded for a path that fails its error bound (GATES). Appends to
+results/lora.jsonl.
 """
 
 import argparse
@@ -48,44 +49,64 @@ def lightning_lora(model, rank=64, alpha=8.0, seed=5) -> dict:
     return sd
 
 
+# Error of each path against stock + LoRA (unfused peft), over ours against stock without a LoRA. Unfused and
+# folded-from-BF16 keep one e4m3 rounding of each weight: the issue's 1.1x. Folding into the FP8 weight rounds each
+# weight a second time (the dequantized FP8 weight plus the LoRA product, requantized), which at most doubles the
+# weight-rounding variance: sqrt(2) if all of the error were weight rounding, less with the activations' share.
+GATES = {"unfused": 1.1, "fused-bf16": 1.1, "fused-fp8": 2 ** 0.5}
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     inputs = make_inputs("1024x1024-b1")
     stock = make_stock()
-    with torch.no_grad():
-        ref_plain = stock(**inputs, return_dict=False)[0].float()
-    fast = FastQwenImageTransformer.from_diffusers(stock, FastTransformerConfig(fp8_fast_accum=True), device="cuda")
-    with torch.no_grad():
-        ours_plain = fast(**inputs, return_dict=False)[0].float()
-    ms_plain = bench_ms(lambda: fast(**inputs, return_dict=False))
+    config = FastTransformerConfig(fp8_fast_accum=True)
+
+    def forward(model):
+        with torch.no_grad():
+            return model(**inputs, return_dict=False)[0].float()
+
+    ref_plain = forward(stock)
+    fast = FastQwenImageTransformer.from_diffusers(stock, config, device="cuda")
+    ours = {"no-lora": forward(fast)}
+    ms = {"no-lora": bench_ms(lambda: fast(**inputs, return_dict=False))}
 
     lora = lightning_lora(stock)
     state_dict = QwenImagePipeline.lora_state_dict(dict(lora))  # diffusers' conversion (alpha folded)
     stock.load_lora_adapter(dict(state_dict), prefix="transformer", adapter_name="lightning")
-    with torch.no_grad():
-        ref_lora = stock(**inputs, return_dict=False)[0].float()
+    ref_lora = forward(stock)
     lora_effect = rel_rms_error(ref_plain, ref_lora)
+    fast.load_lora_adapter(dict(state_dict), prefix="transformer", adapter_name="lightning")
+    ours["unfused"] = forward(fast)
+    ms["unfused"] = bench_ms(lambda: fast(**inputs, return_dict=False))
+    fast.fuse_lora()
+    ours["fused-fp8"] = forward(fast)
+    ms["fused-fp8"] = bench_ms(lambda: fast(**inputs, return_dict=False))
+    del fast
+    stock.fuse_lora()
+    stock.unload_lora()  # the merged bf16 weights stay
+    fast = FastQwenImageTransformer.from_diffusers(stock, config, device="cuda")
     del stock
     torch.cuda.empty_cache()
-    fast.load_lora_adapter(dict(state_dict), prefix="transformer", adapter_name="lightning")
-    with torch.no_grad():
-        ours_lora = fast(**inputs, return_dict=False)[0].float()
-    err_plain, err_lora = rel_rms_error(ours_plain, ref_plain), rel_rms_error(ours_lora, ref_lora)
-    ratio = err_lora / err_plain
-    ok = ratio <= 1.1
-    print(f"LoRA moves the stock output by {lora_effect:.3e} rel-RMS")
-    print(f"ours vs stock: no LoRA {err_plain:.3e}, with LoRA {err_lora:.3e} (ratio {ratio:.3f}, bound 1.1): "
-          f"{'ok' if ok else 'FAILED'}")
-    row = dict(environment(), bench="lora", shape="1024x1024-b1", rank=64, alpha=8.0, targets=len(TARGETS) * 60,
-               lora_effect=lora_effect, err_no_lora=err_plain, err_lora=err_lora, ratio=ratio, ok=ok)
-    if ok:
-        ms_lora = bench_ms(lambda: fast(**inputs, return_dict=False))
-        print(f"ours forward (eager), 1024^2 B=1: {ms_plain:.1f} ms without, {ms_lora:.1f} ms with the LoRA "
-              f"(+{100 * (ms_lora / ms_plain - 1):.1f}%)")
-        row.update(ms_no_lora=ms_plain, ms_lora=ms_lora)
-    append_results("lora", [row], args.out)
+    ours["fused-bf16"] = forward(fast)
+    ms["fused-bf16"] = bench_ms(lambda: fast(**inputs, return_dict=False))
+
+    err_plain = rel_rms_error(ours["no-lora"], ref_plain)
+    print(f"LoRA moves the stock output by {lora_effect:.3e} rel-RMS; ours vs stock without it: {err_plain:.3e}")
+    rows = []
+    for path, gate in GATES.items():
+        err = rel_rms_error(ours[path], ref_lora)
+        ok = err / err_plain <= gate
+        row = dict(environment(), bench="lora", shape="1024x1024-b1", rank=64, alpha=8.0, targets=len(TARGETS) * 60,
+                   path=path, lora_effect=lora_effect, err_no_lora=err_plain, err_lora=err, ratio=err / err_plain,
+                   gate=gate, ok=ok, ms_no_lora=ms["no-lora"], ms_lora=ms[path] if ok else None)
+        print(f"{path:10} vs stock + LoRA: {err:.3e} (ratio {err / err_plain:.3f}, bound {gate:.2f}): "
+              f"{'ok' if ok else 'FAILED'}" + (f"; forward (eager) {ms[path]:.1f} ms against {ms['no-lora']:.1f} "
+                                               f"without ({100 * (ms[path] / ms['no-lora'] - 1):+.1f}%)" if ok else ""))
+        rows.append(row)
+    append_results("lora", rows, args.out)
 
 
 if __name__ == "__main__":

@@ -38,9 +38,11 @@ PROMPT = "A red fox sitting in fresh snow at dawn, soft light, detailed fur, sha
 NEGATIVE = "低分辨率，低画质，肢体畸形，手指畸形，画面过饱和，蜡像感，人脸无细节，过度光滑，画面具有AI感。构图混乱。文字模糊，扭曲。"
 
 
-def full_size_stock_pipeline(tokenizer_dir: Path | None = None):
+def full_size_stock_pipeline(tokenizer_dir: Path | None = None, full_text_encoder: bool = False):
     """tokenizer_dir: a Qwen2.5 BPE tokenizer saved by qwen_bpe_tokenizer.py (real prompt lengths); None: the
-    byte-level test tokenizer (one token per UTF-8 byte, 3-5x longer text than the real tokenizer gives)."""
+    byte-level test tokenizer (one token per UTF-8 byte, 3-5x longer text than the real tokenizer gives).
+    full_text_encoder: the text encoder at Qwen2.5-VL-7B's text shapes (28 layers, MLP 18944, vocab 152064; random
+    weights), else 1 layer with a 512-wide MLP (the same 3584-wide hidden states)."""
     from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImagePipeline
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer
 
@@ -49,16 +51,24 @@ def full_size_stock_pipeline(tokenizer_dir: Path | None = None):
 
     tokenizer = tiny_tokenizer() if tokenizer_dir is None else Qwen2Tokenizer.from_pretrained(tokenizer_dir)
     n = len(tokenizer)
+    vocab = max(n, 152064) if full_text_encoder else n
     config = Qwen2_5_VLConfig(
-        text_config=dict(hidden_size=3584, intermediate_size=512, num_hidden_layers=1, num_attention_heads=28,
+        text_config=dict(hidden_size=3584, intermediate_size=18944 if full_text_encoder else 512,
+                         num_hidden_layers=28 if full_text_encoder else 1, num_attention_heads=28,
                          num_key_value_heads=4, rope_scaling=dict(mrope_section=[16, 24, 24], rope_type="default",
                                                                   type="default"),
-                         vocab_size=n, bos_token_id=n - 3, eos_token_id=n - 3),
+                         vocab_size=vocab, bos_token_id=n - 3, eos_token_id=n - 3),
         vision_config=dict(depth=1, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=3584),
-        vocab_size=n, vision_start_token_id=n - 3, vision_end_token_id=n - 2, vision_token_id=n - 1,
+        vocab_size=vocab, vision_start_token_id=n - 3, vision_end_token_id=n - 2, vision_token_id=n - 1,
         image_token_id=n - 1, video_token_id=n - 1,
     )
-    text_encoder = Qwen2_5_VLForConditionalGeneration(config).to("cuda", torch.bfloat16).eval()
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)  # built in place on the GPU: 8B random parameters in seconds
+    try:
+        with torch.device("cuda"):
+            text_encoder = Qwen2_5_VLForConditionalGeneration(config).eval()
+    finally:
+        torch.set_default_dtype(default_dtype)
     vae = AutoencoderKLQwenImage().to("cuda", torch.bfloat16).eval()
     scheduler = FlowMatchEulerDiscreteScheduler(**QWEN_IMAGE_SCHEDULER_CONFIG)
     return QwenImagePipeline(transformer=make_stock(), vae=vae, text_encoder=text_encoder, tokenizer=tokenizer,

@@ -1,6 +1,6 @@
 """qwen-image-fast: fast, faithful Qwen-Image-2512 inference (rowwise FP8, fused Triton kernels, FlashAttention-4).
 
-    from qwen_image_fast import QwenImageFastPipeline, FastConfig, optimize, PromptEnhancer
+    from qwen_image_fast import QwenImageFastPipeline, FastConfig, optimize, PromptEnhancer, lightning_scheduler
 
 The kernels live in `qwen_image_fast.kernels`, the model code in `qwen_image_fast.pipelines`. Importing the package
 imports neither torch nor diffusers: each name below loads its module on first use (the CLI starts fast).
@@ -8,7 +8,8 @@ imports neither torch nor diffusers: each name below loads its module on first u
 
 import importlib
 
-__all__ = ["FastConfig", "FastQwenImageTransformer", "PromptEnhancer", "QwenImageFastPipeline", "optimize"]
+__all__ = ["FastConfig", "FastQwenImageTransformer", "PromptEnhancer", "QwenImageFastPipeline", "lightning_scheduler",
+           "optimize"]
 __version__ = "0.1.0"
 
 _WHERE = {
@@ -17,6 +18,7 @@ _WHERE = {
     "optimize": ".pipeline",
     "FastQwenImageTransformer": ".pipelines.qwen_image.transformer",
     "PromptEnhancer": ".pipelines.qwen35.enhance",
+    "lightning_scheduler": ".samplers",
 }
 
 

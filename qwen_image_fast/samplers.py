@@ -3,12 +3,28 @@ UniPC derived from its config when FastConfig.scheduler asks for them. Built at 
 `pipe.scheduler` works as in the stock pipeline."""
 
 import inspect
+import math
 
 import numpy as np
-from diffusers import DPMSolverMultistepScheduler, UniPCMultistepScheduler
+from diffusers import DPMSolverMultistepScheduler, FlowMatchEulerDiscreteScheduler, UniPCMultistepScheduler
 from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift, retrieve_timesteps
 
 from .config import SCHEDULERS
+
+
+# The step-distilled Lightning LoRAs' sampler (lightx2v's Qwen-Image-Lightning release, generate_with_diffusers.py):
+# FlowMatch Euler with the dynamic shift pinned to exp(log 3) = 3 at every resolution; 4 or 8 steps, true_cfg_scale=1.
+LIGHTNING_SCHEDULER_CONFIG = {
+    "base_image_seq_len": 256, "base_shift": math.log(3), "max_image_seq_len": 8192, "max_shift": math.log(3),
+    "num_train_timesteps": 1000, "shift": 1.0, "shift_terminal": None, "time_shift_type": "exponential",
+    "use_dynamic_shifting": True, "invert_sigmas": False, "stochastic_sampling": False, "use_beta_sigmas": False,
+    "use_exponential_sigmas": False, "use_karras_sigmas": False,
+}
+
+
+def lightning_scheduler() -> FlowMatchEulerDiscreteScheduler:
+    """The scheduler Lightning LoRAs were distilled for: pipe.scheduler = lightning_scheduler()."""
+    return FlowMatchEulerDiscreteScheduler.from_config(LIGHTNING_SCHEDULER_CONFIG)
 
 
 def scheduler_kwargs(cls, config) -> dict:

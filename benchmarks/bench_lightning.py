@@ -1,0 +1,179 @@
+"""Few-step (Lightning) generation with a LoRA (GPU): stock QwenImagePipeline with the LoRA fused vs ours, each of
+our LoRA paths, 4 and 8 steps, true_cfg_scale=1, plus the LoRA's load / strength switch / fuse / unload times.
+
+    python3 benchmarks/bench_lightning.py [--tokenizer DIR] [--out DIR]     # full size, on a GPU
+    python3 benchmarks/bench_lightning.py --tiny                            # CPU smoke run of this script's logic
+
+Components: the full-size transformer and VAE with random weights and the text encoder at Qwen2.5-VL-7B's text
+shapes (28 layers, random weights; bench_pipeline.full_size_stock_pipeline), the Lightning scheduler
+(qwen_image_fast.lightning_scheduler) in both pipelines. The LoRA: bench_lora.lightning_lora (the release's shapes:
+the 12 block linears of the 60 blocks, rank 64, alpha 8, lightx2v keys), written to a bf16 safetensors file and
+loaded from it by both pipelines.
+
+Paths (rows): diffusers without / with the LoRA fused (peft merge in bf16); ours without a LoRA; ours with it
+unfused (low-rank terms beside the FP8 GEMMs); fused after loading (folded into the FP8 weights, requantized from
+the dequantized FP8 weight); fused on the stock model before conversion (quantized once from the merged BF16
+weights). Seconds per image = the pipeline call to latents (text encoding included) + VAE decode, median of 3
+after a warm-up call (graph capture); text encoding is also timed alone. Each row of ours is checked first
+against the stock run with the same LoRA state (latent rel-RMS <= 0.1 and image PSNR >= 38 dB); a failed row is
+printed and not recorded. Appends to results/lightning.jsonl.
+"""
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import save_file
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_lora import lightning_lora  # noqa: E402
+from bench_pipeline import PROMPT, decode, full_size_stock_pipeline, module_bytes  # noqa: E402
+from common import append_results, environment, sync  # noqa: E402
+
+from qwen_image_fast import FastConfig, QwenImageFastPipeline, lightning_scheduler  # noqa: E402
+from qwen_image_fast.compare import psnr  # noqa: E402
+from qwen_image_fast.kernels._utils import rel_rms_error  # noqa: E402
+
+GATE = (0.1, 38.0)  # latent rel-RMS, image PSNR dB: FP8 against bf16 with the same sampler and LoRA state
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tiny", action="store_true", help="tiny random components on the CPU (logic check)")
+    parser.add_argument("--sizes", default="1024,1328")
+    parser.add_argument("--steps", default="4,8")
+    parser.add_argument("--tokenizer", type=Path, default=None, help="a Qwen2.5 BPE tokenizer folder")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    device = torch.device("cpu" if args.tiny else "cuda")
+    if args.tiny:
+        from qwen_image_fast.tiny import tiny_pipeline
+
+        stock, sizes, steps_list, rank = tiny_pipeline(), [(48, 32)], [2], 4
+    else:
+        stock = full_size_stock_pipeline(args.tokenizer, full_text_encoder=True)
+        sizes = [(int(n), int(n)) for n in args.sizes.split(",")]
+        steps_list, rank = [int(n) for n in args.steps.split(",")], 64
+    stock.scheduler = lightning_scheduler()
+    stock.set_progress_bar_config(disable=True)
+    env = {} if args.tiny else environment()
+    env.update(tokenizer="qwen2.5-bpe" if args.tokenizer else "byte-level",
+               text_tokens=len(stock.tokenizer(PROMPT).input_ids), lora_rank=rank, lora_alpha=8.0,
+               text_encoder_layers=stock.text_encoder.config.text_config.num_hidden_layers)
+    rows, refs = [], {}
+
+    def call(pipe, resolution, steps, seed=0):
+        """(latents, images, seconds to latents, VAE seconds) of one call."""
+        width, height = resolution
+        sync(device)
+        t0 = time.perf_counter()
+        latents = pipe(prompt=PROMPT, true_cfg_scale=1.0, width=width, height=height, num_inference_steps=steps,
+                       generator=torch.Generator(device).manual_seed(seed), output_type="latent").images
+        sync(device)
+        seconds = time.perf_counter() - t0
+        images, vae_s = decode(fast, latents, resolution, device)
+        return latents, images, seconds, vae_s
+
+    def text_ms(pipe) -> float:
+        sync(device)
+        t0 = time.perf_counter()
+        pipe.encode_prompt(PROMPT, device=device)
+        sync(device)
+        return 1000 * (time.perf_counter() - t0)
+
+    def record(impl, path, pipe, ref_key=None, repeats=3):
+        """Every size and step count: a warm-up call, then `repeats` timed ones (median)."""
+        for resolution in sizes:
+            for steps in steps_list:
+                call(pipe, resolution, steps, seed=1)  # warm-up: graph capture, VAE autotuning
+                runs = [call(pipe, resolution, steps) for _ in range(repeats)]
+                latents, images = runs[0][0], runs[0][1]
+                seconds = statistics.median(r[2] + r[3] for r in runs)
+                vae_ms = 1000 * statistics.median(r[3] for r in runs)
+                text = statistics.median(text_ms(pipe) for _ in range(3))
+                key = (resolution, steps)
+                if ref_key is None:
+                    refs[(path, *key)] = (latents, images)
+                ref = refs.get((ref_key, *key)) if ref_key else None
+                row = dict(env, bench="lightning", impl=impl, path=path, resolution=f"{resolution[0]}x{resolution[1]}",
+                           steps=steps, seconds=seconds, text_ms=text, vae_ms=vae_ms,
+                           ms_per_step=(1000 * seconds - vae_ms - text) / steps,
+                           applied=getattr(pipe, "applied", []), module_gib=module_bytes(pipe) / 2**30,
+                           latent_rel_err=None if ref is None else rel_rms_error(latents, ref[0]),
+                           psnr=None if ref is None else psnr(images, ref[1]), gate=GATE if ref else None)
+                row["ok"] = bool(torch.isfinite(latents).all()) and (ref is None or (
+                    row["latent_rel_err"] <= GATE[0] and row["psnr"] >= GATE[1]))
+                if not row["ok"]:
+                    print(f"{impl:9} {path:14} {row['resolution']} {steps} steps: FAILED the check {GATE}: rel_err "
+                          f"{row['latent_rel_err']}, PSNR {row['psnr']} (no speed reported)", flush=True)
+                    continue
+                rows.append(row)
+                if not args.tiny:
+                    append_results("lightning", [row], args.out)
+                print(f"{impl:9} {path:14} {row['resolution']} {steps} steps  {seconds:6.3f} s  "
+                      f"({row['ms_per_step']:6.1f} ms/step, text {text:5.1f} ms, VAE {vae_ms:5.1f} ms)  "
+                      f"rel_err {row['latent_rel_err'] or 0:.3e}  PSNR {row['psnr'] or 0:.1f} dB", flush=True)
+
+    def timed(fn) -> float:
+        sync(device)
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        return time.perf_counter() - t0
+
+    def op_row(what, seconds, **extra):
+        row = dict(env, bench="lightning", impl="ours" if what.startswith("ours") else "diffusers", op=what,
+                   seconds=seconds, **extra)
+        rows.append(row)
+        if not args.tiny:
+            append_results("lightning", [row], args.out)
+        print(f"{what:44} {seconds:7.3f} s", flush=True)
+
+    fast = QwenImageFastPipeline.from_pipe(stock, fast_config=FastConfig(), device=device)
+    fast.set_progress_bar_config(disable=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        lora_file = Path(tmp) / "lightning.safetensors"
+        save_file({k: v.to(torch.bfloat16).contiguous() for k, v in
+                   lightning_lora(stock.transformer, rank=rank).items()}, lora_file)
+        record("diffusers", "no-lora", stock)
+        record("ours", "no-lora", fast, ref_key="no-lora")
+
+        op_row("diffusers: load_lora_weights", timed(lambda: stock.load_lora_weights(lora_file, adapter_name="l")))
+        op_row("diffusers: fuse_lora", timed(lambda: stock.fuse_lora()))
+        record("diffusers", "fused", stock)
+
+        op_row("ours: load_lora_weights", timed(lambda: fast.load_lora_weights(lora_file, adapter_name="l")))
+        record("ours", "unfused", fast, ref_key="fused")
+        # a strength change: set_adapters, plus what the next call costs beyond a steady one (graph recapture)
+        steady = statistics.median(call(fast, sizes[0], steps_list[-1])[2] for _ in range(2))
+        switch = timed(lambda: fast.set_adapters(["l"], [0.8])) + call(fast, sizes[0], steps_list[-1])[2] - steady
+        op_row("ours: strength switch, unfused (+ next call)", switch)
+        fast.set_adapters(["l"], [1.0])
+        op_row("ours: fuse_lora (fold into FP8)", timed(lambda: fast.fuse_lora()))
+        record("ours", "fused-fp8", fast, ref_key="fused")
+        op_row("ours: strength switch, fused (unfuse, set, fuse)",
+               timed(lambda: (fast.unfuse_lora(), fast.set_adapters(["l"], [0.8]), fast.fuse_lora())))
+        op_row("ours: unfuse_lora", timed(lambda: fast.unfuse_lora()))
+        op_row("ours: unload_lora_weights", timed(lambda: fast.unload_lora_weights()))
+
+        stock.unload_lora_weights()  # the fused weights stay: now a plain model with the LoRA merged in bf16
+        del fast
+        fast = QwenImageFastPipeline.from_pipe(stock, fast_config=FastConfig(), device=device)
+        fast.set_progress_bar_config(disable=True)
+        record("ours", "fused-bf16", fast, ref_key="fused")
+
+    for r in rows:
+        if r.get("path") in ("unfused", "fused-fp8", "fused-bf16"):
+            base = next(b for b in rows if b.get("path") == "no-lora" and b["impl"] == "ours"
+                        and (b["resolution"], b["steps"]) == (r["resolution"], r["steps"]))
+            print(f"{r['path']:10} {r['resolution']} {r['steps']} steps: {100 * (r['seconds'] / base['seconds'] - 1):+.1f}% "
+                  "against ours without the LoRA")
+
+
+if __name__ == "__main__":
+    main()
