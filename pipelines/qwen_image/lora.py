@@ -9,7 +9,8 @@ A Qwen-Image LoRA names stock modules; each is a *site* here: a row range of one
   timestep embedder's linear_1 / linear_2)                 the same nn.Linear here, all of its rows
 A linear with adapters computes y = base(x) + (x @ D.T) @ U.T on its input rows, where D [R, K] stacks the A
 factors of every adapter in effect at each of its sites and U [N, R] their B factors times peft's scaling, each in
-its site's rows (zero elsewhere). An FP8 linear's input is its rowwise-FP8 operand (q, s): x @ D.T = s * (q @ D.T).
+its site's rows (zero elsewhere). An FP8 linear's input is its rowwise-FP8 operand (q, s): x @ D.T is a rowwise-FP8
+GEMM of that operand and D quantized rowwise (the LoRA term's error is measured in RESULTS.md).
 Unfused adapters never touch the base weights, so adapters and strengths change without requantizing anything.
 
 State follows peft's LoRA layer (peft 0.17+ as diffusers drives it):
@@ -27,6 +28,9 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
+
+from ...kernels.fp8 import fp8_linear, quantize_fp8_rowwise_ref
 
 # Stock block module -> (fast linear, which third of its rows; None: all rows)
 BLOCK_SITES = {
@@ -88,6 +92,7 @@ class LoraLinear(nn.Module):
         self.folded = False  # the frozen adapters are in the host FastLinear's weight (fold_lora)
         self._count = 0
         self._packed_version = None
+        self._packed_fp8_of = None
 
     def add(self, site: str, adapter: str, a: torch.Tensor, b: torch.Tensor, base_scale: float):
         row0, row1 = self.sites[site]
@@ -175,17 +180,35 @@ class LoraLinear(nn.Module):
             self._packed_version = key
         return self._packed
 
+    def packed_fp8(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """For an FP8 host: (D rowwise e4m3 [R16, K], its scale [R16] fp32, U [N, R16] in like's dtype), R padded
+        with zero rows / columns to a multiple of 16 (torch._scaled_mm's N); None when nothing is in effect."""
+        packed = self.packed(like)
+        if packed is None:
+            return None
+        if self._packed_fp8_of is not packed:
+            down, up = packed
+            pad = -down.shape[0] % 16
+            down_q, down_scale = quantize_fp8_rowwise_ref(F.pad(down, (0, 0, 0, pad)))
+            self._packed_fp8 = (down_q, down_scale.view(-1), F.pad(up, (0, pad)))
+            self._packed_fp8_of = packed
+        return self._packed_fp8
+
     def forward(self, x: torch.Tensor, y: torch.Tensor, row_scale: torch.Tensor | None = None) -> torch.Tensor:
         """y [M, N] (the base output, which this adds to in place) + the low-rank terms of the input rows: x [M, K]
-        in y's dtype, or an FP8 operand's e4m3 rows x with row_scale [M, 1] fp32 (x @ D.T is then computed on the
-        exactly widened e4m3 values and scaled per row: no dequantized [M, K] copy)."""
-        packed = self.packed(y)
+        in y's dtype, or an FP8 linear's operand, e4m3 rows x with row_scale [M, 1] fp32: then x @ D.T is one
+        rowwise-FP8 GEMM on that operand with D quantized rowwise (no dequantized [M, K] copy)."""
+        if row_scale is None:
+            packed = self.packed(y)
+            if packed is None:
+                return y
+            down, up = packed
+            return y.addmm_(x @ down.t(), up.t())
+        packed = self.packed_fp8(y)
         if packed is None:
             return y
-        down, up = packed
-        t = x.to(y.dtype) @ down.t()  # [M, R]
-        if row_scale is not None:
-            t = (t.float() * row_scale).to(y.dtype)
+        down_q, down_scale, up = packed
+        t = fp8_linear(x, row_scale, down_q, down_scale, None, y.dtype)  # [M, R16]
         return y.addmm_(t, up.t())
 
 
