@@ -22,6 +22,7 @@ from .render import ASPECTS, DEFAULT_ENHANCER_ID, MAX_SEED, REAL_MODEL_ID, TINY_
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 REAL_STEPS, REAL_CFG = 50, 4.0
+LIGHTNING_STEPS, LIGHTNING_CFG = 8, 1.0
 INTERRUPTED = 130  # 128 + SIGINT, as shells report it
 
 
@@ -65,6 +66,23 @@ def finite_float(minimum: float | None = None):
     return parse
 
 
+def lora_argument(text: str) -> tuple[str, float]:
+    """PATH_OR_ID[:SCALE] -> (PATH_OR_ID, SCALE); SCALE defaults to 1. The file is checked later (resolve_lora)."""
+    source, sep, tail = text.rpartition(":")
+    if not sep:
+        return text, 1.0
+    try:
+        scale = float(tail)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: the part after the last ':' must be a scale (a number), got "
+                                         f"{tail!r}") from None
+    if not math.isfinite(scale):
+        raise argparse.ArgumentTypeError(f"{text!r}: the scale must be a finite number, got {tail!r}")
+    if not source:
+        raise argparse.ArgumentTypeError(f"{text!r}: no LoRA before the scale")
+    return source, scale
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="qwen-image-fast", description="Fast Qwen-Image-2512 inference.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -88,8 +106,16 @@ def build_parser() -> argparse.ArgumentParser:
     add("--width", type=multiple_of_16, help="multiple of 16 (with --height)")
     add("--height", type=multiple_of_16, help="multiple of 16 (with --width)")
     add("--steps", type=int_at_least(render.MIN_STEPS),
-        help=f"denoising steps (default {REAL_STEPS}; {render.TINY_STEPS} with {TINY_MODEL_ID})")
-    add("--cfg", type=finite_float(), default=REAL_CFG, help="true_cfg_scale (default 4.0; <= 1: no CFG)")
+        help=f"denoising steps (default {REAL_STEPS}, {LIGHTNING_STEPS} with --lightning; {render.TINY_STEPS} with "
+             f"{TINY_MODEL_ID})")
+    add("--cfg", type=finite_float(), help=f"true_cfg_scale (default {REAL_CFG}, {LIGHTNING_CFG} with --lightning; "
+        "<= 1: no CFG)")
+    add("--lora", type=lora_argument, action="append", default=[], metavar="PATH_OR_ID[:SCALE]",
+        help="a LoRA .safetensors file, local or in a hub repo as OWNER/NAME/FILE.safetensors, at strength SCALE "
+             "(default 1); repeatable. Recorded with each image (path, scale, sha256); fused with the fast preset")
+    add("--lightning", action="store_true",
+        help=f"few-step sampling for a Lightning (step-distilled) LoRA: its Euler schedule (shift 3), "
+             f"{LIGHTNING_STEPS} steps and cfg {LIGHTNING_CFG:g} unless --steps / --cfg say otherwise")
     add("--negative-prompt", default=render.NEGATIVE_PROMPT, help="default: Qwen-Image-2512's recommended one")
     add("--scheduler", choices=SCHEDULERS, default="euler")
     add("--seed", type=int_at_least(0, maximum=MAX_SEED), default=0,
@@ -226,9 +252,10 @@ def render_defaults(args, tiny: bool) -> render.Defaults:
         width, height = args.width, args.height
     else:
         width, height = (render.TINY_SIZE, render.TINY_SIZE) if tiny else ASPECTS["1:1"]
-    steps = args.steps or (render.TINY_STEPS if tiny else REAL_STEPS)
+    steps = args.steps or (render.TINY_STEPS if tiny else LIGHTNING_STEPS if args.lightning else REAL_STEPS)
+    cfg = args.cfg if args.cfg is not None else LIGHTNING_CFG if args.lightning else REAL_CFG
     return render.Defaults(negative_prompt=args.negative_prompt, seed=args.seed, width=width, height=height,
-                           steps=steps, cfg=args.cfg)
+                           steps=steps, cfg=cfg)
 
 
 def run_render(args) -> int:
@@ -245,7 +272,9 @@ def run_render(args) -> int:
         device = resolve_device(args.device, rank, local_rank)
         model, why = render.resolve_model(args.model, device)  # auto: tiny-random, or the real model when cached
         config = FastConfig.preset(args.preset).replace(scheduler=args.scheduler)  # the command's one config
-        labels = render.labels_for(model, args.preset, config, enhancer=args.enhance)
+        loras = tuple(render.resolve_lora(source, scale) for source, scale in args.lora)
+        labels = render.labels_for(model, args.preset, config, enhancer=args.enhance, loras=loras,
+                                   lightning=args.lightning)
         check_triton_on_cpu(device, labels, args.enhance)
         jobs = render.make_jobs(entries, render_defaults(args, tiny=model == TINY_MODEL_ID))
         mine = render.shard(jobs, rank, world_size)
@@ -260,12 +289,16 @@ def run_render(args) -> int:
 
     prefix = f"rank {rank}/{world_size}: " if world_size > 1 else ""
     enhancer = f", prompts rewritten by {args.enhance}" if args.enhance else ""
-    print(f"{prefix}model {model} ({why}), preset {args.preset}, device {device}{enhancer}; {len(mine)} of "
-          f"{len(jobs)} prompts -> {out_dir}", flush=True)
+    lora_list = "".join(f", LoRA {lora.source} x{lora.scale:g}" for lora in labels.loras)
+    lightning = ", Lightning sampler" if args.lightning else ""
+    print(f"{prefix}model {model} ({why}), preset {args.preset}, device {device}{lora_list}{lightning}{enhancer}; "
+          f"{len(mine)} of {len(jobs)} prompts -> {out_dir}", flush=True)
 
     def load_pipe():
         try:
-            return render.load_pipeline(model, labels.preset, labels.config, device)
+            return render.load_pipeline(model, labels.preset, labels.config, device, labels.loras, labels.lightning)
+        except render.LoadError:  # a LoRA that cannot be loaded: the error names it
+            raise
         except Exception as e:  # e.g. not a complete checkpoint: a one-line error, not a traceback
             raise render.LoadError(f"--model {model}: cannot load it ({type(e).__name__}: {e})") from e
 

@@ -16,6 +16,13 @@ Settings (embedded and in the manifest): what was asked for (settings_of: prompt
 preset, scheduler, enhancer; resume compares these) and `applied`, what the pipeline call that made the image ran
 (pipe.applied after that call; not compared).
 
+LoRAs (--lora, repeatable): each is checked before any model loads (a safetensors file holding LoRA tensors, on
+disk or in the local Hugging Face cache) and hashed; `loras` ([{path, scale, sha256}], in the given order) is one
+of the settings resume compares, by content and scale (not by path), so another LoRA set or strength is other work.
+With the fast preset the LoRAs are fused: merged into the BF16 weights before they are quantized (an upstream
+checkpoint), or folded into the FP8 weights (a fast checkpoint). --lightning: the Lightning LoRAs' few-step sampler
+(lightning_scheduler; the recorded scheduler is "lightning"), 8 steps and no CFG unless given.
+
 Prompt enhancement (--enhance): each batch's prompts are rewritten by a local Qwen3.5 just before the batch renders;
 the rewrite is recorded as `enhanced_prompt` next to `prompt` (embedded and in the manifest), and `enhancer` (which
 model rewrote it) is one of the settings resume compares. Resume matches the original prompt, never the rewrite.
@@ -23,10 +30,13 @@ model rewrote it) is one of the settings resume compares. Resume matches the ori
 Importing this module is light (no torch, diffusers or triton): the command line imports it to build its parser.
 """
 
+import contextlib
 import fcntl
+import hashlib
 import json
 import math
 import os
+import re
 import time
 import zlib
 from collections.abc import Callable
@@ -121,6 +131,19 @@ class Job:
 
 
 @dataclass(frozen=True)
+class Lora:
+    """One --lora: the path or ID/file as given, the file on this machine, its strength and its content's sha256."""
+
+    source: str
+    file: Path
+    scale: float
+    sha256: str
+
+    def record(self) -> dict:
+        return {"path": self.source, "scale": self.scale, "sha256": self.sha256}
+
+
+@dataclass(frozen=True)
 class Labels:
     """What produces the images, recorded with each of them. preset: a FastConfig preset name (STOCK_PRESET: the
     stock pipeline); config: the one FastConfig of the command. note: set for the tiny random model. enhancer: the
@@ -132,10 +155,12 @@ class Labels:
     note: str | None
     enhancer: str | None = None
     enhancer_note: str | None = None
+    loras: tuple[Lora, ...] = ()
+    lightning: bool = False
 
     @property
     def scheduler(self) -> str:
-        return self.config.scheduler
+        return "lightning" if self.lightning else self.config.scheduler
 
 
 @dataclass
@@ -289,31 +314,140 @@ def check_scheduler(preset: str, scheduler: str):
                          f"--scheduler {scheduler} needs another preset")
 
 
-def labels_for(model: str, preset: str, config: FastConfig, enhancer: str | None = None) -> Labels:
+def labels_for(model: str, preset: str, config: FastConfig, enhancer: str | None = None,
+               loras: tuple[Lora, ...] = (), lightning: bool = False) -> Labels:
     check_scheduler(preset, config.scheduler)
+    if lightning and config.scheduler != "euler":
+        raise ValueError(f"--lightning samples with the Euler schedule the Lightning LoRAs were distilled for; "
+                         f"--scheduler {config.scheduler} cannot go with it")
     return Labels(model=model, preset=preset, config=config, note=TINY_NOTE if model == TINY_MODEL_ID else None,
-                  enhancer=enhancer, enhancer_note=TINY_ENHANCER_NOTE if enhancer == TINY_ENHANCER_ID else None)
+                  enhancer=enhancer, enhancer_note=TINY_ENHANCER_NOTE if enhancer == TINY_ENHANCER_ID else None,
+                  loras=tuple(loras), lightning=lightning)
 
 
-def load_pipeline(model: str, preset: str, config: FastConfig, device):
+HUB_FILE = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+/[\w./-]+\.safetensors$")  # OWNER/NAME/[FOLDER/]FILE
+LORA_KEY_PARTS = ("lora_A", "lora_B", "lora_down", "lora_up", "lora.down", "lora.up", "lokr_")
+
+
+def resolve_lora(source: str, scale: float) -> Lora:
+    """--lora SOURCE[:SCALE] -> a Lora: a local .safetensors file, or OWNER/NAME/FILE.safetensors from the hub (the
+    local cache under HF_HUB_OFFLINE=1), whose tensors include LoRA factors. ValueError naming it otherwise."""
+    path = Path(source).expanduser()
+    if path.is_dir():
+        raise ValueError(f"--lora {source}: a folder; name the LoRA file in it ({source}/FILE.safetensors)")
+    if path.exists():
+        file = path
+    else:
+        parts = source.split("/")
+        if not HUB_FILE.match(source):
+            raise ValueError(f"--lora {source}: no such file, and not a file in a hub repo "
+                             "(OWNER/NAME/FILE.safetensors)")
+        from huggingface_hub import hf_hub_download
+
+        repo, filename = "/".join(parts[:2]), "/".join(parts[2:])
+        try:
+            file = Path(hf_hub_download(repo, filename))
+        except Exception as e:  # not cached offline, no such repo or file, no network
+            raise ValueError(f"--lora {source}: cannot get {filename} from the hub repo {repo} "
+                             f"({type(e).__name__})") from None
+    keys = safetensors_keys(file, source)
+    if not any(part in key for key in keys for part in LORA_KEY_PARTS):
+        raise ValueError(f"--lora {source}: not a LoRA (none of its {len(keys)} tensors is a LoRA factor: "
+                         f"lora_A / lora_B / lora_down / lora_up; e.g. {sorted(keys)[:2]})")
+    digest = hashlib.sha256()
+    with open(file, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 24), b""):
+            digest.update(chunk)
+    return Lora(source=source, file=file, scale=scale, sha256=digest.hexdigest())
+
+
+def safetensors_keys(file: Path, source: str) -> list[str]:
+    """The tensor names in a safetensors file's header (8-byte little-endian length, then JSON), without torch."""
+    try:
+        with open(file, "rb") as f:
+            length = int.from_bytes(f.read(8), "little")
+            if not 2 <= length <= 100_000_000:
+                raise ValueError
+            header = json.loads(f.read(length))
+        if not isinstance(header, dict):
+            raise ValueError
+    except (OSError, ValueError, UnicodeDecodeError):
+        raise ValueError(f"--lora {source}: not a safetensors file") from None
+    return [key for key in header if key != "__metadata__"]
+
+
+@contextlib.contextmanager
+def held_diffusers_logs():
+    """diffusers' log records of the block, shown after it only if it succeeds."""
+    import logging
+
+    library = logging.getLogger("diffusers")
+    held = []
+
+    class Hold(logging.Handler):
+        def emit(self, record):
+            held.append(record)
+
+    handlers, library.handlers = library.handlers, [Hold()]
+    try:
+        yield
+    finally:
+        library.handlers = handlers
+    for record in held:  # not reached when the block raised
+        library.handle(record)
+
+
+def add_loras(pipe, loras: tuple[Lora, ...]):
+    """Load each LoRA as adapter lora{i} and activate them all at their scales. LoadError naming a LoRA that fails
+    to load or targets no layer of the transformer."""
+    names = []
+    for i, lora in enumerate(loras):
+        name = f"lora{i}"
+        with held_diffusers_logs():  # a failure's log lines repeat the error, which is said once, here
+            try:
+                pipe.load_lora_weights(str(lora.file), adapter_name=name)
+            except Exception as e:
+                raise LoadError(f"--lora {lora.source}: cannot load it ({type(e).__name__}: {e})") from e
+            if name not in pipe.get_list_adapters().get("transformer", []):
+                raise LoadError(f"--lora {lora.source}: targets no layer of this model's transformer (none of its "
+                                "keys names one of Qwen-Image's modules)")
+        names.append(name)
+    pipe.set_adapters(names, [lora.scale for lora in loras])
+
+
+def load_pipeline(model: str, preset: str, config: FastConfig, device, loras: tuple[Lora, ...] = (),
+                  lightning: bool = False):
     """STOCK_PRESET: diffusers' own QwenImagePipeline, untouched, so that comparisons are against code this project
-    did not write (it samples with the checkpoint's Euler scheduler only). Any other preset: QwenImageFastPipeline
-    with `config`. Real weights load in BF16; tiny-random is built in FP32."""
+    did not write (it samples with the checkpoint's Euler scheduler only; LoRAs load as diffusers loads them, not
+    fused). Any other preset: QwenImageFastPipeline with `config`; LoRAs are fused, on the BF16 stock pipeline
+    before it is converted (one FP8 rounding of the merged weights) unless the checkpoint is a fast one (FP8
+    already: folded into those weights). Real weights load in BF16; tiny-random is built in FP32.
+    lightning: the Lightning LoRAs' scheduler replaces the checkpoint's."""
     import torch
     from diffusers import QwenImagePipeline
 
-    from .pipeline import QwenImageFastPipeline, optimize
+    from .pipeline import QwenImageFastPipeline, is_fast_checkpoint, optimize
+    from .samplers import lightning_scheduler
 
     check_scheduler(preset, config.scheduler)
     if model == TINY_MODEL_ID:
         from .tiny import tiny_pipeline
 
         pipe = tiny_pipeline()
-        pipe = pipe if preset == STOCK_PRESET else optimize(pipe, config, device=device)
-    elif preset == STOCK_PRESET:  # dtype=, not torch_dtype= (deprecated in diffusers 0.42: a warning at every load)
-        pipe = QwenImagePipeline.from_pretrained(model, dtype=torch.bfloat16)
+    elif preset == STOCK_PRESET or (loras and not is_fast_checkpoint(model)):
+        pipe = QwenImagePipeline.from_pretrained(model, dtype=torch.bfloat16)  # dtype=: torch_dtype is deprecated
     else:
         pipe = QwenImageFastPipeline.from_pretrained(model, dtype=torch.bfloat16, fast_config=config, device=device)
+    if loras:
+        add_loras(pipe, loras)
+        if preset != STOCK_PRESET:
+            pipe.fuse_lora()
+            if not isinstance(pipe, QwenImageFastPipeline):
+                pipe.unload_lora_weights()  # the merged weights stay; optimize() quantizes them once
+    if preset != STOCK_PRESET and not isinstance(pipe, QwenImageFastPipeline):
+        pipe = optimize(pipe, config, device=device)
+    if lightning:
+        pipe.scheduler = lightning_scheduler()
     pipe = pipe.to(device)
     pipe.set_progress_bar_config(disable=True)  # our own bars count images and steps
     return pipe
@@ -328,7 +462,8 @@ def settings_of(job: Job, labels: Labels) -> dict:
     settings = dict(prompt=job.prompt, negative_prompt=job.negative_prompt, seed=job.seed, width=job.width,
                     height=job.height, steps=job.steps, cfg=job.cfg, model=labels.model, preset=labels.preset,
                     scheduler=labels.scheduler, enhancer=labels.enhancer)
-    return (settings | ({"note": labels.note} if labels.note else {})
+    return (settings | ({"loras": [lora.record() for lora in labels.loras]} if labels.loras else {})
+            | ({"note": labels.note} if labels.note else {})
             | ({"enhancer_note": labels.enhancer_note} if labels.enhancer_note else {}))
 
 
@@ -490,10 +625,19 @@ def merge_manifests(out_dir: Path):
 # ---- rendering
 
 
+def lora_identity(records) -> list | None:
+    """What makes two LoRA sets the same work: each file's content and scale, in order (not where the file is)."""
+    return None if not records else [(r.get("sha256"), r.get("scale")) for r in records]
+
+
 def differing_settings(job: Job, recorded: dict, labels: Labels) -> list[str]:
-    """The settings of `job` that `recorded` (a manifest line or embedded settings) does not have."""
+    """The settings of `job` that `recorded` (a manifest line or embedded settings) does not have. `loras` is
+    compared whenever either side has it (images made without LoRAs, before the setting existed, record none)."""
     wanted = settings_of(job, labels)
-    return [key for key, value in wanted.items() if recorded.get(key) != value]
+    differing = [key for key, value in wanted.items() if key != "loras" and recorded.get(key) != value]
+    if lora_identity(wanted.get("loras")) != lora_identity(recorded.get("loras")):
+        differing.append("loras")
+    return differing
 
 
 def is_done(job: Job, records: dict[str, dict], out_dir: Path, fmt: str, labels: Labels) -> bool:
@@ -524,7 +668,7 @@ def find_conflict(jobs: list[Job], out_dir: Path, fmt: str, labels: Labels) -> s
             return f"{path} exists and was not made by this tool (no settings in it)"
         if differing:
             wanted = settings_of(job, labels)
-            changes = "; ".join(f"{key} {short(recorded.get(key))}, now {short(wanted[key])}" for key in differing)
+            changes = "; ".join(f"{key} {short(recorded.get(key))}, now {short(wanted.get(key))}" for key in differing)
             return f"{path} exists, made with other settings ({changes})"
     return None
 

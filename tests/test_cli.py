@@ -86,6 +86,56 @@ def missing_gpu(tmp_path):
     return ["--device", "cuda:99" if torch.cuda.is_available() else "cuda", "a cat"]
 
 
+def tiny_lora(path, targets=("transformer_blocks.0.attn.to_q", "transformer_blocks.1.img_mlp.net.2"), seed=0):
+    """A LoRA for the tiny model in lightx2v's key format (lora_down / lora_up / alpha), strong enough to see."""
+    import torch
+    from safetensors.torch import save_file
+
+    from qwen_image_fast.tiny import tiny_pipeline
+
+    model = tiny_pipeline().transformer
+    g = torch.Generator().manual_seed(seed)
+    sd = {}
+    q = model.transformer_blocks[0].attn.to_q
+    for name in targets:
+        linear = dict(model.named_modules()).get(name, q)  # a name the model lacks: to_q's shape
+        k, n = linear.in_features, linear.out_features
+        sd[f"{name}.lora_down.weight"] = torch.randn(4, k, generator=g) / k**0.5
+        sd[f"{name}.lora_up.weight"] = torch.randn(n, 4, generator=g)
+        sd[f"{name}.alpha"] = torch.tensor(4.0)
+    save_file(sd, path)
+    return path
+
+
+def lora_not_safetensors(tmp_path):
+    (tmp_path / "l.safetensors").write_bytes(b"\x00" * 64)
+    return ["--lora", str(tmp_path / "l.safetensors"), "a cat"]
+
+
+def lora_without_factors(tmp_path):
+    import torch
+    from safetensors.torch import save_file
+
+    save_file({"transformer_blocks.0.attn.to_q.weight": torch.zeros(2, 2)}, tmp_path / "l.safetensors")
+    return ["--lora", str(tmp_path / "l.safetensors"), "a cat"]
+
+
+def lora_naming_a_missing_module(tmp_path):
+    """A valid LoRA file naming a module the model lacks: found when it loads, after the folder exists."""
+    return ["--lora", str(tiny_lora(tmp_path / "l.safetensors", targets=("blocks.0.attn.to_q",))),
+            "--out", str(tmp_path / "out" / "a"), "a cat"]
+
+
+def lora_for_the_text_encoder_only(tmp_path):
+    import torch
+    from safetensors.torch import save_file
+
+    name = "text_encoder.model.layers.0.self_attn.q_proj"
+    save_file({f"{name}.lora_A.weight": torch.zeros(4, 8), f"{name}.lora_B.weight": torch.zeros(8, 4)},
+              tmp_path / "l.safetensors")
+    return ["--lora", str(tmp_path / "l.safetensors"), "a cat"]
+
+
 BAD_INPUT = {
     "aspect": (lambda tmp: ["--aspect", "5:4", "a cat"], "argument --aspect: invalid choice: '5:4'"),
     "seed": (lambda tmp: ["--seed", "1.5", "a cat"], "argument --seed: must be an integer, got '1.5'"),
@@ -125,6 +175,21 @@ BAD_INPUT = {
     "model-fails-to-load": (unloadable_model, "cannot load it (KeyError: '_class_name')"),
     "device-missing-gpu": (missing_gpu, "--device cuda"),
     "device-not-a-device": (lambda tmp: ["--device", "tpu9", "a cat"], "--device tpu9: not a device"),
+    "lora-missing": (lambda tmp: ["--lora", str(tmp / "none.safetensors"), "a cat"],
+                     "none.safetensors: no such file, and not a file in a hub repo (OWNER/NAME/FILE.safetensors)"),
+    "lora-folder": (lambda tmp: ["--lora", str(tmp), "a cat"], "a folder; name the LoRA file in it"),
+    "lora-not-cached": (lambda tmp: ["--lora", "nobody/no-lora/l.safetensors:0.5", "a cat"],
+                        "--lora nobody/no-lora/l.safetensors: cannot get l.safetensors from the hub repo nobody/no-lora"),
+    "lora-not-safetensors": (lora_not_safetensors, "l.safetensors: not a safetensors file"),
+    "lora-not-a-lora": (lora_without_factors, "l.safetensors: not a LoRA (none of its 1 tensors is a LoRA factor"),
+    "lora-missing-module": (lora_naming_a_missing_module, "l.safetensors: cannot load it (NoMatchingPeftModuleError"),
+    "lora-targets-nothing": (lora_for_the_text_encoder_only,
+                             "l.safetensors: targets no layer of this model's transformer"),
+    "lora-scale-nan": (lambda tmp: ["--lora", "x.safetensors:nan", "a cat"], "the scale must be a finite number"),
+    "lora-scale-text": (lambda tmp: ["--lora", "x.safetensors:strong", "a cat"],
+                        "the part after the last ':' must be a scale (a number), got 'strong'"),
+    "lightning-scheduler": (lambda tmp: ["--preset", "fast", "--lightning", "--scheduler", "unipc", "a cat"],
+                            "--lightning samples with the Euler schedule"),
 }
 
 
@@ -325,6 +390,55 @@ def test_enhance_tiny_random_records_the_rewrites_and_resumes(tmp_path, capsys):
 
 
 # ---- resume
+
+
+@needs_interpreter
+def test_lora_is_fused_recorded_and_part_of_what_resume_compares(tmp_path, capsys):
+    """--lora with the fast preset (fused into the BF16 weights, then quantized): the image is the stock pipeline's
+    with the same LoRA within FP8 error, and far from the LoRA-free one; path, scale and sha256 are recorded; resume
+    skips the same LoRA content (even moved) and refuses another strength or no LoRA in the same folder."""
+    lora = tiny_lora(tmp_path / "style.safetensors")
+    common = [*TINY, "a cat"]
+    fast, stock, plain = tmp_path / "fast", tmp_path / "stock", tmp_path / "plain"
+    assert main(["render", *common, "--lora", f"{lora}:0.8", "--out", str(fast)]) == 0
+    assert main(["render", *common, "--preset", "baseline", "--lora", f"{lora}:0.8", "--out", str(stock)]) == 0
+    assert main(["render", *common, "--out", str(plain)]) == 0
+    line = manifest(fast)[0]
+    digest = __import__("hashlib").sha256(lora.read_bytes()).hexdigest()
+    assert line["loras"] == [{"path": f"{lora}", "scale": 0.8, "sha256": digest}]
+    assert render.read_settings(fast / line["file"])["loras"] == line["loras"]
+    image, same, without = (pixels(folder / line["file"]) for folder in (fast, stock, plain))
+    off, lora_effect = np.abs(image - same).mean(), np.abs(image - without).mean()
+    assert off < lora_effect / 4, (off, lora_effect)
+    capsys.readouterr()
+
+    moved = tmp_path / "moved.safetensors"
+    moved.write_bytes(lora.read_bytes())
+    assert main(["render", *common, "--lora", f"{moved}:0.8", "--out", str(fast)]) == 0
+    assert "0 written, 1 skipped" in capsys.readouterr().out
+    for other in (["--lora", f"{lora}:0.5"], []):
+        with pytest.raises(SystemExit) as exit_info:
+            main(["render", *common, *other, "--out", str(fast)])
+        assert exit_info.value.code == 2
+        assert "made with other settings (loras" in capsys.readouterr().err
+
+
+def test_lightning_flag_sets_the_few_step_sampler(tmp_path, capsys):
+    """--lightning: recorded as scheduler "lightning", no CFG by default, and the stock pipeline with
+    lightning_scheduler() gives the same image."""
+    import torch
+
+    from qwen_image_fast import lightning_scheduler
+    from qwen_image_fast.tiny import tiny_pipeline
+
+    assert main(["render", *BASELINE, "--lightning", "--out", str(tmp_path), "a cat"]) == 0
+    line = manifest(tmp_path)[0]
+    assert (line["scheduler"], line["cfg"], line["negative_prompt"], line["steps"]) == ("lightning", 1.0, None, 2)
+    pipe = tiny_pipeline()
+    pipe.scheduler = lightning_scheduler()
+    ref = pipe("a cat", true_cfg_scale=1.0, width=32, height=32, num_inference_steps=2,
+               generator=torch.Generator("cpu").manual_seed(0)).images[0]
+    assert np.array_equal(pixels(tmp_path / line["file"]), np.asarray(ref).astype(np.int16))
 
 
 def test_resume_renders_only_what_is_missing(tmp_path, capsys):
