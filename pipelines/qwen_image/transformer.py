@@ -19,6 +19,7 @@ forward synchronizes with the host, so it can be captured in a CUDA graph.
 """
 
 import contextlib
+import functools
 import inspect
 import json
 from dataclasses import dataclass
@@ -52,7 +53,7 @@ from ...kernels.residual_gate import (
 )
 from .attention import TextMask, joint_attention, resolve_backend
 from .config import FP8_LINEARS, FastTransformerConfig
-from .lora import LoraLinear, LoraState, LoraTargetLinear, site_of
+from .lora import BLOCK_SITES, LoraLinear, LoraState, LoraTargetLinear, site_of
 
 logger = logging.get_logger(__name__)
 BASELINE_ADVICE = "keep the stock transformer (FastConfig.preset('baseline')) for it"
@@ -164,19 +165,23 @@ class FastLinear(nn.Module):
         y = F.linear(x, self.weight, self.bias)
         return y if self.lora is None else self.lora(x, y)
 
-    def fold_lora(self):
-        """FP8: the adapters fuse_lora froze here, into the weight: requantized rowwise from the dequantized weight
-        plus their product (one more e4m3 rounding of each weight; the error is measured in RESULTS.md), so a fused
-        adapter costs nothing per forward. The weight before is copied to the host, for unfold_lora to restore
-        bit-exactly. Does nothing for a BF16 linear (it keeps the exact frozen low-rank terms)."""
+    def fold_lora(self, master=None):
+        """FP8: the adapters fuse_lora froze here, into the weight, so that a fused adapter costs nothing per forward:
+        requantized rowwise from master() plus their product, where master() gives the BF16 weight this FP8 one was
+        quantized from (None: not available), else from the dequantized weight (a second e4m3 rounding of each
+        weight; the error is measured in RESULTS.md). The weight before is copied to the host, for unfold_lora to restore
+        bit-exactly (from the GPU: into pinned memory, asynchronously; PyTorch's pinned-memory cache makes a
+        later fold reuse it). Does nothing for a BF16 linear (it keeps the exact frozen low-rank terms)."""
         if not self.fp8 or self.lora is None:
             return
         self.unfold_lora()  # a second fuse_lora: fold everything frozen now, from the weight before the first
         delta = self.lora.frozen_delta(self.out_features)
         if delta is None:
             return
-        self._unfolded = (self.weight_q.to("cpu", copy=True), self.weight_scale.to("cpu", copy=True))
-        w = self.weight_q.float() * self.weight_scale[:, None] + delta.to(self.weight_q.device)
+        base = master() if master is not None else None
+        base = self.weight_q.float() * self.weight_scale[:, None] if base is None else base.float()
+        self._unfolded = (host_copy(self.weight_q), host_copy(self.weight_scale))
+        w = base + delta.to(self.weight_q.device)
         q, s = quantize_fp8_rowwise_ref(w)
         self.weight_q.copy_(q)
         self.weight_scale.copy_(s.view(-1))
@@ -187,13 +192,52 @@ class FastLinear(nn.Module):
         if self.lora is None or not self.lora.folded:
             return
         q, s = self._unfolded
-        self.weight_q.copy_(q)
-        self.weight_scale.copy_(s)
+        self.weight_q.copy_(q, non_blocking=True)
+        self.weight_scale.copy_(s, non_blocking=True)
         del self._unfolded
         self.lora.folded = False
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, fp8={self.fp8}"
+
+
+class CheckpointWeights:
+    """The stock transformer's weights as its diffusers folder stores them, read one tensor at a time in `dtype`:
+    the BF16 masters of the FP8 weights, for fold_lora. Each is used only if it quantizes to the FP8 weight exactly
+    (FastQwenImageTransformer._master), so a model changed since it was loaded falls back, saying so."""
+
+    def __init__(self, folder: Path, dtype: torch.dtype):
+        self.folder, self.dtype = folder, dtype
+        self._files = None
+
+    @classmethod
+    def of(cls, stock) -> "CheckpointWeights | None":
+        """Where diffusers loaded `stock` from (config._name_or_path: the transformer folder), if it is one."""
+        folder = Path(str(stock.config.get("_name_or_path") or ""))
+        has = any((folder / f).is_file() for f in ("diffusion_pytorch_model.safetensors",
+                                                    "diffusion_pytorch_model.safetensors.index.json"))
+        return cls(folder, stock.dtype) if str(folder) and has else None
+
+    def get(self, name: str, device) -> torch.Tensor:
+        from safetensors import safe_open
+
+        if self._files is None:
+            index = self.folder / "diffusion_pytorch_model.safetensors.index.json"
+            if index.exists():
+                self._files = json.loads(index.read_text())["weight_map"]
+            else:
+                with safe_open(self.folder / "diffusion_pytorch_model.safetensors", framework="pt") as f:
+                    self._files = dict.fromkeys(f.keys(), "diffusion_pytorch_model.safetensors")
+        with safe_open(self.folder / self._files[name], framework="pt", device=str(device)) as f:
+            return f.get_tensor(name).to(self.dtype)
+
+
+def host_copy(t: torch.Tensor) -> torch.Tensor:
+    """A copy of t in host memory: pinned and stream-ordered from a GPU (only copied back on the same stream)."""
+    if t.device.type != "cuda":
+        return t.to("cpu", copy=True)
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    return host.copy_(t, non_blocking=True)
 
 
 def as_fp8_operand(q: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -469,6 +513,7 @@ class FastQwenImageTransformer(ModelMixin, ConfigMixin):
         self.requires_grad_(False)
         self._mod_rows: dict = {}
         self.lora_state = LoraState()
+        self.weight_source: CheckpointWeights | None = None  # the BF16 masters of the FP8 weights (fuse_lora)
 
     @staticmethod
     def _pos_embed(config: dict) -> nn.Module:
@@ -506,6 +551,7 @@ class FastQwenImageTransformer(ModelMixin, ConfigMixin):
             fast.transformer_blocks[i] = FastBlock.from_stock(block, config, device)
         if peft_layers:
             fast._carry_lora(stock, peft_layers)
+        fast.weight_source = CheckpointWeights.of(stock)
         return fast.requires_grad_(False).eval()
 
     def _carry_lora(self, stock, peft_layers: dict[str, nn.Module]):
@@ -781,10 +827,40 @@ class FastQwenImageTransformer(ModelMixin, ConfigMixin):
         # Folded into FP8 weights unless offload hooks hold their own copies of the weights (group offload with
         # streams onloads from pinned host copies, which a fold would not reach): then kept low-rank, still exact.
         if not has_offload_hooks(self):
-            for module in self.modules():
-                if isinstance(module, FastLinear):
-                    module.fold_lora()
+            fallback = []  # (linear, why)
+            for name, module in self.named_modules():
+                if isinstance(module, FastLinear) and module.lora is not None:
+                    module.fold_lora(master=functools.partial(self._master, name, module, fallback))
+            if fallback:
+                logger.warning(f"fuse_lora: {len(fallback)} FP8 linears were requantized from their dequantized FP8 "
+                               f"weights, a second e4m3 rounding ({fallback[0][0]}: {fallback[0][1]}); fusing on "
+                               "the stock pipeline before optimize(), or loading the upstream checkpoint with "
+                               "QwenImageFastPipeline.from_pretrained, quantizes the merged weights once")
         self._lora_changed()
+
+    def _master(self, name: str, linear: FastLinear, fallback: list) -> torch.Tensor | None:
+        """The BF16 weight the FP8 linear `name` was quantized from, read from weight_source ([N, K], the stock
+        q / k / v weights stacked for a qkv linear), if it quantizes to that FP8 weight bit-exactly; else None,
+        recorded in `fallback`."""
+        why = "no checkpoint folder is known (the stock model was not loaded from one)"
+        if self.weight_source is not None and name.startswith("transformer_blocks."):
+            i, fast_name = name.split(".")[1:]
+            stock = [n for n, (linear_name, third) in sorted(BLOCK_SITES.items(), key=lambda kv: kv[1][1] or 0)
+                     if linear_name == fast_name]
+            device = linear.weight_q.device
+            try:
+                master = torch.cat([self.weight_source.get(f"transformer_blocks.{i}.{n}.weight", device)
+                                    for n in stock])
+            except (OSError, KeyError) as e:
+                why = f"{self.weight_source.folder} cannot be read ({type(e).__name__}: {e})"
+            else:
+                q, s = quantize_fp8_rowwise_ref(master)
+                if torch.equal(q.view(torch.uint8), linear.weight_q.view(torch.uint8)) and \
+                        torch.equal(s.view(-1), linear.weight_scale):
+                    return master
+                why = f"its weight in {self.weight_source.folder} no longer quantizes to the model's"
+        fallback.append((name, why))
+        return None
 
     def unfuse_lora(self):
         self._unfreeze_all()

@@ -223,6 +223,33 @@ def test_fp8_fuse_folds_into_the_weights_and_unfuse_restores_them_bit_exactly():
     assert torch.equal(qkv.weight_q.view(torch.uint8), before[0].view(torch.uint8)), "disable unfuses (peft)"
 
 
+def test_fp8_fuse_requantizes_from_the_checkpoints_bf16_weights(tmp_path):
+    """A pipeline loaded from an upstream checkpoint folds from the stored weights (one e4m3 rounding of the merged
+    weight), each checked to quantize to the model's FP8 weight; a weight that no longer does falls back to the
+    dequantized FP8 weight."""
+    from qwen_image_fast import QwenImageFastPipeline
+    from qwen_image_fast.kernels.fp8 import quantize_fp8_rowwise_ref
+
+    stock = stock_pipeline()
+    stock.save_pretrained(tmp_path)
+    fast = QwenImageFastPipeline.from_pretrained(tmp_path, fast_config=FastConfig(), dtype=torch.float32)
+    assert fast.transformer.weight_source is not None
+    fast.load_lora_weights(lightning_format(LORA_A))
+    attn = stock.transformer.transformer_blocks[1].attn
+    master = torch.cat([attn.to_q.weight, attn.to_k.weight, attn.to_v.weight]).float()
+    qkv = fast.transformer.transformer_blocks[1].img_qkv
+    fast.fuse_lora()
+    expected = quantize_fp8_rowwise_ref(master + qkv.lora.frozen_delta(qkv.out_features))
+    assert torch.equal(qkv.weight_q.view(torch.uint8), expected[0].view(torch.uint8))
+
+    fast.unfuse_lora()
+    qkv.weight_q[0, 0] = -qkv.weight_q[0, 0].float()  # the model no longer matches its checkpoint
+    dequantized = qkv.weight_q.float() * qkv.weight_scale[:, None]
+    fast.fuse_lora()
+    expected = quantize_fp8_rowwise_ref(dequantized + qkv.lora.frozen_delta(qkv.out_features))
+    assert torch.equal(qkv.weight_q.view(torch.uint8), expected[0].view(torch.uint8))
+
+
 def test_graphs_state_changes_with_adapters():
     fast = fast_pipeline()
     version = fast.transformer.lora_state.version
