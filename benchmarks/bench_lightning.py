@@ -16,7 +16,8 @@ the dequantized FP8 weight); fused on the stock model before conversion (quantiz
 weights). Seconds per image = the pipeline call to latents (text encoding included) + VAE decode, median of 3
 after a warm-up call (graph capture); text encoding is also timed alone. Each row of ours is checked first
 against the stock run with the same LoRA state (latent rel-RMS <= 0.1 and image PSNR >= 38 dB); a failed row is
-printed and not recorded. Appends to results/lightning.jsonl.
+printed and not recorded. First, the VAE alone: stock decode vs the 2D one (FastConfig.vae_2d_decode) on the same
+latents, time and max |difference|; stock rows decode the stock way. Appends to results/lightning.jsonl.
 """
 
 import argparse
@@ -32,12 +33,13 @@ from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_lora import lightning_lora  # noqa: E402
-from bench_pipeline import PROMPT, decode, full_size_stock_pipeline, module_bytes  # noqa: E402
+from bench_pipeline import PROMPT, decode, decoder_for, full_size_stock_pipeline, module_bytes  # noqa: E402
 from common import append_results, environment, sync  # noqa: E402
 
 from qwen_image_fast import FastConfig, QwenImageFastPipeline, lightning_scheduler  # noqa: E402
 from qwen_image_fast.compare import psnr  # noqa: E402
 from qwen_image_fast.kernels._utils import rel_rms_error  # noqa: E402
+from qwen_image_fast.pipelines.qwen_image.vae import decode_image  # noqa: E402
 
 GATE = (0.1, 38.0)  # latent rel-RMS, image PSNR dB: FP8 against bf16 with the same sampler and LoRA state
 
@@ -76,7 +78,7 @@ def main():
                        generator=torch.Generator(device).manual_seed(seed), output_type="latent").images
         sync(device)
         seconds = time.perf_counter() - t0
-        images, vae_s = decode(fast, latents, resolution, device)
+        images, vae_s = decode(decoder_for(pipe, fast), latents, resolution, device)
         return latents, images, seconds, vae_s
 
     def text_ms(pipe) -> float:
@@ -85,6 +87,21 @@ def main():
         pipe.encode_prompt(PROMPT, device=device)
         sync(device)
         return 1000 * (time.perf_counter() - t0)
+
+    def vae_check(vae):
+        """The VAE alone at each size: stock decode vs the 2D one (vae.py) on the same random latents."""
+        for width, height in sizes:
+            z = torch.randn(1, vae.config.z_dim, 1, height // 8, width // 8, device=device, dtype=vae.dtype)
+            with torch.no_grad():
+                ref = vae.decode(z).sample
+                out = decode_image(vae, z)
+                ms = {name: 1000 * statistics.median(timed(fn) for _ in range(5)) for name, fn in
+                      (("stock", lambda: vae.decode(z)), ("2d", lambda: decode_image(vae, z)))}
+            err = (out.float() - ref.float()).abs().max().item()
+            op_row(f"VAE decode {width}x{height}: stock vs 2D ms", ms["2d"] / 1000, stock_s=ms["stock"] / 1000,
+                   max_abs_diff=err)
+            print(f"VAE decode {width}x{height}: stock {ms['stock']:.1f} ms, 2D {ms['2d']:.1f} ms, max |diff| "
+                  f"{err:.2e} (values in [-1, 1])", flush=True)
 
     def record(impl, path, pipe, ref_key=None, against=None, repeats=3):
         """Every size and step count: a warm-up call, then `repeats` timed ones (median). against: ours without a
@@ -144,6 +161,7 @@ def main():
 
     fast = QwenImageFastPipeline.from_pipe(stock, fast_config=FastConfig(), device=device)
     fast.set_progress_bar_config(disable=True)
+    vae_check(fast.vae)
     with tempfile.TemporaryDirectory() as tmp:
         lora_file = Path(tmp) / "lightning.safetensors"
         save_file({k: v.to(torch.bfloat16).contiguous() for k, v in

@@ -92,6 +92,17 @@ def loop_variant(fast, config: FastConfig, device):
     return variant
 
 
+def stock_decoder(fast):
+    """The stock pipeline's VAE decode: `fast` with vae_2d_decode off (the same VAE module)."""
+    variant = copy.copy(fast)
+    variant.fast_config = fast.fast_config.replace(vae_2d_decode=False)
+    return variant
+
+
+def decoder_for(pipe, fast):
+    return pipe if isinstance(pipe, QwenImageFastPipeline) else stock_decoder(fast)
+
+
 VARIANTS = ("fast", "no-graphs", "no-fastacc", "dpm++2m", "unipc")
 
 # What a timed row must pass against its reference (latent rel-RMS, image PSNR). FP8 with the same sampler sits at
@@ -128,7 +139,8 @@ def timed_latents(pipe, resolution, steps, seed, device):
 
 
 def decode(fast_pipe, latents, resolution, device):
-    """(uint8 images [N, H, W, 3], seconds): the stock pipeline's decode, run through the fast pipeline's VAE."""
+    """(uint8 images [N, H, W, 3], seconds): the stock pipeline's decode steps, run through a fast pipeline's VAE
+    and its FastConfig.vae_2d_decode (stock_decoder(fast) for the stock pipeline's rows)."""
     width, height = resolution
     sync(device)
     t0 = time.perf_counter()
@@ -188,12 +200,12 @@ def main():
         """Times one variant; ref: (latents, images) to compare with; gate: (max latent rel-RMS, min PSNR dB) that
         the comparison must pass, else the row is printed as FAILED and not recorded."""
         warm, _ = timed_latents(pipe, resolution, 2, seed=1, device=device)  # warm-up: compiles, captures graphs
-        decode(fast, warm, resolution, device)  # and the VAE's first-call cost
+        decode(decoder_for(pipe, fast), warm, resolution, device)  # and the VAE's first-call cost
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
             before = torch.cuda.memory_allocated()
         latents, seconds = timed_latents(pipe, resolution, n_steps, seed=0, device=device)
-        images, vae_s = decode(fast, latents, resolution, device)
+        images, vae_s = decode(decoder_for(pipe, fast), latents, resolution, device)
         if device.type == "cuda":
             peak_gib = (torch.cuda.max_memory_allocated() - before + module_bytes(pipe)) / 2**30
         row = dict(env, bench="pipeline", impl=impl, variant=name, applied=getattr(pipe, "applied", []),

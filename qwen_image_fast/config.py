@@ -26,6 +26,8 @@ class FastConfig:
     scheduler: "euler" (the pipeline's own scheduler, whatever it is) | "dpm++2m" | "unipc" (derived at call time
         from the pipeline's scheduler config).
     cfg_fraction: selective CFG, LOSSY: guidance only for the first fraction of the steps (1.0 = every step).
+    vae_2d_decode: decode an image with the VAE decoder's causal 3D convolutions as the 2D ones they amount to for
+        one frame (pipelines/qwen_image/vae.py); not while the VAE tiles or has offload hooks.
     """
 
     fused_transformer: bool = True
@@ -38,6 +40,7 @@ class FastConfig:
     text_bucket: int = 64
     scheduler: str = "euler"
     cfg_fraction: float = 1.0
+    vae_2d_decode: bool = True
 
     def __post_init__(self):
         object.__setattr__(self, "bf16_linears", self.transformer_config().bf16_linears)
@@ -57,7 +60,7 @@ class FastConfig:
         if name == "fast":
             return cls()
         if name == "baseline":
-            return cls(fused_transformer=False, fp8=False, batched_cfg=False, cuda_graphs=False)
+            return cls(fused_transformer=False, fp8=False, batched_cfg=False, cuda_graphs=False, vae_2d_decode=False)
         raise ValueError(f"preset={name!r}; allowed: {', '.join(PRESETS)}")
 
     @classmethod
@@ -86,4 +89,5 @@ class FastConfig:
         parts += ["graphs"] if self.cuda_graphs and self.fused_transformer else []
         parts += [self.scheduler.replace("+", "p")]
         parts += [f"cfg{self.cfg_fraction:g}"] if self.cfg_fraction < 1 else []
+        parts += ["vae2d"] if self.vae_2d_decode else []
         return "-".join(parts)

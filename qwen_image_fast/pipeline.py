@@ -9,7 +9,8 @@ Differences from the stock denoising loop, each switched by a FastConfig field (
 - CUDA graphs: the transformer forward replays from a graph per (resolution, batch, text-length bucket); not while
   offload hooks move the weights;
 - selective CFG (lossy, off by default): guidance only on the first `cfg_fraction` of the steps.
-Text encoding, latent preparation, callbacks and VAE decoding are diffusers' own.
+- the VAE decode of an image as the 2D convolutions its causal 3D ones amount to for one frame (vae.py).
+Text encoding, latent preparation and callbacks are diffusers' own.
 
 Prompt enhancement (off by default; `enhance_prompt=`): a local Qwen3.5 (PromptEnhancer) rewrites `prompt` into a
 detailed one before it is encoded; the negative prompt and prompt_embeds are left alone.
@@ -29,6 +30,7 @@ from diffusers.pipelines.qwenimage.pipeline_output import QwenImagePipelineOutpu
 from .config import FastConfig
 from .pipelines.qwen_image.cuda_graph import GraphCaptureError, GraphedForward
 from .pipelines.qwen_image.transformer import FastQwenImageTransformer, has_offload_hooks
+from .pipelines.qwen_image.vae import can_decode_image, decode_image
 from .samplers import dynamic_shift, make_scheduler, set_timesteps
 
 logger = logging.getLogger(__name__)
@@ -176,7 +178,8 @@ class QwenImageFastPipeline(QwenImagePipeline):
         return (self._transformer_entries() + (["batched_cfg"] if config.batched_cfg else [])
                 + (["cuda_graphs"] if graphs else []) + self._sampler_entries()
                 + ([f"cfg_fraction:{config.cfg_fraction:g}"] if config.cfg_fraction < 1 else [])
-                + (["enhance_prompt"] if self.prompt_enhancer is not None else []))
+                + (["enhance_prompt"] if self.prompt_enhancer is not None else [])
+                + (["vae_2d_decode"] if config.vae_2d_decode else []))
 
     def _transformer_entries(self) -> list[str]:
         transformer = self.transformer
@@ -449,23 +452,29 @@ class QwenImageFastPipeline(QwenImagePipeline):
         if output_type == "latent":
             image = latents
         else:
-            image = self.decode_latents(latents, height, width, output_type)
+            image, decoded_2d = self._decode(latents, height, width, output_type)
+            self._ran += ["vae_2d_decode"] if decoded_2d else []
         self.maybe_free_model_hooks()
         if not return_dict:
             return (image,)
         return QwenImagePipelineOutput(images=image)
 
-    @torch.no_grad()
     def decode_latents(self, latents, height, width, output_type):
         """Packed latents -> images, as the stock pipeline decodes them."""
+        return self._decode(latents, height, width, output_type)[0]
+
+    @torch.no_grad()
+    def _decode(self, latents, height, width, output_type):
+        """(images, whether the VAE ran as 2D convolutions: FastConfig.vae_2d_decode, vae.py)."""
         latents = self._unpack_latents(latents, height, width, self.vae_scale_factor).to(self.vae.dtype)
         z_dim = self.vae.config.z_dim
         mean = torch.tensor(self.vae.config.latents_mean).view(1, z_dim, 1, 1, 1).to(latents.device, latents.dtype)
         inv_std = 1.0 / torch.tensor(self.vae.config.latents_std).view(1, z_dim, 1, 1, 1).to(latents.device,
                                                                                                latents.dtype)
         latents = latents / inv_std + mean
-        image = self.vae.decode(latents, return_dict=False)[0][:, :, 0]
-        return self.image_processor.postprocess(image, output_type=output_type)
+        decoded_2d = self.fast_config.vae_2d_decode and can_decode_image(self.vae, latents, has_offload_hooks(self.vae))
+        image = decode_image(self.vae, latents) if decoded_2d else self.vae.decode(latents, return_dict=False)[0]
+        return self.image_processor.postprocess(image[:, :, 0], output_type=output_type), decoded_2d
 
 
 def convert(pipe: QwenImagePipeline, config: FastConfig, device, enhancer) -> QwenImageFastPipeline:

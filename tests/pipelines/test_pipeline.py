@@ -80,7 +80,7 @@ def test_from_pretrained_loads_the_upstream_layout(tmp_path):
     stock_pipeline().save_pretrained(tmp_path)
     pipe = QwenImageFastPipeline.from_pretrained(tmp_path, dtype=torch.float32, fast_config=EXACT)
     assert type(pipe) is QwenImageFastPipeline
-    assert pipe.applied == ["fused_transformer", "attention:sdpa", "batched_cfg"]
+    assert pipe.applied == ["fused_transformer", "attention:sdpa", "batched_cfg", "vae_2d_decode"]
     assert_close(run(pipe, prompt="a cat"), run(QwenImagePipeline.from_pretrained(tmp_path), prompt="a cat"), 1e-5)
 
 
@@ -160,7 +160,7 @@ def test_unipc_reproduces_qwen_sigma_ladder():
 def test_applied_per_field():
     base = fast_pipeline(FastConfig()).applied
     # no CUDA graphs on the CPU
-    assert base == ["fused_transformer", "fp8", "fp8_fast_accum", "attention:sdpa", "batched_cfg"]
+    assert base == ["fused_transformer", "fp8", "fp8_fast_accum", "attention:sdpa", "batched_cfg", "vae_2d_decode"]
     needs_fused = {"fp8", "fp8_fast_accum", "attention:sdpa"}
     assert fast_pipeline(FastConfig(fp8=False)).applied == [a for a in base if a not in ("fp8", "fp8_fast_accum")]
     assert fast_pipeline(FastConfig(batched_cfg=False)).applied == [a for a in base if a != "batched_cfg"]
@@ -168,16 +168,18 @@ def test_applied_per_field():
         a for a in base if a not in {"fused_transformer"} | needs_fused]
     assert fast_pipeline(FastConfig(cuda_graphs=False)).applied == base
     assert fast_pipeline(FastConfig(fp8_fast_accum=False)).applied == [a for a in base if a != "fp8_fast_accum"]
-    assert fast_pipeline(FastConfig(cfg_fraction=0.6)).applied == base + ["cfg_fraction:0.6"]
+    assert fast_pipeline(FastConfig(cfg_fraction=0.6)).applied == base[:-1] + ["cfg_fraction:0.6", "vae_2d_decode"]
+    assert fast_pipeline(FastConfig(vae_2d_decode=False)).applied == base[:-1]
     assert fast_pipeline(FastConfig.preset("baseline")).applied == []
 
 
 def test_config_presets_and_tag():
     assert FastConfig.preset("fast") == FastConfig()
-    assert FastConfig().tag() == "fused-fp8-fastacc-auto-bcfg-graphs-euler"
-    assert FastConfig(fp8_fast_accum=False).tag() == "fused-fp8-auto-bcfg-graphs-euler"
+    assert FastConfig().tag() == "fused-fp8-fastacc-auto-bcfg-graphs-euler-vae2d"
+    assert FastConfig(fp8_fast_accum=False).tag() == "fused-fp8-auto-bcfg-graphs-euler-vae2d"
     assert FastConfig.preset("baseline").tag() == "stock-euler"
-    assert FastConfig(scheduler="dpm++2m", cfg_fraction=0.5).tag() == "fused-fp8-fastacc-auto-bcfg-graphs-dpmpp2m-cfg0.5"
+    assert FastConfig(scheduler="dpm++2m", cfg_fraction=0.5, vae_2d_decode=False).tag() == \
+        "fused-fp8-fastacc-auto-bcfg-graphs-dpmpp2m-cfg0.5"
     with pytest.raises(ValueError, match="preset='turbo'; allowed: fast, baseline"):
         FastConfig.preset("turbo")
 
@@ -268,7 +270,7 @@ def test_enhance_prompt_adds_exactly_its_applied_entry():
     base = fast_pipeline(FastConfig()).applied
     rewriter = Rewriter()
     pipe = optimize(stock_pipeline(), FastConfig(), enhance_prompt=rewriter)
-    assert pipe.applied == base + ["enhance_prompt"] and pipe.prompt_enhancer is rewriter
+    assert pipe.applied == base[:-1] + ["enhance_prompt", "vae_2d_decode"] and pipe.prompt_enhancer is rewriter
     for off in (None, False):
         pipe = optimize(stock_pipeline(), FastConfig(), enhance_prompt=off)
         assert pipe.applied == base and pipe.prompt_enhancer is None
@@ -296,7 +298,7 @@ def test_enhance_prompt_values(monkeypatch, tmp_path):
     assert type(stock) is QwenImagePipeline  # nothing converted
     monkeypatch.setattr(QwenImagePipeline, "from_pretrained", lambda *args, **kwargs: stock_pipeline())
     pipe = QwenImageFastPipeline.from_pretrained("anything", fast_config=EXACT, enhance_prompt=True)
-    assert pipe.applied[-1] == "enhance_prompt" and loads[-1] == (DEFAULT_ENHANCER_ID, None)
+    assert "enhance_prompt" in pipe.applied and loads[-1] == (DEFAULT_ENHANCER_ID, None)
 
 
 def test_tiny_enhancer_goes_to_cuda_when_available_and_no_device_is_given(monkeypatch):
@@ -374,7 +376,7 @@ def test_diffusers_constructor_gives_a_working_fast_pipeline():
     components["tokenizer"] = Qwen2Tokenizer.from_pretrained(FIXTURE_TOKENIZER)
     pipe = QwenImageFastPipeline(**components, fast_config=EXACT)
     assert isinstance(pipe.transformer, FastQwenImageTransformer)
-    assert pipe.applied == ["fused_transformer", "attention:sdpa", "batched_cfg"]
+    assert pipe.applied == ["fused_transformer", "attention:sdpa", "batched_cfg", "vae_2d_decode"]
     case = dict(prompt="a cat", negative_prompt="blurry")
     assert_close(run(pipe, **case), run(stock_pipeline(), **case), 1e-5)
     assert type(QwenImageFastPipeline(**stock_pipeline().components).transformer) is FastQwenImageTransformer
@@ -476,7 +478,8 @@ def test_cast_to_bf16_after_optimize_keeps_fp8_and_runs():
 
 def test_applied_reports_what_the_last_call_ran():
     pipe = fast_pipeline(EXACT.replace(cfg_fraction=0.5))
-    assert pipe.applied == ["fused_transformer", "attention:sdpa", "batched_cfg", "cfg_fraction:0.5"]  # planned
+    assert pipe.applied == ["fused_transformer", "attention:sdpa", "batched_cfg", "cfg_fraction:0.5",
+                            "vae_2d_decode"]  # planned
     run(pipe, prompt="a cat", true_cfg_scale=1.0)
     assert pipe.applied == ["fused_transformer", "attention:sdpa"]  # no CFG ran: neither batched nor selective
     run(pipe, prompt="a cat", negative_prompt="bad", num_inference_steps=4)

@@ -1,0 +1,81 @@
+"""The VAE decode of one image as 2D convolutions (pipelines/qwen_image/vae.py) against diffusers'
+AutoencoderKLQwenImage.decode, and the pipeline's choice of it."""
+
+import numpy as np
+import pytest
+import torch
+from test_pipeline import EXACT, fast_pipeline, stock_pipeline
+from test_pipeline import run as run_pipeline
+
+from qwen_image_fast.pipelines.qwen_image.vae import can_decode_image, decode_image
+
+
+@pytest.fixture(scope="module")
+def vae():
+    return stock_pipeline().vae.eval()
+
+
+def latents(vae, batch=2, frames=1, h=12, w=10, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(batch, vae.config.z_dim, frames, h, w, generator=g)
+
+
+def test_decode_image_matches_the_stock_decode_fp32(vae):
+    """The tiny VAE has an upsample3d block (its first-frame time convolution is skipped in both) and a 2D one."""
+    assert any(block.upsamplers is not None and block.upsamplers[0].mode == "upsample3d"
+               for block in vae.decoder.up_blocks)
+    z = latents(vae)
+    ref = vae.decode(z).sample
+    out = torch.full_like(ref, float("nan"))
+    out.copy_(decode_image(vae, z))
+    assert out.shape == ref.shape
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
+
+
+def test_decode_image_bf16_and_slicing(vae):
+    vae16 = stock_pipeline().vae.eval().to(torch.bfloat16)
+    z = latents(vae16).to(torch.bfloat16)
+    ref = vae16.decode(z).sample.float()
+    err = (decode_image(vae16, z).float() - ref).abs().max().item()
+    assert err <= 2 * 2**-7, err  # a few bf16 roundings of values in [-1, 1], summed in another order
+    vae.enable_slicing()
+    try:
+        z = latents(vae)
+        torch.testing.assert_close(decode_image(vae, z), vae.decode(z).sample, atol=1e-5, rtol=0)
+    finally:
+        vae.disable_slicing()
+
+
+def test_only_where_it_computes_what_stock_does(vae):
+    assert can_decode_image(vae, latents(vae), has_hooks=False)
+    assert not can_decode_image(vae, latents(vae, frames=2), has_hooks=False)
+    assert not can_decode_image(vae, latents(vae), has_hooks=True)
+    vae.enable_tiling()
+    try:
+        assert not can_decode_image(vae, latents(vae), has_hooks=False)
+    finally:
+        vae.disable_tiling()
+    vae.train()  # dropout p = 0: nothing changes
+    assert can_decode_image(vae, latents(vae), has_hooks=False)
+    dropout = vae.decoder.mid_block.resnets[0].dropout
+    dropout.p = 0.1
+    try:
+        assert not can_decode_image(vae, latents(vae), has_hooks=False)
+    finally:
+        dropout.p = 0.0
+        vae.eval()
+
+
+def test_pipeline_images_match_stock_and_say_which_decode_ran():
+    stock, fast = stock_pipeline(), fast_pipeline(EXACT)
+    case = dict(prompt="a cat", negative_prompt="blurry", true_cfg_scale=3.0, output_type="np")
+    ref = run_pipeline(stock, **case)
+    out = run_pipeline(fast, **case)
+    assert "vae_2d_decode" in fast.applied
+    np.testing.assert_allclose(out, ref, atol=1e-5, rtol=0)
+    fast.vae.enable_tiling()
+    out = run_pipeline(fast, **case)
+    assert "vae_2d_decode" not in fast.applied, "tiling: the stock decode"
+    off = fast_pipeline(EXACT.replace(vae_2d_decode=False))
+    run_pipeline(off, **case)
+    assert "vae_2d_decode" not in off.applied
