@@ -100,6 +100,20 @@ def test_per_layer_alpha_reaches_the_math():
     assert rel_rms_error(outs[0], outs[1]) > 1e-2
 
 
+def test_lora_a_lora_b_keys_with_alpha():
+    """The key form with peft's factor names and a per-layer alpha (`{module}.lora_A.weight`, `.lora_B.weight`,
+    `.alpha`, no prefix), which diffusers' Qwen loader also converts: alpha 2 and 8 both match stock."""
+    outs = []
+    for alpha in (2.0, 8.0):
+        sd = {k.replace("lora_down", "lora_A").replace("lora_up", "lora_B"): v
+              for k, v in lightning_format(LORA_A, alpha=alpha).items()}
+        stock, fast = pair()
+        for pipe in (stock, fast):
+            pipe.load_lora_weights(dict(sd))
+        outs.append(same(fast, stock, f"lora_A / lora_B keys, alpha {alpha}"))
+    assert rel_rms_error(outs[0], outs[1]) > 1e-2
+
+
 def test_load_before_optimize_is_carried_over():
     stock = stock_pipeline()
     stock.load_lora_weights(lightning_format(LORA_A), adapter_name="a")
@@ -248,6 +262,26 @@ def test_fp8_fuse_requantizes_from_the_checkpoints_bf16_weights(tmp_path):
     fast.fuse_lora()
     expected = quantize_fp8_rowwise_ref(dequantized + qkv.lora.frozen_delta(qkv.out_features))
     assert torch.equal(qkv.weight_q.view(torch.uint8), expected[0].view(torch.uint8))
+
+
+def test_readme_lightning_recipe_matches_stock(tmp_path):
+    """README's three lines on a saved tiny checkpoint (FP8 off): the Lightning scheduler through from_pretrained,
+    a LoRA file in a folder by weight_name, fuse_lora, 8 steps without CFG; against stock with the same."""
+    from safetensors.torch import save_file
+
+    from qwen_image_fast import QwenImageFastPipeline, lightning_scheduler
+
+    stock = stock_pipeline()
+    stock.save_pretrained(tmp_path / "model")
+    (tmp_path / "lora").mkdir()
+    save_file(lightning_format(LORA_A), tmp_path / "lora" / "lightning-8steps.safetensors")
+    pipe = QwenImageFastPipeline.from_pretrained(tmp_path / "model", scheduler=lightning_scheduler(),
+                                                 fast_config=EXACT, dtype=torch.float32)
+    pipe.load_lora_weights(tmp_path / "lora", weight_name="lightning-8steps.safetensors"); pipe.fuse_lora()
+    stock.scheduler = lightning_scheduler()
+    stock.load_lora_weights(tmp_path / "lora", weight_name="lightning-8steps.safetensors"); stock.fuse_lora()
+    case = dict(prompt="a red fox in snow", num_inference_steps=8, true_cfg_scale=1.0)
+    assert_close(run_pipeline(pipe, **case), run_pipeline(stock, **case), TOL, "README's Lightning recipe")
 
 
 def test_graphs_state_changes_with_adapters():
