@@ -228,6 +228,14 @@ class QwenImageFastPipeline(QwenImagePipeline):
 
     # ---- LoRA: diffusers' pipeline methods that look for peft layers, answered by the fast transformer
 
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        """diffusers' save_pretrained, refused before anything is written while the fast transformer has LoRA
+        adapters (its own save refuses them, but only after the components saved before it were written)."""
+        fast = self._fast_transformer()
+        if fast is not None and fast.lora_state.configs:
+            fast.save_pretrained(save_directory)  # raises, saying what to do
+        return super().save_pretrained(save_directory, *args, **kwargs)
+
     def _fast_transformer(self) -> FastQwenImageTransformer | None:
         return self.transformer if isinstance(self.transformer, FastQwenImageTransformer) else None
 

@@ -337,3 +337,6 @@ def test_save_pretrained_with_adapters_loaded_is_refused(tmp_path):
     with pytest.raises(ValueError, match="without them"):
         fast.transformer.save_pretrained(tmp_path / "t")
     assert not (tmp_path / "t").exists()
+    with pytest.raises(ValueError, match="without them"):
+        fast.save_pretrained(tmp_path / "pipe")
+    assert not (tmp_path / "pipe").exists(), "nothing of the pipeline written"
