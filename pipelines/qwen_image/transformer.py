@@ -31,6 +31,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 import triton
 from diffusers import ConfigMixin, ModelMixin, QwenImageTransformer2DModel
+from diffusers.hooks.group_offloading import _maybe_remove_and_reapply_group_offloading
+from diffusers.loaders.lora_base import _func_optionally_disable_offloading
 from diffusers.models.modeling_outputs import Transformer2DModelOutput
 from diffusers.utils import logging
 from diffusers.models.normalization import AdaLayerNormContinuous, RMSNorm
@@ -655,8 +657,9 @@ class FastQwenImageTransformer(ModelMixin, ConfigMixin):
     def _lora_layers(self) -> list[LoraLinear]:
         return [m for m in self.modules() if isinstance(m, LoraLinear)]
 
-    def _lora_host(self, stock_name: str) -> tuple[LoraLinear, torch.device]:
-        """The LoraLinear holding the site of a stock module name (created on first use), and its linear's device."""
+    def _lora_host(self, stock_name: str, create: bool = True) -> tuple[LoraLinear, torch.device] | None:
+        """The LoraLinear holding the site of a stock module name (created on first use), and its linear's device;
+        ValueError if no linear of this model has that name (create=False: only that check)."""
         name, third = site_of(stock_name)
         try:
             module = self.get_submodule(name)
@@ -665,6 +668,8 @@ class FastQwenImageTransformer(ModelMixin, ConfigMixin):
         if not isinstance(module, (FastLinear, nn.Linear)):
             raise ValueError(f"the LoRA targets {stock_name!r}, which is not a linear layer of QwenImageTransformer2DModel "
                              f"(config: {dict(num_layers=self.config.num_layers)})")
+        if not create:
+            return None
         lora = getattr(module, "lora", None)  # FastLinear: None until then; a plain nn.Linear: no such attribute
         if lora is None:
             if third is None:
@@ -712,8 +717,8 @@ class FastQwenImageTransformer(ModelMixin, ConfigMixin):
         adapter_name = kwargs.pop("adapter_name", None)
         network_alphas = kwargs.pop("network_alphas", None)
         metadata = kwargs.pop("metadata", None)
-        for ignored in ("_pipeline", "low_cpu_mem_usage"):
-            kwargs.pop(ignored, None)
+        pipeline = kwargs.pop("_pipeline", None)
+        kwargs.pop("low_cpu_mem_usage", None)  # factors are small: always loaded as given
         fetch = {k: kwargs.pop(k, None) for k in ("cache_dir", "proxies", "local_files_only", "token", "revision",
                                                     "subfolder", "weight_name", "use_safetensors")}
         fetch["force_download"] = kwargs.pop("force_download", False)
@@ -753,7 +758,11 @@ class FastQwenImageTransformer(ModelMixin, ConfigMixin):
             raise NotImplementedError(f"LoRA tensors {unknown[:3]} are not plain lora_A / lora_B weights; "
                                       + BASELINE_ADVICE)
         targets = sorted({k.rsplit(".lora_", 1)[0] for k in state_dict})
-        hosts = [self._lora_host(t) for t in targets]  # every target checked before anything is added
+        for target in targets:  # every target checked before anything is added
+            self._lora_host(target, create=False)
+        # As diffusers' loader: accelerate's offload hooks come off for the injection and go back on after it
+        model_offload, sequential_offload, _ = _func_optionally_disable_offloading(pipeline)
+        hosts = [self._lora_host(t) for t in targets]
         for target, (lora, device) in zip(targets, hosts):
             a, b = state_dict[f"{target}.lora_A.weight"], state_dict[f"{target}.lora_B.weight"]
             r = config.rank_pattern.get(get_pattern_key(config.rank_pattern.keys(), target), config.r)
@@ -765,6 +774,11 @@ class FastQwenImageTransformer(ModelMixin, ConfigMixin):
         state.weight[adapter_name], state.layer_scale[adapter_name] = 1.0, 1.0
         state.active = [adapter_name]  # peft activates the adapter it just injected, on every layer
         self._lora_changed()
+        if model_offload:
+            pipeline.enable_model_cpu_offload()
+        elif sequential_offload:
+            pipeline.enable_sequential_cpu_offload()
+        _maybe_remove_and_reapply_group_offloading(self)  # group offload's groups must take in the new factors
 
     def _check_adapters(self, names: list[str]):
         missing = [n for n in names if n not in self.lora_state.configs]
@@ -896,6 +910,7 @@ class FastQwenImageTransformer(ModelMixin, ConfigMixin):
                 state.active = [a for a in state.active if a != name] or list(state.configs)[:1]
         self._drop_empty_lora_layers()
         self._lora_changed()
+        _maybe_remove_and_reapply_group_offloading(self)
 
     def unload_lora(self):
         """Remove every adapter: fused ones stay in effect, as diffusers' unload keeps merged weights; unfused
@@ -914,6 +929,7 @@ class FastQwenImageTransformer(ModelMixin, ConfigMixin):
         state.active, state.enabled = [], True
         self._drop_empty_lora_layers()
         self._lora_changed()
+        _maybe_remove_and_reapply_group_offloading(self)
 
     def _drop_empty_lora_layers(self):
         for name, module in list(self.named_modules()):

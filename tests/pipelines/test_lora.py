@@ -340,3 +340,32 @@ def test_save_pretrained_with_adapters_loaded_is_refused(tmp_path):
     with pytest.raises(ValueError, match="without them"):
         fast.save_pretrained(tmp_path / "pipe")
     assert not (tmp_path / "pipe").exists(), "nothing of the pipeline written"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("how", ["model", "group-block", "group-leaf-stream"])
+def test_lora_loaded_and_unloaded_under_offload_on_gpu(how):
+    """Adapters loaded after offloading (accelerate's hooks come off and back on, as diffusers does; group offload's
+    groups are rebuilt to take in the new factors) give what the resident pipeline gives; unloading restores it."""
+    from test_pipeline import offload
+
+    case = dict(prompt="a cat", negative_prompt="bad", true_cfg_scale=3.0, height=64, width=64,
+                num_inference_steps=3, output_type="latent")
+
+    def latents(pipe):
+        return pipe(**case, generator=torch.Generator("cuda").manual_seed(0)).images
+
+    config = FastConfig(fp8=True, cuda_graphs=False)
+    resident = optimize(stock_pipeline().to("cuda", torch.bfloat16), config)
+    plain = latents(resident)
+    resident.load_lora_weights(lightning_format(LORA_A + LORA_B))
+    expected = latents(resident)
+    pipe = optimize(stock_pipeline().to(torch.bfloat16), config, device="cuda")
+    offload(pipe, how)
+    pipe.load_lora_weights(lightning_format(LORA_A + LORA_B))
+    assert_close(latents(pipe), expected, 1e-6, f"LoRA under {how} offload vs resident")
+    pipe.fuse_lora()  # offload hooks: kept low-rank, still exact
+    assert_close(latents(pipe), expected, 1e-6, f"fused under {how} offload")
+    pipe.unfuse_lora()
+    pipe.unload_lora_weights()
+    assert_close(latents(pipe), plain, 1e-6, f"unloaded under {how} offload")
