@@ -151,6 +151,24 @@ def test_two_adapters_weights_disable_enable_delete(no_lora):
     same(fast, stock, "after deleting b")
 
 
+def test_prefix_none_default_weights_and_safe_fusing():
+    """transformer.load_lora_adapter(prefix=None) with unprefixed peft keys; set_adapters(names) without weights
+    (1.0 each); fuse_lora(safe_fusing=True) refusing a LoRA with NaNs, as stock does."""
+    stock, fast = pair()
+    unprefixed = {k.removeprefix("transformer."): v for k, v in diffusers_format(LORA_B).items()}
+    for pipe in (stock, fast):
+        pipe.transformer.load_lora_adapter(dict(unprefixed), prefix=None, adapter_name="b")
+        pipe.load_lora_weights(lightning_format(LORA_A), adapter_name="a")
+        pipe.set_adapters(["a", "b"])
+    same(fast, stock, "prefix=None, then set_adapters(names) at weight 1.0 each")
+    broken = lightning_format(LORA_A[:2])
+    broken[f"{LORA_A[0]}.lora_up.weight"][0, 0] = float("nan")
+    for pipe in (stock, fast):
+        pipe.load_lora_weights(broken, adapter_name="nan")
+        with pytest.raises(ValueError, match="NaN"):
+            pipe.fuse_lora(safe_fusing=True, adapter_names=["nan"])
+
+
 def test_attention_kwargs_scale():
     stock, fast = pair()
     for pipe in (stock, fast):
