@@ -504,9 +504,29 @@ def test_conversion_on_a_cpu_without_the_triton_interpreter_says_how_to_fix_it()
     assert "raised:" in result.stdout and "TRITON_INTERPRET=1" in result.stdout
 
 
-@pytest.mark.parametrize("name", ["QwenImagePipeline", "QwenImageImg2ImgPipeline", "QwenImageInpaintPipeline"])
-def test_fast_transformer_drops_into_diffusers_pipelines(name):
-    # diffusers' own pipelines, unchanged, with the fast transformer (BF16 mode, fp32) in place of the stock one
+def tiny_controlnet(transformer, extra_condition_channels: int = 0, seed: int = 3):
+    """A 1-layer QwenImageControlNetModel from the tiny transformer, its zero-initialized output projections made
+    random (so that its residuals move the result). extra_condition_channels: the inpainting one's mask channels."""
+    from diffusers import QwenImageControlNetModel
+
+    torch.manual_seed(seed)
+    controlnet = QwenImageControlNetModel.from_transformer(
+        transformer, num_layers=1, attention_head_dim=transformer.config.attention_head_dim,
+        num_attention_heads=transformer.config.num_attention_heads, extra_condition_channels=extra_condition_channels)
+    for p in controlnet.controlnet_blocks.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    return controlnet
+
+
+DROP_IN = ["QwenImagePipeline", "QwenImageImg2ImgPipeline", "QwenImageInpaintPipeline", "QwenImageControlNetPipeline",
+           "QwenImageControlNetInpaintPipeline"]
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["exact", "fp8"])
+@pytest.mark.parametrize("name", DROP_IN)
+def test_fast_transformer_drops_into_diffusers_pipelines(name, fp8):
+    """diffusers' own pipelines, unchanged, with the fast transformer in place of the stock one: fp32 BF16 mode to
+    1e-5; FP8 within its CPU bound (ControlNet: its residuals added after each block's, as diffusers adds them)."""
     import diffusers
     from PIL import Image
 
@@ -515,18 +535,26 @@ def test_fast_transformer_drops_into_diffusers_pipelines(name):
     def pipeline(fast: bool):
         components = tiny_components(0)
         components["tokenizer"] = Qwen2Tokenizer.from_pretrained(FIXTURE_TOKENIZER)
+        if "ControlNet" in name:
+            components["controlnet"] = tiny_controlnet(components["transformer"], 4 if "Inpaint" in name else 0)
         if fast:
             components["transformer"] = FastQwenImageTransformer.from_diffusers(
-                components["transformer"], EXACT.transformer_config())
+                components["transformer"], FastConfig(fp8=fp8).transformer_config())
         return cls(**components)
 
     rng = np.random.default_rng(0)
-    case = dict(prompt="a cat", negative_prompt="blurry", num_inference_steps=3)
-    if name != "QwenImagePipeline":
-        case |= dict(image=Image.fromarray(rng.integers(0, 256, (32, 48, 3), dtype=np.uint8)), strength=0.7)
-    if name == "QwenImageInpaintPipeline":
-        case |= dict(mask_image=Image.fromarray(((rng.random((32, 48)) > 0.5) * 255).astype(np.uint8)))
-    assert_close(run(pipeline(fast=True), **case), run(pipeline(fast=False), **case), 1e-5, name)
+    image = Image.fromarray(rng.integers(0, 256, (32, 48, 3), dtype=np.uint8))
+    mask = Image.fromarray(((rng.random((32, 48)) > 0.5) * 255).astype(np.uint8))
+    case = dict(prompt="a cat", negative_prompt="blurry", true_cfg_scale=3.0, num_inference_steps=3)
+    case |= {"QwenImageImg2ImgPipeline": dict(image=image, strength=0.7),
+             "QwenImageInpaintPipeline": dict(image=image, mask_image=mask, strength=0.7),
+             "QwenImageControlNetPipeline": dict(control_image=image, controlnet_conditioning_scale=0.8),
+             "QwenImageControlNetInpaintPipeline": dict(control_image=image, control_mask=mask)}.get(name, {})
+    out, ref = run(pipeline(fast=True), **case), run(pipeline(fast=False), **case)
+    if fp8:
+        assert rel_rms_error(out, ref) < 5e-3, (name, rel_rms_error(out, ref))
+    else:
+        assert_close(out, ref, 1e-5, name)
 
 
 def offload(pipe, how: str):
