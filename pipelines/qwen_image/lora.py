@@ -163,8 +163,7 @@ class LoraLinear(nn.Module):
     def packed(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(D [R, K], U [N, R]) in like's dtype and on its device, rebuilt when the state changed or the model moved;
         None when nothing is in effect."""
-        x = like
-        key = (self.state.version, self.state.call_scale, x.dtype, x.device)
+        key = (self.state.version, self.state.call_scale, like.dtype, like.device)
         if self._packed_version != key:
             downs, ups = [], []
             n_out = max(row1 for _, row1 in self.sites.values())
@@ -176,7 +175,7 @@ class LoraLinear(nn.Module):
                     downs.append(a)
                     ups.append(up)
             self._packed = None if not downs else (
-                torch.cat(downs).to(x.dtype), torch.cat(ups, dim=1).to(x.dtype))
+                torch.cat(downs).to(like.dtype), torch.cat(ups, dim=1).to(like.dtype))
             self._packed_version = key
         return self._packed
 

@@ -859,7 +859,7 @@ class FastQwenImageTransformer(ModelMixin, ConfigMixin):
         why = "no checkpoint folder is known (the stock model was not loaded from one)"
         if self.weight_source is not None and name.startswith("transformer_blocks."):
             i, fast_name = name.split(".")[1:]
-            stock = [n for n, (linear_name, third) in sorted(BLOCK_SITES.items(), key=lambda kv: kv[1][1] or 0)
+            stock = [n for n, (linear_name, _) in sorted(BLOCK_SITES.items(), key=lambda kv: kv[1][1] or 0)
                      if linear_name == fast_name]
             device = linear.weight_q.device
             try:
