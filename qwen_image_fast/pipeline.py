@@ -86,7 +86,72 @@ def is_fast_checkpoint(path_or_id) -> bool:
     return list(config.get("transformer", [None, None]))[-1] == FastQwenImageTransformer.__name__
 
 
-class QwenImageFastPipeline(QwenImagePipeline):
+class FastTransformerPipeline:
+    """What a diffusers Qwen-Image pipeline holding a FastQwenImageTransformer answers through it (mixed in before
+    the diffusers class): the pipeline-level LoRA methods that look for peft layers, `save_pretrained`'s refusal of
+    adapters, and the transformer's entries of `applied`."""
+
+    def _transformer_entries(self) -> list[str]:
+        transformer = self.transformer
+        if not isinstance(transformer, FastQwenImageTransformer):
+            return []
+        fp8 = bool(transformer.fast_config.fp8_linears)
+        return (["fused_transformer"] + (["fp8"] if fp8 else [])
+                + (["fp8_fast_accum"] if fp8 and transformer.fast_config.fp8_fast_accum else [])
+                + [f"attention:{transformer.attention_backend}"])
+
+    # LoRA: diffusers' pipeline methods that look for peft layers, answered by the fast transformer
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        """diffusers' save_pretrained, refused before anything is written while the fast transformer has LoRA
+        adapters (its own save refuses them, but only after the components saved before it were written)."""
+        fast = self._fast_transformer()
+        if fast is not None and fast.lora_state.configs:
+            fast.save_pretrained(save_directory)  # raises, saying what to do
+        return super().save_pretrained(save_directory, *args, **kwargs)
+
+    def _fast_transformer(self) -> FastQwenImageTransformer | None:
+        return self.transformer if isinstance(self.transformer, FastQwenImageTransformer) else None
+
+    def get_active_adapters(self) -> list[str]:
+        fast = self._fast_transformer()
+        if fast is None:
+            return super().get_active_adapters()
+        return list(fast.lora_state.active) if fast.lora_state.configs else []
+
+    def fuse_lora(self, components: list[str] = ["transformer"], lora_scale: float = 1.0, safe_fusing: bool = False,
+                  adapter_names: list[str] | None = None, **kwargs):
+        fast = self._fast_transformer()
+        if fast is None:
+            return super().fuse_lora(components=components, lora_scale=lora_scale, safe_fusing=safe_fusing,
+                                     adapter_names=adapter_names, **kwargs)
+        self._check_lora_components(components)
+        fast.fuse_lora(lora_scale, safe_fusing=safe_fusing, adapter_names=adapter_names)
+        self._merged_adapters = self._merged_adapters | fast.fused_adapters
+
+    def unfuse_lora(self, components: list[str] = ["transformer"], **kwargs):
+        fast = self._fast_transformer()
+        if fast is None:
+            return super().unfuse_lora(components=components, **kwargs)
+        self._check_lora_components(components)
+        fast.unfuse_lora()
+        self._merged_adapters = self._merged_adapters & fast.fused_adapters
+
+    def _check_lora_components(self, components):
+        if not components:
+            raise ValueError("`components` cannot be an empty list.")
+        for component in components:
+            if component not in self._lora_loadable_modules:
+                raise ValueError(f"{component} is not found in {self._lora_loadable_modules=}.")
+
+    def set_lora_device(self, adapter_names, device):
+        if self._fast_transformer() is None:
+            return super().set_lora_device(adapter_names, device)
+        raise NotImplementedError("set_lora_device: the fast transformer keeps adapters on its own device; "
+                                  "delete_adapters(...) the ones you do not need")
+
+
+class QwenImageFastPipeline(FastTransformerPipeline, QwenImagePipeline):
     """Drop-in for QwenImagePipeline: `QwenImageFastPipeline(**components, fast_config=...)` (diffusers' constructor,
     converts a stock transformer where it is), `from_pretrained(..., fast_config=..., device=...)`, `from_pipe(pipe)`
     or `qwen_image_fast.optimize(pipe)` (in place). `fast_config` says what was asked for, `applied` what ran."""
@@ -181,15 +246,6 @@ class QwenImageFastPipeline(QwenImagePipeline):
                 + (["enhance_prompt"] if self.prompt_enhancer is not None else [])
                 + (["vae_2d_decode"] if config.vae_2d_decode else []))
 
-    def _transformer_entries(self) -> list[str]:
-        transformer = self.transformer
-        if not isinstance(transformer, FastQwenImageTransformer):
-            return []
-        fp8 = bool(transformer.fast_config.fp8_linears)
-        return (["fused_transformer"] + (["fp8"] if fp8 else [])
-                + (["fp8_fast_accum"] if fp8 and transformer.fast_config.fp8_fast_accum else [])
-                + [f"attention:{transformer.attention_backend}"])
-
     def _sampler_entries(self) -> list[str]:
         return [] if self.fast_config.scheduler == "euler" else [f"scheduler:{self.fast_config.scheduler}"]
 
@@ -225,56 +281,6 @@ class QwenImageFastPipeline(QwenImagePipeline):
         padded = [pad_text(e, m, length) for e, m in zip(embeds, masks)]
         return dict(encoder_hidden_states=torch.cat([e for e, _ in padded]),
                     encoder_hidden_states_mask=drop_all_ones(torch.cat([m for _, m in padded])))
-
-    # ---- LoRA: diffusers' pipeline methods that look for peft layers, answered by the fast transformer
-
-    def save_pretrained(self, save_directory, *args, **kwargs):
-        """diffusers' save_pretrained, refused before anything is written while the fast transformer has LoRA
-        adapters (its own save refuses them, but only after the components saved before it were written)."""
-        fast = self._fast_transformer()
-        if fast is not None and fast.lora_state.configs:
-            fast.save_pretrained(save_directory)  # raises, saying what to do
-        return super().save_pretrained(save_directory, *args, **kwargs)
-
-    def _fast_transformer(self) -> FastQwenImageTransformer | None:
-        return self.transformer if isinstance(self.transformer, FastQwenImageTransformer) else None
-
-    def get_active_adapters(self) -> list[str]:
-        fast = self._fast_transformer()
-        if fast is None:
-            return super().get_active_adapters()
-        return list(fast.lora_state.active) if fast.lora_state.configs else []
-
-    def fuse_lora(self, components: list[str] = ["transformer"], lora_scale: float = 1.0, safe_fusing: bool = False,
-                  adapter_names: list[str] | None = None, **kwargs):
-        fast = self._fast_transformer()
-        if fast is None:
-            return super().fuse_lora(components=components, lora_scale=lora_scale, safe_fusing=safe_fusing,
-                                     adapter_names=adapter_names, **kwargs)
-        self._check_lora_components(components)
-        fast.fuse_lora(lora_scale, safe_fusing=safe_fusing, adapter_names=adapter_names)
-        self._merged_adapters = self._merged_adapters | fast.fused_adapters
-
-    def unfuse_lora(self, components: list[str] = ["transformer"], **kwargs):
-        fast = self._fast_transformer()
-        if fast is None:
-            return super().unfuse_lora(components=components, **kwargs)
-        self._check_lora_components(components)
-        fast.unfuse_lora()
-        self._merged_adapters = self._merged_adapters & fast.fused_adapters
-
-    def _check_lora_components(self, components):
-        if not components:
-            raise ValueError("`components` cannot be an empty list.")
-        for component in components:
-            if component not in self._lora_loadable_modules:
-                raise ValueError(f"{component} is not found in {self._lora_loadable_modules=}.")
-
-    def set_lora_device(self, adapter_names, device):
-        if self._fast_transformer() is None:
-            return super().set_lora_device(adapter_names, device)
-        raise NotImplementedError("set_lora_device: the fast transformer keeps adapters on its own device; "
-                                  "delete_adapters(...) the ones you do not need")
 
     def _forward(self, use_graphs: bool, context: str, **kwargs) -> torch.Tensor:
         """One transformer forward: replayed from a CUDA graph when use_graphs, else eager under cache_context."""
@@ -497,16 +503,22 @@ def convert(pipe: QwenImagePipeline, config: FastConfig, device, enhancer) -> Qw
     return pipe
 
 
-def optimize(pipe, config: FastConfig | str | None = None, device=None, enhance_prompt=None) -> QwenImageFastPipeline:
-    """Convert `pipe` (a diffusers QwenImagePipeline) into a QwenImageFastPipeline in place and return it.
+def optimize(pipe, config: FastConfig | str | None = None, device=None, enhance_prompt=None):
+    """Convert `pipe` (a diffusers QwenImagePipeline) into a QwenImageFastPipeline in place and return it; one of
+    the image-conditioned pipelines in family.ACCELERATED keeps its own __call__ with the fast transformer
+    (family.py). Any other pipeline: TypeError naming the supported ones.
 
     config: a FastConfig, a preset name ("fast", "baseline") or None (= "fast"). device: where the fused
     transformer is built (default: where pipe.transformer is); build from a CPU pipeline straight onto the GPU
     to never hold two BF16 copies there. enhance_prompt: rewrite each prompt with a local Qwen3.5 before encoding
     it (see resolve_enhancer; a loaded enhancer runs on `device`, or on CUDA when available if device is None)."""
     config = FastConfig.coerce(config)
-    if isinstance(pipe, QwenImageFastPipeline):
-        raise ValueError("this pipeline is already optimized; call optimize() on a fresh QwenImagePipeline")
+    if isinstance(pipe, FastTransformerPipeline):
+        raise ValueError("this pipeline is already optimized; call optimize() on a fresh diffusers pipeline")
     if type(pipe) is not QwenImagePipeline:
-        raise TypeError(f"optimize() takes a diffusers QwenImagePipeline, got {type(pipe).__name__}")
+        from .family import check_family, is_accelerated, optimize_family
+
+        if is_accelerated(pipe):
+            return optimize_family(pipe, config, device, enhance_prompt)
+        check_family(pipe)
     return convert(pipe, config, device, resolve_enhancer(enhance_prompt, device))
