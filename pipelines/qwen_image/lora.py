@@ -91,8 +91,10 @@ class LoraLinear(nn.Module):
         self.frozen: dict[str, list[tuple[str, float]]] = {site: [] for site in sites}  # fuse_lora: (adapter, scaling)
         self.folded = False  # the frozen adapters are in the host FastLinear's weight (fold_lora)
         self._count = 0
-        self._packed_version = None
-        self._packed_fp8_of = None
+        # (version, call_scale, dtype, device) -> packed factors. Every call scale of the current version stays: a
+        # CUDA graph captured at one scale keeps reading its tensors while another scale's run builds its own.
+        self._packed: dict[tuple, tuple | None] = {}
+        self._packed_fp8: dict[tuple, tuple | None] = {}
 
     def add(self, site: str, adapter: str, a: torch.Tensor, b: torch.Tensor, base_scale: float):
         row0, row1 = self.sites[site]
@@ -111,7 +113,7 @@ class LoraLinear(nn.Module):
             if f is not None:
                 delattr(self, f.a)
                 delattr(self, f.b)
-        self._packed_version = None
+        self._drop_packed()
 
     @property
     def adapters(self) -> set[str]:
@@ -138,14 +140,28 @@ class LoraLinear(nn.Module):
                     raise ValueError(f"NaNs detected in the fused weights of {site} (adapter {a!r}): the LoRA "
                                      "adapter seems to be broken; nothing was fused there")
                 self.frozen[site].append((a, s))
-        self._packed_version = None
+        self._drop_packed()
 
     def unfreeze(self):
         if self.folded:
             raise RuntimeError("unfreeze while the adapters are folded into the weight: FastLinear.unfold_lora first")
         for site in self.sites:
             self.frozen[site] = []
-        self._packed_version = None
+        self._drop_packed()
+
+    def _drop_packed(self):
+        self._packed.clear()
+        self._packed_fp8.clear()
+
+    def _cached(self, store: dict, like: torch.Tensor, build):
+        """store's entry for the state now and like's dtype and device, built on a miss; entries of an earlier
+        version are dropped (the graphs that read them are recaptured: GraphedForward.drop_if_weights_moved)."""
+        key = (self.state.version, self.state.call_scale, like.dtype, like.device)
+        if key not in store:
+            if any(k[0] != key[0] for k in store):
+                store.clear()
+            store[key] = build()
+        return store[key]
 
     def frozen_delta(self, n_out: int) -> torch.Tensor | None:
         """The frozen adapters' sum of scaling * B @ A, [n_out, K] fp32 (zero outside their sites' rows); None when
@@ -163,35 +179,33 @@ class LoraLinear(nn.Module):
     def packed(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(D [R, K], U [N, R]) in like's dtype and on its device, rebuilt when the state changed or the model moved;
         None when nothing is in effect."""
-        key = (self.state.version, self.state.call_scale, like.dtype, like.device)
-        if self._packed_version != key:
-            downs, ups = [], []
-            n_out = max(row1 for _, row1 in self.sites.values())
-            for site, (row0, row1) in self.sites.items():
-                for f, scaling in self.in_effect(site):
-                    a, b = getattr(self, f.a), getattr(self, f.b)
-                    up = b.new_zeros(n_out, b.shape[1], dtype=torch.float32)
-                    up[row0:row1] = b.float() * scaling
-                    downs.append(a)
-                    ups.append(up)
-            self._packed = None if not downs else (
-                torch.cat(downs).to(like.dtype), torch.cat(ups, dim=1).to(like.dtype))
-            self._packed_version = key
-        return self._packed
+        return self._cached(self._packed, like, lambda: self._pack(like.dtype))
+
+    def _pack(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
+        downs, ups = [], []
+        n_out = max(row1 for _, row1 in self.sites.values())
+        for site, (row0, row1) in self.sites.items():
+            for f, scaling in self.in_effect(site):
+                a, b = getattr(self, f.a), getattr(self, f.b)
+                up = b.new_zeros(n_out, b.shape[1], dtype=torch.float32)
+                up[row0:row1] = b.float() * scaling
+                downs.append(a)
+                ups.append(up)
+        return None if not downs else (torch.cat(downs).to(dtype), torch.cat(ups, dim=1).to(dtype))
 
     def packed_fp8(self, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """For an FP8 host: (D rowwise e4m3 [R16, K], its scale [R16] fp32, U [N, R16] in like's dtype), R padded
         with zero rows / columns to a multiple of 16 (torch._scaled_mm's N); None when nothing is in effect."""
-        packed = self.packed(like)
-        if packed is None:
-            return None
-        if self._packed_fp8_of is not packed:
+        def build():
+            packed = self.packed(like)
+            if packed is None:
+                return None
             down, up = packed
             pad = -down.shape[0] % 16
             down_q, down_scale = quantize_fp8_rowwise_ref(F.pad(down, (0, 0, 0, pad)))
-            self._packed_fp8 = (down_q, down_scale.view(-1), F.pad(up, (0, pad)))
-            self._packed_fp8_of = packed
-        return self._packed_fp8
+            return down_q, down_scale.view(-1), F.pad(up, (0, pad))
+
+        return self._cached(self._packed_fp8, like, build)
 
     def forward(self, x: torch.Tensor, y: torch.Tensor, row_scale: torch.Tensor | None = None) -> torch.Tensor:
         """y [M, N] (the base output, which this adds to in place) + the low-rank terms of the input rows: x [M, K]

@@ -387,3 +387,26 @@ def test_lora_loaded_and_unloaded_under_offload_on_gpu(how):
     pipe.unfuse_lora()
     pipe.unload_lora_weights()
     assert_close(latents(pipe), plain, 1e-6, f"unloaded under {how} offload")
+
+
+@pytest.mark.gpu
+def test_graph_replay_follows_the_attention_scale_of_each_call_on_gpu():
+    """One graph per attention_kwargs scale (GraphedForward's signature); each keeps reading its own packed factors
+    while calls alternate between scales, and agrees with the eager pipeline at that scale."""
+    case = dict(prompt="a cat", negative_prompt="bad", true_cfg_scale=3.0, height=64, width=64,
+                num_inference_steps=2, output_type="latent")
+
+    def latents(pipe, scale):
+        kwargs = {} if scale is None else {"attention_kwargs": {"scale": scale}}
+        return pipe(**case, **kwargs, generator=torch.Generator("cuda").manual_seed(0)).images
+
+    eager = optimize(stock_pipeline().to("cuda", torch.bfloat16), FastConfig(cuda_graphs=False))
+    graphed = optimize(stock_pipeline().to("cuda", torch.bfloat16), FastConfig())
+    for pipe in (eager, graphed):
+        pipe.load_lora_weights(lightning_format(LORA_A + LORA_B))
+    refs = {scale: latents(eager, scale) for scale in (None, 0.3, 2.0)}
+    assert rel_rms_error(refs[0.3], refs[None]) > 0.05 and rel_rms_error(refs[2.0], refs[None]) > 0.05
+    for scale in (None, 0.3, None, 2.0, 0.3, None):
+        out = latents(graphed, scale)
+        assert "cuda_graphs" in graphed.applied
+        assert rel_rms_error(out, refs[scale]) < 1e-2, (scale, rel_rms_error(out, refs[scale]))
