@@ -7,15 +7,11 @@ CFG, CUDA graphs, other samplers, the 2D VAE decode) is the text-to-image pipeli
 `applied` says what did. The edit pipelines are not accelerated yet: their Qwen2.5-VL processor is untested here.
 """
 
-import logging
-
 import diffusers
 
 from .config import FastConfig
-from .pipeline import FastTransformerPipeline, fp8_supported
+from .pipeline import FastTransformerPipeline, fast_transformer
 from .pipelines.qwen_image.transformer import FastQwenImageTransformer
-
-logger = logging.getLogger(__name__)
 
 ACCELERATED = ("QwenImageImg2ImgPipeline", "QwenImageInpaintPipeline", "QwenImageControlNetPipeline",
                "QwenImageControlNetInpaintPipeline")
@@ -75,14 +71,7 @@ def optimize_family(pipe, config: FastConfig, device, enhance_prompt):
                          f"the text-to-image pipeline's loop, which {type(pipe).__name__} does not run; replace "
                          "pipe.scheduler to sample otherwise")
     if config.fused_transformer and not isinstance(pipe.transformer, FastQwenImageTransformer):
-        transformer_config = config.transformer_config()
-        target = device if device is not None else pipe.transformer.device
-        if config.fp8 and not fp8_supported(target):
-            logger.warning("fp8=True but %s has no FP8 tensor cores (compute capability < 8.9): running BF16 GEMMs",
-                           target)
-            transformer_config = transformer_config.__class__(**{**transformer_config.to_dict(), "fp8": False})
-        pipe.register_modules(transformer=FastQwenImageTransformer.from_diffusers(pipe.transformer, transformer_config,
-                                                                                  device))
+        pipe.register_modules(transformer=fast_transformer(pipe.transformer, config, device))
     pipe.__class__ = fast_class(type(pipe))
     pipe.fast_config = config
     return pipe

@@ -54,6 +54,18 @@ def fp8_supported(device: torch.device) -> bool:
     return device.type == "cpu" or (device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9))
 
 
+def fast_transformer(transformer, config: FastConfig, device) -> FastQwenImageTransformer:
+    """A stock transformer converted on `device` (None: where it is) with config's transformer fields; BF16 GEMMs,
+    with a warning, on a GPU without FP8 tensor cores."""
+    device = torch.device(device) if device is not None else transformer.device
+    transformer_config = config.transformer_config()
+    if config.fp8 and not fp8_supported(device):
+        logger.warning("fp8=True but %s has no FP8 tensor cores (compute capability < 8.9): running BF16 GEMMs",
+                       torch.cuda.get_device_name(device))
+        transformer_config = transformer_config.__class__(**{**transformer_config.to_dict(), "fp8": False})
+    return FastQwenImageTransformer.from_diffusers(transformer, transformer_config, device)
+
+
 def resolve_enhancer(enhance_prompt, device=None):
     """None / False: no enhancer. True: PromptEnhancer.from_pretrained() (DEFAULT_ENHANCER_ID). A str or path: a
     Qwen3.5 checkpoint (local folder or hub id); "tiny-random": tiny_enhancer(), random weights, for tests. An object
@@ -182,14 +194,7 @@ class QwenImageFastPipeline(FastTransformerPipeline, QwenImagePipeline):
                     f", fp8={config.fp8}, bf16_linears={list(config.bf16_linears)}: pass a FastConfig that matches "
                     "it, or build the pipeline from the stock transformer")
         elif config.fused_transformer:
-            device = torch.device(device) if device is not None else transformer.device
-            transformer_config = config.transformer_config()
-            if config.fp8 and not fp8_supported(device):
-                logger.warning("fp8=True but %s has no FP8 tensor cores (compute capability < 8.9): running BF16 "
-                               "GEMMs", torch.cuda.get_device_name(device))
-                transformer_config = transformer_config.__class__(**{**transformer_config.to_dict(), "fp8": False})
-            self.register_modules(transformer=FastQwenImageTransformer.from_diffusers(transformer, transformer_config,
-                                                                                      device))
+            self.register_modules(transformer=fast_transformer(transformer, config, device))
         self.fast_config = config
         self.prompt_enhancer = enhancer
         self.last_enhanced_prompts = None

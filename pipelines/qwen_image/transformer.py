@@ -168,12 +168,12 @@ class FastLinear(nn.Module):
         return y if self.lora is None else self.lora(x, y)
 
     def fold_lora(self, master=None):
-        """FP8: the adapters fuse_lora froze here, into the weight, so that a fused adapter costs nothing per forward:
-        requantized rowwise from master() plus their product, where master() gives the BF16 weight this FP8 one was
-        quantized from (None: not available), else from the dequantized weight (a second e4m3 rounding of each
-        weight; the error is measured in RESULTS.md). The weight before is copied to the host, for unfold_lora to restore
-        bit-exactly (from the GPU: into pinned memory, asynchronously; PyTorch's pinned-memory cache makes a
-        later fold reuse it). Does nothing for a BF16 linear (it keeps the exact frozen low-rank terms)."""
+        """FP8: the adapters fuse_lora froze here, into the weight, so that a fused adapter costs nothing per
+        forward: requantized rowwise from master() plus their product, where master() gives the BF16 weight this FP8
+        one was quantized from (None: not available), else from the dequantized weight (a second e4m3 rounding of
+        each weight; the error is measured in RESULTS.md). The weight before is copied to the host, for unfold_lora
+        to restore bit-exactly (from the GPU: into pinned memory, asynchronously; PyTorch's pinned-memory cache makes
+        a later fold reuse it). Does nothing for a BF16 linear (it keeps the exact frozen low-rank terms)."""
         if not self.fp8 or self.lora is None:
             return
         self.unfold_lora()  # a second fuse_lora: fold everything frozen now, from the weight before the first

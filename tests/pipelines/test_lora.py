@@ -153,7 +153,7 @@ def test_two_adapters_weights_disable_enable_delete(no_lora):
 
 def test_prefix_none_default_weights_and_safe_fusing():
     """transformer.load_lora_adapter(prefix=None) with unprefixed peft keys; set_adapters(names) without weights
-    (1.0 each); fuse_lora(safe_fusing=True) refusing a LoRA with NaNs, as stock does."""
+    (1.0 each); transformer.set_adapter; fuse_lora(safe_fusing=True) refusing a LoRA with NaNs, as stock does."""
     stock, fast = pair()
     unprefixed = {k.removeprefix("transformer."): v for k, v in diffusers_format(LORA_B).items()}
     for pipe in (stock, fast):
@@ -161,6 +161,10 @@ def test_prefix_none_default_weights_and_safe_fusing():
         pipe.load_lora_weights(lightning_format(LORA_A), adapter_name="a")
         pipe.set_adapters(["a", "b"])
     same(fast, stock, "prefix=None, then set_adapters(names) at weight 1.0 each")
+    for pipe in (stock, fast):
+        pipe.set_adapters(["a", "b"], [0.5, 1.5])
+        pipe.transformer.set_adapter("b")  # the active set changes; b keeps its weight
+    same(fast, stock, "transformer.set_adapter after set_adapters with weights")
     broken = lightning_format(LORA_A[:2])
     broken[f"{LORA_A[0]}.lora_up.weight"][0, 0] = float("nan")
     for pipe in (stock, fast):
