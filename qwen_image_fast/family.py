@@ -1,22 +1,33 @@
 """optimize() for Qwen-Image's other diffusers pipelines: their own __call__, unchanged, with the fast transformer.
 
-The pipelines in ACCELERATED call `self.transformer(...)` as the text-to-image one does (with condition latents in
-the image stream, or ControlNet residuals), and the fast transformer gives what the stock one gives there (tests:
-tests/pipelines/test_family.py against each stock pipeline). What their loops do around the transformer (batched
-CFG, CUDA graphs, other samplers, the 2D VAE decode) is the text-to-image pipeline's own and does not run here;
-`applied` says what did. The edit pipelines are not accelerated yet: their Qwen2.5-VL processor is untested here.
+The pipelines in ACCELERATED call `self.transformer(...)` as the text-to-image one does, with condition images'
+latents joining the image stream (edit, layered: `img_shapes` lists them, Edit-2511 sets zero_cond_t), or ControlNet
+residuals; the fast transformer gives what the stock one gives there (tests/pipelines/test_family.py, against each
+stock pipeline). What the text-to-image loop does around the transformer (batched CFG, CUDA graphs, other
+samplers, the 2D VAE decode) does not run here; `applied` says what did. Why their loops are left as diffusers
+wrote them (measured): benchmarks/RESULTS.md, "Editing and image-conditioned generation".
+
+Each has a fast class (FastQwenImageEditPlusPipeline, ...: the stock class with the fast transformer) whose
+from_pretrained loads the stock checkpoint and converts it; from_pretrained() below picks the class from the
+checkpoint's model_index.json, as diffusers' DiffusionPipeline.from_pretrained does.
 """
 
+import inspect
+
 import diffusers
+import torch
+from transformers.utils import is_torchvision_available
 
 from .config import FastConfig
 from .pipeline import FastTransformerPipeline, fast_transformer
 from .pipelines.qwen_image.transformer import FastQwenImageTransformer
 
-ACCELERATED = ("QwenImageImg2ImgPipeline", "QwenImageInpaintPipeline", "QwenImageControlNetPipeline",
-               "QwenImageControlNetInpaintPipeline")
-NOT_YET = ("QwenImageEditPipeline", "QwenImageEditPlusPipeline", "QwenImageEditInpaintPipeline",
-           "QwenImageLayeredPipeline")
+ACCELERATED = ("QwenImageImg2ImgPipeline", "QwenImageInpaintPipeline", "QwenImageEditPipeline",
+               "QwenImageEditPlusPipeline", "QwenImageEditInpaintPipeline", "QwenImageLayeredPipeline",
+               "QwenImageControlNetPipeline", "QwenImageControlNetInpaintPipeline")
+# The pipelines that take input images (render --image): all but the ControlNet ones, whose control image is not a
+# picture to edit.
+TAKES_IMAGE = ACCELERATED[:6]
 
 
 class FastFamilyPipeline(FastTransformerPipeline):
@@ -29,14 +40,41 @@ class FastFamilyPipeline(FastTransformerPipeline):
         """What a call runs: the fast transformer's entries (the pipeline's own loop runs as in diffusers)."""
         return self._transformer_entries()
 
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, fast_config=None, device=None, **kwargs):
+        """The stock checkpoint (hub id or local folder), loaded by diffusers as the stock class (in BF16 unless
+        dtype is given), its transformer converted on `device`. Without torchvision the edit checkpoints' processor
+        is built as vl_processor.py says (diffusers' own loading needs torchvision)."""
+        from .pipeline import is_fast_checkpoint
+
+        if is_fast_checkpoint(pretrained_model_name_or_path):
+            raise ValueError(f"{pretrained_model_name_or_path} holds the text-to-image fast transformer: load it with "
+                             "QwenImageFastPipeline, or build this pipeline from the stock checkpoint")
+        if "torch_dtype" not in kwargs:  # diffusers 0.42 names it dtype (torch_dtype is deprecated there)
+            kwargs.setdefault("dtype", torch.bfloat16)
+        takes_processor = "processor" in inspect.signature(stock_class(cls).__init__).parameters
+        if takes_processor and "processor" not in kwargs and not is_torchvision_available():
+            from .pipelines.qwen_image.transformer import local_folder
+            from .vl_processor import load_processor_without_torchvision
+
+            kwargs["processor"] = load_processor_without_torchvision(
+                local_folder(pretrained_model_name_or_path, "processor"))
+        pipe = stock_class(cls).from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+        return optimize_family(pipe, FastConfig.coerce(fast_config), device, None)
+
     def save_pretrained(self, save_directory, *args, **kwargs):
         raise NotImplementedError(
-            f"save_pretrained of an optimized {type(self).__bases__[-1].__name__} is not supported yet (its folder "
+            f"save_pretrained of an optimized {stock_class(type(self)).__name__} is not supported yet (its folder "
             "would name a class diffusers cannot load): save the stock pipeline, or save the text-to-image "
             "QwenImageFastPipeline, whose transformer folder this pipeline can be built from")
 
 
 _FAST_CLASSES: dict[type, type] = {}
+
+
+def stock_class(fast: type) -> type:
+    """The diffusers class a fast_class() was made from."""
+    return fast.__bases__[-1]
 
 
 def fast_class(cls: type) -> type:
@@ -52,12 +90,9 @@ def is_accelerated(pipe) -> bool:
 
 def check_family(pipe):
     """TypeError for a pipeline optimize() does not take, naming the ones it does."""
-    name = type(pipe).__name__
     supported = ", ".join(("QwenImagePipeline",) + ACCELERATED)
-    if name in NOT_YET:
-        raise TypeError(f"optimize() does not accelerate {name} yet (supported: {supported}); its stock pipeline "
-                        "runs as is")
-    raise TypeError(f"optimize() takes one of diffusers' {supported}; got {name}")
+    raise TypeError(f"optimize() takes one of diffusers' {supported}; got {type(pipe).__name__} (its stock "
+                    "pipeline runs as is)")
 
 
 def optimize_family(pipe, config: FastConfig, device, enhance_prompt):
@@ -75,3 +110,34 @@ def optimize_family(pipe, config: FastConfig, device, enhance_prompt):
     pipe.__class__ = fast_class(type(pipe))
     pipe.fast_config = config
     return pipe
+
+
+FastQwenImageImg2ImgPipeline = fast_class(diffusers.QwenImageImg2ImgPipeline)
+FastQwenImageInpaintPipeline = fast_class(diffusers.QwenImageInpaintPipeline)
+FastQwenImageEditPipeline = fast_class(diffusers.QwenImageEditPipeline)
+FastQwenImageEditPlusPipeline = fast_class(diffusers.QwenImageEditPlusPipeline)
+FastQwenImageEditInpaintPipeline = fast_class(diffusers.QwenImageEditInpaintPipeline)
+FastQwenImageLayeredPipeline = fast_class(diffusers.QwenImageLayeredPipeline)
+FastQwenImageControlNetPipeline = fast_class(diffusers.QwenImageControlNetPipeline)
+FastQwenImageControlNetInpaintPipeline = fast_class(diffusers.QwenImageControlNetInpaintPipeline)
+
+
+def pipeline_class_name(path_or_id) -> str:
+    """The `_class_name` of a checkpoint's model_index.json (a local folder, or a hub id: read from the hub)."""
+    return diffusers.DiffusionPipeline.load_config(str(path_or_id))["_class_name"]
+
+
+def from_pretrained(path_or_id, fast_config: FastConfig | str | None = None, device=None, **kwargs):
+    """The fast pipeline for whatever a checkpoint holds: QwenImageFastPipeline for a text-to-image one (stock or
+    saved by it), else the fast class of its pipeline in ACCELERATED (e.g. Qwen/Qwen-Image-Edit-2511 ->
+    FastQwenImageEditPlusPipeline). Another pipeline class: TypeError naming those supported."""
+    from .pipeline import QwenImageFastPipeline
+
+    name = pipeline_class_name(path_or_id)
+    if name in ("QwenImagePipeline", "QwenImageFastPipeline"):
+        return QwenImageFastPipeline.from_pretrained(path_or_id, fast_config=fast_config, device=device, **kwargs)
+    if name not in ACCELERATED:
+        raise TypeError(f"{path_or_id} is a {name} checkpoint; qwen-image-fast accelerates QwenImagePipeline, "
+                        f"{', '.join(ACCELERATED)}")
+    return fast_class(getattr(diffusers, name)).from_pretrained(path_or_id, fast_config=fast_config, device=device,
+                                                                **kwargs)

@@ -9,6 +9,8 @@ prompt of QwenImagePipeline's template, so that, as with the real tokenizer, the
 (`prompt_template_encode_start_idx`) and the prompt's own tokens start right after it.
 """
 
+import inspect
+
 import torch
 from diffusers import (
     AutoencoderKLQwenImage,
@@ -23,10 +25,17 @@ from transformers import (
     Qwen3_5ForCausalLM,
     Qwen3_5TextConfig,
 )
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+from .vl_processor import processor_without_torchvision
 
 TINY_MODEL_ID = "tiny-random"
 TINY_ENHANCER_ID = "tiny-random"
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+# The tiny processor's image area bounds (Qwen-Image-Edit's: 56x56 to 3584x3584): the edit pipelines hand the VL a
+# 1024x1024-area image, here seen as at most 4x4 merged 28x28 patches (16 <|image_pad|> tokens).
+TINY_VL_PIXELS = (28 * 28, 112 * 112)
 # QwenImagePipeline.prompt_template_encode's system prompt, in 18 pieces (the rest of its 34-token prefix is
 # "<|im_start|>", "system\n" (7 bytes), "<|im_end|>", "\n", "<|im_start|>", "user\n" (5 bytes)).
 SYSTEM_PROMPT_PIECES = (
@@ -61,39 +70,62 @@ def byte_symbols() -> list[str]:
     return [table[b] for b in range(256)]
 
 
-def tiny_tokenizer() -> Qwen2Tokenizer:
+def tiny_tokenizer(vision: bool = False) -> Qwen2Tokenizer:
+    """With vision: plus VISION_TOKENS, special (the processor expands <|image_pad|>), as the last four ids."""
     vocab = {symbol: i for i, symbol in enumerate(byte_symbols())}
     for token in SPECIAL_TOKENS:
         vocab[token] = len(vocab)
     tokenizer = Qwen2Tokenizer(vocab=vocab, merges=[], additional_special_tokens=list(SPECIAL_TOKENS[1:]))
     tokenizer.add_tokens(sorted(set(SYSTEM_PROMPT_PIECES)))
+    if vision:
+        tokenizer.add_special_tokens({"additional_special_tokens": list(SPECIAL_TOKENS[1:] + VISION_TOKENS)})
     return tokenizer
 
 
-def tiny_components(seed: int = 0) -> dict:
+def tiny_vl_processor(tokenizer: Qwen2Tokenizer):
+    """transformers' Qwen2VLProcessor without torchvision (vl_processor.py), on a tiny_tokenizer(vision=True)."""
+    min_pixels, max_pixels = TINY_VL_PIXELS
+    image_processor = Qwen2VLImageProcessorPil(min_pixels=min_pixels, max_pixels=max_pixels, patch_size=14,
+                                               merge_size=2, temporal_patch_size=2)
+    return processor_without_torchvision(image_processor, tokenizer)
+
+
+# Qwen-Image-Layered's differences from the text-to-image checkpoint (its transformer's and VAE's config.json).
+# The tiny VAE's 4 latent channels become 8 here: the pipeline takes a 4-channel image for latents.
+LAYERED_TRANSFORMER = dict(use_layer3d_rope=True, use_additional_t_cond=True, in_channels=32, out_channels=8)
+LAYERED_VAE = dict(input_channels=4, z_dim=8, latents_mean=[0.0] * 8, latents_std=[1.0] * 8)  # RGBA
+
+
+def tiny_components(seed: int = 0, vision: bool = False, transformer_config: dict | None = None,
+                    vae_config: dict | None = None) -> dict:
+    """The components of a tiny QwenImagePipeline; vision: plus the `processor` of the edit and layered pipelines
+    (tiny_vl_processor) and a text encoder that reads images. transformer_config / vae_config: constructor overrides
+    (e.g. zero_cond_t=True for Edit-2511, LAYERED_TRANSFORMER)."""
     torch.manual_seed(seed)
-    transformer = QwenImageTransformer2DModel(
-        patch_size=2,
-        in_channels=16,  # 64
-        out_channels=4,  # 16
-        num_layers=2,  # 60
-        attention_head_dim=16,  # 128
-        num_attention_heads=3,  # 24
-        joint_attention_dim=16,  # 3584
-        axes_dims_rope=(8, 4, 4),  # (16, 56, 56)
-    )
+    transformer = QwenImageTransformer2DModel(**{
+        "patch_size": 2,
+        "in_channels": 16,  # 64
+        "out_channels": 4,  # 16
+        "num_layers": 2,  # 60
+        "attention_head_dim": 16,  # 128
+        "num_attention_heads": 3,  # 24
+        "joint_attention_dim": 16,  # 3584
+        "axes_dims_rope": (8, 4, 4),  # (16, 56, 56)
+        **(transformer_config or {}),
+    })
     torch.manual_seed(seed)
-    vae = AutoencoderKLQwenImage(
-        base_dim=24,  # 96
-        z_dim=4,  # 16
-        dim_mult=[1, 2, 4],  # [1, 2, 4, 4]
-        num_res_blocks=1,  # 2
-        temperal_downsample=[False, True],  # [False, True, True]
-        latents_mean=[0.0] * 4,
-        latents_std=[1.0] * 4,
-    )
+    vae = AutoencoderKLQwenImage(**{
+        "base_dim": 24,  # 96
+        "z_dim": 4,  # 16
+        "dim_mult": [1, 2, 4],  # [1, 2, 4, 4]
+        "num_res_blocks": 1,  # 2
+        "temperal_downsample": [False, True],  # [False, True, True]
+        "latents_mean": [0.0] * 4,
+        "latents_std": [1.0] * 4,
+        **(vae_config or {}),
+    })
     torch.manual_seed(seed)
-    tokenizer = tiny_tokenizer()
+    tokenizer = tiny_tokenizer(vision)
     config = Qwen2_5_VLConfig(
         text_config=dict(
             hidden_size=16,  # 3584
@@ -110,20 +142,28 @@ def tiny_components(seed: int = 0) -> dict:
         vision_config=dict(depth=2, hidden_size=16, intermediate_size=16, num_heads=2, out_hidden_size=16),
         hidden_size=16,
         vocab_size=len(tokenizer),  # 152064
-        vision_start_token_id=len(tokenizer) - 3,
-        vision_end_token_id=len(tokenizer) - 2,
-        vision_token_id=len(tokenizer) - 1,
-        image_token_id=len(tokenizer) - 1,
-        video_token_id=len(tokenizer) - 1,
+        **(dict(zip(("vision_start_token_id", "vision_end_token_id", "image_token_id", "video_token_id"),
+                    tokenizer.convert_tokens_to_ids(list(VISION_TOKENS)))) if vision else
+           dict(vision_start_token_id=len(tokenizer) - 3, vision_end_token_id=len(tokenizer) - 2,
+                vision_token_id=len(tokenizer) - 1, image_token_id=len(tokenizer) - 1,
+                video_token_id=len(tokenizer) - 1)),
     )
     text_encoder = Qwen2_5_VLForConditionalGeneration(config).eval()
     scheduler = FlowMatchEulerDiscreteScheduler(**QWEN_IMAGE_SCHEDULER_CONFIG)
-    return dict(transformer=transformer, vae=vae, scheduler=scheduler, text_encoder=text_encoder, tokenizer=tokenizer)
+    components = dict(transformer=transformer, vae=vae, scheduler=scheduler, text_encoder=text_encoder,
+                      tokenizer=tokenizer)
+    return components | (dict(processor=tiny_vl_processor(tokenizer)) if vision else {})
 
 
-def tiny_pipeline(pipeline_class=QwenImagePipeline, seed: int = 0, **init_kwargs):
-    """A tiny random-weight pipeline of `pipeline_class` (fp32, CPU)."""
-    return pipeline_class(**tiny_components(seed), **init_kwargs)
+def tiny_pipeline(pipeline_class=QwenImagePipeline, seed: int = 0, transformer_config: dict | None = None,
+                  **init_kwargs):
+    """A tiny random-weight pipeline of `pipeline_class` (fp32, CPU): with a processor if the class takes one,
+    Qwen-Image-Layered's transformer and VAE options for QwenImageLayeredPipeline."""
+    vision = "processor" in inspect.signature(pipeline_class.__init__).parameters
+    layered = pipeline_class.__name__ == "QwenImageLayeredPipeline"
+    components = tiny_components(seed, vision, {**(LAYERED_TRANSFORMER if layered else {}), **(transformer_config or {})},
+                                 LAYERED_VAE if layered else None)
+    return pipeline_class(**components, **init_kwargs)
 
 
 # ---- the tiny prompt enhancer
