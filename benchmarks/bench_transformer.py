@@ -45,13 +45,14 @@ IMPLS = ("diffusers-eager", "ours-bf16", "ours-fp8", "ours-fp8-cudnn", "ours-fp8
          "diffusers-compile", "torchao-fp8-compile")
 
 
-def make_stock(seed: int = 0):
-    """Full-size QwenImageTransformer2DModel, random weights, built straight on the GPU in bf16."""
+def make_stock(seed: int = 0, **config):
+    """Full-size QwenImageTransformer2DModel (config: constructor overrides, e.g. zero_cond_t=True), random
+    weights, built straight on the GPU in bf16."""
     from diffusers import QwenImageTransformer2DModel
     from diffusers.models.transformers.transformer_qwenimage import QwenEmbedRope
 
     with torch.device("meta"):
-        model = QwenImageTransformer2DModel()
+        model = QwenImageTransformer2DModel(**config)
     model = model.to(BF16).to_empty(device="cuda")
     model.pos_embed = QwenEmbedRope(theta=10000, axes_dim=list(model.config.axes_dims_rope), scale_rope=True)
     g = torch.Generator(device="cuda").manual_seed(seed)

@@ -48,7 +48,7 @@ CASES = {
 FP8_BOUND = 2e-2
 
 
-@pytest.fixture(autouse=True)
+@pytest.fixture
 def small_condition_images(monkeypatch):
     """The edit and layered pipelines resize their input images to a fixed area (1024x1024 for the VAE, 384x384 for
     the VL; 640x640 or 1024x1024 for layered): 1/256 of it here, the same for stock and fast (4096 condition
@@ -87,6 +87,7 @@ def final_latents(pipe, case_id: str, seed: int = 0) -> torch.Tensor:
     return seen["latents"]
 
 
+@pytest.mark.usefixtures("small_condition_images")
 @pytest.mark.parametrize("case_id", CASES)
 def test_optimize_matches_the_stock_pipeline(case_id):
     name = CASES[case_id][0]
@@ -100,6 +101,7 @@ def test_optimize_matches_the_stock_pipeline(case_id):
     assert 0 < rel_rms_error(final_latents(fp8, case_id), ref) < FP8_BOUND
 
 
+@pytest.mark.usefixtures("small_condition_images")
 def test_lora_through_the_pipelines_own_loader():
     from test_lora import LORA_A, LORA_B, lightning_format
 
@@ -134,6 +136,7 @@ def test_what_it_cannot_do_is_refused(tmp_path):
         optimize(torch.nn.Linear(2, 2))
 
 
+@pytest.mark.usefixtures("small_condition_images")
 def test_from_pretrained_picks_the_fast_class_from_model_index(tmp_path):
     """An Edit-2511-style folder (EditPlus, zero_cond_t) gives FastQwenImageEditPlusPipeline, as diffusers'
     DiffusionPipeline.from_pretrained gives the stock class; it computes what the stock pipeline it was saved from
@@ -154,3 +157,53 @@ def test_from_pretrained_picks_the_fast_class_from_model_index(tmp_path):
 
 def read_json(path):
     return json.loads(path.read_text())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n_images", [1, 2])
+def test_edit_2511_at_real_shapes_on_gpu(n_images):
+    """QwenImageEditPlusPipeline with Edit-2511's zero_cond_t at the real widths (2 of the 60 blocks: 3072 = 24 x
+    128, MLP 12288, text 3584) and the real VAE, random weights; 1024x1024 output from one or two 1024x1024
+    condition images (4096 noisy + 4096 or 8192 condition tokens); a 1-layer text encoder of the real width with a
+    1-block vision tower of the real output width. Two steps with CFG. The latents after the last step against
+    the fp32 stock pipeline: FP8 no worse than 1.1x stock with emulated FP8 linears; BF16 mode within 2x stock's
+    own bf16 error."""
+    from diffusers import AutoencoderKLQwenImage, QwenImageEditPlusPipeline, QwenImageTransformer2DModel
+    from test_transformer import emulate_fp8
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    from qwen_image_fast.tiny import VISION_TOKENS
+
+    torch.manual_seed(0)
+    components = tiny_components(0, vision=True)
+    transformer = QwenImageTransformer2DModel(num_layers=2, zero_cond_t=True)
+    with torch.no_grad():
+        for p in transformer.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.02)
+    tokenizer = components["tokenizer"]
+    text_encoder = Qwen2_5_VLForConditionalGeneration(Qwen2_5_VLConfig(
+        text_config=dict(hidden_size=3584, intermediate_size=512, num_hidden_layers=1, num_attention_heads=28,
+                         num_key_value_heads=4, vocab_size=len(tokenizer),
+                         rope_scaling=dict(mrope_section=[16, 24, 24], rope_type="default", type="default")),
+        vision_config=dict(depth=1, hidden_size=32, intermediate_size=32, num_heads=2, out_hidden_size=3584),
+        vocab_size=len(tokenizer), **dict(zip(("vision_start_token_id", "vision_end_token_id", "image_token_id",
+                                               "video_token_id"), tokenizer.convert_tokens_to_ids(VISION_TOKENS)))))
+    components |= dict(transformer=transformer, vae=AutoencoderKLQwenImage(), text_encoder=text_encoder.eval())
+    stock32 = QwenImageEditPlusPipeline(**components).to("cuda")
+    call = dict(image=[IMAGE.resize((1024, 1024)), IMAGE_2.resize((1024, 1024))][:n_images], height=1024,
+                width=1024, num_inference_steps=2)
+    ref32 = final_latents(stock32, None, **call)
+    stock = stock32.to(torch.bfloat16)
+    err_bf16 = rel_rms_error(final_latents(stock, None, **call), ref32)
+    emulated = QwenImageEditPlusPipeline(**stock.components | {"transformer": emulate_fp8(stock.transformer)})
+    err_emulated = rel_rms_error(final_latents(emulated, None, **call), ref32)
+    fp8 = optimize(QwenImageEditPlusPipeline(**stock.components), FastConfig())
+    assert "fp8" in fp8.applied and fp8.transformer.zero_cond_t
+    err_fp8 = rel_rms_error(final_latents(fp8, None, **call), ref32)
+    assert 0 < err_fp8 <= 1.1 * err_emulated, (err_fp8, err_emulated)
+    bf16 = optimize(QwenImageEditPlusPipeline(**stock.components), FastConfig(fp8=False))
+    err_ours_bf16 = rel_rms_error(final_latents(bf16, None, **call), ref32)
+    assert err_ours_bf16 <= 2 * err_bf16 + 1e-3, (err_ours_bf16, err_bf16)
+    print(f"edit-2511 x{n_images}: rel-RMS vs fp32 stock: stock bf16 {err_bf16:.2e}, ours bf16 {err_ours_bf16:.2e}, "
+          f"stock emulated FP8 {err_emulated:.2e}, ours FP8 {err_fp8:.2e}")
