@@ -79,6 +79,10 @@ def dequantize_fp8_rowwise(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor
     return q.float() * scale
 
 
+# Rows from which fp8_linear uses fast accumulation: 1-40 rows fail at K=12288, N=3072, 63 and up pass (H200).
+FAST_ACCUM_MIN_ROWS = 64
+
+
 def fp8_linear(
     x_q: torch.Tensor,
     x_scale: torch.Tensor,
@@ -94,7 +98,9 @@ def fp8_linear(
     CUDA: one `torch._scaled_mm` (fp32 accumulate, both scales and the bias in its epilogue). CPU: fp8_linear_ref
     (dequantize, fp32 matmul), for tests and references only. A GPU without FP8 tensor cores raises.
     fast_accum: Hopper's faster FP8 accumulation (cuBLAS promotes partial sums to fp32 less often), as torchao's
-    inference default; no effect on the CPU path."""
+    inference default; no effect on the CPU path, nor below FAST_ACCUM_MIN_ROWS rows, where cuBLASLt (torch 2.11,
+    H200) has no fast-accumulation kernel for K=12288 (CUBLAS_STATUS_NOT_SUPPORTED; a short prompt's text stream
+    unpadded) and such a small GEMM gains nothing from it."""
     check_tensor("x_q", x_q, dtypes=(FP8_DTYPE,), ndim=2)
     m, k = x_q.shape
     check_tensor("x_scale", x_scale, dtypes=(torch.float32,), shape=(m, 1))
@@ -115,7 +121,7 @@ def fp8_linear(
         raise ValueError(f"torch._scaled_mm needs K and N divisible by 16, got K={k}, N={n}")
     # w_q.t() is the column-major [K, N] operand _scaled_mm wants; w_scale as [1, N] selects rowwise scaling.
     return torch._scaled_mm(x_q, w_q.t(), scale_a=x_scale, scale_b=w_scale[None, :], bias=bias, out_dtype=out_dtype,
-                            use_fast_accum=fast_accum)
+                            use_fast_accum=fast_accum and m >= FAST_ACCUM_MIN_ROWS)
 
 
 def fp8_linear_ref(x_q, x_scale, w_q, w_scale, bias=None, out_dtype=torch.bfloat16) -> torch.Tensor:

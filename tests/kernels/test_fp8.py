@@ -77,6 +77,20 @@ def test_fp8_linear_matches_ref_and_nn_linear(device, m):
     assert_close(out, lin(x), 2 * FP8_TOL, "vs nn.Linear")
 
 
+@pytest.mark.gpu
+def test_fp8_linear_fast_accum_at_every_row_count():
+    """Short rows (a short prompt's unpadded text stream) at the model's K and N, fast accumulation asked for:
+    cuBLASLt has no such kernel below ~64 rows at K=12288, so fp8_linear must not ask it there."""
+    torch.manual_seed(0)
+    for k, n in ((3072, 9216), (3072, 12288), (12288, 3072)):
+        w_q, w_s = quantize_fp8_rowwise(torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02)
+        bias = torch.zeros(n, device="cuda", dtype=torch.bfloat16)
+        for m in range(1, 130):
+            x_q, x_s = quantize_fp8_rowwise(torch.randn(m, k, device="cuda", dtype=torch.bfloat16))
+            out = fp8_linear(x_q, x_s, w_q, w_s.view(-1), bias, fast_accum=True)
+            assert_close(out, fp8_linear_ref(x_q, x_s, w_q, w_s.view(-1), bias), 2e-2, f"K={k} N={n} M={m}")
+
+
 def test_fp8_linear_validates():
     x_q = torch.zeros(4, 32, dtype=FP8_DTYPE)
     w_q = torch.zeros(16, 48, dtype=FP8_DTYPE)

@@ -73,17 +73,18 @@ def stock(case_id: str):
     return pipeline_class(**components, controlnet=controlnet)
 
 
-def final_latents(pipe, case_id: str, seed: int = 0) -> torch.Tensor:
+def final_latents(pipe, case_id: str | None, seed: int = 0, **kwargs) -> torch.Tensor:
     """The latents after the last step (the layered pipeline has no output_type="latent"), as the callback sees
-    them: what the transformer and the loop computed, before the VAE."""
+    them: what the transformer and the loop computed, before the VAE. The call: CASES[case_id]'s, or kwargs."""
     seen = {}
 
     def keep(pipe, step, t, tensors):
-        seen["latents"] = tensors["latents"].clone()
+        seen["latents"] = tensors["latents"].float().clone()
         return {}
 
-    kwargs = dict(height=32, width=48, output_type="pt") | COMMON | CASES[case_id][2]
-    pipe(**{k: v for k, v in kwargs.items() if v is not None}, generator=torch.Generator().manual_seed(seed), callback_on_step_end=keep)
+    kwargs = dict(height=32, width=48, output_type="pt") | COMMON | (CASES[case_id][2] if case_id else kwargs)
+    pipe(**{k: v for k, v in kwargs.items() if v is not None}, generator=torch.Generator().manual_seed(seed),
+         callback_on_step_end=keep)
     return seen["latents"]
 
 
