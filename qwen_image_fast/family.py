@@ -3,9 +3,10 @@
 The pipelines in ACCELERATED call `self.transformer(...)` as the text-to-image one does, with condition images'
 latents joining the image stream (edit, layered: `img_shapes` lists them, Edit-2511 sets zero_cond_t), or ControlNet
 residuals; the fast transformer gives what the stock one gives there (tests/pipelines/test_family.py, against each
-stock pipeline). What the text-to-image loop does around the transformer (batched CFG, CUDA graphs, other
-samplers, the 2D VAE decode) does not run here; `applied` says what did. Why their loops are left as diffusers
-wrote them (measured): benchmarks/RESULTS.md, "Editing and image-conditioned generation".
+stock pipeline). Batched CFG (FastConfig.batched_cfg) runs through the transformer, with their loops as diffusers
+wrote them (pipelines/qwen_image/cfg_pairing.py). What else the text-to-image loop does around the transformer (CUDA
+graphs, other samplers, the 2D VAE decode) does not run here; `applied` says what did. Why (measured):
+benchmarks/RESULTS.md, "Editing and image-conditioned generation".
 
 Each has a fast class (FastQwenImageEditPlusPipeline, ...: the stock class with the fast transformer) whose
 from_pretrained loads the stock checkpoint and converts it; from_pretrained() below picks the class from the
@@ -20,6 +21,7 @@ from transformers.utils import is_torchvision_available
 
 from .config import FastConfig
 from .pipeline import FastTransformerPipeline, fast_transformer
+from .pipelines.qwen_image.cfg_pairing import CfgPairing
 from .pipelines.qwen_image.transformer import FastQwenImageTransformer
 
 ACCELERATED = ("QwenImageImg2ImgPipeline", "QwenImageInpaintPipeline", "QwenImageEditPipeline",
@@ -34,11 +36,30 @@ class FastFamilyPipeline(FastTransformerPipeline):
     """Mixed in before one of ACCELERATED (fast_class): the fast transformer's answers, `fast_config`, `applied`."""
 
     fast_config: FastConfig
+    _paired: bool | None = None  # whether the last call batched CFG; None before the first
 
     @property
     def applied(self) -> list[str]:
-        """What a call runs: the fast transformer's entries (the pipeline's own loop runs as in diffusers)."""
-        return self._transformer_entries()
+        """The fast transformer's entries, and batched_cfg: after a call, whether that call batched a step's two
+        forwards; before the first, whether it is in force (a call with CFG and without ControlNet will)."""
+        paired = self._paired if self._paired is not None else self._batches_cfg()
+        return self._transformer_entries() + (["batched_cfg"] if paired else [])
+
+    def _batches_cfg(self) -> bool:
+        return self.fast_config.batched_cfg and self._fast_transformer() is not None
+
+    def __call__(self, *args, **kwargs):
+        """diffusers' __call__; with batched CFG, the transformer pairs its forwards for this call only (a
+        transformer shared with another pipeline pairs none of that one's)."""
+        if not self._batches_cfg():
+            self._paired = False
+            return super().__call__(*args, **kwargs)
+        pairing = self.transformer.cfg_pairing = CfgPairing()
+        try:
+            return super().__call__(*args, **kwargs)
+        finally:
+            self.transformer.cfg_pairing = None
+            self._paired = pairing.paired > 0
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args, fast_config=None, device=None, **kwargs):

@@ -28,21 +28,13 @@ from diffusers import QwenImagePipeline
 from diffusers.pipelines.qwenimage.pipeline_output import QwenImagePipelineOutput
 
 from .config import FastConfig
+from .pipelines.qwen_image.cfg_pairing import pad_text
 from .pipelines.qwen_image.cuda_graph import GraphCaptureError, GraphedForward
 from .pipelines.qwen_image.transformer import FastQwenImageTransformer, has_offload_hooks
 from .pipelines.qwen_image.vae import can_decode_image, decode_image
 from .samplers import dynamic_shift, make_scheduler, set_timesteps
 
 logger = logging.getLogger(__name__)
-
-
-def pad_text(embeds: torch.Tensor, mask: torch.Tensor | None, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """embeds [N, L, D] and mask [N, L] (None: all valid) -> zero-padded to `length`, with the padding masked."""
-    n, seq, _ = embeds.shape
-    if mask is None:
-        mask = torch.ones(n, seq, dtype=torch.long, device=embeds.device)
-    pad = length - seq
-    return torch.nn.functional.pad(embeds, (0, 0, 0, pad)), torch.nn.functional.pad(mask, (0, pad))
 
 
 def drop_all_ones(mask: torch.Tensor | None) -> torch.Tensor | None:

@@ -54,6 +54,7 @@ from ...kernels.residual_gate import (
     residual_gate_layer_norm_modulate_fp8,
 )
 from .attention import TextMask, joint_attention, resolve_backend
+from .cfg_pairing import CfgPairing
 from .config import FP8_LINEARS, FastTransformerConfig
 from .lora import BLOCK_SITES, LoraLinear, LoraState, LoraTargetLinear, site_of
 
@@ -512,6 +513,8 @@ class FastQwenImageTransformer(ModelMixin, ConfigMixin):
         out_channels = config["out_channels"] or config["in_channels"]
         self.proj_out = nn.Linear(inner, config["patch_size"] ** 2 * out_channels)
         self.zero_cond_t = config["zero_cond_t"]
+        self._context: str | None = None  # the cache_context a forward runs in
+        self.cfg_pairing: CfgPairing | None = None  # set by a pipeline that batches CFG through it
         self.requires_grad_(False)
         self._mod_rows: dict = {}
         self.lora_state = LoraState()
@@ -965,8 +968,12 @@ class FastQwenImageTransformer(ModelMixin, ConfigMixin):
     @contextlib.contextmanager
     def cache_context(self, name: str):
         """Diffusers' pipelines mark the cond / uncond passes for step caches; there are none here (enable_cache
-        raises), so nothing to switch."""
-        yield
+        raises). The name tells cfg_pairing which pass a forward is."""
+        previous, self._context = self._context, name
+        try:
+            yield
+        finally:
+            self._context = previous
 
     @property
     def attn_processors(self):
@@ -1004,12 +1011,19 @@ class FastQwenImageTransformer(ModelMixin, ConfigMixin):
         if attention_kwargs:  # diffusers' attention processors ignore these too (with a warning)
             logger.warning(f"attention_kwargs {sorted(attention_kwargs)} are not expected by the Qwen-Image "
                            "attention and are ignored (as diffusers does)")
+        inputs = dict(hidden_states=hidden_states, encoder_hidden_states=encoder_hidden_states,
+                      encoder_hidden_states_mask=encoder_hidden_states_mask, timestep=timestep, img_shapes=img_shapes,
+                      guidance=guidance, controlnet_block_samples=controlnet_block_samples,
+                      additional_t_cond=additional_t_cond)
         with self._lora_call_scale(scale):
-            return self._forward(hidden_states, encoder_hidden_states, encoder_hidden_states_mask, timestep,
-                                 img_shapes, guidance, controlnet_block_samples, additional_t_cond, return_dict)
+            if self.cfg_pairing is None:
+                output = self._forward(**inputs)
+            else:
+                output = self.cfg_pairing(self._forward, self._context, inputs, (scale, self.lora_state.version))
+        return Transformer2DModelOutput(sample=output) if return_dict else (output,)
 
     def _forward(self, hidden_states, encoder_hidden_states, encoder_hidden_states_mask, timestep, img_shapes,
-                 guidance, controlnet_block_samples, additional_t_cond, return_dict):
+                 guidance, controlnet_block_samples, additional_t_cond) -> torch.Tensor:
         device = hidden_states.device
         check_triton_runs_on(device)
         hidden_states = self.img_in(hidden_states)  # [B, L_img, D]
@@ -1056,10 +1070,7 @@ class FastQwenImageTransformer(ModelMixin, ConfigMixin):
             img, img_x = residual_gate_layer_norm_modulate(img, img_tail.out, img_tail.gate, out_shift, out_scale)
         else:  # norm_out modulates per sample, a zero_cond_t gate per token
             img_x = layer_norm_modulate(add_tail(img, img_tail, mod_row), out_shift, out_scale)
-        output = self.proj_out(img_x)  # [B, L_img, p*p*C]
-        if not return_dict:
-            return (output,)
-        return Transformer2DModelOutput(sample=output)
+        return self.proj_out(img_x)  # [B, L_img, p*p*C]
 
 
 for _name, _advice in NOT_SUPPORTED.items():

@@ -95,11 +95,84 @@ def test_optimize_matches_the_stock_pipeline(case_id):
     ref = final_latents(stock(case_id), case_id)
     fast = optimize(stock(case_id), EXACT)
     assert isinstance(fast, FastFamilyPipeline) and isinstance(fast, getattr(diffusers, name))
-    assert fast.applied == ["fused_transformer", "attention:sdpa"]
+    assert fast.applied == ["fused_transformer", "attention:sdpa", "batched_cfg"]
+    batches = forward_batches(fast)
     assert_close(final_latents(fast, case_id), ref, 1e-5, case_id)
+    if "controlnet" in case_id or case_id == "layered":  # residuals per text, additional_t_cond: never paired
+        assert batches == [1] * 6 and fast.applied == ["fused_transformer", "attention:sdpa"]
+    else:  # the first step unpaired, then one forward of batch 2 per step
+        assert batches == [1, 1] + [2] * (len(batches) - 2) and len(batches) >= 3, batches
+        assert fast.applied[-1] == "batched_cfg"
     fp8 = optimize(stock(case_id), FastConfig())
     assert "fp8" in fp8.applied
     assert 0 < rel_rms_error(final_latents(fp8, case_id), ref) < FP8_BOUND
+
+
+def forward_batches(pipe) -> list[int]:
+    """Records the batch of every forward the fast transformer computes (paired ones included)."""
+    batches, forward = [], pipe.transformer._forward
+
+    def counting(**inputs):
+        batches.append(inputs["hidden_states"].shape[0])
+        return forward(**inputs)
+
+    pipe.transformer._forward = counting
+    return batches
+
+
+@pytest.mark.usefixtures("small_condition_images")
+def test_unbatched_cfg_matches_stock_too():
+    ref = final_latents(stock("edit_plus_2511"), "edit_plus_2511")
+    fast = optimize(stock("edit_plus_2511"), EXACT.replace(batched_cfg=False))
+    batches = forward_batches(fast)
+    assert_close(final_latents(fast, "edit_plus_2511"), ref, 1e-5)
+    assert batches == [1] * 6 and fast.applied == ["fused_transformer", "attention:sdpa"]
+
+
+def test_cfg_pairing_returns_the_kept_half_only_for_the_inputs_it_was_computed_from():
+    """Calls as a pipeline's loop makes them, then ones that differ from what the "cond" call speculated: another
+    latents tensor, latents changed in place, another negative text, another timestep. Each "uncond" answer must be
+    the unpaired forward of its own inputs."""
+    from qwen_image_fast.pipelines.qwen_image.cfg_pairing import CfgPairing
+
+    fast = optimize(stock("img2img"), EXACT).transformer
+    torch.manual_seed(0)
+    h = torch.randn(1, 24, 16)
+    text, negative, other_negative = torch.randn(1, 7, 16), torch.randn(1, 4, 16), torch.randn(1, 4, 16)
+    t = torch.tensor([0.5])
+
+    def call(context, hidden, embeds, timestep):
+        with fast.cache_context(context):
+            return fast(hidden_states=hidden, encoder_hidden_states=embeds, encoder_hidden_states_mask=None,
+                        timestep=timestep, img_shapes=[[(1, 4, 6)]], return_dict=False)[0]
+
+    def unpaired(hidden, embeds, timestep):
+        pairing, fast.cfg_pairing = fast.cfg_pairing, None
+        try:
+            return call(None, hidden, embeds, timestep)
+        finally:
+            fast.cfg_pairing = pairing
+
+    fast.cfg_pairing = pairing = CfgPairing()
+    call("cond", h, text, t)
+    call("uncond", h, negative, t)  # records the negative text
+    h2 = torch.randn_like(h)
+    misses = {
+        "as speculated": (h2, negative, t.clone(), None),
+        "other latents": (h2, negative, t, torch.randn_like(h)),
+        "latents changed in place": (h2.clone(), negative, t, "in place"),
+        "other negative text": (h2, other_negative, t, None),
+        "other timestep": (h2, negative, torch.tensor([0.25]), None),
+    }
+    for what, (hidden, embeds, timestep, change) in misses.items():
+        assert_close(call("cond", hidden, text, t), unpaired(hidden, text, t), 1e-5, what)
+        if change == "in place":
+            hidden.mul_(0.5)
+        uncond_hidden = change if isinstance(change, torch.Tensor) else hidden
+        assert_close(call("uncond", uncond_hidden, embeds, timestep), unpaired(uncond_hidden, embeds, timestep),
+                     1e-5, what)
+        call("uncond", h2, negative, t)  # the loop's negative text again, for the next case
+    assert pairing.paired == len(misses)
 
 
 @pytest.mark.usefixtures("small_condition_images")
@@ -192,11 +265,14 @@ def test_edit_2511_at_real_shapes_on_gpu(n_images):
                                                "video_token_id"), tokenizer.convert_tokens_to_ids(VISION_TOKENS)))))
     components |= dict(transformer=transformer, vae=AutoencoderKLQwenImage(), text_encoder=text_encoder.eval())
     stock32 = QwenImageEditPlusPipeline(**components).to("cuda")
+    # the same starting noise in every run (drawn in the pipeline's dtype, fp32 and bf16 noise would differ)
+    noise = torch.randn(1, 64 * 64, 64, generator=torch.Generator().manual_seed(1))
     call = dict(image=[IMAGE.resize((1024, 1024)), IMAGE_2.resize((1024, 1024))][:n_images], height=1024,
-                width=1024, num_inference_steps=2)
+                width=1024, num_inference_steps=2, latents=noise)
     ref32 = final_latents(stock32, None, **call)
     stock = stock32.to(torch.bfloat16)
     err_bf16 = rel_rms_error(final_latents(stock, None, **call), ref32)
+    assert err_bf16 < 0.05, err_bf16  # the runs compute the same thing (bf16 rounding apart)
     emulated = QwenImageEditPlusPipeline(**stock.components | {"transformer": emulate_fp8(stock.transformer)})
     err_emulated = rel_rms_error(final_latents(emulated, None, **call), ref32)
     fp8 = optimize(QwenImageEditPlusPipeline(**stock.components), FastConfig())
@@ -204,6 +280,7 @@ def test_edit_2511_at_real_shapes_on_gpu(n_images):
     err_fp8 = rel_rms_error(final_latents(fp8, None, **call), ref32)
     assert 0 < err_fp8 <= 1.1 * err_emulated, (err_fp8, err_emulated)
     bf16 = optimize(QwenImageEditPlusPipeline(**stock.components), FastConfig(fp8=False))
+    assert fp8.applied[-1] == "batched_cfg"
     err_ours_bf16 = rel_rms_error(final_latents(bf16, None, **call), ref32)
     assert err_ours_bf16 <= 2 * err_bf16 + 1e-3, (err_ours_bf16, err_bf16)
     print(f"edit-2511 x{n_images}: rel-RMS vs fp32 stock: stock bf16 {err_bf16:.2e}, ours bf16 {err_ours_bf16:.2e}, "
