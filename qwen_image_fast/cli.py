@@ -66,6 +66,13 @@ def finite_float(minimum: float | None = None):
     return parse
 
 
+def strength_argument(text: str) -> float:
+    value = finite_float()(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text!r}")
+    return value
+
+
 def lora_argument(text: str) -> tuple[str, float]:
     """PATH_OR_ID[:SCALE] -> (PATH_OR_ID, SCALE); SCALE defaults to 1. The file is checked later (resolve_lora)."""
     source, sep, tail = text.rpartition(":")
@@ -116,6 +123,14 @@ def build_parser() -> argparse.ArgumentParser:
     add("--lightning", action="store_true",
         help=f"few-step sampling for a Lightning (step-distilled) LoRA: its Euler schedule (shift 3), "
              f"{LIGHTNING_STEPS} steps and cfg {LIGHTNING_CFG:g} unless --steps / --cfg say otherwise")
+    add("--image", action="append", default=[], metavar="PATH",
+        help="an input image, for an edit, img2img or inpainting checkpoint (its model_index.json picks the "
+             "pipeline, e.g. --model Qwen/Qwen-Image-Edit-2511); repeatable (Edit-2509/2511 take several); JSONL "
+             "key images. Recorded with each image (path, sha256)")
+    add("--mask", metavar="PATH", help="the inpainting mask (white: repaint), the input image's size; JSONL key mask")
+    add("--strength", type=strength_argument, metavar="S",
+        help="img2img / inpainting: how much of the input image is re-noised, in (0, 1] (default: the pipeline's); "
+             "JSONL key strength")
     add("--negative-prompt", default=render.NEGATIVE_PROMPT, help="default: Qwen-Image-2512's recommended one")
     add("--scheduler", choices=SCHEDULERS, default="euler")
     add("--seed", type=int_at_least(0, maximum=MAX_SEED), default=0,
@@ -241,7 +256,17 @@ def check_enhancer(enhance: str | None):
     check_checkpoint("--enhance", enhance, "config.json")
 
 
-def render_defaults(args, tiny: bool) -> render.Defaults:
+def pipeline_class(model: str) -> str:
+    """The pipeline class the checkpoint's model_index.json names; ValueError when it cannot be read."""
+    try:
+        return render.pipeline_class_name(model)
+    except (OSError, ValueError, KeyError) as e:
+        raise ValueError(f"--model {model}: cannot read its model_index.json ({e})") from e
+
+
+def render_defaults(args, tiny: bool, pipeline: str = "QwenImagePipeline") -> render.Defaults:
+    """pipeline: the class the checkpoint names; an edit pipeline sizes its output from the input image unless
+    --aspect / --width / --height say otherwise."""
     if args.aspect and (args.width or args.height):
         raise ValueError("give --aspect or --width/--height, not both")
     if (args.width is None) != (args.height is None):
@@ -250,12 +275,16 @@ def render_defaults(args, tiny: bool) -> render.Defaults:
         width, height = ASPECTS[args.aspect]
     elif args.width:
         width, height = args.width, args.height
+    elif render.PIPELINE_INPUTS.get(pipeline, (None,) * 5)[4] is not None:
+        width, height = None, None
     else:
         width, height = (render.TINY_SIZE, render.TINY_SIZE) if tiny else ASPECTS["1:1"]
     steps = args.steps or (render.TINY_STEPS if tiny else LIGHTNING_STEPS if args.lightning else REAL_STEPS)
     cfg = args.cfg if args.cfg is not None else LIGHTNING_CFG if args.lightning else REAL_CFG
+    images = tuple(render.read_input_image(path, "--image") for path in args.image)
+    mask = render.read_input_image(args.mask, "--mask") if args.mask is not None else None
     return render.Defaults(negative_prompt=args.negative_prompt, seed=args.seed, width=width, height=height,
-                           steps=steps, cfg=cfg)
+                           steps=steps, cfg=cfg, images=images, mask=mask, strength=args.strength)
 
 
 def run_render(args) -> int:
@@ -276,7 +305,12 @@ def run_render(args) -> int:
         labels = render.labels_for(model, args.preset, config, enhancer=args.enhance, loras=loras,
                                    lightning=args.lightning)
         check_triton_on_cpu(device, labels, args.enhance)
-        jobs = render.make_jobs(entries, render_defaults(args, tiny=model == TINY_MODEL_ID))
+        pipeline = pipeline_class(model)
+        jobs = render.make_jobs(entries, render_defaults(args, tiny=model == TINY_MODEL_ID, pipeline=pipeline))
+        render.check_pipeline_inputs(jobs, pipeline, model, size_given=bool(args.aspect or args.width))
+        if args.enhance is not None and pipeline != "QwenImagePipeline":
+            raise ValueError(f"--enhance rewrites text-to-image prompts; {pipeline} ({model}) takes instructions "
+                             "about an input image: leave --enhance out")
         mine = render.shard(jobs, rank, world_size)
         conflict = render.find_conflict(mine, Path(args.out), args.format, labels) if args.resume else None
         if conflict:
@@ -291,7 +325,7 @@ def run_render(args) -> int:
     enhancer = f", prompts rewritten by {args.enhance}" if args.enhance else ""
     lora_list = "".join(f", LoRA {lora.source} x{lora.scale:g}" for lora in labels.loras)
     lightning = ", Lightning sampler" if args.lightning else ""
-    print(f"{prefix}model {model} ({why}), preset {args.preset}, device {device}{lora_list}{lightning}{enhancer}; "
+    print(f"{prefix}model {model} ({why}, {pipeline}), preset {args.preset}, device {device}{lora_list}{lightning}{enhancer}; "
           f"{len(mine)} of {len(jobs)} prompts -> {out_dir}", flush=True)
 
     def load_pipe():

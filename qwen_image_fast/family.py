@@ -64,23 +64,13 @@ class FastFamilyPipeline(FastTransformerPipeline):
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args, fast_config=None, device=None, **kwargs):
         """The stock checkpoint (hub id or local folder), loaded by diffusers as the stock class (in BF16 unless
-        dtype is given), its transformer converted on `device`. Without torchvision the edit checkpoints' processor
-        is built as vl_processor.py says (diffusers' own loading needs torchvision)."""
+        dtype is given; see load_stock), its transformer converted on `device`."""
         from .pipeline import is_fast_checkpoint
 
         if is_fast_checkpoint(pretrained_model_name_or_path):
             raise ValueError(f"{pretrained_model_name_or_path} holds the text-to-image fast transformer: load it with "
                              "QwenImageFastPipeline, or build this pipeline from the stock checkpoint")
-        if "torch_dtype" not in kwargs:  # diffusers 0.42 names it dtype (torch_dtype is deprecated there)
-            kwargs.setdefault("dtype", torch.bfloat16)
-        takes_processor = "processor" in inspect.signature(stock_class(cls).__init__).parameters
-        if takes_processor and "processor" not in kwargs and not is_torchvision_available():
-            from .pipelines.qwen_image.transformer import local_folder
-            from .vl_processor import load_processor_without_torchvision
-
-            kwargs["processor"] = load_processor_without_torchvision(
-                local_folder(pretrained_model_name_or_path, "processor"))
-        pipe = stock_class(cls).from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
+        pipe = load_stock(stock_class(cls), pretrained_model_name_or_path, *args, **kwargs)
         return optimize_family(pipe, FastConfig.coerce(fast_config), device, None)
 
     def save_pretrained(self, save_directory, *args, **kwargs):
@@ -141,6 +131,20 @@ FastQwenImageEditInpaintPipeline = fast_class(diffusers.QwenImageEditInpaintPipe
 FastQwenImageLayeredPipeline = fast_class(diffusers.QwenImageLayeredPipeline)
 FastQwenImageControlNetPipeline = fast_class(diffusers.QwenImageControlNetPipeline)
 FastQwenImageControlNetInpaintPipeline = fast_class(diffusers.QwenImageControlNetInpaintPipeline)
+
+
+def load_stock(pipeline_class: type, path_or_id, *args, **kwargs):
+    """diffusers' pipeline_class.from_pretrained, in BF16 unless dtype is given; without torchvision, an edit
+    checkpoint's processor is built as vl_processor.py says (diffusers' own loading of it needs torchvision)."""
+    if "torch_dtype" not in kwargs:  # diffusers 0.42 names it dtype (torch_dtype is deprecated there)
+        kwargs.setdefault("dtype", torch.bfloat16)
+    takes_processor = "processor" in inspect.signature(pipeline_class.__init__).parameters
+    if takes_processor and "processor" not in kwargs and not is_torchvision_available():
+        from .pipelines.qwen_image.transformer import local_folder
+        from .vl_processor import load_processor_without_torchvision
+
+        kwargs["processor"] = load_processor_without_torchvision(local_folder(path_or_id, "processor"))
+    return pipeline_class.from_pretrained(path_or_id, *args, **kwargs)
 
 
 def pipeline_class_name(path_or_id) -> str:

@@ -33,6 +33,7 @@ Importing this module is light (no torch, diffusers or triton): the command line
 import contextlib
 import fcntl
 import hashlib
+import io
 import json
 import math
 import os
@@ -83,7 +84,8 @@ PNG_DESCRIPTION = "Description"  # PNG's standard keyword, the counterpart of EX
 TEMP_PREFIX = ".tmp-"
 MANIFEST = "manifest.jsonl"
 MANIFEST_LOCK = ".manifest.lock"
-JSONL_FIELDS = {"prompt", "negative_prompt", "seed", "width", "height", "steps", "cfg", "id"}
+JSONL_FIELDS = {"prompt", "negative_prompt", "seed", "width", "height", "steps", "cfg", "id", "images", "mask",
+                "strength"}
 ID_CHARACTERS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
 
 
@@ -100,15 +102,35 @@ class Interrupted(KeyboardInterrupt):
 
 
 @dataclass(frozen=True)
+class InputImage:
+    """An input image (--image, --mask): the path as given, its content's sha256 and its size (width, height)."""
+
+    path: str
+    sha256: str
+    size: tuple[int, int]
+
+    def record(self) -> dict:
+        return {"path": self.path, "sha256": self.sha256}
+
+    def load(self, mode: str) -> Image.Image:
+        with Image.open(self.path) as image:
+            return image.convert(mode)
+
+
+@dataclass(frozen=True)
 class Defaults:
-    """Settings for every prompt that its JSONL line does not override."""
+    """Settings for every prompt that its JSONL line does not override. width/height None: the pipeline sizes the
+    output from the input image (the edit pipelines)."""
 
     negative_prompt: str
     seed: int
-    width: int
-    height: int
+    width: int | None
+    height: int | None
     steps: int
     cfg: float
+    images: tuple[InputImage, ...] = ()
+    mask: InputImage | None = None
+    strength: float | None = None
 
 
 @dataclass(frozen=True)
@@ -120,10 +142,13 @@ class Job:
     prompt: str
     negative_prompt: str | None  # None when cfg <= 1 (no classifier-free guidance)
     seed: int
-    width: int
-    height: int
+    width: int | None
+    height: int | None
     steps: int
     cfg: float
+    images: tuple[InputImage, ...] = ()
+    mask: InputImage | None = None
+    strength: float | None = None
 
     @property
     def stem(self) -> str:
@@ -238,12 +263,41 @@ def parse_jsonl_line(path: Path, number: int, line: str) -> dict:
     if "cfg" in entry and (not isinstance(entry["cfg"], (int, float)) or isinstance(entry["cfg"], bool)
                            or not math.isfinite(entry["cfg"])):
         raise bad(f'"cfg" must be a finite number, got {entry["cfg"]!r}')
+    if "images" in entry:
+        images = [entry["images"]] if isinstance(entry["images"], str) else entry["images"]
+        if not isinstance(images, list) or not images or not all(isinstance(i, str) and i for i in images):
+            raise bad(f'"images" must be a path or a non-empty list of paths, got {entry["images"]!r}')
+        entry["images"] = images
+    if "mask" in entry and (not isinstance(entry["mask"], str) or not entry["mask"]):
+        raise bad(f'"mask" must be a path, got {entry["mask"]!r}')
+    if "strength" in entry and not valid_strength(entry["strength"]):
+        raise bad(f'"strength" must be a number in (0, 1], got {entry["strength"]!r}')
     if "id" in entry:
         entry["id"] = str(entry["id"])
         if not entry["id"] or not set(entry["id"]) <= ID_CHARACTERS:
             raise bad(f'"id" {entry["id"]!r} must be non-empty and use only letters, digits, ".", "_", "-" '
                       "(it names the file)")
     return {"line": number, **entry}
+
+
+def valid_strength(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value <= 1
+
+
+def read_input_image(path: str, what: str) -> InputImage:
+    """An input image file, opened and decoded once (a truncated or non-image file fails here, before any model
+    loads), with its content's sha256. ValueError naming `what` (e.g. "--image") and the path."""
+    try:
+        data = Path(path).read_bytes()
+    except OSError as e:
+        raise ValueError(f"{what} {path}: cannot read it ({e.strerror or e})") from e
+    try:
+        with Image.open(io.BytesIO(data)) as image:
+            image.load()
+            size = image.size
+    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
+        raise ValueError(f"{what} {path}: not a readable image ({e})") from e
+    return InputImage(path=str(path), sha256=hashlib.sha256(data).hexdigest(), size=size)
 
 
 def derive_seed(base: int, index: int, id: str | None) -> int:
@@ -254,9 +308,18 @@ def derive_seed(base: int, index: int, id: str | None) -> int:
 def make_jobs(entries: list[dict], defaults: Defaults) -> list[Job]:
     """Entries (read_prompt_file, or command_line_entries) -> jobs. ValueError when two would write the same file,
     or a derived seed leaves 0..MAX_SEED."""
-    jobs, seen = [], {}
+    jobs, seen, read = [], {}, {}
+
+    def input_image(path: str, what: str) -> InputImage:
+        if (path, what) not in read:
+            read[path, what] = read_input_image(path, what)
+        return read[path, what]
+
     for index, entry in enumerate(entries):
         where = f"line {entry['line']}" if "line" in entry else f"prompt {index + 1}"
+        images = (tuple(input_image(path, f"{where}: images") for path in entry["images"]) if "images" in entry
+                  else defaults.images)
+        mask = input_image(entry["mask"], f"{where}: mask") if "mask" in entry else defaults.mask
         cfg = float(entry.get("cfg", defaults.cfg))
         seed = entry.get("seed", derive_seed(defaults.seed, index, entry.get("id")))
         if not 0 <= seed <= MAX_SEED:
@@ -273,6 +336,9 @@ def make_jobs(entries: list[dict], defaults: Defaults) -> list[Job]:
             height=entry.get("height", defaults.height),
             steps=entry.get("steps", defaults.steps),
             cfg=cfg,
+            images=images,
+            mask=mask,
+            strength=entry.get("strength", defaults.strength),
         )
         if job.stem in seen:
             raise ValueError(f"{where} and {seen[job.stem]} would both write {job.stem}.*; give them different "
@@ -280,6 +346,49 @@ def make_jobs(entries: list[dict], defaults: Defaults) -> list[Job]:
         seen[job.stem] = where
         jobs.append(job)
     return jobs
+
+
+# What `render` gives each pipeline class it drives: (fewest input images, most (None: any), mask: "required" /
+# "forbidden", strength allowed, output size from the input image (--width/--height: "optional" / "refused" / None
+# for the text-to-image size defaults)).
+PIPELINE_INPUTS = {
+    "QwenImagePipeline": (0, 0, "forbidden", False, None),
+    "QwenImageImg2ImgPipeline": (1, 1, "forbidden", True, None),
+    "QwenImageInpaintPipeline": (1, 1, "required", True, None),
+    "QwenImageEditPipeline": (1, 1, "forbidden", False, "optional"),
+    "QwenImageEditPlusPipeline": (1, None, "forbidden", False, "optional"),
+    "QwenImageEditInpaintPipeline": (1, 1, "required", True, "refused"),
+}
+
+
+def check_pipeline_inputs(jobs: list[Job], pipeline: str, model: str, size_given: bool):
+    """ValueError for inputs the pipeline class of `model` would not take, or take and ignore."""
+    if pipeline not in PIPELINE_INPUTS:
+        raise ValueError(f"--model {model} is a {pipeline} checkpoint; render drives "
+                         f"{', '.join(PIPELINE_INPUTS)} (the others through the Python API: optimize(pipe))")
+    fewest, most, mask, strength, size_from_image = PIPELINE_INPUTS[pipeline]
+    if size_given and size_from_image == "refused":
+        raise ValueError(f"--width/--height/--aspect: {pipeline} ({model}) sizes its output from the input image")
+    for job in jobs:
+        where = f"prompt {job.index + 1}"
+        if fewest == 0 and job.images:
+            raise ValueError(f"{where}: --image given, but {model} is a text-to-image model ({pipeline}); give an "
+                             "edit, img2img or inpainting checkpoint with --model")
+        if len(job.images) < fewest:
+            raise ValueError(f"{where}: {pipeline} ({model}) needs an input image: give --image PATH")
+        if most is not None and len(job.images) > most:
+            raise ValueError(f"{where}: {pipeline} ({model}) takes {most} input image, got {len(job.images)}")
+        if mask == "required" and job.mask is None:
+            raise ValueError(f"{where}: {pipeline} ({model}) inpaints: give --mask PATH")
+        if mask == "forbidden" and job.mask is not None:
+            raise ValueError(f"{where}: --mask given, but {pipeline} ({model}) takes no mask")
+        if job.mask is not None and job.mask.size != job.images[0].size:
+            raise ValueError(f"{where}: the mask {job.mask.path} is {job.mask.size[0]}x{job.mask.size[1]}, the "
+                             f"image {job.images[0].path} {job.images[0].size[0]}x{job.images[0].size[1]}: they must "
+                             "be the same size")
+        if job.strength is not None and not strength:
+            raise ValueError(f"{where}: --strength given, but {pipeline} ({model}) takes none (img2img and "
+                             "inpainting pipelines do)")
 
 
 def shard(jobs: list[Job], rank: int, world_size: int) -> list[Job]:
@@ -306,6 +415,16 @@ def resolve_model(model: str, device) -> tuple[str, str]:
     if device.type != "cuda":
         return TINY_MODEL_ID, f"--model auto: {REAL_MODEL_ID} is cached but there is no GPU (device {device})"
     return REAL_MODEL_ID, f"--model auto: {REAL_MODEL_ID} found in the local Hugging Face cache"
+
+
+def pipeline_class_name(model: str) -> str:
+    """The pipeline class a checkpoint names in its model_index.json (tiny-random: QwenImagePipeline)."""
+    if model == TINY_MODEL_ID:
+        return "QwenImagePipeline"
+    from .family import pipeline_class_name as from_model_index
+
+    name = from_model_index(model)
+    return "QwenImagePipeline" if name == "QwenImageFastPipeline" else name
 
 
 def check_scheduler(preset: str, scheduler: str):
@@ -423,19 +542,21 @@ def load_pipeline(model: str, preset: str, config: FastConfig, device, loras: tu
     before it is converted (one FP8 rounding of the merged weights) unless the checkpoint is a fast one (FP8
     already: folded into those weights). Real weights load in BF16; tiny-random is built in FP32.
     lightning: the Lightning LoRAs' scheduler replaces the checkpoint's."""
+    import diffusers
     import torch
-    from diffusers import QwenImagePipeline
 
+    from .family import load_stock
     from .pipeline import QwenImageFastPipeline, is_fast_checkpoint, optimize
     from .samplers import lightning_scheduler
 
     check_scheduler(preset, config.scheduler)
+    name = pipeline_class_name(model)
     if model == TINY_MODEL_ID:
         from .tiny import tiny_pipeline
 
         pipe = tiny_pipeline()
-    elif preset == STOCK_PRESET or (loras and not is_fast_checkpoint(model)):
-        pipe = QwenImagePipeline.from_pretrained(model, dtype=torch.bfloat16)  # dtype=: torch_dtype is deprecated
+    elif preset == STOCK_PRESET or (loras and not is_fast_checkpoint(model)) or name != "QwenImagePipeline":
+        pipe = load_stock(getattr(diffusers, name), model)  # in BF16; the class model_index.json names
     else:
         pipe = QwenImageFastPipeline.from_pretrained(model, dtype=torch.bfloat16, fast_config=config, device=device)
     if loras:
@@ -445,7 +566,7 @@ def load_pipeline(model: str, preset: str, config: FastConfig, device, loras: tu
             if not isinstance(pipe, QwenImageFastPipeline):
                 pipe.unload_lora_weights()  # the merged weights stay; optimize() quantizes them once
     if preset != STOCK_PRESET and not isinstance(pipe, QwenImageFastPipeline):
-        pipe = optimize(pipe, config, device=device)
+        pipe = optimize(pipe, config, device=device)  # an image-conditioned pipeline: its fast class (family.py)
     if lightning:
         pipe.scheduler = lightning_scheduler()
     pipe = pipe.to(device)
@@ -462,6 +583,9 @@ def settings_of(job: Job, labels: Labels) -> dict:
     settings = dict(prompt=job.prompt, negative_prompt=job.negative_prompt, seed=job.seed, width=job.width,
                     height=job.height, steps=job.steps, cfg=job.cfg, model=labels.model, preset=labels.preset,
                     scheduler=labels.scheduler, enhancer=labels.enhancer)
+    if job.images:  # what the image-conditioned pipelines were given (content hashes: resume compares those)
+        settings |= dict(images=[image.record() for image in job.images],
+                         mask=None if job.mask is None else job.mask.record(), strength=job.strength)
     return (settings | ({"loras": [lora.record() for lora in labels.loras]} if labels.loras else {})
             | ({"note": labels.note} if labels.note else {})
             | ({"enhancer_note": labels.enhancer_note} if labels.enhancer_note else {}))
@@ -632,11 +756,14 @@ def lora_identity(records) -> list | None:
 
 def differing_settings(job: Job, recorded: dict, labels: Labels) -> list[str]:
     """The settings of `job` that `recorded` (a manifest line or embedded settings) does not have. `loras` is
-    compared whenever either side has it (images made without LoRAs, before the setting existed, record none)."""
+    compared whenever either side has it (images made without LoRAs, before the setting existed, record none);
+    LoRAs, input images and masks by content (sha256), not by where their files are."""
     wanted = settings_of(job, labels)
-    differing = [key for key, value in wanted.items() if key != "loras" and recorded.get(key) != value]
-    if lora_identity(wanted.get("loras")) != lora_identity(recorded.get("loras")):
-        differing.append("loras")
+    by_content = {"images": lambda records: None if records is None else [r.get("sha256") for r in records],
+                  "mask": lambda record: None if record is None else record.get("sha256"), "loras": lora_identity}
+    differing = [key for key, value in wanted.items() if key not in by_content and recorded.get(key) != value]
+    differing += [key for key, identity in by_content.items()
+                  if (key in wanted or key == "loras") and identity(wanted.get(key)) != identity(recorded.get(key))]
     return differing
 
 
@@ -679,8 +806,9 @@ def short(value, limit: int = 30) -> str:
 
 
 def batch_key(job: Job) -> tuple:
-    """Jobs with equal keys can share one pipeline call."""
-    return job.width, job.height, job.steps, job.cfg, job.negative_prompt is None
+    """Jobs with equal keys can share one pipeline call; one with input images runs alone (Edit-2509/2511's
+    pipeline takes one prompt a call)."""
+    return job.width, job.height, job.steps, job.cfg, job.negative_prompt is None, job.index if job.images else None
 
 
 def batches_of(jobs: list[Job], batch_size: int) -> list[list[Job]]:
@@ -700,15 +828,21 @@ def run_batch(pipe, batch: list[Job], on_step, prompts: list[str] | None = None)
     import torch
 
     first = batch[0]
+    inputs = {}
+    if first.images:  # a batch of one (batch_key)
+        images = [image.load("RGB") for image in first.images]
+        inputs["image"] = images if len(images) > 1 or type(pipe).__name__.endswith("EditPlusPipeline") else images[0]
+        inputs |= {"mask_image": first.mask.load("L")} if first.mask is not None else {}
+        inputs |= {"strength": first.strength} if first.strength is not None else {}
+    inputs |= {"width": first.width, "height": first.height} if first.width is not None else {}
     return pipe(
         prompt=prompts or [job.prompt for job in batch],
         negative_prompt=None if first.negative_prompt is None else [job.negative_prompt for job in batch],
         true_cfg_scale=first.cfg,
-        width=first.width,
-        height=first.height,
         num_inference_steps=first.steps,
         generator=[torch.Generator("cpu").manual_seed(job.seed) for job in batch],
         callback_on_step_end=on_step,
+        **inputs,
     ).images
 
 
