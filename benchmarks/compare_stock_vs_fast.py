@@ -6,6 +6,8 @@ baseline) and by the fast preset, then `compare` (PSNR, SSIM, max |A-B|, grids, 
     python3 benchmarks/compare_stock_vs_fast.py --model random-full-size --width 1024 --height 1024 \
         --out /tmp/stock_vs_fast                   # on a GPU, without real weights
     python3 benchmarks/compare_stock_vs_fast.py --model tiny-random --out /tmp/stock_vs_fast   # CPU logic check
+    python3 benchmarks/compare_stock_vs_fast.py --model Qwen/Qwen-Image-Edit-2511 --image in.png \
+        --prompts edits.txt --steps 40 --out /tmp/edit_stock_vs_fast            # edits: the same input images
 
 --model random-full-size first saves bench_pipeline.py's components (full-size transformer and VAE with random
 weights, tiny 3584-wide text encoder, byte-level tokenizer) to --checkpoint-dir in the upstream layout, so that
@@ -74,6 +76,9 @@ def main():
     parser.add_argument("--height", type=multiple_of_16, help="default 1328 (64 with tiny-random)")
     parser.add_argument("--steps", type=int_at_least(render.MIN_STEPS), help="default 50 (2 with tiny-random)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--image", action="append", default=[], help="input image(s), as for `render`")
+    parser.add_argument("--mask", help="inpainting mask, as for `render`")
+    parser.add_argument("--strength", type=float, help="img2img / inpainting strength, as for `render`")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--min-psnr", type=float, help="exit 1 if a pair is below (as `compare --min-psnr`)")
     args = parser.parse_args()
@@ -81,10 +86,16 @@ def main():
     tiny = args.model == TINY_MODEL_ID
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     size = render.TINY_SIZE if tiny else render.ASPECTS["1:1"][0]
-    defaults = render.Defaults(negative_prompt=render.NEGATIVE_PROMPT, seed=args.seed, width=args.width or size,
-                               height=args.height or size,
-                               steps=args.steps or (render.TINY_STEPS if tiny else 50), cfg=4.0)
+    pipeline = render.pipeline_class_name(args.model) if args.model != RANDOM_MODEL else "QwenImagePipeline"
+    if render.PIPELINE_INPUTS.get(pipeline, (None,) * 5)[4] is not None and args.width is None:
+        size = None  # an edit pipeline sizes its output from the input image
+    defaults = render.Defaults(
+        negative_prompt=render.NEGATIVE_PROMPT, seed=args.seed, width=args.width or size, height=args.height or size,
+        steps=args.steps or (render.TINY_STEPS if tiny else 50), cfg=4.0,
+        images=tuple(render.read_input_image(path, "--image") for path in args.image),
+        mask=render.read_input_image(args.mask, "--mask") if args.mask else None, strength=args.strength)
     jobs = render.make_jobs(render.read_prompt_file(args.prompts), defaults)
+    render.check_pipeline_inputs(jobs, pipeline, args.model, size_given=args.width is not None)
 
     random_weights = args.model == RANDOM_MODEL
     if random_weights and device.type != "cuda":
