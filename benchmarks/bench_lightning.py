@@ -28,7 +28,6 @@ import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 from safetensors.torch import save_file
 

@@ -87,7 +87,7 @@ def main():
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     size = render.TINY_SIZE if tiny else render.ASPECTS["1:1"][0]
     pipeline = render.pipeline_class_name(args.model) if args.model != RANDOM_MODEL else "QwenImagePipeline"
-    if render.PIPELINE_INPUTS.get(pipeline, (None,) * 5)[4] is not None and args.width is None:
+    if render.sizes_from_image(pipeline) and args.width is None:
         size = None  # an edit pipeline sizes its output from the input image
     defaults = render.Defaults(
         negative_prompt=render.NEGATIVE_PROMPT, seed=args.seed, width=args.width or size, height=args.height or size,

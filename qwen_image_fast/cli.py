@@ -275,7 +275,7 @@ def render_defaults(args, tiny: bool, pipeline: str = "QwenImagePipeline") -> re
         width, height = ASPECTS[args.aspect]
     elif args.width:
         width, height = args.width, args.height
-    elif render.PIPELINE_INPUTS.get(pipeline, (None,) * 5)[4] is not None:
+    elif render.sizes_from_image(pipeline):
         width, height = None, None
     else:
         width, height = (render.TINY_SIZE, render.TINY_SIZE) if tiny else ASPECTS["1:1"]

@@ -27,9 +27,6 @@ from .pipelines.qwen_image.transformer import FastQwenImageTransformer
 ACCELERATED = ("QwenImageImg2ImgPipeline", "QwenImageInpaintPipeline", "QwenImageEditPipeline",
                "QwenImageEditPlusPipeline", "QwenImageEditInpaintPipeline", "QwenImageLayeredPipeline",
                "QwenImageControlNetPipeline", "QwenImageControlNetInpaintPipeline")
-# The pipelines that take input images (render --image): all but the ControlNet ones, whose control image is not a
-# picture to edit.
-TAKES_IMAGE = ACCELERATED[:6]
 
 
 class FastFamilyPipeline(FastTransformerPipeline):

@@ -42,6 +42,7 @@ import time
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 from pathlib import Path
 
 from PIL import Image
@@ -113,7 +114,12 @@ class InputImage:
         return {"path": self.path, "sha256": self.sha256}
 
     def load(self, mode: str) -> Image.Image:
-        with Image.open(self.path) as image:
+        """The image, decoded from the file read now; ValueError if its content is no longer what was hashed (the
+        image would record an input it was not made from)."""
+        data = Path(self.path).read_bytes()
+        if hashlib.sha256(data).hexdigest() != self.sha256:
+            raise ValueError(f"{self.path} changed since it was read (sha256 {self.sha256[:12]}...); run again")
+        with Image.open(io.BytesIO(data)) as image:
             return image.convert(mode)
 
 
@@ -348,17 +354,30 @@ def make_jobs(entries: list[dict], defaults: Defaults) -> list[Job]:
     return jobs
 
 
-# What `render` gives each pipeline class it drives: (fewest input images, most (None: any), mask: "required" /
-# "forbidden", strength allowed, output size from the input image (--width/--height: "optional" / "refused" / None
-# for the text-to-image size defaults)).
+class PipelineInputs(NamedTuple):
+    """What `render` gives one pipeline class it drives."""
+
+    fewest: int  # input images
+    most: int | None  # None: any number
+    mask: str  # "required" / "forbidden"
+    strength: bool  # --strength allowed
+    size_from_image: str | None  # the output sized from the input image, --width/--height "optional" / "refused";
+    # None: the text-to-image size defaults
+
+
 PIPELINE_INPUTS = {
-    "QwenImagePipeline": (0, 0, "forbidden", False, None),
-    "QwenImageImg2ImgPipeline": (1, 1, "forbidden", True, None),
-    "QwenImageInpaintPipeline": (1, 1, "required", True, None),
-    "QwenImageEditPipeline": (1, 1, "forbidden", False, "optional"),
-    "QwenImageEditPlusPipeline": (1, None, "forbidden", False, "optional"),
-    "QwenImageEditInpaintPipeline": (1, 1, "required", True, "refused"),
+    "QwenImagePipeline": PipelineInputs(0, 0, "forbidden", False, None),
+    "QwenImageImg2ImgPipeline": PipelineInputs(1, 1, "forbidden", True, None),
+    "QwenImageInpaintPipeline": PipelineInputs(1, 1, "required", True, None),
+    "QwenImageEditPipeline": PipelineInputs(1, 1, "forbidden", False, "optional"),
+    "QwenImageEditPlusPipeline": PipelineInputs(1, None, "forbidden", False, "optional"),
+    "QwenImageEditInpaintPipeline": PipelineInputs(1, 1, "required", True, "refused"),
 }
+
+
+def sizes_from_image(pipeline: str) -> bool:
+    """Whether the pipeline class sizes its output from the input image when no size is given."""
+    return pipeline in PIPELINE_INPUTS and PIPELINE_INPUTS[pipeline].size_from_image is not None
 
 
 def check_pipeline_inputs(jobs: list[Job], pipeline: str, model: str, size_given: bool):
@@ -831,7 +850,7 @@ def run_batch(pipe, batch: list[Job], on_step, prompts: list[str] | None = None)
     inputs = {}
     if first.images:  # a batch of one (batch_key)
         images = [image.load("RGB") for image in first.images]
-        inputs["image"] = images if len(images) > 1 or type(pipe).__name__.endswith("EditPlusPipeline") else images[0]
+        inputs["image"] = images if len(images) > 1 else images[0]  # EditPlus takes one as [one]
         inputs |= {"mask_image": first.mask.load("L")} if first.mask is not None else {}
         inputs |= {"strength": first.strength} if first.strength is not None else {}
     inputs |= {"width": first.width, "height": first.height} if first.width is not None else {}

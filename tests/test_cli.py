@@ -565,21 +565,6 @@ def test_two_ranks_render_every_prompt_once_and_merge_the_manifest(tmp_path):
 
 # ---- image-conditioned checkpoints: --image, --mask, --strength
 
-EDIT_MODULES = ("edit", "edit_plus", "edit_inpaint")
-
-
-@pytest.fixture
-def small_condition_images(monkeypatch):
-    """As in tests/pipelines/test_family.py: the edit pipelines' fixed input areas (1024x1024 for the VAE) at 1/256,
-    the same for every preset."""
-    import importlib
-
-    for name in EDIT_MODULES:
-        module = importlib.import_module(f"diffusers.pipelines.qwenimage.pipeline_qwenimage_{name}")
-        monkeypatch.setattr(module, "calculate_dimensions",
-                            lambda area, ratio, dims=module.calculate_dimensions: dims(area / 256, ratio))
-
-
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     """Tiny Edit-2511-style (EditPlus, zero_cond_t), inpainting and text-to-image folders, and input images."""

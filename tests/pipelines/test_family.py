@@ -1,7 +1,6 @@
 """optimize() on Qwen-Image's image-conditioned diffusers pipelines (family.py) against the same stock pipeline:
 fp32 with FP8 off to 1e-5, FP8 within its CPU bound, a LoRA through the pipeline's own loader, and the refusals."""
 
-import importlib
 import json
 
 import diffusers
@@ -15,7 +14,7 @@ from test_pipeline import EXACT, FIXTURE_TOKENIZER, tiny_controlnet
 from transformers import Qwen2Tokenizer
 
 from qwen_image_fast import FastConfig, QwenImageFastPipeline, optimize
-from qwen_image_fast.family import ACCELERATED, FastFamilyPipeline, FastQwenImageEditPlusPipeline, from_pretrained
+from qwen_image_fast.family import FastFamilyPipeline, FastQwenImageEditPlusPipeline, from_pretrained
 from qwen_image_fast.kernels._utils import rel_rms_error
 from qwen_image_fast.tiny import tiny_components, tiny_pipeline
 
@@ -46,17 +45,6 @@ CASES = {
 # Rel-RMS of FP8 latents against fp32 stock after 3 steps: 1.5e-3 to 1.1e-2 here (layered, three noisy layers, the
 # most); the text-to-image pipeline's test allows 0.1.
 FP8_BOUND = 2e-2
-
-
-@pytest.fixture
-def small_condition_images(monkeypatch):
-    """The edit and layered pipelines resize their input images to a fixed area (1024x1024 for the VAE, 384x384 for
-    the VL; 640x640 or 1024x1024 for layered): 1/256 of it here, the same for stock and fast (4096 condition
-    tokens would take minutes in Triton's interpreter)."""
-    for module in ("edit", "edit_plus", "edit_inpaint", "layered"):
-        module = importlib.import_module(f"diffusers.pipelines.qwenimage.pipeline_qwenimage_{module}")
-        monkeypatch.setattr(module, "calculate_dimensions",
-                            lambda area, ratio, dims=module.calculate_dimensions: dims(area / 256, ratio))
 
 
 def stock(case_id: str):
