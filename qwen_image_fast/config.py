@@ -9,6 +9,7 @@ from .pipelines.qwen_image.config import FastTransformerConfig
 
 SCHEDULERS = ("euler", "dpm++2m", "unipc")
 PRESETS = ("fast", "baseline")
+PARALLEL_MODES = ("none", "cfg", "ulysses", "cfg,ulysses")
 # The fields FastConfig passes to the fast transformer (validated there, once).
 TRANSFORMER_FIELDS = tuple(f.name for f in fields(FastTransformerConfig))
 
@@ -28,6 +29,11 @@ class FastConfig:
     cfg_fraction: selective CFG, LOSSY: guidance only for the first fraction of the steps (1.0 = every step).
     vae_2d_decode: decode an image with the VAE decoder's causal 3D convolutions as the 2D ones they amount to for
         one frame (pipelines/qwen_image/vae.py); not while the VAE tiles or has offload hooks.
+    parallel: one image on several processes of an initialised torch.distributed group
+        (pipelines/qwen_image/parallel.py): "none" | "cfg" (2 ranks: prompt and negative prompt; needs CFG; then
+        batched_cfg does not apply) | "ulysses" (sequence parallel; needs fused_transformer) | "cfg,ulysses".
+    ulysses_degree: ranks per Ulysses group; 0 = every rank CFG leaves. With world = dp x cfg x ulysses, dp > 1
+        groups each denoise their own images (the CLI splits the prompts among them).
     """
 
     fused_transformer: bool = True
@@ -41,8 +47,22 @@ class FastConfig:
     scheduler: str = "euler"
     cfg_fraction: float = 1.0
     vae_2d_decode: bool = True
+    parallel: str = "none"
+    ulysses_degree: int = 0
 
     def __post_init__(self):
+        parallel = ",".join(sorted(self.parallel.split(","))) if isinstance(self.parallel, str) else self.parallel
+        if parallel not in PARALLEL_MODES:
+            raise ValueError(f"parallel={self.parallel!r}; allowed: {', '.join(PARALLEL_MODES)}")
+        object.__setattr__(self, "parallel", parallel)
+        if not isinstance(self.ulysses_degree, int) or self.ulysses_degree < 0:
+            raise ValueError(f"ulysses_degree={self.ulysses_degree!r}; allowed: an integer >= 0 (0 = all the ranks)")
+        if self.ulysses_degree > 1 and "ulysses" not in parallel:
+            raise ValueError(f"ulysses_degree={self.ulysses_degree} needs parallel='ulysses' or 'cfg,ulysses' "
+                             f"(parallel={parallel!r})")
+        if "ulysses" in parallel and not self.fused_transformer:
+            raise ValueError(f"parallel={parallel!r}: Ulysses runs inside the fused transformer; keep "
+                             "fused_transformer=True")
         object.__setattr__(self, "bf16_linears", self.transformer_config().bf16_linears)
         if self.scheduler not in SCHEDULERS:
             raise ValueError(f"scheduler={self.scheduler!r}; allowed: {', '.join(SCHEDULERS)}")
@@ -90,4 +110,6 @@ class FastConfig:
         parts += [self.scheduler.replace("+", "p")]
         parts += [f"cfg{self.cfg_fraction:g}"] if self.cfg_fraction < 1 else []
         parts += ["vae2d"] if self.vae_2d_decode else []
+        parts += ["cfgpar"] if "cfg" in self.parallel.split(",") else []
+        parts += [f"ulysses{self.ulysses_degree or 'all'}"] if "ulysses" in self.parallel else []
         return "-".join(parts)

@@ -109,6 +109,10 @@ def optimize_family(pipe, config: FastConfig, device, enhance_prompt):
     if enhance_prompt is not None and enhance_prompt is not False:
         raise ValueError(f"enhance_prompt is supported by the text-to-image QwenImageFastPipeline only, not by "
                          f"{type(pipe).__name__}")
+    if config.parallel != "none":
+        raise ValueError(f"FastConfig(parallel={config.parallel!r}) is supported by the text-to-image "
+                         f"QwenImageFastPipeline only, not by {type(pipe).__name__}; render one image per process "
+                         "instead (the CLI splits the work by RANK)")
     if config.scheduler != "euler" or config.cfg_fraction < 1:
         raise ValueError(f"FastConfig(scheduler={config.scheduler!r}, cfg_fraction={config.cfg_fraction:g}) changes "
                          f"the text-to-image pipeline's loop, which {type(pipe).__name__} does not run; replace "

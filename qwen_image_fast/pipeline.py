@@ -9,7 +9,11 @@ Differences from the stock denoising loop, each switched by a FastConfig field (
 - CUDA graphs: the transformer forward replays from a graph per (resolution, batch, text-length bucket); not while
   offload hooks move the weights;
 - selective CFG (lossy, off by default): guidance only on the first `cfg_fraction` of the steps.
-- the VAE decode of an image as the 2D convolutions its causal 3D ones amount to for one frame (vae.py).
+- the VAE decode of an image as the 2D convolutions its causal 3D ones amount to for one frame (vae.py);
+- one image on several processes (FastConfig.parallel, pipelines/qwen_image/parallel.py): with CFG-parallel each
+  rank of a pair runs one of prompt / negative prompt and one all-gather per step gives both predictions to both;
+  with Ulysses the transformer splits the sequence over its group. Every rank steps the same latents (the image
+  group's first rank's starting noise) and returns the same images.
 Text encoding, latent preparation and callbacks are diffusers' own.
 
 Prompt enhancement (off by default; `enhance_prompt=`): a local Qwen3.5 (PromptEnhancer) rewrites `prompt` into a
@@ -30,6 +34,7 @@ from diffusers.pipelines.qwenimage.pipeline_output import QwenImagePipelineOutpu
 from .config import FastConfig
 from .pipelines.qwen_image.cfg_pairing import pad_text
 from .pipelines.qwen_image.cuda_graph import GraphCaptureError, GraphedForward
+from .pipelines.qwen_image.parallel import ParallelMesh
 from .pipelines.qwen_image.transformer import FastQwenImageTransformer, has_offload_hooks
 from .pipelines.qwen_image.vae import can_decode_image, decode_image
 from .samplers import dynamic_shift, make_scheduler, set_timesteps
@@ -165,6 +170,7 @@ class QwenImageFastPipeline(FastTransformerPipeline, QwenImagePipeline):
     last_enhanced_prompts: list[str] | None = None  # the rewrites of the last call (None when there were none)
     sampler = None  # the scheduler the last call stepped with: pipe.scheduler itself, or one derived from it
     _graphs: GraphedForward | None = None  # the transformer's CUDA graphs (FastConfig.cuda_graphs)
+    parallel: ParallelMesh | None = None  # the process groups of FastConfig.parallel
     _ran: list[str] | None = None  # what the last call ran (None before the first call)
 
     def __init__(self, scheduler, vae, text_encoder, tokenizer, transformer, fast_config: FastConfig | str | None = None,
@@ -177,6 +183,8 @@ class QwenImageFastPipeline(FastTransformerPipeline, QwenImagePipeline):
         """The fast state, in __init__ and in optimize(): the transformer converted on `device` (None: where it is)
         unless it is fast already, the graphs, the enhancer."""
         transformer = self.transformer
+        mesh = (None if config.parallel == "none" else
+                ParallelMesh.build(config.parallel, config.ulysses_degree, transformer.config.num_attention_heads))
         if isinstance(transformer, FastQwenImageTransformer):
             stored = transformer.fast_config
             if not config.fused_transformer or (stored.fp8, stored.bf16_linears) != (config.fp8, config.bf16_linears):
@@ -187,6 +195,9 @@ class QwenImageFastPipeline(FastTransformerPipeline, QwenImagePipeline):
                     "it, or build the pipeline from the stock transformer")
         elif config.fused_transformer:
             self.register_modules(transformer=fast_transformer(transformer, config, device))
+        if isinstance(self.transformer, FastQwenImageTransformer):
+            self.transformer.ulysses = mesh.ulysses() if mesh is not None else None
+        self.parallel = mesh
         self.fast_config = config
         self.prompt_enhancer = enhancer
         self.last_enhanced_prompts = None
@@ -202,6 +213,7 @@ class QwenImageFastPipeline(FastTransformerPipeline, QwenImagePipeline):
         transformer loaded as stored, straight onto `device`). enhance_prompt: None / False (off), True
         (PromptEnhancer.from_pretrained()), a Qwen3.5 checkpoint's path or hub id, or a PromptEnhancer."""
         config = FastConfig.coerce(fast_config)
+        check_parallel_setup(config, pretrained_model_name_or_path)  # before any weight is loaded
         enhancer = resolve_enhancer(enhance_prompt, device)  # a load error before anything else is loaded
         if "torch_dtype" not in kwargs:  # diffusers 0.42 names it dtype (torch_dtype is deprecated there)
             kwargs.setdefault("dtype", torch.bfloat16)
@@ -237,7 +249,9 @@ class QwenImageFastPipeline(FastTransformerPipeline, QwenImagePipeline):
             return list(self._ran)
         config, transformer = self.fast_config, self.transformer
         graphs = self._graphs is not None and transformer.device.type == "cuda" and not has_offload_hooks(transformer)
-        return (self._transformer_entries() + (["batched_cfg"] if config.batched_cfg else [])
+        parallel = self.parallel.applied() if self.parallel is not None else []
+        return (self._transformer_entries() + parallel
+                + (["batched_cfg"] if config.batched_cfg and "parallel:cfg2" not in parallel else [])
                 + (["cuda_graphs"] if graphs else []) + self._sampler_entries()
                 + ([f"cfg_fraction:{config.cfg_fraction:g}"] if config.cfg_fraction < 1 else [])
                 + (["enhance_prompt"] if self.prompt_enhancer is not None else [])
@@ -352,6 +366,12 @@ class QwenImageFastPipeline(FastTransformerPipeline, QwenImagePipeline):
             logger.warning(" negative_prompt is passed but classifier-free guidance is not enabled since "
                            "true_cfg_scale <= 1")
         do_true_cfg = true_cfg_scale > 1 and has_neg_prompt
+        mesh = self.parallel
+        cfg_parallel = mesh is not None and mesh.shape.cfg > 1
+        if cfg_parallel and not do_true_cfg:
+            raise ValueError(f"FastConfig(parallel={config.parallel!r}) runs the prompt and the negative prompt on two "
+                             f"ranks, which needs CFG: true_cfg_scale > 1 (got {true_cfg_scale}) and a negative "
+                             "prompt; without CFG use parallel='ulysses'")
 
         # 3. Encode the prompts
         prompt_embeds, prompt_embeds_mask = self.encode_prompt(
@@ -369,6 +389,8 @@ class QwenImageFastPipeline(FastTransformerPipeline, QwenImagePipeline):
         num_channels_latents = self.transformer.config.in_channels // 4
         latents = self.prepare_latents(batch_size * num_images_per_prompt, num_channels_latents, height, width,
                                        prompt_embeds.dtype, device, generator, latents)
+        if mesh is not None:
+            latents = mesh.broadcast_latents(latents.contiguous())
         img_shapes = [[(1, height // self.vae_scale_factor // 2, width // self.vae_scale_factor // 2)]] * batch_size
 
         # 5. Prepare timesteps: the sampler of this call, from the pipeline's scheduler as it is now
@@ -395,7 +417,7 @@ class QwenImageFastPipeline(FastTransformerPipeline, QwenImagePipeline):
         if use_graphs:
             self._graphs.drop_if_weights_moved()
         bucket = config.text_bucket if use_graphs else 1
-        batched = do_true_cfg and config.batched_cfg
+        batched = do_true_cfg and config.batched_cfg and not cfg_parallel
 
         def text_inputs(prompt_embeds):
             inputs = {"cond": self._text_inputs([prompt_embeds], [prompt_embeds_mask], bucket)}
@@ -420,7 +442,11 @@ class QwenImageFastPipeline(FastTransformerPipeline, QwenImagePipeline):
                 common = dict(timestep=timestep / 1000, guidance=guidance, img_shapes=img_shapes,
                               attention_kwargs=self._attention_kwargs)
                 cfg_now = i < cfg_steps
-                if cfg_now and batched:
+                if cfg_now and cfg_parallel:  # this rank's half, then both halves on both ranks
+                    half = "cond" if mesh.cfg_rank == 0 else "uncond"
+                    noise_pred, neg_noise_pred = mesh.gather_cfg(self._forward(
+                        use_graphs, half, hidden_states=latents, **common, **text[half]))
+                elif cfg_now and batched:
                     twice = dict(common, timestep=torch.cat([common["timestep"]] * 2), img_shapes=img_shapes * 2,
                                  guidance=None if guidance is None else torch.cat([guidance] * 2))
                     noise_pred, neg_noise_pred = self._forward(
@@ -453,7 +479,9 @@ class QwenImageFastPipeline(FastTransformerPipeline, QwenImagePipeline):
                     progress_bar.update()
 
         self._current_timestep = None
-        self._ran = (self._transformer_entries() + (["batched_cfg"] if batched and cfg_steps else [])
+        parallel = [entry for entry in (mesh.applied() if mesh is not None else [])
+                    if entry != "parallel:cfg2" or cfg_steps]
+        self._ran = (self._transformer_entries() + parallel + (["batched_cfg"] if batched and cfg_steps else [])
                      + (["cuda_graphs"] if use_graphs and self._graphs is not None else [])
                      + self._sampler_entries()
                      + ([f"cfg_fraction:{config.cfg_fraction:g}"] if do_true_cfg and config.cfg_fraction < 1 else [])
@@ -486,6 +514,29 @@ class QwenImageFastPipeline(FastTransformerPipeline, QwenImagePipeline):
         decoded_2d = self.fast_config.vae_2d_decode and can_decode_image(self.vae, latents, has_offload_hooks(self.vae))
         image = decode_image(self.vae, latents) if decoded_2d else self.vae.decode(latents, return_dict=False)[0]
         return self.image_processor.postprocess(image[:, :, 0], output_type=output_type), decoded_2d
+
+
+def check_parallel_setup(config: FastConfig, path_or_id=None):
+    """FastConfig.parallel's errors that need no model: no process group, degrees that do not divide the world
+    size or (read from the checkpoint's transformer config when path_or_id is given) the head count."""
+    if config.parallel == "none":
+        return
+    import torch.distributed as dist
+
+    from .pipelines.qwen_image.parallel import PARALLEL_ADVICE, MeshShape
+
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(f"parallel={config.parallel!r} needs an initialised torch.distributed process group: "
+                           + PARALLEL_ADVICE)
+    heads = None
+    if path_or_id is not None:
+        from diffusers import QwenImageTransformer2DModel
+
+        try:
+            heads = QwenImageTransformer2DModel.load_config(path_or_id, subfolder="transformer")["num_attention_heads"]
+        except (OSError, KeyError):  # diffusers' loader reports a missing checkpoint itself
+            heads = None
+    MeshShape.resolve(config.parallel, config.ulysses_degree, dist.get_world_size(), heads)
 
 
 def convert(pipe: QwenImagePipeline, config: FastConfig, device, enhancer) -> QwenImageFastPipeline:

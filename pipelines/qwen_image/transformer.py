@@ -54,9 +54,10 @@ from ...kernels.residual_gate import (
     residual_gate_layer_norm_modulate_fp8,
 )
 from .attention import TextMask, joint_attention, resolve_backend
-from .cfg_pairing import CfgPairing
+from .cfg_pairing import CfgPairing, pad_text
 from .config import FP8_LINEARS, FastTransformerConfig
 from .lora import BLOCK_SITES, LoraLinear, LoraState, LoraTargetLinear, site_of
+from .parallel import Ulysses, UlyssesPlan
 
 logger = logging.get_logger(__name__)
 BASELINE_ADVICE = "keep the stock transformer (FastConfig.preset('baseline')) for it"
@@ -317,12 +318,11 @@ class StreamMods:
 
 @dataclass
 class JointInputs:
-    """What every block of one forward shares: lengths, text mask, rotary tables, timestep embeddings, attention
-    backend, and the joint Q/K/V buffers [B, L_img + L_txt, H, D] each block refills (image first, attention.py
-    says why)."""
+    """What every block of one forward shares: text mask, rotary tables, timestep embeddings, attention backend,
+    the joint Q/K/V buffer [3, B, L_img + L_txt, H, D] each block refills (image first, attention.py says why),
+    and under Ulysses the group and where this rank's rows are (parallel.py); then rotary tables, mod_row and the
+    buffer cover this rank's rows only, the mask the whole sequence."""
 
-    img_len: int
-    txt_len: int
     mask: TextMask | None
     img_freqs: torch.Tensor  # [L_img, D_head / 2, 2] fp32 (cos, sin)
     txt_freqs: torch.Tensor  # [L_txt, D_head / 2, 2]
@@ -330,9 +330,16 @@ class JointInputs:
     silu_temb_t: torch.Tensor  # [B, D]: text and norm_out modulation input (timestep t)
     mod_row: torch.Tensor | None  # zero_cond_t: int32 [B * L_img], each image token's modulation row
     backend: str
-    q: torch.Tensor
-    k: torch.Tensor
-    v: torch.Tensor
+    qkv: torch.Tensor
+    ulysses: Ulysses | None = None
+    plan: UlyssesPlan | None = None
+
+    def attention(self) -> torch.Tensor:
+        """Attention over the joint sequence of the rows in `qkv`: [B, rows, H, D]."""
+        if self.ulysses is None:
+            return joint_attention(*self.qkv.unbind(0), self.mask, self.backend)
+        q, k, v = self.ulysses.to_heads(self.qkv, self.plan).unbind(0)
+        return self.ulysses.to_rows(joint_attention(q, k, v, self.mask, self.backend), self.plan)
 
 
 class FastBlock(nn.Module):
@@ -388,12 +395,12 @@ class FastBlock(nn.Module):
         tm = StreamMods(self.txt_mod[1](joint.silu_temb_t))  # [B, 6D]
         img, img_x = head(img, img_tail, im.shift1, im.scale1, joint.mod_row, fp8("img_qkv"))
         txt, txt_x = head(txt, txt_tail, tm.shift1, tm.scale1, None, fp8("txt_qkv"))
-        q, k, v = joint.q, joint.k, joint.v
+        q, k, v = joint.qkv.unbind(0)
         qkv_pack(self.img_qkv(img_x).view(batch, img_len, -1), self.norm_q, self.norm_k, joint.img_freqs, q, k, v, 0,
                  eps=self.eps)
         qkv_pack(self.txt_qkv(txt_x).view(batch, txt_len, -1), self.norm_added_q, self.norm_added_k,
                  joint.txt_freqs, q, k, v, img_len, eps=self.eps)
-        o = joint_attention(q, k, v, joint.mask, joint.backend)  # [B, S, H, D]
+        o = joint.attention()  # [B, L_img + L_txt, H, D]
         img_o, txt_o = split_attention(o, img_len, fp8("img_out"), fp8("txt_out"))
 
         img, img_x = gate_norm_mod(img, self.img_out(img_o).view(batch, img_len, dim), im.gate1, im.shift2,
@@ -515,6 +522,7 @@ class FastQwenImageTransformer(ModelMixin, ConfigMixin):
         self.zero_cond_t = config["zero_cond_t"]
         self._context: str | None = None  # the cache_context a forward runs in
         self.cfg_pairing: CfgPairing | None = None  # set by a pipeline that batches CFG through it
+        self.ulysses: Ulysses | None = None  # set by a pipeline that splits the sequence over ranks (parallel.py)
         self.requires_grad_(False)
         self._mod_rows: dict = {}
         self.lora_state = LoraState()
@@ -979,17 +987,19 @@ class FastQwenImageTransformer(ModelMixin, ConfigMixin):
     def attn_processors(self):
         raise NotImplementedError(f"FastQwenImageTransformer.attn_processors: {ATTENTION_ADVICE}")
 
-    def _mod_row(self, img_shapes, batch: int, device) -> torch.Tensor:
+    def _mod_row(self, img_shapes, batch: int, device, plan: UlyssesPlan | None = None) -> torch.Tensor:
         """zero_cond_t: the modulation row of each image token, b (its sample, timestep t) for the first image's
-        tokens and b + B (timestep 0) for condition images. int32 [B * L_img], cached per shape."""
-        key = (str(img_shapes), batch, str(device))
+        tokens and b + B (timestep 0) for condition images. int32 [B * L_img] (under Ulysses this rank's image
+        tokens only), cached per shape."""
+        img = plan.img if plan else slice(None)
+        key = (str(img_shapes), batch, str(device), img.start, img.stop)
         if key not in self._mod_rows:
             index = torch.tensor(
                 [[0] * prod(sample[0]) + [1] * sum(prod(s) for s in sample[1:]) for sample in img_shapes],
                 dtype=torch.int32,
             )
             rows = torch.arange(batch, dtype=torch.int32)[:, None] + batch * index
-            self._mod_rows[key] = rows.flatten().to(device)
+            self._mod_rows[key] = rows[:, img].flatten().to(device)
         return self._mod_rows[key]
 
     @torch.no_grad()
@@ -1026,15 +1036,24 @@ class FastQwenImageTransformer(ModelMixin, ConfigMixin):
                  guidance, controlnet_block_samples, additional_t_cond) -> torch.Tensor:
         device = hidden_states.device
         check_triton_runs_on(device)
+        batch, img_len, _ = hidden_states.shape
+        ulysses, plan = self.ulysses, None
+        if ulysses is not None and encoder_hidden_states.shape[1] < ulysses.degree:  # every rank holds text
+            encoder_hidden_states, encoder_hidden_states_mask = pad_text(
+                encoder_hidden_states, encoder_hidden_states_mask, ulysses.degree)
+        txt_len = encoder_hidden_states.shape[1]  # the whole text (RoPE positions, mask)
+        if ulysses is not None:  # this rank's rows only from here on (parallel.py)
+            plan = ulysses.plan(img_len, txt_len, device)
+            hidden_states, encoder_hidden_states = hidden_states[:, plan.img], encoder_hidden_states[:, plan.txt]
+            if controlnet_block_samples is not None:
+                controlnet_block_samples = [sample[:, plan.img] for sample in controlnet_block_samples]
         hidden_states = self.img_in(hidden_states)  # [B, L_img, D]
         timestep = timestep.to(hidden_states.dtype)
-        batch, img_len, _ = hidden_states.shape
         mod_row = None
         if self.zero_cond_t:
             timestep = torch.cat([timestep, timestep * 0], dim=0)
-            mod_row = self._mod_row(img_shapes, batch, device)
+            mod_row = self._mod_row(img_shapes, batch, device, plan)
         encoder_hidden_states = self.txt_in(self.txt_norm(encoder_hidden_states))  # [B, L_txt, D]
-        txt_len = encoder_hidden_states.shape[1]
 
         if guidance is not None:
             guidance = guidance.to(hidden_states.dtype) * 1000
@@ -1044,16 +1063,17 @@ class FastQwenImageTransformer(ModelMixin, ConfigMixin):
             else self.time_text_embed(timestep, guidance, hidden_states, additional_t_cond)
         )  # [G, D]
         img_freqs, txt_freqs = self.pos_embed(img_shapes, max_txt_seq_len=txt_len, device=device)
+        if plan:
+            img_freqs, txt_freqs = img_freqs[plan.img], txt_freqs[plan.txt]
         silu_temb = F.silu(temb)
         block0 = self.transformer_blocks[0]
+        rows = plan.local_len if plan else img_len + txt_len
         joint = JointInputs(
-            img_len=img_len, txt_len=txt_len,
             mask=None if encoder_hidden_states_mask is None else TextMask(encoder_hidden_states_mask, img_len),
             img_freqs=torch.view_as_real(img_freqs), txt_freqs=torch.view_as_real(txt_freqs),
             silu_temb=silu_temb, silu_temb_t=silu_temb.chunk(2, dim=0)[0] if self.zero_cond_t else silu_temb,
             mod_row=mod_row, backend=resolve_backend(self.fast_config.attention, device, hidden_states.dtype),
-            **{name: hidden_states.new_empty(batch, img_len + txt_len, block0.heads, block0.head_dim)
-               for name in ("q", "k", "v")},
+            qkv=hidden_states.new_empty(3, batch, rows, block0.heads, block0.head_dim), ulysses=ulysses, plan=plan,
         )
 
         img, txt, img_tail, txt_tail = hidden_states, encoder_hidden_states, None, None
@@ -1070,7 +1090,8 @@ class FastQwenImageTransformer(ModelMixin, ConfigMixin):
             img, img_x = residual_gate_layer_norm_modulate(img, img_tail.out, img_tail.gate, out_shift, out_scale)
         else:  # norm_out modulates per sample, a zero_cond_t gate per token
             img_x = layer_norm_modulate(add_tail(img, img_tail, mod_row), out_shift, out_scale)
-        return self.proj_out(img_x)  # [B, L_img, p*p*C]
+        out = self.proj_out(img_x)  # [B, L_img, p*p*C]
+        return out if plan is None else ulysses.gather_image(out, plan)
 
 
 for _name, _advice in NOT_SUPPORTED.items():

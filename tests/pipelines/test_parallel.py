@@ -1,0 +1,144 @@
+"""One image on several processes (gloo on the CPU): CFG-parallel, Ulysses and both give the single-process fast
+pipeline's latents; bad setups fail before anything is converted."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from diffusers import QwenImagePipeline
+
+from helpers import assert_close
+from qwen_image_fast import FastConfig, optimize
+from qwen_image_fast.pipeline import check_parallel_setup
+from qwen_image_fast.pipelines.qwen_image.parallel import MeshShape, UlyssesPlan, even_sizes
+from qwen_image_fast.tiny import tiny_pipeline
+
+sys.path.insert(0, str(Path(__file__).parents[1]))
+from parallel_worker import CASES, TRANSFORMER, render  # noqa: E402
+
+WORKER = Path(__file__).parents[1] / "parallel_worker.py"
+
+
+@pytest.fixture(scope="module")
+def single_process_latents():
+    pipe = optimize(tiny_pipeline(QwenImagePipeline, 0, TRANSFORMER), FastConfig(fp8=False, cuda_graphs=False))
+    pipe.set_progress_bar_config(disable=True)
+    return [render(pipe, case, seed) for seed, case in enumerate(CASES)]
+
+
+def launch(tmp_path, nproc: int, parallel: str, ulysses: int = 0) -> dict[int, dict]:
+    """torchrun the worker; {rank: what that image group leader saved}."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+               str(WORKER), str(tmp_path), parallel, str(ulysses)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return {int(f.stem[4:]): torch.load(f) for f in sorted(tmp_path.glob("rank*.pt"))}
+
+
+@pytest.mark.parametrize("nproc, parallel, ulysses, leaders, applied", [
+    (2, "cfg", 0, [0], ["parallel:cfg2"]),
+    (2, "ulysses", 0, [0], ["parallel:ulysses2"]),
+    (4, "cfg,ulysses", 0, [0], ["parallel:cfg2", "parallel:ulysses2"]),
+    (4, "ulysses", 2, [0, 2], ["parallel:ulysses2"]),  # two data-parallel groups of 2
+])
+def test_parallel_latents_equal_single_process(tmp_path, single_process_latents, nproc, parallel, ulysses, leaders,
+                                               applied):
+    saved = launch(tmp_path, nproc, parallel, ulysses)
+    assert sorted(saved) == leaders
+    for rank, results in saved.items():
+        for case, got, want in zip(CASES, results["latents"], single_process_latents):
+            assert got.shape == want.shape, case
+            assert_close(got, want, 1e-5, f"rank {rank}, {case}")
+        for entries in results["applied"]:
+            assert [e for e in entries if e.startswith("parallel:")] == applied
+            assert ("batched_cfg" in entries) == ("cfg" not in parallel)
+    assert [results["dp_rank"] for results in saved.values()] == list(range(len(leaders)))
+
+
+def test_ulysses_plan_splits_without_padding_and_restores_the_order():
+    assert even_sizes(9, 4) == [3, 2, 2, 2]
+    plans = [UlyssesPlan(9, 5, 4, rank, torch.device("cpu")) for rank in range(4)]
+    assert [p.img for p in plans] == [slice(0, 3), slice(3, 5), slice(5, 7), slice(7, 9)]
+    assert [p.txt for p in plans] == [slice(0, 2), slice(2, 3), slice(3, 4), slice(4, 5)]
+    gathered = torch.cat([torch.cat([torch.arange(9)[p.img], 100 + torch.arange(5)[p.txt]]) for p in plans])
+    joint = gathered[plans[0].to_joint]
+    assert joint.tolist() == list(range(9)) + [100 + i for i in range(5)]  # [image | text], the 1-GPU layout
+    assert torch.equal(joint[plans[0].to_gathered], gathered)
+    with pytest.raises(ValueError, match="at least 4 image and text tokens"):
+        UlyssesPlan(3, 5, 4, 0, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("parallel, ulysses, world, heads, message", [
+    ("cfg", 0, 3, 24, "does not divide the world size 3"),
+    ("ulysses", 0, 5, 24, "does not divide the transformer's 24 attention heads"),
+    ("cfg,ulysses", 3, 8, 24, "does not divide the world size 8"),
+    ("ulysses", 0, 1, 24, "needs at least 2 ranks"),
+    ("cfg,ulysses", 0, 2, 24, "needs at least 2 ranks"),
+])
+def test_bad_mesh_names_the_degrees(parallel, ulysses, world, heads, message):
+    with pytest.raises(ValueError, match=message):
+        MeshShape.resolve(parallel, ulysses, world, heads)
+
+
+def test_mesh_shapes():
+    assert MeshShape.resolve("cfg,ulysses", 0, 8, 24) == MeshShape(2, 4, 8)
+    shape = MeshShape.resolve("cfg,ulysses", 2, 8, 24)
+    assert (shape.cfg, shape.ulysses, shape.dp) == (2, 2, 2)
+    assert MeshShape.resolve("cfg", 0, 6, 24).dp == 3
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(parallel="tensor"), "parallel='tensor'; allowed: none, cfg, ulysses, cfg,ulysses"),
+    (dict(parallel="cfg", ulysses_degree=2), "ulysses_degree=2 needs parallel='ulysses'"),
+    (dict(parallel="ulysses", ulysses_degree=-1), "ulysses_degree=-1"),
+    (dict(parallel="ulysses", fused_transformer=False, fp8=False), "keep fused_transformer=True"),
+])
+def test_bad_parallel_config(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        FastConfig(**kwargs)
+
+
+def test_parallel_without_a_process_group_fails_before_converting():
+    pipe = tiny_pipeline(QwenImagePipeline, 0, TRANSFORMER)
+    with pytest.raises(RuntimeError, match="needs an initialised torch.distributed process group: launch with `torchrun"):
+        optimize(pipe, FastConfig(fp8=False, parallel="cfg"))
+    assert type(pipe) is QwenImagePipeline and type(pipe.transformer).__name__ == "QwenImageTransformer2DModel"
+    with pytest.raises(RuntimeError, match="process group"):
+        check_parallel_setup(FastConfig(parallel="ulysses"))
+
+
+@pytest.fixture
+def one_process_group(tmp_path):
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_in_a_group_of_one(one_process_group):
+    with pytest.raises(ValueError, match="needs at least 2 ranks"):
+        optimize(tiny_pipeline(QwenImagePipeline, 0, TRANSFORMER), FastConfig(fp8=False, parallel="ulysses"))
+    pipe = optimize(tiny_pipeline(QwenImagePipeline, 0, TRANSFORMER), FastConfig(fp8=False, cuda_graphs=False))
+    assert pipe.parallel is None  # a process group alone changes nothing
+    with pytest.raises(ValueError, match="does not divide the world size 1"):
+        optimize(tiny_pipeline(QwenImagePipeline, 0, TRANSFORMER), FastConfig(fp8=False, parallel="cfg"))
+
+
+def test_cfg_parallel_needs_cfg_and_the_family_refuses_parallel(one_process_group, monkeypatch):
+    from diffusers import QwenImageImg2ImgPipeline
+
+    with pytest.raises(ValueError, match="supported by the text-to-image QwenImageFastPipeline only"):
+        optimize(tiny_pipeline(QwenImageImg2ImgPipeline), FastConfig(fp8=False, parallel="cfg"))
+    # a group of one cannot hold a CFG pair; the call-time check is the same for any group
+    monkeypatch.setattr(MeshShape, "resolve", classmethod(lambda cls, *args: cls(2, 1, 2)))
+    monkeypatch.setattr(dist, "new_group", lambda ranks: None)
+    monkeypatch.setattr(dist, "get_rank", lambda: 0)
+    pipe = optimize(tiny_pipeline(QwenImagePipeline, 0, TRANSFORMER),
+                    FastConfig(fp8=False, cuda_graphs=False, parallel="cfg"))
+    for kwargs in (dict(true_cfg_scale=1.0, negative_prompt="bad"), dict(true_cfg_scale=4.0)):
+        with pytest.raises(ValueError, match=r"needs CFG: true_cfg_scale > 1 \(got .*\) and a negative prompt"):
+            pipe(prompt="a cat", height=32, width=32, num_inference_steps=1, output_type="latent", **kwargs)
