@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 
 from . import render
-from .config import PRESETS, SCHEDULERS, FastConfig
+from .config import PARALLEL_MODES, PRESETS, SCHEDULERS, FastConfig
 from .render import ASPECTS, DEFAULT_ENHANCER_ID, MAX_SEED, REAL_MODEL_ID, TINY_ENHANCER_ID, TINY_MODEL_ID
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -144,6 +144,12 @@ def build_parser() -> argparse.ArgumentParser:
     add("--format", choices=tuple(render.FORMATS), default="png")
     add("--device", help="cpu, cuda or cuda:N; default: cuda (cuda:LOCAL_RANK with several processes) if "
         "available, else cpu")
+    add("--parallel", choices=PARALLEL_MODES[1:],
+        help="one image on several processes (torchrun --nproc_per_node N -m qwen_image_fast render ...): cfg "
+             "(2 ranks: prompt and negative prompt), ulysses (sequence parallel), cfg,ulysses; ranks beyond one "
+             "image group render other prompts (data parallel). Default: each process renders its own prompts")
+    add("--ulysses", type=int_at_least(0), default=0, metavar="N",
+        help="ranks per Ulysses group with --parallel ulysses or cfg,ulysses (default 0: every rank CFG leaves)")
     add("--no-resume", dest="resume", action="store_false",
         help="render everything again, overwriting images of the same name (default: skip images already in the "
              "manifest and on disk, and refuse to overwrite one made with other settings)")
@@ -301,17 +307,24 @@ def run_render(args) -> int:
         device = resolve_device(args.device, rank, local_rank)
         model, why = render.resolve_model(args.model, device)  # auto: tiny-random, or the real model when cached
         config = FastConfig.preset(args.preset).replace(scheduler=args.scheduler)  # the command's one config
+        pipeline = pipeline_class(model)
+        group = image_group_shape(args, model, pipeline, rank, world_size)
+        if group is not None:
+            config = config.replace(parallel=args.parallel, ulysses_degree=args.ulysses)
         loras = tuple(render.resolve_lora(source, scale) for source, scale in args.lora)
         labels = render.labels_for(model, args.preset, config, enhancer=args.enhance, loras=loras,
                                    lightning=args.lightning)
         check_triton_on_cpu(device, labels, args.enhance)
-        pipeline = pipeline_class(model)
         jobs = render.make_jobs(entries, render_defaults(args, tiny=model == TINY_MODEL_ID, pipeline=pipeline))
         render.check_pipeline_inputs(jobs, pipeline, model, size_given=bool(args.aspect or args.width))
         if args.enhance is not None and pipeline != "QwenImagePipeline":
             raise ValueError(f"--enhance rewrites text-to-image prompts; {pipeline} ({model}) takes instructions "
                              "about an input image: leave --enhance out")
-        mine = render.shard(jobs, rank, world_size)
+        if group is not None:
+            check_cfg_parallel(args.parallel, jobs)
+        # with --parallel an image group renders what one process renders without it
+        group_index, groups = (rank // group.group_size, group.dp) if group is not None else (rank, world_size)
+        mine = render.shard(jobs, group_index, groups)
         conflict = render.find_conflict(mine, Path(args.out), args.format, labels) if args.resume else None
         if conflict:
             raise ValueError(f"{conflict}; rendering would overwrite it: use another --out, or --no-resume to "
@@ -344,10 +357,11 @@ def run_render(args) -> int:
         except Exception as e:
             raise render.LoadError(f"--enhance {args.enhance}: cannot load it ({type(e).__name__}: {e})") from e
 
+    image_group = render.ImageGroup.start(device, rank, group) if group is not None else None
     try:
         summary = render.render_jobs(load_pipe, mine, out_dir, labels, fmt=args.format, resume=args.resume,
-                                     batch_size=args.batch_size, rank=rank, world_size=world_size,
-                                     load_enhancer=load_enhancer if args.enhance else None)
+                                     batch_size=args.batch_size, rank=group_index, world_size=groups,
+                                     load_enhancer=load_enhancer if args.enhance else None, group=image_group)
     except render.LoadError as e:
         render.remove_empty_folders(created)
         args.parser.error(one_line(e))
@@ -357,8 +371,42 @@ def run_render(args) -> int:
         print(f"{prefix}interrupted; {written} image(s) finished by this run are kept in {out_dir} (the same command "
               "resumes)", file=sys.stderr, flush=True)
         return INTERRUPTED
-    print(render.format_summary(summary, labels, out_dir, rank, world_size), flush=True)
+    if image_group is None or image_group.is_leader:
+        print(render.format_summary(summary, labels, out_dir, group_index, groups), flush=True)
     return 1 if summary.failed else 0
+
+
+def image_group_shape(args, model: str, pipeline: str, rank: int, world_size: int):
+    """--parallel's mesh (MeshShape), checked before any model loads; None without --parallel."""
+    if args.parallel is None:
+        if args.ulysses:
+            raise ValueError(f"--ulysses {args.ulysses} needs --parallel ulysses or cfg,ulysses")
+        return None
+    from .pipelines.qwen_image.parallel import MeshShape
+
+    if world_size < 2:
+        raise ValueError(f"--parallel {args.parallel} splits one image over several processes: launch with "
+                         "torchrun --nproc_per_node N -m qwen_image_fast render ...")
+    if args.preset == render.STOCK_PRESET:
+        raise ValueError(f"--parallel runs in the fast pipeline; --preset {render.STOCK_PRESET} runs the stock diffusers "
+                         "pipeline as diffusers runs it (one image per process): leave --parallel out, or use "
+                         f"--preset {PRESETS[0]}")
+    if pipeline != "QwenImagePipeline":
+        raise ValueError(f"--parallel is for text-to-image checkpoints; {pipeline} ({model}) renders one image per "
+                         "process (leave --parallel out)")
+    return MeshShape.resolve(args.parallel, args.ulysses, world_size, render.transformer_heads(model))
+
+
+def check_cfg_parallel(parallel: str, jobs) -> None:
+    """CFG-parallel runs the negative prompt on its own rank: every job needs CFG."""
+    if "cfg" not in parallel.split(","):
+        return
+    for job in jobs:
+        if job.cfg <= 1 or job.negative_prompt is None:
+            raise ValueError(f"--parallel {parallel} runs the prompt and the negative prompt on two ranks, but "
+                             f"prompt {job.index + 1} ({job.stem}) has cfg {job.cfg:g}"
+                             f"{' and no negative prompt' if job.negative_prompt is None else ''}: give every "
+                             "prompt cfg > 1 and a negative prompt, or use --parallel ulysses")
 
 
 def run_compare(args) -> int:

@@ -752,6 +752,57 @@ def read_records(out_dir: Path) -> dict[str, dict]:
     return records
 
 
+def transformer_heads(model: str) -> int | None:
+    """The attention heads of a checkpoint's transformer, from its config alone (None when it cannot be read
+    without loading: the pipeline checks again once loaded)."""
+    if model == TINY_MODEL_ID:
+        from .tiny import TINY_HEADS
+
+        return TINY_HEADS
+    try:
+        from diffusers import QwenImageTransformer2DModel
+
+        return QwenImageTransformer2DModel.load_config(model, subfolder="transformer")["num_attention_heads"]
+    except (OSError, KeyError, ValueError):
+        return None
+
+
+class ImageGroup:
+    """With --parallel: the processes that render one image together. The first (the leader) decides what is left
+    to render and writes images and manifest lines; the others take part in every call and write nothing."""
+
+    def __init__(self, group, leader: int, rank: int):
+        self.group, self.leader, self.rank = group, leader, rank
+
+    @classmethod
+    def start(cls, device, rank: int, shape) -> "ImageGroup":
+        """The default process group (NCCL on CUDA, gloo on the CPU) and this rank's image group (shape: a
+        parallel.MeshShape). Every rank builds every group, as torch.distributed requires."""
+        import torch
+        import torch.distributed as dist
+
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        if not dist.is_initialized():
+            dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                                    device_id=device if device.type == "cuda" else None)
+        size = shape.group_size
+        groups = [dist.new_group(list(range(d * size, (d + 1) * size))) for d in range(shape.dp)]
+        return cls(groups[rank // size], rank - rank % size, rank)
+
+    @property
+    def is_leader(self) -> bool:
+        return self.rank == self.leader
+
+    def share(self, value):
+        """The leader's value on every rank of the group."""
+        import torch.distributed as dist
+
+        box = [value]
+        dist.broadcast_object_list(box, src=self.leader, group=self.group)
+        return box[0]
+
+
 def merge_manifests(out_dir: Path):
     """Rewrite manifest.jsonl as the union of itself and the shards: one line per image on disk, sorted by file.
 
@@ -867,22 +918,31 @@ def run_batch(pipe, batch: list[Job], on_step, prompts: list[str] | None = None)
 
 def render_jobs(load_pipe: Callable, jobs: list[Job], out_dir: Path, labels: Labels, *, fmt: str = "png",
                 resume: bool = True, batch_size: int = 1, rank: int = 0, world_size: int = 1,
-                load_enhancer: Callable | None = None) -> Summary:
+                load_enhancer: Callable | None = None, group: ImageGroup | None = None) -> Summary:
     """Render this rank's jobs into out_dir (prepare_out_dir first), skipping finished ones when resuming, then
     merge the manifest. load_pipe() and load_enhancer() (needed when labels.enhancer is set) are called only if
     something is left to render. A failed batch (enhancement or rendering) is reported and counted; the others go
     on. Each image records pipe.applied as it is after the call that made it. Ctrl-C raises Interrupted(written)
-    after merging the manifest (when this run wrote something); finished images are kept, no partial file is left."""
+    after merging the manifest (when this run wrote something); finished images are kept, no partial file is left.
+    group: with --parallel, rank / world_size number the image groups; only the group's leader reads the folder,
+    rewrites prompts and writes, and the others follow its decisions."""
     if labels.enhancer is not None and load_enhancer is None:
         raise ValueError(f"labels.enhancer={labels.enhancer!r} needs load_enhancer")
-    remove_stale_temp_files(out_dir, jobs)
-    records = read_records(out_dir) if resume else {}
-    pending = [job for job in jobs if not is_done(job, records, out_dir, fmt, labels)]
+    leader = group is None or group.is_leader
+    pending = []
+    if leader:
+        remove_stale_temp_files(out_dir, jobs)
+        records = read_records(out_dir) if resume else {}
+        pending = [job for job in jobs if not is_done(job, records, out_dir, fmt, labels)]
+    if group is not None:
+        wanted = set(group.share([job.index for job in pending]))
+        pending = [job for job in jobs if job.index in wanted]
     summary = Summary(skipped=len(jobs) - len(pending))
-    enhancer = load_enhancer() if pending and labels.enhancer is not None else None
+    enhancer = load_enhancer() if pending and labels.enhancer is not None and leader else None
     pipe = load_pipe() if pending else None
     shard_path = manifest_path(out_dir, rank, world_size)
-    drop_partial_last_line(shard_path)
+    if leader:
+        drop_partial_last_line(shard_path)
     batches = batches_of(pending, batch_size)
     prefix = f"rank {rank}: " if world_size > 1 else ""
 
@@ -902,7 +962,10 @@ def render_jobs(load_pipe: Callable, jobs: list[Job], out_dir: Path, labels: Lab
                     if enhancer is not None:
                         enhanced = enhancer.enhance([job.prompt for job in batch])
                         enhance_seconds = time.perf_counter() - start
-                    images = run_batch(pipe, batch, on_step, prompts=None if enhancer is None else enhanced)
+                    if group is not None and labels.enhancer is not None:  # the leader's rewrites
+                        enhanced = group.share(enhanced)
+                    images = run_batch(pipe, batch, on_step,
+                                       prompts=None if labels.enhancer is None else enhanced)
                 except Exception as e:  # e.g. out of memory at one size: report it and render the rest
                     summary.failed += len(batch)
                     tqdm.write(f"{prefix}failed: {', '.join(job.stem for job in batch)}: {type(e).__name__}: {e}")
@@ -913,6 +976,8 @@ def render_jobs(load_pipe: Callable, jobs: list[Job], out_dir: Path, labels: Lab
                 if enhancer is not None:
                     timing["enhance_seconds"] = round(enhance_seconds / len(batch), 3)
                 for job, image, rewrite in zip(batch, images, enhanced):
+                    if not leader:
+                        continue
                     name = f"{job.stem}.{fmt}"
                     settings = image_settings(settings_of(job, labels), rewrite, summary.applied)
                     save_image(image, out_dir / name, fmt, settings)
@@ -926,7 +991,8 @@ def render_jobs(load_pipe: Callable, jobs: list[Job], out_dir: Path, labels: Lab
         if summary.written:
             merge_manifests(out_dir)
         raise Interrupted(summary.written) from None
-    merge_manifests(out_dir)
+    if leader:
+        merge_manifests(out_dir)
     return summary
 
 

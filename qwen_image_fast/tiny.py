@@ -96,6 +96,9 @@ LAYERED_TRANSFORMER = dict(use_layer3d_rope=True, use_additional_t_cond=True, in
 LAYERED_VAE = dict(input_channels=4, z_dim=8, latents_mean=[0.0] * 8, latents_std=[1.0] * 8)  # RGBA
 
 
+TINY_HEADS = 3  # the tiny transformer's attention heads (24 in the real model)
+
+
 def tiny_components(seed: int = 0, vision: bool = False, transformer_config: dict | None = None,
                     vae_config: dict | None = None) -> dict:
     """The components of a tiny QwenImagePipeline; vision: plus the `processor` of the edit and layered pipelines
@@ -108,7 +111,7 @@ def tiny_components(seed: int = 0, vision: bool = False, transformer_config: dic
         "out_channels": 4,  # 16
         "num_layers": 2,  # 60
         "attention_head_dim": 16,  # 128
-        "num_attention_heads": 3,  # 24
+        "num_attention_heads": TINY_HEADS,  # 24
         "joint_attention_dim": 16,  # 3584
         "axes_dims_rope": (8, 4, 4),  # (16, 56, 56)
         **(transformer_config or {}),
