@@ -56,10 +56,26 @@ def call(pipe, size: int, steps: int, device) -> tuple[torch.Tensor, float, floa
 
 
 def first_update(pipe, size: int, start: torch.Tensor) -> torch.Tensor:
-    """One Euler step from `start` (packed latents): the guided velocity the first forward(s) produced."""
-    out = pipe(prompt=PROMPT, negative_prompt=NEGATIVE, true_cfg_scale=4.0, width=size, height=size,
-               num_inference_steps=1, latents=start, output_type="latent").images
-    return out.float() - start.float()
+    """The first of 50 Euler steps from `start` (packed latents; the loop is interrupted after it): latents minus
+    start, the first guided velocity times the step's sigma change."""
+    seen = {}
+
+    def first_step_only(pipe, step, t, tensors):
+        seen["latents"] = tensors["latents"].float().clone()
+        pipe._interrupt = True
+        return {}
+
+    pipe(prompt=PROMPT, negative_prompt=NEGATIVE, true_cfg_scale=4.0, width=size, height=size,
+         num_inference_steps=STEPS, latents=start.clone(), output_type="latent", callback_on_step_end=first_step_only)
+    return seen["latents"] - start.float()
+
+
+def same_on_every_rank(pipe):
+    """Rank 0's weights in every rank's components (random initialisation need not agree across processes: the
+    transformer is seeded, but the text encoder and VAE use each process's own RNG state)."""
+    for name in ("transformer", "vae", "text_encoder"):
+        for tensor in getattr(pipe, name).state_dict().values():
+            dist.broadcast(tensor, src=0)
 
 
 def nccl_share(components: dict, mode: str, size: int, device) -> float:
@@ -93,7 +109,9 @@ def main():
         raise SystemExit(f"world size {world}; this benchmark runs on {sorted(MODES)} GPUs")
     env = environment() if rank == 0 else {}
 
-    base = optimize(full_size_stock_pipeline(args.tokenizer), FastConfig())
+    stock = full_size_stock_pipeline(args.tokenizer)
+    same_on_every_rank(stock)
+    base = optimize(stock, FastConfig())
     components = {name: getattr(base, name) for name in ("scheduler", "vae", "text_encoder", "tokenizer",
                                                          "transformer")}
     rows = []
