@@ -13,7 +13,9 @@ Differences from the stock denoising loop, each switched by a FastConfig field (
 - one image on several processes (FastConfig.parallel, pipelines/qwen_image/parallel.py): with CFG-parallel each
   rank of a pair runs one of prompt / negative prompt and one all-gather per step gives both predictions to both;
   with Ulysses the transformer splits the sequence over its group. Every rank steps the same latents (the image
-  group's first rank's starting noise) and returns the same images.
+  group's first rank's starting noise) and returns the same images. A fast transformer serves the parallel
+  setting of the last pipeline built around it (transformer.ulysses): do not share one between pipelines with
+  different settings.
 Text encoding, latent preparation and callbacks are diffusers' own.
 
 Prompt enhancement (off by default; `enhance_prompt=`): a local Qwen3.5 (PromptEnhancer) rewrites `prompt` into a
