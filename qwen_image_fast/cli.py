@@ -308,8 +308,8 @@ def run_render(args) -> int:
         model, why = render.resolve_model(args.model, device)  # auto: tiny-random, or the real model when cached
         config = FastConfig.preset(args.preset).replace(scheduler=args.scheduler)  # the command's one config
         pipeline = pipeline_class(model)
-        group = image_group_shape(args, model, pipeline, rank, world_size)
-        if group is not None:
+        shape = image_group_shape(args, model, pipeline, rank, world_size)
+        if shape is not None:
             config = config.replace(parallel=args.parallel, ulysses_degree=args.ulysses)
         loras = tuple(render.resolve_lora(source, scale) for source, scale in args.lora)
         labels = render.labels_for(model, args.preset, config, enhancer=args.enhance, loras=loras,
@@ -320,10 +320,10 @@ def run_render(args) -> int:
         if args.enhance is not None and pipeline != "QwenImagePipeline":
             raise ValueError(f"--enhance rewrites text-to-image prompts; {pipeline} ({model}) takes instructions "
                              "about an input image: leave --enhance out")
-        if group is not None:
+        if shape is not None:
             check_cfg_parallel(args.parallel, jobs)
         # with --parallel an image group renders what one process renders without it
-        group_index, groups = (rank // group.group_size, group.dp) if group is not None else (rank, world_size)
+        group_index, groups = (rank // shape.group_size, shape.dp) if shape is not None else (rank, world_size)
         mine = render.shard(jobs, group_index, groups)
         conflict = render.find_conflict(mine, Path(args.out), args.format, labels) if args.resume else None
         if conflict:
@@ -357,11 +357,11 @@ def run_render(args) -> int:
         except Exception as e:
             raise render.LoadError(f"--enhance {args.enhance}: cannot load it ({type(e).__name__}: {e})") from e
 
-    image_group = render.ImageGroup.start(device, rank, group) if group is not None else None
+    mesh = render.start_mesh(device, shape) if shape is not None else None
     try:
         summary = render.render_jobs(load_pipe, mine, out_dir, labels, fmt=args.format, resume=args.resume,
                                      batch_size=args.batch_size, rank=group_index, world_size=groups,
-                                     load_enhancer=load_enhancer if args.enhance else None, group=image_group)
+                                     load_enhancer=load_enhancer if args.enhance else None, group=mesh)
     except render.LoadError as e:
         render.remove_empty_folders(created)
         args.parser.error(one_line(e))
@@ -371,7 +371,7 @@ def run_render(args) -> int:
         print(f"{prefix}interrupted; {written} image(s) finished by this run are kept in {out_dir} (the same command "
               "resumes)", file=sys.stderr, flush=True)
         return INTERRUPTED
-    if image_group is None or image_group.is_leader:
+    if mesh is None or mesh.is_image_leader:
         print(render.format_summary(summary, labels, out_dir, group_index, groups), flush=True)
     return 1 if summary.failed else 0
 

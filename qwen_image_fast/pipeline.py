@@ -36,7 +36,7 @@ from diffusers.pipelines.qwenimage.pipeline_output import QwenImagePipelineOutpu
 from .config import FastConfig
 from .pipelines.qwen_image.cfg_pairing import pad_text
 from .pipelines.qwen_image.cuda_graph import GraphCaptureError, GraphedForward
-from .pipelines.qwen_image.parallel import ParallelMesh
+from .pipelines.qwen_image.parallel import MeshShape, ParallelMesh
 from .pipelines.qwen_image.transformer import FastQwenImageTransformer, has_offload_hooks
 from .pipelines.qwen_image.vae import can_decode_image, decode_image
 from .samplers import dynamic_shift, make_scheduler, set_timesteps
@@ -521,24 +521,20 @@ class QwenImageFastPipeline(FastTransformerPipeline, QwenImagePipeline):
 def check_parallel_setup(config: FastConfig, path_or_id=None):
     """FastConfig.parallel's errors that need no model: no process group, degrees that do not divide the world
     size or (read from the checkpoint's transformer config when path_or_id is given) the head count."""
-    if config.parallel == "none":
-        return
-    import torch.distributed as dist
+    if config.parallel != "none":
+        MeshShape.of_group(config.parallel, config.ulysses_degree,
+                           None if path_or_id is None else checkpoint_heads(path_or_id))
 
-    from .pipelines.qwen_image.parallel import PARALLEL_ADVICE, MeshShape
 
-    if not (dist.is_available() and dist.is_initialized()):
-        raise RuntimeError(f"parallel={config.parallel!r} needs an initialised torch.distributed process group: "
-                           + PARALLEL_ADVICE)
-    heads = None
-    if path_or_id is not None:
-        from diffusers import QwenImageTransformer2DModel
+def checkpoint_heads(path_or_id) -> int | None:
+    """The attention heads of a checkpoint's transformer, from its config alone (None when it cannot be read
+    without loading: diffusers' loader reports a missing checkpoint itself, and the mesh checks again once loaded)."""
+    from diffusers import QwenImageTransformer2DModel
 
-        try:
-            heads = QwenImageTransformer2DModel.load_config(path_or_id, subfolder="transformer")["num_attention_heads"]
-        except (OSError, KeyError):  # diffusers' loader reports a missing checkpoint itself
-            heads = None
-    MeshShape.resolve(config.parallel, config.ulysses_degree, dist.get_world_size(), heads)
+    try:
+        return QwenImageTransformer2DModel.load_config(path_or_id, subfolder="transformer")["num_attention_heads"]
+    except (OSError, KeyError, ValueError):
+        return None
 
 
 def convert(pipe: QwenImagePipeline, config: FastConfig, device, enhancer) -> QwenImageFastPipeline:

@@ -759,48 +759,26 @@ def transformer_heads(model: str) -> int | None:
         from .tiny import TINY_HEADS
 
         return TINY_HEADS
-    try:
-        from diffusers import QwenImageTransformer2DModel
+    from .pipeline import checkpoint_heads
 
-        return QwenImageTransformer2DModel.load_config(model, subfolder="transformer")["num_attention_heads"]
-    except (OSError, KeyError, ValueError):
-        return None
+    return checkpoint_heads(model)
 
 
-class ImageGroup:
-    """With --parallel: the processes that render one image together. The first (the leader) decides what is left
-    to render and writes images and manifest lines; the others take part in every call and write nothing."""
+def start_mesh(device, shape):
+    """With --parallel: the default process group (NCCL on CUDA, gloo on the CPU) and the mesh of `shape` (a
+    parallel.MeshShape) on it. Its image groups render one image together: the leader of each decides what is
+    left to render and writes images and manifest lines; the others take part in every call and write nothing."""
+    import torch
+    import torch.distributed as dist
 
-    def __init__(self, group, leader: int, rank: int):
-        self.group, self.leader, self.rank = group, leader, rank
+    from .pipelines.qwen_image.parallel import ParallelMesh
 
-    @classmethod
-    def start(cls, device, rank: int, shape) -> "ImageGroup":
-        """The default process group (NCCL on CUDA, gloo on the CPU) and this rank's image group (shape: a
-        parallel.MeshShape). Every rank builds every group, as torch.distributed requires."""
-        import torch
-        import torch.distributed as dist
-
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-        if not dist.is_initialized():
-            dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
-                                    device_id=device if device.type == "cuda" else None)
-        size = shape.group_size
-        groups = [dist.new_group(list(range(d * size, (d + 1) * size))) for d in range(shape.dp)]
-        return cls(groups[rank // size], rank - rank % size, rank)
-
-    @property
-    def is_leader(self) -> bool:
-        return self.rank == self.leader
-
-    def share(self, value):
-        """The leader's value on every rank of the group."""
-        import torch.distributed as dist
-
-        box = [value]
-        dist.broadcast_object_list(box, src=self.leader, group=self.group)
-        return box[0]
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                                device_id=device if device.type == "cuda" else None)
+    return ParallelMesh(shape)
 
 
 def merge_manifests(out_dir: Path):
@@ -918,17 +896,17 @@ def run_batch(pipe, batch: list[Job], on_step, prompts: list[str] | None = None)
 
 def render_jobs(load_pipe: Callable, jobs: list[Job], out_dir: Path, labels: Labels, *, fmt: str = "png",
                 resume: bool = True, batch_size: int = 1, rank: int = 0, world_size: int = 1,
-                load_enhancer: Callable | None = None, group: ImageGroup | None = None) -> Summary:
+                load_enhancer: Callable | None = None, group=None) -> Summary:
     """Render this rank's jobs into out_dir (prepare_out_dir first), skipping finished ones when resuming, then
     merge the manifest. load_pipe() and load_enhancer() (needed when labels.enhancer is set) are called only if
     something is left to render. A failed batch (enhancement or rendering) is reported and counted; the others go
     on. Each image records pipe.applied as it is after the call that made it. Ctrl-C raises Interrupted(written)
     after merging the manifest (when this run wrote something); finished images are kept, no partial file is left.
-    group: with --parallel, rank / world_size number the image groups; only the group's leader reads the folder,
-    rewrites prompts and writes, and the others follow its decisions."""
+    group: with --parallel, the ParallelMesh (start_mesh); rank / world_size number the image groups, only each
+    group's leader reads the folder, rewrites prompts and writes, and the others follow its decisions."""
     if labels.enhancer is not None and load_enhancer is None:
         raise ValueError(f"labels.enhancer={labels.enhancer!r} needs load_enhancer")
-    leader = group is None or group.is_leader
+    leader = group is None or group.is_image_leader
     pending = []
     if leader:
         remove_stale_temp_files(out_dir, jobs)

@@ -19,7 +19,6 @@ tokens is padded (masked) to P so that every rank holds at least one text token.
 """
 
 from dataclasses import dataclass
-from functools import cached_property
 
 import torch
 import torch.distributed as dist
@@ -70,6 +69,14 @@ class MeshShape:
                              f"allowed: a divisor of {heads}")
         return cls(cfg, ulysses, world)
 
+    @classmethod
+    def of_group(cls, parallel: str, ulysses_degree: int, heads: int | None) -> "MeshShape":
+        """resolve() on the initialised default process group's world size; RuntimeError without one."""
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError(f"parallel={parallel!r} needs an initialised torch.distributed process group: "
+                               + PARALLEL_ADVICE)
+        return cls.resolve(parallel, ulysses_degree, dist.get_world_size(), heads)
+
 
 class ParallelMesh:
     """The process groups of a MeshShape on the initialised default group. Every rank builds every group (in the
@@ -99,15 +106,18 @@ class ParallelMesh:
 
     @classmethod
     def build(cls, parallel: str, ulysses_degree: int, heads: int | None) -> "ParallelMesh":
-        if not (dist.is_available() and dist.is_initialized()):
-            raise RuntimeError(f"parallel={parallel!r} needs an initialised torch.distributed process group: "
-                               + PARALLEL_ADVICE)
-        return cls(MeshShape.resolve(parallel, ulysses_degree, dist.get_world_size(), heads))
+        return cls(MeshShape.of_group(parallel, ulysses_degree, heads))
 
     @property
     def is_image_leader(self) -> bool:
         """The rank that writes its image group's outputs (the CLI's)."""
         return self.rank == self.image_leader
+
+    def share(self, value):
+        """The image group leader's (picklable) value on every rank of the group."""
+        box = [value]
+        dist.broadcast_object_list(box, src=self.image_leader, group=self.image_group)
+        return box[0]
 
     def applied(self) -> list[str]:
         return ((["parallel:cfg2"] if self.shape.cfg > 1 else [])
@@ -149,11 +159,7 @@ class UlyssesPlan:
                  + [s + img_sizes[r] + i for r, s in enumerate(starts) for i in range(txt_sizes[r])])
         self.to_joint = torch.tensor(order, device=device)
         self.to_gathered = torch.argsort(self.to_joint)
-        self.img_sizes, self.degree = img_sizes, degree
-
-    @cached_property
-    def local_len(self) -> int:
-        return (self.img.stop - self.img.start) + (self.txt.stop - self.txt.start)
+        self.img_sizes, self.degree, self.local_len = img_sizes, degree, self.sizes[rank]
 
 
 class Ulysses:
