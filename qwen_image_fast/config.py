@@ -10,6 +10,7 @@ from .pipelines.qwen_image.config import FastTransformerConfig
 SCHEDULERS = ("euler", "dpm++2m", "unipc")
 PRESETS = ("fast", "baseline")
 PARALLEL_MODES = ("none", "cfg", "ulysses", "cfg,ulysses")
+MEMORY_MODES = ("fast", "low")
 # The fields FastConfig passes to the fast transformer (validated there, once).
 TRANSFORMER_FIELDS = tuple(f.name for f in fields(FastTransformerConfig))
 
@@ -34,6 +35,12 @@ class FastConfig:
         batched_cfg does not apply) | "ulysses" (sequence parallel; needs fused_transformer) | "cfg,ulysses".
     ulysses_degree: ranks per Ulysses group; 0 = every rank CFG leaves. With world = dp x cfg x ulysses, dp > 1
         groups each denoise their own images (the CLI splits the prompts among them).
+    modulation_table: every block's modulation vectors for every step computed once per schedule and looked up in
+        the loop, bit-identical to computing them in each forward (pipelines/qwen_image/modulation.py). Needs
+        fused_transformer (without it, nothing to do).
+    memory: "fast" (every weight on the GPU) | "low" (pipelines/qwen_image/offload.py: the modulation weights stay
+        on the host, where tables are built from; the text encoder and the transformer's block linears take turns
+        on the GPU in one shared buffer). Needs modulation_table; not with parallel.
     """
 
     fused_transformer: bool = True
@@ -49,6 +56,8 @@ class FastConfig:
     vae_2d_decode: bool = True
     parallel: str = "none"
     ulysses_degree: int = 0
+    modulation_table: bool = True
+    memory: str = "fast"
 
     def __post_init__(self):
         parallel = ",".join(sorted(self.parallel.split(","))) if isinstance(self.parallel, str) else self.parallel
@@ -63,6 +72,13 @@ class FastConfig:
         if "ulysses" in parallel and not self.fused_transformer:
             raise ValueError(f"parallel={parallel!r}: Ulysses runs inside the fused transformer; keep "
                              "fused_transformer=True")
+        if self.memory not in MEMORY_MODES:
+            raise ValueError(f"memory={self.memory!r}; allowed: {', '.join(MEMORY_MODES)}")
+        if self.memory == "low" and not (self.modulation_table and self.fused_transformer):
+            raise ValueError("memory='low' keeps the modulation weights on the host and needs modulation_table=True "
+                             "and fused_transformer=True")
+        if self.memory == "low" and parallel != "none":
+            raise ValueError(f"memory='low' with parallel={parallel!r} is not supported: one or the other")
         object.__setattr__(self, "bf16_linears", self.transformer_config().bf16_linears)
         if self.scheduler not in SCHEDULERS:
             raise ValueError(f"scheduler={self.scheduler!r}; allowed: {', '.join(SCHEDULERS)}")
@@ -80,7 +96,8 @@ class FastConfig:
         if name == "fast":
             return cls()
         if name == "baseline":
-            return cls(fused_transformer=False, fp8=False, batched_cfg=False, cuda_graphs=False, vae_2d_decode=False)
+            return cls(fused_transformer=False, fp8=False, batched_cfg=False, cuda_graphs=False, vae_2d_decode=False,
+                       modulation_table=False)
         raise ValueError(f"preset={name!r}; allowed: {', '.join(PRESETS)}")
 
     @classmethod
@@ -107,6 +124,8 @@ class FastConfig:
             parts += [self.attention]
         parts += ["bcfg"] if self.batched_cfg else []
         parts += ["graphs"] if self.cuda_graphs and self.fused_transformer else []
+        parts += ["table"] if self.modulation_table and self.fused_transformer else []
+        parts += ["lowmem"] if self.memory == "low" else []
         parts += [self.scheduler.replace("+", "p")]
         parts += [f"cfg{self.cfg_fraction:g}"] if self.cfg_fraction < 1 else []
         parts += ["vae2d"] if self.vae_2d_decode else []

@@ -36,6 +36,8 @@ from diffusers.pipelines.qwenimage.pipeline_output import QwenImagePipelineOutpu
 from .config import FastConfig
 from .pipelines.qwen_image.cfg_pairing import pad_text
 from .pipelines.qwen_image.cuda_graph import GraphCaptureError, GraphedForward
+from .memory import place_low_memory
+from .pipelines.qwen_image.offload import TakingTurns
 from .pipelines.qwen_image.parallel import MeshShape, ParallelMesh
 from .pipelines.qwen_image.transformer import FastQwenImageTransformer, has_offload_hooks
 from .pipelines.qwen_image.vae import can_decode_image, decode_image
@@ -62,7 +64,8 @@ def fast_transformer(transformer, config: FastConfig, device) -> FastQwenImageTr
         logger.warning("fp8=True but %s has no FP8 tensor cores (compute capability < 8.9): running BF16 GEMMs",
                        torch.cuda.get_device_name(device))
         transformer_config = transformer_config.__class__(**{**transformer_config.to_dict(), "fp8": False})
-    return FastQwenImageTransformer.from_diffusers(transformer, transformer_config, device)
+    return FastQwenImageTransformer.from_diffusers(transformer, transformer_config, device,
+                                                   modulation_device="cpu" if config.memory == "low" else None)
 
 
 def resolve_enhancer(enhance_prompt, device=None):
@@ -172,6 +175,7 @@ class QwenImageFastPipeline(FastTransformerPipeline, QwenImagePipeline):
     last_enhanced_prompts: list[str] | None = None  # the rewrites of the last call (None when there were none)
     sampler = None  # the scheduler the last call stepped with: pipe.scheduler itself, or one derived from it
     _graphs: GraphedForward | None = None  # the transformer's CUDA graphs (FastConfig.cuda_graphs)
+    _turns: TakingTurns | None = None  # memory="low": the text encoder and the block linears on the GPU in turn
     parallel: ParallelMesh | None = None  # the process groups of FastConfig.parallel
     _ran: list[str] | None = None  # what the last call ran (None before the first call)
 
@@ -205,6 +209,8 @@ class QwenImageFastPipeline(FastTransformerPipeline, QwenImagePipeline):
         self.last_enhanced_prompts = None
         self.sampler = None
         self._graphs = GraphedForward(self.transformer) if config.cuda_graphs and config.fused_transformer else None
+        self._turns = (place_low_memory(self, torch.device(device) if device is not None else self.transformer.device)
+                       if config.memory == "low" else None)
         self._ran = None
 
     @classmethod
@@ -223,8 +229,8 @@ class QwenImageFastPipeline(FastTransformerPipeline, QwenImagePipeline):
             if not config.fused_transformer:
                 raise ValueError(f"{pretrained_model_name_or_path} holds the fast transformer (no stock one): "
                                  "fast_config must keep fused_transformer=True")
-            kwargs["transformer"] = FastQwenImageTransformer.from_pretrained(
-                pretrained_model_name_or_path, subfolder="transformer", device=device,
+            kwargs["transformer"] = FastQwenImageTransformer.from_pretrained(  # low: placed by _set_up
+                pretrained_model_name_or_path, subfolder="transformer", device="cpu" if config.memory == "low" else device,
                 torch_dtype=kwargs.get("dtype", kwargs.get("torch_dtype")), fast_config=config.transformer_config())
         pipe = QwenImagePipeline.from_pretrained(pretrained_model_name_or_path, *args, **kwargs)
         return convert(pipe, config, device, enhancer)
@@ -252,12 +258,40 @@ class QwenImageFastPipeline(FastTransformerPipeline, QwenImagePipeline):
         config, transformer = self.fast_config, self.transformer
         graphs = self._graphs is not None and transformer.device.type == "cuda" and not has_offload_hooks(transformer)
         parallel = self.parallel.applied() if self.parallel is not None else []
-        return (self._transformer_entries() + parallel
+        table = config.modulation_table and isinstance(transformer, FastQwenImageTransformer)
+        return (self._transformer_entries() + self._memory_entries(table) + parallel
                 + (["batched_cfg"] if config.batched_cfg and "parallel:cfg2" not in parallel else [])
                 + (["cuda_graphs"] if graphs else []) + self._sampler_entries()
                 + ([f"cfg_fraction:{config.cfg_fraction:g}"] if config.cfg_fraction < 1 else [])
                 + (["enhance_prompt"] if self.prompt_enhancer is not None else [])
                 + (["vae_2d_decode"] if config.vae_2d_decode else []))
+
+    def _memory_entries(self, table: bool) -> list[str]:
+        return (["modulation_table"] if table else []) + (["memory:low"] if self._turns is not None else [])
+
+    def _modulation_tables(self, timesteps, latents, guidance, both: bool, single: bool) -> dict[str, torch.Tensor]:
+        """FastConfig.modulation_table: the tables of this call's forwards (modulation.py), "both" for the batched
+        CFG ones (batch 2B), "single" for the others (batch B), each row what the loop passes for that step."""
+        transformer = self.transformer
+        if not (self.fast_config.modulation_table and isinstance(transformer, FastQwenImageTransformer)):
+            return {}
+        steps = torch.stack([t.expand(latents.shape[0]).to(latents.dtype) / 1000 for t in timesteps])  # [N, B]
+        rows = None if guidance is None else guidance.expand(len(timesteps), -1)
+        scale = self._attention_kwargs.get("scale", 1.0)
+        tables = {}
+        if single:
+            tables["single"] = transformer.modulation_table(steps, rows, lora_scale=scale)
+        if both:
+            tables["both"] = transformer.modulation_table(
+                torch.cat([steps, steps], dim=1), None if rows is None else torch.cat([rows, rows], dim=1),
+                lora_scale=scale)
+        return tables
+
+    def _get_qwen_prompt_embeds(self, *args, **kwargs):
+        """diffusers' text encoding; with memory="low", the text encoder's turn on the GPU first."""
+        if self._turns is not None:
+            self._turns.use("text_encoder")
+        return super()._get_qwen_prompt_embeds(*args, **kwargs)
 
     def _sampler_entries(self) -> list[str]:
         return [] if self.fast_config.scheduler == "euler" else [f"scheduler:{self.fast_config.scheduler}"]
@@ -415,6 +449,8 @@ class QwenImageFastPipeline(FastTransformerPipeline, QwenImagePipeline):
 
         # Text conditioning, padded to one length (rounded up to the graph bucket when graphs replay): cond, and
         # with CFG [cond; uncond] in one batch (batched) or uncond on its own. Rebuilt if a callback changes it.
+        if self._turns is not None:  # the block linears' turn on the GPU (the text encoder's ends)
+            self._turns.use("transformer")
         use_graphs = (self._graphs is not None and latents.is_cuda and not has_offload_hooks(self.transformer))
         if use_graphs:
             self._graphs.drop_if_weights_moved()
@@ -432,6 +468,8 @@ class QwenImageFastPipeline(FastTransformerPipeline, QwenImagePipeline):
 
         text = text_inputs(prompt_embeds)
         cfg_steps = math.ceil(config.cfg_fraction * len(timesteps)) if do_true_cfg else 0
+        tables = self._modulation_tables(timesteps, latents, guidance, batched and cfg_steps > 0,
+                                         not batched or cfg_steps < len(timesteps))
 
         # 6. Denoising loop
         sampler.set_begin_index(0)
@@ -443,6 +481,8 @@ class QwenImageFastPipeline(FastTransformerPipeline, QwenImagePipeline):
                 timestep = t.expand(latents.shape[0]).to(latents.dtype)
                 common = dict(timestep=timestep / 1000, guidance=guidance, img_shapes=img_shapes,
                               attention_kwargs=self._attention_kwargs)
+                if "single" in tables:
+                    common["modulation"] = tables["single"][i]
                 cfg_now = i < cfg_steps
                 if cfg_now and cfg_parallel:  # this rank's half, then both halves on both ranks
                     half = "cond" if mesh.cfg_rank == 0 else "uncond"
@@ -451,6 +491,8 @@ class QwenImageFastPipeline(FastTransformerPipeline, QwenImagePipeline):
                 elif cfg_now and batched:
                     twice = dict(common, timestep=torch.cat([common["timestep"]] * 2), img_shapes=img_shapes * 2,
                                  guidance=None if guidance is None else torch.cat([guidance] * 2))
+                    if "both" in tables:
+                        twice["modulation"] = tables["both"][i]
                     noise_pred, neg_noise_pred = self._forward(
                         use_graphs, "cond_uncond", hidden_states=torch.cat([latents, latents]), **twice,
                         **text["both"]).chunk(2)
@@ -483,7 +525,8 @@ class QwenImageFastPipeline(FastTransformerPipeline, QwenImagePipeline):
         self._current_timestep = None
         parallel = [entry for entry in (mesh.applied() if mesh is not None else [])
                     if entry != "parallel:cfg2" or cfg_steps]
-        self._ran = (self._transformer_entries() + parallel + (["batched_cfg"] if batched and cfg_steps else [])
+        self._ran = (self._transformer_entries() + self._memory_entries(bool(tables)) + parallel
+                     + (["batched_cfg"] if batched and cfg_steps else [])
                      + (["cuda_graphs"] if use_graphs and self._graphs is not None else [])
                      + self._sampler_entries()
                      + ([f"cfg_fraction:{config.cfg_fraction:g}"] if do_true_cfg and config.cfg_fraction < 1 else [])

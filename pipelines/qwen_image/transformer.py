@@ -57,6 +57,7 @@ from .attention import TextMask, joint_attention, resolve_backend
 from .cfg_pairing import CfgPairing, pad_text
 from .config import FP8_LINEARS, FastTransformerConfig
 from .lora import BLOCK_SITES, LoraLinear, LoraState, LoraTargetLinear, site_of
+from .modulation import ModulationLayout, ModulationTables, on_device, tensor_key
 from .parallel import Ulysses, UlyssesPlan
 
 logger = logging.get_logger(__name__)
@@ -326,8 +327,8 @@ class JointInputs:
     mask: TextMask | None
     img_freqs: torch.Tensor  # [L_img, D_head / 2, 2] fp32 (cos, sin)
     txt_freqs: torch.Tensor  # [L_txt, D_head / 2, 2]
-    silu_temb: torch.Tensor  # [G, D]: image modulation input (G = 2B with zero_cond_t: timestep t, then 0)
-    silu_temb_t: torch.Tensor  # [B, D]: text and norm_out modulation input (timestep t)
+    silu_temb: torch.Tensor | None  # [G, D]: image modulation input (G = 2B with zero_cond_t: timestep t, then 0)
+    silu_temb_t: torch.Tensor | None  # [B, D]: text modulation input (timestep t); both None with a table
     mod_row: torch.Tensor | None  # zero_cond_t: int32 [B * L_img], each image token's modulation row
     backend: str
     qkv: torch.Tensor
@@ -361,12 +362,13 @@ class FastBlock(nn.Module):
         self.norm_added_q, self.norm_added_k = nn.Parameter(torch.empty(head_dim)), nn.Parameter(torch.empty(head_dim))
 
     @classmethod
-    def from_stock(cls, block, config: FastTransformerConfig, device) -> "FastBlock":
-        """From a diffusers QwenImageTransformerBlock; its img_mod / txt_mod modules are shared (moved to device)."""
+    def from_stock(cls, block, config: FastTransformerConfig, device, modulation_device) -> "FastBlock":
+        """From a diffusers QwenImageTransformerBlock; its img_mod / txt_mod modules are shared (moved to
+        modulation_device)."""
         attn = block.attn
         with torch.device("meta"):
             fast = cls(block.dim, attn.heads, attn.inner_dim // attn.heads, config, attn.norm_q.eps)
-        fast.img_mod, fast.txt_mod = block.img_mod.to(device), block.txt_mod.to(device)
+        fast.img_mod, fast.txt_mod = block.img_mod.to(modulation_device), block.txt_mod.to(modulation_device)
         for stream, (q, k, v), out, mlp in (
             ("img", (attn.to_q, attn.to_k, attn.to_v), attn.to_out[0], block.img_mlp),
             ("txt", (attn.add_q_proj, attn.add_k_proj, attn.add_v_proj), attn.to_add_out, block.txt_mlp),
@@ -384,15 +386,20 @@ class FastBlock(nn.Module):
             setattr(fast, name, nn.Parameter(norm.weight.detach().to(device), requires_grad=False))
         return fast
 
+    def modulation(self, silu_temb: torch.Tensor, silu_temb_t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(img [G, 6D], txt [B, 6D]) from the forward's silu(temb) [G, D] and its timestep-t rows [B, D]."""
+        return self.img_mod[1](silu_temb), self.txt_mod[1](silu_temb_t)
+
     def forward(self, img: torch.Tensor, txt: torch.Tensor, img_tail: Tail | None, txt_tail: Tail | None,
-                joint: JointInputs, text_out: bool = True):
+                joint: JointInputs, text_out: bool = True, mods: tuple[torch.Tensor, torch.Tensor] | None = None):
         """img [B, L_img, D], txt [B, L_txt, D]: the residual streams before the previous block's tails are added.
         Returns (img, txt, img_tail, txt_tail) in the same form. text_out=False (the last block) skips the text
-        stream's output projection and MLP, whose result diffusers discards."""
+        stream's output projection and MLP, whose result diffusers discards. mods: this block's modulation from a
+        table (modulation.py); None: computed here."""
         batch, img_len, dim = img.shape
         txt_len, fp8 = txt.shape[1], self.config.is_fp8
-        im = StreamMods(self.img_mod[1](joint.silu_temb))  # [G, 6D]
-        tm = StreamMods(self.txt_mod[1](joint.silu_temb_t))  # [B, 6D]
+        img_mods, txt_mods = mods if mods is not None else self.modulation(joint.silu_temb, joint.silu_temb_t)
+        im, tm = StreamMods(img_mods), StreamMods(txt_mods)  # [G, 6D], [B, 6D]
         img, img_x = head(img, img_tail, im.shift1, im.scale1, joint.mod_row, fp8("img_qkv"))
         txt, txt_x = head(txt, txt_tail, tm.shift1, tm.scale1, None, fp8("txt_qkv"))
         q, k, v = joint.qkv.unbind(0)
@@ -525,6 +532,8 @@ class FastQwenImageTransformer(ModelMixin, ConfigMixin):
         self.ulysses: Ulysses | None = None  # set by a pipeline that splits the sequence over ranks (parallel.py)
         self.requires_grad_(False)
         self._mod_rows: dict = {}
+        self.modulation_tables = ModulationTables()
+        self.compute_device: torch.device | None = None  # set while some weights live on the host between uses
         self.lora_state = LoraState()
         self.weight_source: CheckpointWeights | None = None  # the BF16 masters of the FP8 weights (fuse_lora)
 
@@ -540,10 +549,11 @@ class FastQwenImageTransformer(ModelMixin, ConfigMixin):
 
     @classmethod
     @torch.no_grad()
-    def from_diffusers(cls, stock, config: FastTransformerConfig | None = None, device=None):
+    def from_diffusers(cls, stock, config: FastTransformerConfig | None = None, device=None, modulation_device=None):
         """stock: a diffusers QwenImageTransformer2DModel (any device; left unchanged except that the modules shared
-        with this model (embedders, img_mod/txt_mod, norm_out, proj_out) move to `device`). Block by block, so at
-        most one block's BF16 linears sit on the device beside the converted ones."""
+        with this model (embedders, img_mod/txt_mod, norm_out, proj_out) move to `device`, img_mod / txt_mod to
+        `modulation_device` if given: "cpu" keeps their 12.7 GiB off the GPU, for tables built from the host).
+        Block by block, so at most one block's BF16 linears sit on the device beside the converted ones."""
         if not isinstance(stock, QwenImageTransformer2DModel):
             raise TypeError(f"from_diffusers takes a diffusers QwenImageTransformer2DModel, got {type(stock).__name__}")
         peft_layers = peft_lora_layers(stock)
@@ -561,7 +571,7 @@ class FastQwenImageTransformer(ModelMixin, ConfigMixin):
         for name in ("time_text_embed", "txt_norm", "img_in", "txt_in", "norm_out", "proj_out"):
             setattr(fast, name, getattr(stock, name).to(device))
         for i, block in enumerate(stock.transformer_blocks):
-            fast.transformer_blocks[i] = FastBlock.from_stock(block, config, device)
+            fast.transformer_blocks[i] = FastBlock.from_stock(block, config, device, modulation_device or device)
         if peft_layers:
             fast._carry_lora(stock, peft_layers)
         fast.weight_source = CheckpointWeights.of(stock)
@@ -696,7 +706,7 @@ class FastQwenImageTransformer(ModelMixin, ConfigMixin):
                 module.lora = lora
             else:
                 self._replace_unshared(name, LoraTargetLinear.wrap(module, lora))
-        return lora, next(module.parameters()).device
+        return lora, self.compute_device or next(module.parameters()).device
 
     def _replace_unshared(self, name: str, new: nn.Module):
         """Put `new` at `name` without touching modules the stock model may share (from_diffusers shares the
@@ -987,6 +997,28 @@ class FastQwenImageTransformer(ModelMixin, ConfigMixin):
     def attn_processors(self):
         raise NotImplementedError(f"FastQwenImageTransformer.attn_processors: {ATTENTION_ADVICE}")
 
+    def _check_weights_on(self, device: torch.device, modulation: bool):
+        """With weights on the host between uses (compute_device set: memory="low"), the block linears, and for a
+        forward without a table the modulation weights, must be where it runs (offload hooks move weights
+        themselves, block by block)."""
+        if self.compute_device is None:
+            return
+        where = self.transformer_blocks[0].img_qkv.bias.device
+        if where != device:
+            raise RuntimeError(
+                f"the transformer's block linears are on {where} and the forward on {device}: with "
+                "FastConfig(memory='low') they take turns with the text encoder on the GPU, and "
+                "QwenImageFastPipeline brings them in before its loop; call the pipeline, not the transformer")
+        if not modulation:
+            return
+        where = self.transformer_blocks[0].img_mod[1].weight.device
+        if where != device:
+            raise RuntimeError(
+                f"the modulation weights (img_mod / txt_mod) are on {where} and the forward on {device} "
+                "(FastConfig(memory='low') keeps them on the host): pass this step's row of "
+                "transformer.modulation_table(...) as modulation=, which QwenImageFastPipeline does, or move the "
+                "transformer with .to(device)")
+
     def _mod_row(self, img_shapes, batch: int, device, plan: UlyssesPlan | None = None) -> torch.Tensor:
         """zero_cond_t: the modulation row of each image token, b (its sample, timestep t) for the first image's
         tokens and b + B (timestep 0) for condition images. int32 [B * L_img] (under Ulysses this rank's image
@@ -1002,6 +1034,71 @@ class FastQwenImageTransformer(ModelMixin, ConfigMixin):
             self._mod_rows[key] = rows[:, img].flatten().to(device)
         return self._mod_rows[key]
 
+    # ---- the modulation table (modulation.py)
+
+    def modulation_layout(self, batch: int) -> ModulationLayout:
+        return ModulationLayout(blocks=len(self.transformer_blocks), batch=batch,
+                                img_rows=2 * batch if self.zero_cond_t else batch, dim=self.inner_dim)
+
+    @property
+    def inner_dim(self) -> int:
+        return self.config.num_attention_heads * self.config.attention_head_dim
+
+    def time_embedding(self, timestep: torch.Tensor, guidance: torch.Tensor | None, additional_t_cond,
+                       dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The modulation inputs of a forward given `timestep` [B] (and guidance, additional_t_cond) in `dtype`:
+        silu(temb) [G, D] and its timestep-t rows [B, D] (G = 2B with zero_cond_t: timestep t, then 0)."""
+        timestep = timestep.to(dtype)
+        if self.zero_cond_t:
+            timestep = torch.cat([timestep, timestep * 0], dim=0)
+        like = timestep.new_empty(0)  # QwenTimestepProjEmbeddings reads only its dtype
+        if guidance is not None:
+            guidance = guidance.to(dtype) * 1000
+        temb = (
+            self.time_text_embed(timestep, like, additional_t_cond)
+            if guidance is None
+            else self.time_text_embed(timestep, guidance, like, additional_t_cond)
+        )  # [G, D]
+        silu_temb = F.silu(temb)
+        return silu_temb, silu_temb.chunk(2, dim=0)[0] if self.zero_cond_t else silu_temb
+
+    def _modulation_modules(self) -> list[nn.Module]:
+        return [self.time_text_embed, self.norm_out.linear] + [
+            m for block in self.transformer_blocks for m in (block.img_mod, block.txt_mod)]
+
+    @torch.no_grad()
+    def modulation_table(self, timesteps: torch.Tensor, guidance: torch.Tensor | None = None, additional_t_cond=None,
+                         lora_scale: float = 1.0) -> torch.Tensor:
+        """[N, layout.size]: row n is the modulation of a forward given timestep=timesteps[n] ([N, B], on the
+        model's device, exactly as passed to forward), guidance=guidance[n] (None or [N, B]), additional_t_cond and
+        attention_kwargs={"scale": lora_scale}; pass it as forward(..., modulation=table[n]). Built one step and one
+        block at a time, each block's img_mod / txt_mod put on the model's device while it is used (they may live
+        on the host: FastConfig.memory="low"). The last few tables are kept (modulation.py says what the key holds)."""
+        device, dtype = self.device, self.dtype
+        layout = self.modulation_layout(timesteps.shape[1])
+        weights = tuple((t.data_ptr(), t._version) for m in self._modulation_modules()
+                        for t in (*m.parameters(), *m.buffers()))
+        key = (tensor_key(timesteps), tensor_key(guidance), tensor_key(additional_t_cond), self.zero_cond_t,
+               str(dtype), str(device), self.lora_state.version, float(lora_scale), weights)
+
+        def build() -> torch.Tensor:
+            table = torch.empty(timesteps.shape[0], layout.size, dtype=dtype, device=device)
+            with self._lora_call_scale(lora_scale), on_device([self.time_text_embed, self.norm_out], device):
+                inputs = [self.time_embedding(timesteps[n], None if guidance is None else guidance[n],
+                                              additional_t_cond, dtype) for n in range(timesteps.shape[0])]
+                for n, (_, silu_temb_t) in enumerate(inputs):
+                    layout.out(table[n]).copy_(self.norm_out.linear(silu_temb_t))
+                for i, block in enumerate(self.transformer_blocks):
+                    with on_device([block.img_mod, block.txt_mod], device):
+                        for n, (silu_temb, silu_temb_t) in enumerate(inputs):
+                            img, txt = layout.block(table[n], i)
+                            mods = block.modulation(silu_temb, silu_temb_t)
+                            img.copy_(mods[0])
+                            txt.copy_(mods[1])
+            return table
+
+        return self.modulation_tables.get(key, build)
+
     @torch.no_grad()
     def forward(
         self,
@@ -1015,7 +1112,11 @@ class FastQwenImageTransformer(ModelMixin, ConfigMixin):
         controlnet_block_samples=None,
         additional_t_cond=None,
         return_dict: bool = True,
+        modulation: torch.Tensor | None = None,
     ):
+        """diffusers' forward. modulation (not a diffusers argument): this step's row of modulation_table(...)
+        built for the same timestep, guidance, additional_t_cond and attention_kwargs scale; then the timestep
+        embedding and the modulation linears are not run (their weights are not read)."""
         attention_kwargs = dict(attention_kwargs or {})
         scale = attention_kwargs.pop("scale", 1.0)
         if attention_kwargs:  # diffusers' attention processors ignore these too (with a warning)
@@ -1024,16 +1125,18 @@ class FastQwenImageTransformer(ModelMixin, ConfigMixin):
         inputs = dict(hidden_states=hidden_states, encoder_hidden_states=encoder_hidden_states,
                       encoder_hidden_states_mask=encoder_hidden_states_mask, timestep=timestep, img_shapes=img_shapes,
                       guidance=guidance, controlnet_block_samples=controlnet_block_samples,
-                      additional_t_cond=additional_t_cond)
+                      additional_t_cond=additional_t_cond, modulation=modulation)
         with self._lora_call_scale(scale):
             if self.cfg_pairing is None:
                 output = self._forward(**inputs)
+            elif modulation is not None:
+                raise ValueError("modulation= is for one forward; a pipeline that pairs CFG forwards computes it")
             else:
                 output = self.cfg_pairing(self._forward, self._context, inputs, (scale, self.lora_state.version))
         return Transformer2DModelOutput(sample=output) if return_dict else (output,)
 
     def _forward(self, hidden_states, encoder_hidden_states, encoder_hidden_states_mask, timestep, img_shapes,
-                 guidance, controlnet_block_samples, additional_t_cond) -> torch.Tensor:
+                 guidance, controlnet_block_samples, additional_t_cond, modulation=None) -> torch.Tensor:
         device = hidden_states.device
         check_triton_runs_on(device)
         batch, img_len, _ = hidden_states.shape
@@ -1048,30 +1151,27 @@ class FastQwenImageTransformer(ModelMixin, ConfigMixin):
             if controlnet_block_samples is not None:
                 controlnet_block_samples = [sample[:, plan.img] for sample in controlnet_block_samples]
         hidden_states = self.img_in(hidden_states)  # [B, L_img, D]
-        timestep = timestep.to(hidden_states.dtype)
-        mod_row = None
-        if self.zero_cond_t:
-            timestep = torch.cat([timestep, timestep * 0], dim=0)
-            mod_row = self._mod_row(img_shapes, batch, device, plan)
+        mod_row = self._mod_row(img_shapes, batch, device, plan) if self.zero_cond_t else None
         encoder_hidden_states = self.txt_in(self.txt_norm(encoder_hidden_states))  # [B, L_txt, D]
 
-        if guidance is not None:
-            guidance = guidance.to(hidden_states.dtype) * 1000
-        temb = (
-            self.time_text_embed(timestep, hidden_states, additional_t_cond)
-            if guidance is None
-            else self.time_text_embed(timestep, guidance, hidden_states, additional_t_cond)
-        )  # [G, D]
+        layout = self.modulation_layout(batch)
+        self._check_weights_on(device, modulation=modulation is None)
+        if modulation is None:
+            silu_temb, silu_temb_t = self.time_embedding(timestep, guidance, additional_t_cond, hidden_states.dtype)
+        elif modulation.shape != (layout.size,) or modulation.dtype != hidden_states.dtype:
+            raise ValueError(f"modulation {tuple(modulation.shape)} {modulation.dtype}: a forward of batch {batch} "
+                             f"takes a row of modulation_table(...) ({layout.size},) {hidden_states.dtype}")
+        else:
+            silu_temb = silu_temb_t = None
         img_freqs, txt_freqs = self.pos_embed(img_shapes, max_txt_seq_len=txt_len, device=device)
         if plan:
             img_freqs, txt_freqs = img_freqs[plan.img], txt_freqs[plan.txt]
-        silu_temb = F.silu(temb)
         block0 = self.transformer_blocks[0]
         rows = plan.local_len if plan else img_len + txt_len
         joint = JointInputs(
             mask=None if encoder_hidden_states_mask is None else TextMask(encoder_hidden_states_mask, img_len),
             img_freqs=torch.view_as_real(img_freqs), txt_freqs=torch.view_as_real(txt_freqs),
-            silu_temb=silu_temb, silu_temb_t=silu_temb.chunk(2, dim=0)[0] if self.zero_cond_t else silu_temb,
+            silu_temb=silu_temb, silu_temb_t=silu_temb_t,
             mod_row=mod_row, backend=resolve_backend(self.fast_config.attention, device, hidden_states.dtype),
             qkv=hidden_states.new_empty(3, batch, rows, block0.heads, block0.head_dim), ulysses=ulysses, plan=plan,
         )
@@ -1079,13 +1179,15 @@ class FastQwenImageTransformer(ModelMixin, ConfigMixin):
         img, txt, img_tail, txt_tail = hidden_states, encoder_hidden_states, None, None
         n_blocks = len(self.transformer_blocks)
         for i, block in enumerate(self.transformer_blocks):
-            img, txt, img_tail, txt_tail = block(img, txt, img_tail, txt_tail, joint, text_out=i < n_blocks - 1)
+            mods = None if modulation is None else layout.block(modulation, i)
+            img, txt, img_tail, txt_tail = block(img, txt, img_tail, txt_tail, joint, i < n_blocks - 1, mods)
             if controlnet_block_samples is not None:  # added after the block's residual, as diffusers does
                 img = add_tail(img, img_tail, mod_row) + controlnet_block_samples[i // -(-n_blocks //
                                                                                        len(controlnet_block_samples))]
                 img_tail = None
 
-        out_scale, out_shift = self.norm_out.linear(joint.silu_temb_t).chunk(2, dim=1)  # [B, D] each
+        out_mod = self.norm_out.linear(silu_temb_t) if modulation is None else layout.out(modulation)
+        out_scale, out_shift = out_mod.chunk(2, dim=1)  # [B, D] each
         if img_tail is not None and mod_row is None:  # last residual fused with norm_out's LayerNorm + modulation
             img, img_x = residual_gate_layer_norm_modulate(img, img_tail.out, img_tail.gate, out_shift, out_scale)
         else:  # norm_out modulates per sample, a zero_cond_t gate per token

@@ -1,0 +1,92 @@
+"""Weights that live on the host and take turns on the device (FastConfig.memory="low").
+
+The text encoder (a Qwen2.5-VL-7B: 15.5 GiB in BF16) and the fast transformer's block linears (12.7 GiB in FP8) do
+not fit a 24 GiB GPU together, and a pipeline call never needs both at once: it encodes, then denoises. So each
+set's tensors are moved into one flat host buffer (HostArena: pinned, so a transfer runs at the link's speed and
+without blocking the host) and the sets take turns in one device buffer as large as the largest (TakingTurns):
+bringing one in is a single host-to-device copy, sending the other out costs nothing (its tensors point back at
+their host copies). Because the buffer never moves, a set comes back at the addresses it had, and CUDA graphs
+captured over the transformer stay valid across turns.
+
+A tensor changed in place while on the device (fuse_lora folds adapters into FP8 weights with copy_) is copied back
+to its host view before its turn ends: its _version counter moved. One whose storage was replaced is adopted if its
+shape and dtype are unchanged.
+"""
+
+import torch
+
+ALIGN = 256  # bytes: every view starts aligned for vectorized loads and cuBLAS
+
+
+class HostArena:
+    """`tensors` (parameters and buffers, by object), moved into one flat host buffer, each now a view of it."""
+
+    def __init__(self, tensors: list[torch.Tensor], pin: bool):
+        unique = list({id(t): t for t in tensors}.values())
+        offsets, size = [], 0
+        for t in unique:
+            offsets.append(size)
+            size += -(-t.numel() * t.element_size() // ALIGN) * ALIGN
+        self.nbytes = size
+        self.host = torch.empty(size, dtype=torch.uint8, pin_memory=pin)
+        self.entries = []  # (tensor, offset, host view)
+        for t, offset in zip(unique, offsets):
+            view = self._view(self.host, offset, t)
+            view.copy_(t.detach())
+            t.data = view
+            self.entries.append((t, offset, view))
+        self._on_device: list[tuple[int, int]] | None = None  # per entry: (data_ptr, _version) while loaded
+
+    @staticmethod
+    def _view(buffer: torch.Tensor, offset: int, like: torch.Tensor) -> torch.Tensor:
+        nbytes = like.numel() * like.element_size()
+        return buffer[offset:offset + nbytes].view(like.dtype).view(like.shape)
+
+    @property
+    def loaded(self) -> bool:
+        return self._on_device is not None
+
+    def load(self, buffer: torch.Tensor):
+        """Copy into the device buffer (uint8, >= nbytes) and point every tensor at its view there."""
+        buffer[:self.nbytes].copy_(self.host, non_blocking=True)
+        self._on_device = []
+        for t, offset, _ in self.entries:
+            t.data = self._view(buffer, offset, t)
+            self._on_device.append((t.data_ptr(), t._version))
+
+    def unload(self):
+        """Point every tensor back at its host view, first copying back those changed while loaded."""
+        for (t, _, view), (ptr, version) in zip(self.entries, self._on_device):
+            if t.data_ptr() != ptr:  # storage replaced while loaded
+                if t.shape != view.shape or t.dtype != view.dtype:
+                    raise RuntimeError(f"a weight of shape {tuple(view.shape)} {view.dtype} became "
+                                       f"{tuple(t.shape)} {t.dtype} while on the device; memory='low' keeps "
+                                       "weights at fixed places: reload the pipeline after changing the model")
+                view.copy_(t.detach())
+            elif t._version != version:
+                view.copy_(t.detach())
+            t.data = view
+        self._on_device = None
+
+
+class TakingTurns:
+    """Named HostArenas sharing one device buffer (allocated on first use, as large as the largest)."""
+
+    def __init__(self, arenas: dict[str, HostArena], device: torch.device):
+        self.arenas, self.device = arenas, device
+        self.buffer: torch.Tensor | None = None
+        self.resident: str | None = None
+        self.loads = 0  # how many turns began (each one a host-to-device copy of that arena)
+
+    def use(self, name: str):
+        """Make arena `name` the one on the device (nothing to do if it is already)."""
+        if self.resident == name:
+            return
+        if self.buffer is None:
+            self.buffer = torch.empty(max(a.nbytes for a in self.arenas.values()), dtype=torch.uint8,
+                                      device=self.device)
+        if self.resident is not None:
+            self.arenas[self.resident].unload()
+        self.arenas[name].load(self.buffer)
+        self.resident = name
+        self.loads += 1
