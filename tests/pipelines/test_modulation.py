@@ -1,0 +1,166 @@
+"""The modulation table (FastConfig.modulation_table) against the modulation computed in each forward: bit for bit,
+at the transformer (fp32 and bf16, FP8 on and off, zero_cond_t, additional_t_cond) and through the pipeline (Euler,
+DPM-Solver++, UniPC, a replaced scheduler, a new resolution, unbatched and selective CFG, LoRAs on the modulation
+layers); and memory="low" (the same latents, weights taking turns, changes made while a turn lasts kept)."""
+
+import pytest
+import torch
+from diffusers import FlowMatchEulerDiscreteScheduler
+from test_lora import LORA_B, diffusers_format, lightning_format
+from test_pipeline import EXACT, fast_pipeline, run
+from test_transformer import make_inputs, tiny_stock
+
+from qwen_image_fast import FastConfig
+from qwen_image_fast.pipelines.qwen_image.modulation import ModulationTables
+from qwen_image_fast.pipelines.qwen_image.transformer import FastQwenImageTransformer, FastTransformerConfig
+
+NO_TABLE = EXACT.replace(modulation_table=False)
+CFG = dict(prompt="a red fox in snow", negative_prompt="blurry", true_cfg_scale=3.0)
+MOD_LORA = [f"transformer_blocks.{i}.{m}.1" for i in (0, 1) for m in ("img_mod", "txt_mod")]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("zero_cond_t,shape", [(False, "square"), (True, "edit")])
+def test_table_row_equals_the_forwards_own_modulation(dtype, fp8, zero_cond_t, shape):
+    stock = tiny_stock(zero_cond_t=zero_cond_t).to(dtype)
+    fast = FastQwenImageTransformer.from_diffusers(stock, FastTransformerConfig(fp8=fp8))
+    inputs = make_inputs(stock, shape, dtype=dtype, padded=True)
+    steps = torch.tensor([[0.97, 0.97], [0.5, 0.5], [0.02, 0.02]], dtype=dtype)
+    table = fast.modulation_table(steps)
+    assert table.shape == (3, fast.modulation_layout(2).size)
+    for n in range(3):
+        own = fast(**{**inputs, "timestep": steps[n]}, return_dict=False)[0]
+        looked_up = fast(**{**inputs, "timestep": steps[n]}, modulation=table[n], return_dict=False)[0]
+        assert torch.equal(looked_up, own), f"step {n}"
+    other = fast(**{**inputs, "timestep": steps[0]}, modulation=table[2], return_dict=False)[0]
+    assert not torch.equal(other, fast(**{**inputs, "timestep": steps[0]}, return_dict=False)[0]), \
+        "a row of another step must change the output for this test to mean anything"
+
+
+def test_additional_t_cond_is_part_of_the_key():
+    stock = tiny_stock(use_additional_t_cond=True)
+    fast = FastQwenImageTransformer.from_diffusers(stock, FastTransformerConfig(fp8=False))
+    inputs = make_inputs(stock, "square")
+    steps = torch.tensor([[0.9, 0.9], [0.3, 0.3]])
+    for cond in (torch.tensor([0, 0]), torch.tensor([1, 0])):
+        table = fast.modulation_table(steps, additional_t_cond=cond)
+        for n in range(2):
+            kwargs = {**inputs, "timestep": steps[n], "additional_t_cond": cond}
+            own = fast(**kwargs, return_dict=False)[0]
+            assert torch.equal(fast(**kwargs, modulation=table[n], return_dict=False)[0], own)
+    assert fast.modulation_tables.built == 2
+
+
+def test_tables_are_cached_bounded_and_follow_the_weights():
+    fast = FastQwenImageTransformer.from_diffusers(tiny_stock(), FastTransformerConfig(fp8=False))
+    steps = torch.tensor([[0.9], [0.3]])
+    first = fast.modulation_table(steps)
+    assert fast.modulation_table(steps) is first and fast.modulation_tables.built == 1
+    with torch.no_grad():
+        fast.transformer_blocks[1].txt_mod[1].bias.add_(1.0)  # an in-place change: a new table
+    second = fast.modulation_table(steps)
+    assert fast.modulation_tables.built == 2 and not torch.equal(second, first)
+    fast.modulation_table(steps, lora_scale=0.5)  # another LoRA scale is another key
+    assert fast.modulation_tables.built == 3
+    tables = ModulationTables(capacity=2)
+    for key in "abc":
+        tables.get(key, lambda: torch.zeros(1))
+    assert list(tables.tables) == ["b", "c"]
+
+
+def test_wrong_row_is_refused():
+    stock = tiny_stock()
+    fast = FastQwenImageTransformer.from_diffusers(stock, FastTransformerConfig(fp8=False))
+    table = fast.modulation_table(torch.tensor([[0.5]]))  # batch 1
+    with pytest.raises(ValueError, match="batch 2 takes a row of modulation_table"):
+        fast(**make_inputs(stock, "square"), modulation=table[0])
+
+
+@pytest.mark.parametrize("scheduler", ["euler", "dpm++2m", "unipc"])
+def test_pipeline_with_table_equals_without(scheduler):
+    plain, table = fast_pipeline(NO_TABLE.replace(scheduler=scheduler)), fast_pipeline(EXACT.replace(scheduler=scheduler))
+    assert "modulation_table" not in plain.applied and "modulation_table" in table.applied
+    assert torch.equal(run(table, **CFG), run(plain, **CFG))
+    assert "modulation_table" in table.applied
+
+
+def test_new_resolution_and_replaced_scheduler_build_new_tables():
+    plain, table = fast_pipeline(NO_TABLE), fast_pipeline()
+    transformer = table.transformer
+    assert torch.equal(run(table, **CFG), run(plain, **CFG))
+    built = transformer.modulation_tables.built
+    assert torch.equal(run(table, **CFG), run(plain, **CFG))
+    assert transformer.modulation_tables.built == built, "the same schedule reuses its table"
+    assert torch.equal(run(table, height=64, width=32, **CFG), run(plain, height=64, width=32, **CFG))
+    assert transformer.modulation_tables.built > built, "another resolution shifts the timesteps: a new table"
+    built = transformer.modulation_tables.built
+    for pipe in (plain, table):  # Lightning's scheduler: other timesteps at the same resolution
+        pipe.scheduler = FlowMatchEulerDiscreteScheduler.from_config(
+            pipe.scheduler.config, base_shift=1.0986, max_shift=1.0986, shift_terminal=None)
+    assert torch.equal(run(table, **CFG), run(plain, **CFG))
+    assert transformer.modulation_tables.built > built
+
+
+@pytest.mark.parametrize("changes", [dict(batched_cfg=False), dict(cfg_fraction=0.5)])
+def test_unbatched_and_selective_cfg(changes):
+    plain, table = fast_pipeline(NO_TABLE.replace(**changes)), fast_pipeline(EXACT.replace(**changes))
+    assert torch.equal(run(table, num_inference_steps=4, **CFG), run(plain, num_inference_steps=4, **CFG))
+
+
+def test_lora_on_the_modulation_layers_rebuilds_the_tables():
+    plain, table = fast_pipeline(NO_TABLE), fast_pipeline()
+    no_lora = run(table, **CFG)
+    for pipe in (plain, table):
+        pipe.load_lora_weights(lightning_format(MOD_LORA), adapter_name="mod")
+    with_lora = run(table, **CFG)
+    assert torch.equal(with_lora, run(plain, **CFG))
+    assert not torch.equal(with_lora, no_lora), "the LoRA must change the modulation for this test to mean anything"
+    for pipe in (plain, table):
+        pipe.load_lora_weights(diffusers_format(LORA_B), adapter_name="b")
+        pipe.set_adapters(["mod", "b"], [0.7, 1.2])
+    assert torch.equal(run(table, **CFG), run(plain, **CFG))
+    assert torch.equal(run(table, attention_kwargs={"scale": 0.4}, **CFG),
+                       run(plain, attention_kwargs={"scale": 0.4}, **CFG))
+    for pipe in (plain, table):
+        pipe.fuse_lora(lora_scale=0.5)
+    assert torch.equal(run(table, **CFG), run(plain, **CFG))
+    for pipe in (plain, table):
+        pipe.unfuse_lora()
+        pipe.unload_lora_weights()
+    assert torch.equal(run(table, **CFG), no_lora)
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_low_memory_gives_the_same_latents(fp8):
+    fast, low = fast_pipeline(EXACT.replace(fp8=fp8)), fast_pipeline(EXACT.replace(fp8=fp8, memory="low"))
+    assert low.applied[-1:] != ["memory:low"] and "memory:low" in low.applied
+    assert torch.equal(run(low, **CFG), run(fast, **CFG))
+    turns = low._turns
+    assert turns.resident == "transformer" and turns.loads == 2  # text encoder, then the block linears
+    embeds, mask = low.encode_prompt("a red fox in snow", device=torch.device("cpu"))
+    assert turns.resident == "text_encoder"
+    assert torch.equal(run(low, prompt_embeds=embeds, prompt_embeds_mask=mask),
+                       run(fast, prompt_embeds=embeds, prompt_embeds_mask=mask))
+    assert turns.resident == "transformer" and turns.loads == 4
+    assert all(t.device.type == "cpu" for t in low.transformer.transformer_blocks[0].img_mod.parameters())
+
+
+def test_low_memory_keeps_what_changed_during_a_turn():
+    """fuse_lora folds adapters into the FP8 weights in place while they are on the device: the next turn of the
+    text encoder must not lose that (offload.py copies back what changed)."""
+    fast, low = fast_pipeline(FastConfig(fp8=True)), fast_pipeline(FastConfig(fp8=True, memory="low"))
+    for pipe in (fast, low):
+        pipe.load_lora_weights(lightning_format([f"transformer_blocks.{i}.attn.to_q" for i in (0, 1)]))
+        run(pipe, **CFG)  # low: the block linears are on the device now
+        pipe.fuse_lora()
+    assert torch.equal(run(low, **CFG), run(fast, **CFG))  # a text encoder turn, then the fused weights again
+
+
+def test_memory_setting_errors():
+    with pytest.raises(ValueError, match="memory='huge'; allowed: fast, low"):
+        FastConfig(memory="huge")
+    with pytest.raises(ValueError, match="needs modulation_table=True"):
+        FastConfig(memory="low", modulation_table=False)
+    with pytest.raises(ValueError, match="not supported"):
+        FastConfig(memory="low", parallel="cfg")
