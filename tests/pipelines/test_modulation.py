@@ -164,3 +164,61 @@ def test_memory_setting_errors():
         FastConfig(memory="low", modulation_table=False)
     with pytest.raises(ValueError, match="not supported"):
         FastConfig(memory="low", parallel="cfg")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("zero_cond_t", [False, True])
+def test_table_at_the_real_width_on_gpu(zero_cond_t):
+    """Two blocks of the real width (24 heads x 128, FP8, bf16), eager and replayed from a CUDA graph."""
+    from qwen_image_fast.pipelines.qwen_image.cuda_graph import GraphedForward
+
+    stock = tiny_stock(zero_cond_t=zero_cond_t, num_layers=2, attention_head_dim=128, num_attention_heads=24,
+                       joint_attention_dim=3584, axes_dims_rope=(16, 56, 56), device="cuda").to(torch.bfloat16)
+    fast = FastQwenImageTransformer.from_diffusers(stock, FastTransformerConfig(fp8=True))
+    inputs = make_inputs(stock, "edit" if zero_cond_t else "square", device="cuda", dtype=torch.bfloat16)
+    steps = torch.linspace(1.0, 0.02, 4, device="cuda", dtype=torch.bfloat16)[:, None].expand(-1, 2).contiguous()
+    table = fast.modulation_table(steps)
+    graphed = GraphedForward(fast)
+    for n in range(4):
+        kwargs = {**inputs, "timestep": steps[n]}
+        own = fast(**kwargs, return_dict=False)[0]
+        assert torch.equal(fast(**kwargs, modulation=table[n], return_dict=False)[0], own), f"eager, step {n}"
+        assert torch.equal(graphed(**kwargs, modulation=table[n], return_dict=False)[0], own), f"graph, step {n}"
+
+
+@pytest.mark.gpu
+def test_low_memory_on_gpu():
+    """Pinned host weights, the shared device buffer and graphs across turns; the transformer called directly while
+    the text encoder has the GPU is refused, naming what to do."""
+    fast = optimize_on_cuda(FastConfig(fp8=True))
+    low = optimize_on_cuda(FastConfig(fp8=True, memory="low"))
+    assert low._turns.resident is None
+    for weight in (low.transformer.transformer_blocks[0].img_mod[1].weight, low.text_encoder.lm_head.weight,
+                   low.transformer.transformer_blocks[0].img_fc1.weight_q):
+        assert weight.device.type == "cpu" and weight.is_pinned()
+
+    def latents(pipe, **kwargs):
+        return pipe(**CFG, height=64, width=64, num_inference_steps=3, output_type="latent",
+                    generator=torch.Generator("cuda").manual_seed(0), **kwargs).images
+
+    expected = latents(fast)
+    assert torch.equal(latents(low), expected)
+    graphs = dict(low._graphs.graphs)
+    assert graphs and "cuda_graphs" in low.applied
+    assert torch.equal(latents(low), expected)  # text encoder turn, transformer turn: the same graphs replay
+    assert low._graphs.graphs == graphs and low._turns.loads == 4
+    low.encode_prompt("a cat", device=torch.device("cuda"))
+    config = low.transformer.config
+    with pytest.raises(RuntimeError, match="take turns with the text encoder"):
+        low.transformer(
+            hidden_states=torch.zeros(1, 16, config.in_channels, device="cuda", dtype=torch.bfloat16),
+            encoder_hidden_states=torch.zeros(1, 4, config.joint_attention_dim, device="cuda", dtype=torch.bfloat16),
+            timestep=torch.ones(1, device="cuda"), img_shapes=[[(1, 4, 4)]])
+
+
+def optimize_on_cuda(config):
+    from test_pipeline import stock_pipeline
+
+    from qwen_image_fast import optimize
+
+    return optimize(stock_pipeline().to(torch.bfloat16), config, device="cuda")
