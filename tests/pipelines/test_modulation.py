@@ -190,7 +190,7 @@ def test_table_at_the_real_width_on_gpu(zero_cond_t):
 def test_low_memory_on_gpu():
     """Pinned host weights, the shared device buffer and graphs across turns; the transformer called directly while
     the text encoder has the GPU is refused, naming what to do."""
-    fast = optimize_on_cuda(FastConfig(fp8=True))
+    fast = optimize_on_cuda(FastConfig(fp8=True)).to("cuda")  # memory="fast": the components are where .to puts them
     low = optimize_on_cuda(FastConfig(fp8=True, memory="low"))
     assert low._turns.resident is None
     for weight in (low.transformer.transformer_blocks[0].img_mod[1].weight, low.text_encoder.lm_head.weight,
