@@ -113,6 +113,10 @@ def optimize_family(pipe, config: FastConfig, device, enhance_prompt):
         raise ValueError(f"FastConfig(parallel={config.parallel!r}) is supported by the text-to-image "
                          f"QwenImageFastPipeline only, not by {type(pipe).__name__}; render one image per process "
                          "instead (the CLI splits the work by RANK)")
+    if config.memory != "fast":
+        raise ValueError(f"FastConfig(memory={config.memory!r}) is supported by the text-to-image "
+                         f"QwenImageFastPipeline only, not by {type(pipe).__name__} (its own loop computes the "
+                         "modulation in every forward, so those weights must be on the GPU)")
     if config.scheduler != "euler" or config.cfg_fraction < 1:
         raise ValueError(f"FastConfig(scheduler={config.scheduler!r}, cfg_fraction={config.cfg_fraction:g}) changes "
                          f"the text-to-image pipeline's loop, which {type(pipe).__name__} does not run; replace "

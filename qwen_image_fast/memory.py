@@ -4,8 +4,9 @@ weights take turns on the GPU).
 - on the GPU: the VAE and the transformer's small parts (embedders, norm_out, proj_out; ~0.1 GiB);
 - on the host, pinned: the modulation weights (img_mod / txt_mod, 12.7 GiB), read block by block while a modulation
   table is built (modulation.py);
-- taking turns in one GPU buffer: the text encoder (its vision tower, which text-to-image never runs, stays on the
-  host) and the transformer's block linears.
+- taking turns in one GPU buffer the size of the transformer's block linears: those, and the text encoder (its
+  vision tower, which text-to-image never runs, stays on the host; what does not fit the buffer gets one of its own
+  for its turn).
 """
 
 import torch
@@ -39,7 +40,8 @@ def place_low_memory(pipe, device: torch.device) -> TakingTurns:
     encoder = [t for t in tensors_of(text_encoder) if id(t) not in skip]
     pipe.vae.to(device)
     transformer.compute_device = device
-    turns = TakingTurns({"text_encoder": HostArena(encoder, pin), "transformer": HostArena(blocks, pin)}, device)
+    turns = TakingTurns({"text_encoder": HostArena(encoder, pin), "transformer": HostArena(blocks, pin)}, device,
+                        main="transformer")
     if device.type == "cuda":
         torch.cuda.empty_cache()  # the block linears' device copies the arenas replaced
     return turns

@@ -266,6 +266,14 @@ class QwenImageFastPipeline(FastTransformerPipeline, QwenImagePipeline):
                 + (["enhance_prompt"] if self.prompt_enhancer is not None else [])
                 + (["vae_2d_decode"] if config.vae_2d_decode else []))
 
+    def to(self, *args, **kwargs):
+        """diffusers' DiffusionPipeline.to; refused with memory="low", which places the components itself."""
+        if self._turns is not None:
+            raise ValueError("pipe.to(...) with FastConfig(memory='low'): the pipeline places its components itself "
+                             "(the text encoder and the transformer's block linears take turns on the GPU, the "
+                             "modulation weights stay on the host); build it with device=... instead")
+        return super().to(*args, **kwargs)
+
     def _memory_entries(self, table: bool) -> list[str]:
         return (["modulation_table"] if table else []) + (["memory:low"] if self._turns is not None else [])
 

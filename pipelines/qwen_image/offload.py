@@ -6,7 +6,9 @@ set's tensors are moved into one flat host buffer (HostArena: pinned, so a trans
 without blocking the host) and the sets take turns in one device buffer as large as the largest (TakingTurns):
 bringing one in is a single host-to-device copy, sending the other out costs nothing (its tensors point back at
 their host copies). Because the buffer never moves, a set comes back at the addresses it had, and CUDA graphs
-captured over the transformer stay valid across turns.
+captured over the transformer stay valid across turns. The buffer is sized for one set (the transformer's); a larger
+one (the text encoder, by ~1.5 GiB) puts what does not fit into a buffer of its own for its turn, given back to the
+driver when the turn ends, so the denoising loop never has it reserved.
 
 A tensor changed in place while on the device (fuse_lora folds adapters into FP8 weights with copy_) is copied back
 to its host view before its turn ends: its _version counter moved. One whose storage was replaced is adopted if its
@@ -36,6 +38,7 @@ class HostArena:
             t.data = view
             self.entries.append((t, offset, view))
         self._on_device: list[tuple[int, int]] | None = None  # per entry: (data_ptr, _version) while loaded
+        self.overflow: torch.Tensor | None = None  # while loaded: the device copy of what the buffer could not hold
 
     @staticmethod
     def _view(buffer: torch.Tensor, offset: int, like: torch.Tensor) -> torch.Tensor:
@@ -47,11 +50,19 @@ class HostArena:
         return self._on_device is not None
 
     def load(self, buffer: torch.Tensor):
-        """Copy into the device buffer (uint8, >= nbytes) and point every tensor at its view there."""
-        buffer[:self.nbytes].copy_(self.host, non_blocking=True)
+        """Copy into the device buffer (uint8) and point every tensor at its view there; the tensors from the first
+        that does not fit on go to a buffer of their own (self.overflow) until unload."""
+        split = next((offset for t, offset, _ in self.entries
+                      if offset + t.numel() * t.element_size() > buffer.numel()), self.nbytes)
+        buffer[:split].copy_(self.host[:split], non_blocking=True)
+        self.overflow = None
+        if split < self.nbytes:
+            self.overflow = torch.empty(self.nbytes - split, dtype=torch.uint8, device=buffer.device)
+            self.overflow.copy_(self.host[split:], non_blocking=True)
         self._on_device = []
         for t, offset, _ in self.entries:
-            t.data = self._view(buffer, offset, t)
+            t.data = (self._view(buffer, offset, t) if offset < split else
+                      self._view(self.overflow, offset - split, t))
             self._on_device.append((t.data_ptr(), t._version))
 
     def unload(self):
@@ -67,13 +78,14 @@ class HostArena:
                 view.copy_(t.detach())
             t.data = view
         self._on_device = None
+        self.overflow = None
 
 
 class TakingTurns:
-    """Named HostArenas sharing one device buffer (allocated on first use, as large as the largest)."""
+    """Named HostArenas sharing one device buffer, allocated on first use, as large as arena `main`."""
 
-    def __init__(self, arenas: dict[str, HostArena], device: torch.device):
-        self.arenas, self.device = arenas, device
+    def __init__(self, arenas: dict[str, HostArena], device: torch.device, main: str):
+        self.arenas, self.device, self.main = arenas, device, main
         self.buffer: torch.Tensor | None = None
         self.resident: str | None = None
         self.loads = 0  # how many turns began (each one a host-to-device copy of that arena)
@@ -83,10 +95,13 @@ class TakingTurns:
         if self.resident == name:
             return
         if self.buffer is None:
-            self.buffer = torch.empty(max(a.nbytes for a in self.arenas.values()), dtype=torch.uint8,
-                                      device=self.device)
+            self.buffer = torch.empty(self.arenas[self.main].nbytes, dtype=torch.uint8, device=self.device)
         if self.resident is not None:
-            self.arenas[self.resident].unload()
+            leaving = self.arenas[self.resident]
+            overflowed = leaving.overflow is not None
+            leaving.unload()
+            if overflowed and self.device.type == "cuda":
+                torch.cuda.empty_cache()  # the overflow buffer back to the driver, not kept reserved
         self.arenas[name].load(self.buffer)
         self.resident = name
         self.loads += 1

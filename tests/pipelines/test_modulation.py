@@ -158,6 +158,14 @@ def test_low_memory_keeps_what_changed_during_a_turn():
 
 
 def test_memory_setting_errors():
+    from qwen_image_fast.tiny import tiny_pipeline
+    from diffusers import QwenImageImg2ImgPipeline
+    from qwen_image_fast import optimize
+
+    with pytest.raises(ValueError, match="places its components itself"):
+        fast_pipeline(EXACT.replace(memory="low")).to("cpu")
+    with pytest.raises(ValueError, match="memory='low'.*text-to-image QwenImageFastPipeline only"):
+        optimize(tiny_pipeline(QwenImageImg2ImgPipeline), EXACT.replace(memory="low"))
     with pytest.raises(ValueError, match="memory='huge'; allowed: fast, low"):
         FastConfig(memory="huge")
     with pytest.raises(ValueError, match="needs modulation_table=True"):
@@ -222,3 +230,22 @@ def optimize_on_cuda(config):
     from qwen_image_fast import optimize
 
     return optimize(stock_pipeline().to(torch.bfloat16), config, device="cuda")
+
+
+def test_an_arena_larger_than_the_buffer_overflows_for_its_turn_only():
+    from qwen_image_fast.pipelines.qwen_image.offload import HostArena, TakingTurns
+
+    small = [torch.randn(100), torch.randn(3, 7)]
+    large = [torch.randn(50), torch.randn(200), torch.arange(12, dtype=torch.int32)]
+    values = [t.clone() for t in small + large]
+    turns = TakingTurns({"small": HostArena(small, pin=False), "large": HostArena(large, pin=False)},
+                        torch.device("cpu"), main="small")
+    turns.use("large")
+    arena = turns.arenas["large"]
+    assert arena.overflow is not None and turns.buffer.numel() < arena.nbytes
+    assert all(torch.equal(t, v) for t, v in zip(small + large, values))
+    large[1].mul_(2)  # changed in place during its turn (it sits in the overflow buffer)
+    turns.use("small")
+    assert arena.overflow is None
+    turns.use("large")
+    assert torch.equal(large[1], values[3] * 2) and torch.equal(large[2], values[4])

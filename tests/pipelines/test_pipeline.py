@@ -80,7 +80,7 @@ def test_from_pretrained_loads_the_upstream_layout(tmp_path):
     stock_pipeline().save_pretrained(tmp_path)
     pipe = QwenImageFastPipeline.from_pretrained(tmp_path, dtype=torch.float32, fast_config=EXACT)
     assert type(pipe) is QwenImageFastPipeline
-    assert pipe.applied == ["fused_transformer", "attention:sdpa", "batched_cfg", "vae_2d_decode"]
+    assert pipe.applied == ["fused_transformer", "attention:sdpa", "modulation_table", "batched_cfg", "vae_2d_decode"]
     assert_close(run(pipe, prompt="a cat"), run(QwenImagePipeline.from_pretrained(tmp_path), prompt="a cat"), 1e-5)
 
 
@@ -160,8 +160,9 @@ def test_unipc_reproduces_qwen_sigma_ladder():
 def test_applied_per_field():
     base = fast_pipeline(FastConfig()).applied
     # no CUDA graphs on the CPU
-    assert base == ["fused_transformer", "fp8", "fp8_fast_accum", "attention:sdpa", "batched_cfg", "vae_2d_decode"]
-    needs_fused = {"fp8", "fp8_fast_accum", "attention:sdpa"}
+    assert base == ["fused_transformer", "fp8", "fp8_fast_accum", "attention:sdpa", "modulation_table", "batched_cfg",
+                    "vae_2d_decode"]
+    needs_fused = {"fp8", "fp8_fast_accum", "attention:sdpa", "modulation_table"}
     assert fast_pipeline(FastConfig(fp8=False)).applied == [a for a in base if a not in ("fp8", "fp8_fast_accum")]
     assert fast_pipeline(FastConfig(batched_cfg=False)).applied == [a for a in base if a != "batched_cfg"]
     assert fast_pipeline(FastConfig(fused_transformer=False)).applied == [
@@ -170,16 +171,19 @@ def test_applied_per_field():
     assert fast_pipeline(FastConfig(fp8_fast_accum=False)).applied == [a for a in base if a != "fp8_fast_accum"]
     assert fast_pipeline(FastConfig(cfg_fraction=0.6)).applied == base[:-1] + ["cfg_fraction:0.6", "vae_2d_decode"]
     assert fast_pipeline(FastConfig(vae_2d_decode=False)).applied == base[:-1]
+    assert fast_pipeline(FastConfig(modulation_table=False)).applied == [a for a in base if a != "modulation_table"]
+    assert fast_pipeline(FastConfig(memory="low")).applied == base[:5] + ["memory:low"] + base[5:]
     assert fast_pipeline(FastConfig.preset("baseline")).applied == []
 
 
 def test_config_presets_and_tag():
     assert FastConfig.preset("fast") == FastConfig()
-    assert FastConfig().tag() == "fused-fp8-fastacc-auto-bcfg-graphs-euler-vae2d"
-    assert FastConfig(fp8_fast_accum=False).tag() == "fused-fp8-auto-bcfg-graphs-euler-vae2d"
+    assert FastConfig().tag() == "fused-fp8-fastacc-auto-bcfg-graphs-table-euler-vae2d"
+    assert FastConfig(fp8_fast_accum=False, modulation_table=False).tag() == "fused-fp8-auto-bcfg-graphs-euler-vae2d"
+    assert FastConfig(memory="low").tag() == "fused-fp8-fastacc-auto-bcfg-graphs-table-lowmem-euler-vae2d"
     assert FastConfig.preset("baseline").tag() == "stock-euler"
     assert FastConfig(scheduler="dpm++2m", cfg_fraction=0.5, vae_2d_decode=False).tag() == \
-        "fused-fp8-fastacc-auto-bcfg-graphs-dpmpp2m-cfg0.5"
+        "fused-fp8-fastacc-auto-bcfg-graphs-table-dpmpp2m-cfg0.5"
     with pytest.raises(ValueError, match="preset='turbo'; allowed: fast, baseline"):
         FastConfig.preset("turbo")
 
@@ -376,7 +380,7 @@ def test_diffusers_constructor_gives_a_working_fast_pipeline():
     components["tokenizer"] = Qwen2Tokenizer.from_pretrained(FIXTURE_TOKENIZER)
     pipe = QwenImageFastPipeline(**components, fast_config=EXACT)
     assert isinstance(pipe.transformer, FastQwenImageTransformer)
-    assert pipe.applied == ["fused_transformer", "attention:sdpa", "batched_cfg", "vae_2d_decode"]
+    assert pipe.applied == ["fused_transformer", "attention:sdpa", "modulation_table", "batched_cfg", "vae_2d_decode"]
     case = dict(prompt="a cat", negative_prompt="blurry")
     assert_close(run(pipe, **case), run(stock_pipeline(), **case), 1e-5)
     assert type(QwenImageFastPipeline(**stock_pipeline().components).transformer) is FastQwenImageTransformer
@@ -478,12 +482,14 @@ def test_cast_to_bf16_after_optimize_keeps_fp8_and_runs():
 
 def test_applied_reports_what_the_last_call_ran():
     pipe = fast_pipeline(EXACT.replace(cfg_fraction=0.5))
-    assert pipe.applied == ["fused_transformer", "attention:sdpa", "batched_cfg", "cfg_fraction:0.5",
-                            "vae_2d_decode"]  # planned
+    assert pipe.applied == ["fused_transformer", "attention:sdpa", "modulation_table", "batched_cfg",
+                            "cfg_fraction:0.5", "vae_2d_decode"]  # planned
     run(pipe, prompt="a cat", true_cfg_scale=1.0)
-    assert pipe.applied == ["fused_transformer", "attention:sdpa"]  # no CFG ran: neither batched nor selective
+    assert pipe.applied == ["fused_transformer", "attention:sdpa", "modulation_table"]  # no CFG: neither batched
+    # nor selective
     run(pipe, prompt="a cat", negative_prompt="bad", num_inference_steps=4)
-    assert pipe.applied == ["fused_transformer", "attention:sdpa", "batched_cfg", "cfg_fraction:0.5"]
+    assert pipe.applied == ["fused_transformer", "attention:sdpa", "modulation_table", "batched_cfg",
+                            "cfg_fraction:0.5"]
     run(pipe, prompt="a cat", true_cfg_scale=4.0)  # no negative prompt: no CFG
     assert "batched_cfg" not in pipe.applied
     baseline = optimize(stock_pipeline(), "baseline")
