@@ -36,6 +36,47 @@ def multiple_of_16(text: str) -> int:
     return value
 
 
+# GiB, measured on an H200 (benchmarks/RESULTS.md, "Running in 24 GiB"): the fast pipeline's peak at 1328^2 is
+# 42.5 GiB; memory="low" peaks at 21.7 GiB reserved at 1024^2 and 23.0 at 1328^2.
+FAST_PIPELINE_GIB = 48.0
+LOW_MEMORY_GIB = 22.0
+
+
+def positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def memory_setting(max_memory: float | None, preset: str, pipeline: str, parallel: str | None) -> str:
+    """FastConfig.memory for --max-memory GIB (None: "fast"); ValueError when nothing fits or low cannot run."""
+    if max_memory is None or max_memory >= FAST_PIPELINE_GIB:
+        return "fast"
+    if max_memory < LOW_MEMORY_GIB:
+        raise ValueError(f"--max-memory {max_memory:g}: the pipeline needs at least {LOW_MEMORY_GIB:g} GiB (with "
+                         "memory='low': 21.7 GiB at 1024x1024, 23.0 at 1328x1328, measured)")
+    why = (f"--preset {preset} runs the stock pipeline" if preset == render.STOCK_PRESET else
+           f"{pipeline} is not the text-to-image pipeline" if pipeline != "QwenImagePipeline" else
+           f"--parallel {parallel} is set" if parallel else None)
+    if why:
+        raise ValueError(f"--max-memory {max_memory:g} below {FAST_PIPELINE_GIB:g} needs memory='low', which runs in "
+                         f"the fast text-to-image pipeline alone; {why}: leave --max-memory out")
+    return "low"
+
+
+def cap_memory(max_memory: float | None, device) -> None:
+    if max_memory is None or device.type != "cuda":
+        return
+    import torch
+
+    total = torch.cuda.get_device_properties(device).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, max_memory * 2**30 / total), device)
+
+
 def int_at_least(minimum: int, maximum: int | None = None):
     def parse(text: str) -> int:
         try:
@@ -150,6 +191,11 @@ def build_parser() -> argparse.ArgumentParser:
              "image group render other prompts (data parallel). Default: each process renders its own prompts")
     add("--ulysses", type=int_at_least(0), default=0, metavar="N",
         help="ranks per Ulysses group with --parallel ulysses or cfg,ulysses (default 0: every rank CFG leaves)")
+    add("--max-memory", type=positive_float, metavar="GIB",
+        help=f"GPU memory this process may use, in GiB: below {FAST_PIPELINE_GIB:g} the text-to-image pipeline runs "
+             "with memory='low' (the text encoder and the transformer take turns on the GPU, the modulation weights "
+             f"stay on the host; the same images), at least {LOW_MEMORY_GIB:g}; on CUDA the process is capped there "
+             "(torch.cuda.set_per_process_memory_fraction) and fails with out-of-memory rather than use more")
     add("--no-resume", dest="resume", action="store_false",
         help="render everything again, overwriting images of the same name (default: skip images already in the "
              "manifest and on disk, and refuse to overwrite one made with other settings)")
@@ -311,6 +357,7 @@ def run_render(args) -> int:
         shape = image_group_shape(args, model, pipeline, rank, world_size)
         if shape is not None:
             config = config.replace(parallel=args.parallel, ulysses_degree=args.ulysses)
+        config = config.replace(memory=memory_setting(args.max_memory, args.preset, pipeline, args.parallel))
         loras = tuple(render.resolve_lora(source, scale) for source, scale in args.lora)
         labels = render.labels_for(model, args.preset, config, enhancer=args.enhance, loras=loras,
                                    lightning=args.lightning)
@@ -342,6 +389,7 @@ def run_render(args) -> int:
           f"{len(mine)} of {len(jobs)} prompts -> {out_dir}", flush=True)
 
     def load_pipe():
+        cap_memory(args.max_memory, device)
         try:
             return render.load_pipeline(model, labels.preset, labels.config, device, labels.loras, labels.lightning)
         except render.LoadError:  # a LoRA that cannot be loaded: the error names it

@@ -266,6 +266,12 @@ class QwenImageFastPipeline(FastTransformerPipeline, QwenImagePipeline):
                 + (["enhance_prompt"] if self.prompt_enhancer is not None else [])
                 + (["vae_2d_decode"] if config.vae_2d_decode else []))
 
+    @property
+    def text_encoder_takes_turns(self) -> bool:
+        """memory="low": encoding brings the text encoder onto the GPU in place of the transformer's block linears
+        (and the next denoising call brings those back), so encode every prompt of a batch first."""
+        return self._turns is not None
+
     def to(self, *args, **kwargs):
         """diffusers' DiffusionPipeline.to; refused with memory="low", which places the components itself."""
         if self._turns is not None:

@@ -588,7 +588,8 @@ def load_pipeline(model: str, preset: str, config: FastConfig, device, loras: tu
         pipe = optimize(pipe, config, device=device)  # an image-conditioned pipeline: its fast class (family.py)
     if lightning:
         pipe.scheduler = lightning_scheduler()
-    pipe = pipe.to(device)
+    if config.memory == "fast" or preset == STOCK_PRESET:  # memory="low" placed the components itself
+        pipe = pipe.to(device)
     pipe.set_progress_bar_config(disable=True)  # our own bars count images and steps
     return pipe
 
@@ -870,13 +871,44 @@ def batches_of(jobs: list[Job], batch_size: int) -> list[list[Job]]:
     return batches
 
 
-def run_batch(pipe, batch: list[Job], on_step, prompts: list[str] | None = None) -> list[Image.Image]:
-    """One pipeline call (prompts: what to render instead of the jobs' own, e.g. their rewrites). One CPU generator
-    per image: the same seed gives the same latents at any batch size and on any device."""
+def encode_ahead(pipe, batches: list[list[Job]]) -> dict[int, dict]:
+    """FastConfig.memory="low": every text-to-image batch's prompts and negative prompts encoded before any is
+    rendered (the text encoder takes one turn on the GPU, not one per image), as its own call would encode them
+    (one encode_prompt of the batch's list each). batch index -> run_batch's text arguments; a batch whose encoding
+    fails is left out (its own call encodes it, and reports the error)."""
+    if not getattr(pipe, "text_encoder_takes_turns", False):
+        return {}
+    encoded = {}
+    for i, batch in enumerate(batches):
+        if batch[0].images:
+            continue
+        try:
+            embeds, mask = pipe.encode_prompt([job.prompt for job in batch], device=pipe._execution_device)
+            text = dict(prompt_embeds=embeds, prompt_embeds_mask=mask)
+            if batch[0].negative_prompt is not None:
+                embeds, mask = pipe.encode_prompt([job.negative_prompt for job in batch],
+                                                  device=pipe._execution_device)
+                text |= dict(negative_prompt_embeds=embeds, negative_prompt_embeds_mask=mask)
+        except Exception:
+            continue
+        encoded[i] = text
+    return encoded
+
+
+def run_batch(pipe, batch: list[Job], on_step, prompts: list[str] | None = None,
+              encoded: dict | None = None) -> list[Image.Image]:
+    """One pipeline call (prompts: what to render instead of the jobs' own, e.g. their rewrites; encoded: the jobs'
+    prompts already encoded, encode_ahead). One CPU generator per image: the same seed gives the same latents at any
+    batch size and on any device."""
     import torch
 
     first = batch[0]
     inputs = {}
+    if encoded is not None:
+        text = dict(encoded)
+    else:
+        text = dict(prompt=prompts or [job.prompt for job in batch],
+                    negative_prompt=None if first.negative_prompt is None else [job.negative_prompt for job in batch])
     if first.images:  # a batch of one (batch_key)
         images = [image.load("RGB") for image in first.images]
         inputs["image"] = images if len(images) > 1 else images[0]  # EditPlus takes one as [one]
@@ -884,8 +916,7 @@ def run_batch(pipe, batch: list[Job], on_step, prompts: list[str] | None = None)
         inputs |= {"strength": first.strength} if first.strength is not None else {}
     inputs |= {"width": first.width, "height": first.height} if first.width is not None else {}
     return pipe(
-        prompt=prompts or [job.prompt for job in batch],
-        negative_prompt=None if first.negative_prompt is None else [job.negative_prompt for job in batch],
+        **text,
         true_cfg_scale=first.cfg,
         num_inference_steps=first.steps,
         generator=[torch.Generator("cpu").manual_seed(job.seed) for job in batch],
@@ -923,6 +954,9 @@ def render_jobs(load_pipe: Callable, jobs: list[Job], out_dir: Path, labels: Lab
         drop_partial_last_line(shard_path)
     batches = batches_of(pending, batch_size)
     prefix = f"rank {rank}: " if world_size > 1 else ""
+    encode_start = time.perf_counter()
+    encoded = encode_ahead(pipe, batches) if pipe is not None and labels.enhancer is None else {}
+    summary.seconds += time.perf_counter() - encode_start  # counted in s/image
 
     try:
         with tqdm(total=len(pending), desc=f"{prefix}images", unit="img", position=0) as images_bar, \
@@ -933,7 +967,7 @@ def render_jobs(load_pipe: Callable, jobs: list[Job], out_dir: Path, labels: Lab
                 steps_bar.update()
                 return {}
 
-            for batch in batches:
+            for index, batch in enumerate(batches):
                 start = time.perf_counter()
                 enhanced, enhance_seconds = [None] * len(batch), 0.0
                 try:
@@ -942,8 +976,8 @@ def render_jobs(load_pipe: Callable, jobs: list[Job], out_dir: Path, labels: Lab
                         enhance_seconds = time.perf_counter() - start
                     if group is not None and labels.enhancer is not None:  # the leader's rewrites
                         enhanced = group.share(enhanced)
-                    images = run_batch(pipe, batch, on_step,
-                                       prompts=None if labels.enhancer is None else enhanced)
+                    images = run_batch(pipe, batch, on_step, prompts=None if labels.enhancer is None else enhanced,
+                                       encoded=encoded.get(index))
                 except Exception as e:  # e.g. out of memory at one size: report it and render the rest
                     summary.failed += len(batch)
                     tqdm.write(f"{prefix}failed: {', '.join(job.stem for job in batch)}: {type(e).__name__}: {e}")

@@ -194,6 +194,12 @@ BAD_INPUT = {
                              "--parallel cfg splits one image over several processes: launch with torchrun"),
     "ulysses-without-parallel": (lambda tmp: ["--ulysses", "2", "a cat"], "--ulysses 2 needs --parallel ulysses"),
     "parallel-not-a-mode": (lambda tmp: ["--parallel", "tensor", "a cat"], "argument --parallel: invalid choice"),
+    "max-memory-too-small": (lambda tmp: ["--preset", "fast", "--max-memory", "12", "a cat"],
+                             "--max-memory 12: the pipeline needs at least 22 GiB"),
+    "max-memory-not-a-number": (lambda tmp: ["--max-memory", "lots", "a cat"], "must be a number, got 'lots'"),
+    "max-memory-negative": (lambda tmp: ["--max-memory", "-4", "a cat"], "must be > 0, got -4"),
+    "max-memory-stock": (lambda tmp: ["--max-memory", "24", "a cat"],
+                         "needs memory='low', which runs in the fast text-to-image pipeline alone; --preset baseline"),
 }
 
 
@@ -356,6 +362,20 @@ def test_batches_give_the_same_images_as_one_at_a_time(tmp_path):
     assert main(["render", *BASELINE, "--batch-size", "3", "--out", str(tmp_path / "three"), *prompts]) == 0
     for line in manifest(tmp_path / "one"):
         assert np.abs(pixels(tmp_path / "one" / line["file"]) - pixels(tmp_path / "three" / line["file"])).max() <= 1
+
+
+@needs_interpreter
+def test_max_memory_renders_the_same_images_with_memory_low(tmp_path):
+    """--max-memory below the fast pipeline's need: memory='low' (recorded in applied), the prompts of the job
+    encoded ahead, and the same pixels as without it (batches of 2, one alone, one without CFG)."""
+    prompts = write_lines(tmp_path / "p.jsonl", ['{"prompt": "a cat"}', '{"prompt": "a large dog"}',
+                                                 '{"prompt": "a cow", "cfg": 1}'])
+    common = ["render", "--model", "tiny-random", "--device", "cpu", "--batch-size", "2", "--prompts", str(prompts)]
+    assert main([*common, "--out", str(tmp_path / "fast")]) == 0
+    assert main([*common, "--max-memory", "24", "--out", str(tmp_path / "low")]) == 0
+    for fast, low in zip(manifest(tmp_path / "fast"), manifest(tmp_path / "low")):
+        assert "memory:low" in low["applied"] and "memory:low" not in fast["applied"]
+        assert np.array_equal(pixels(tmp_path / "fast" / fast["file"]), pixels(tmp_path / "low" / low["file"]))
 
 
 @needs_interpreter
