@@ -91,15 +91,50 @@ def table_cost(pipe, size) -> float:
     return seconds
 
 
+def vae_decode_rows(env) -> list[dict]:
+    """The VAE decode of one image at every official size (render.ASPECTS) as the pipeline runs it (the 2D decode):
+    seconds and the peak it adds over what was allocated before (max_memory_allocated and reserved rise)."""
+    from diffusers import AutoencoderKLQwenImage
+
+    from qwen_image_fast.pipelines.qwen_image.vae import decode_image
+    from qwen_image_fast.render import ASPECTS
+
+    vae = AutoencoderKLQwenImage().to("cuda", torch.bfloat16).eval()
+    rows = []
+    for aspect, (width, height) in ASPECTS.items():
+        latents = torch.randn(1, vae.config.z_dim, 1, height // 8, width // 8, device="cuda", dtype=torch.bfloat16)
+        with torch.no_grad():
+            decode_image(vae, latents)  # warm-up
+            gc.collect()
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+            allocated, reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+            image, seconds = timed(lambda: decode_image(vae, latents))
+        rows.append(dict(env, bench="memory", variant="vae decode", resolution=f"{width}x{height}", aspect=aspect,
+                         vae_s=seconds, vae_peak_allocated_rise_gib=(torch.cuda.max_memory_allocated() - allocated) / GIB,
+                         vae_peak_reserved_rise_gib=(torch.cuda.max_memory_reserved() - reserved) / GIB,
+                         ok=bool(torch.isfinite(image).all())))
+        print({k: v for k, v in rows[-1].items() if k not in env}, flush=True)
+        del image
+    return rows
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--tokenizer", type=Path, required=True)
+    parser.add_argument("--tokenizer", type=Path)
+    parser.add_argument("--vae-only", action="store_true",
+                        help="only the VAE decode's time and peak at every official size (no pipeline)")
     parser.add_argument("--size", type=int, default=1024)
     parser.add_argument("--cap-gib", type=float, default=24.0)
     parser.add_argument("--table-one-image", action="store_true",
                         help="the unconstrained table row for 1 image only (a shorter run)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
+    if args.vae_only:
+        append_results("memory", vae_decode_rows(environment()), args.out)
+        return
+    if args.tokenizer is None:
+        parser.error("--tokenizer DIR is needed (all but --vae-only)")
     size = args.size
     env = dict(environment(), bench="memory", resolution=f"{size}x{size}", steps=STEPS, true_cfg_scale=4.0,
                text_encoder="Qwen2.5-VL-7B text shapes (28 layers), random")
