@@ -85,6 +85,14 @@ def test_pipeline_with_table_equals_without(scheduler):
     assert "modulation_table" in table.applied
 
 
+@pytest.mark.parametrize("scheduler", ["euler", "unipc"])
+def test_pipeline_with_table_equals_without_in_bf16(scheduler):
+    plain = fast_pipeline(NO_TABLE.replace(scheduler=scheduler)).to(torch.bfloat16)
+    table = fast_pipeline(EXACT.replace(scheduler=scheduler)).to(torch.bfloat16)
+    out = run(table, **CFG)
+    assert out.dtype == torch.bfloat16 and torch.equal(out, run(plain, **CFG))
+
+
 def test_new_resolution_and_replaced_scheduler_build_new_tables():
     plain, table = fast_pipeline(NO_TABLE), fast_pipeline()
     transformer = table.transformer
