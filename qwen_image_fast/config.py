@@ -36,7 +36,8 @@ class FastConfig:
     ulysses_degree: ranks per Ulysses group; 0 = every rank CFG leaves. With world = dp x cfg x ulysses, dp > 1
         groups each denoise their own images (the CLI splits the prompts among them).
     modulation_table: every block's modulation vectors for every step computed once per schedule and looked up in
-        the loop, bit-identical to computing them in each forward (pipelines/qwen_image/modulation.py). Needs
+        the loop, bit-identical to computing them in each forward (pipelines/qwen_image/modulation.py); not while
+        offload hooks move the weights (they are on the GPU only inside the forward). Needs
         fused_transformer (without it, nothing to do).
     memory: "fast" (every weight on the GPU) | "low" (pipelines/qwen_image/offload.py: the modulation weights stay
         on the host, where tables are built from; the text encoder and the transformer's block linears take turns

@@ -258,8 +258,7 @@ class QwenImageFastPipeline(FastTransformerPipeline, QwenImagePipeline):
         config, transformer = self.fast_config, self.transformer
         graphs = self._graphs is not None and transformer.device.type == "cuda" and not has_offload_hooks(transformer)
         parallel = self.parallel.applied() if self.parallel is not None else []
-        table = config.modulation_table and isinstance(transformer, FastQwenImageTransformer)
-        return (self._transformer_entries() + self._memory_entries(table) + parallel
+        return (self._transformer_entries() + self._memory_entries(self._uses_table()) + parallel
                 + (["batched_cfg"] if config.batched_cfg and "parallel:cfg2" not in parallel else [])
                 + (["cuda_graphs"] if graphs else []) + self._sampler_entries()
                 + ([f"cfg_fraction:{config.cfg_fraction:g}"] if config.cfg_fraction < 1 else [])
@@ -280,6 +279,12 @@ class QwenImageFastPipeline(FastTransformerPipeline, QwenImagePipeline):
                              "modulation weights stay on the host); build it with device=... instead")
         return super().to(*args, **kwargs)
 
+    def _uses_table(self) -> bool:
+        """FastConfig.modulation_table, for the fast transformer; not under offload hooks, which bring the weights
+        to the GPU only inside its forward (a table built outside it would be built where they wait)."""
+        return (self.fast_config.modulation_table and isinstance(self.transformer, FastQwenImageTransformer)
+                and not has_offload_hooks(self.transformer))
+
     def _memory_entries(self, table: bool) -> list[str]:
         return (["modulation_table"] if table else []) + (["memory:low"] if self._turns is not None else [])
 
@@ -287,7 +292,7 @@ class QwenImageFastPipeline(FastTransformerPipeline, QwenImagePipeline):
         """FastConfig.modulation_table: the tables of this call's forwards (modulation.py), "both" for the batched
         CFG ones (batch 2B), "single" for the others (batch B), each row what the loop passes for that step."""
         transformer = self.transformer
-        if not (self.fast_config.modulation_table and isinstance(transformer, FastQwenImageTransformer)):
+        if not self._uses_table():
             return {}
         steps = torch.stack([t.expand(latents.shape[0]).to(latents.dtype) / 1000 for t in timesteps])  # [N, B]
         rows = None if guidance is None else guidance.expand(len(timesteps), -1)
