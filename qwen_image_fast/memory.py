@@ -11,13 +11,9 @@ weights take turns on the GPU).
 
 import torch
 
-from .pipelines.qwen_image.offload import HostArena, TakingTurns
+from .pipelines.qwen_image.offload import HostArena, TakingTurns, tensors_of
 
 SMALL_TRANSFORMER_PARTS = ("time_text_embed", "txt_norm", "img_in", "txt_in", "norm_out", "proj_out")
-
-
-def tensors_of(module: torch.nn.Module, recurse: bool = True) -> list[torch.Tensor]:
-    return [*module.parameters(recurse=recurse), *module.buffers(recurse=recurse)]
 
 
 def place_low_memory(pipe, device: torch.device) -> TakingTurns:

@@ -588,7 +588,7 @@ def load_pipeline(model: str, preset: str, config: FastConfig, device, loras: tu
         pipe = optimize(pipe, config, device=device)  # an image-conditioned pipeline: its fast class (family.py)
     if lightning:
         pipe.scheduler = lightning_scheduler()
-    if config.memory == "fast" or preset == STOCK_PRESET:  # memory="low" placed the components itself
+    if config.memory == "fast":  # memory="low" placed the components itself
         pipe = pipe.to(device)
     pipe.set_progress_bar_config(disable=True)  # our own bars count images and steps
     return pipe
@@ -871,15 +871,20 @@ def batches_of(jobs: list[Job], batch_size: int) -> list[list[Job]]:
     return batches
 
 
-def encode_ahead(pipe, batches: list[list[Job]]) -> dict[int, dict]:
-    """FastConfig.memory="low": every text-to-image batch's prompts and negative prompts encoded before any is
-    rendered (the text encoder takes one turn on the GPU, not one per image), as its own call would encode them
-    (one encode_prompt of the batch's list each). batch index -> run_batch's text arguments; a batch whose encoding
-    fails is left out (its own call encodes it, and reports the error)."""
-    if not getattr(pipe, "text_encoder_takes_turns", False):
-        return {}
-    encoded = {}
-    for i, batch in enumerate(batches):
+ENCODE_AHEAD_IMAGES = 16  # memory="low": images whose prompts one text-encoder turn encodes (their embeddings,
+# ~2 MB each, wait on the GPU until rendered)
+
+
+def encode_ahead(pipe, batches: list[list[Job]], first: int) -> tuple[dict[int, dict], int]:
+    """FastConfig.memory="low": the prompts and negative prompts of the text-to-image batches from `first` on,
+    ENCODE_AHEAD_IMAGES images' worth, encoded before they are rendered (one text-encoder turn on the GPU for all of
+    them, not one per call), as their own calls would encode them (one encode_prompt of the batch's list each).
+    Returns (batch index -> run_batch's text arguments, the index of the first batch not covered); a batch whose
+    encoding fails is left out (its own call encodes it, and reports the error)."""
+    encoded, images, i = {}, 0, first
+    while i < len(batches) and images < ENCODE_AHEAD_IMAGES:
+        batch = batches[i]
+        i, images = i + 1, images + len(batch)
         if batch[0].images:
             continue
         try:
@@ -891,8 +896,8 @@ def encode_ahead(pipe, batches: list[list[Job]]) -> dict[int, dict]:
                 text |= dict(negative_prompt_embeds=embeds, negative_prompt_embeds_mask=mask)
         except Exception:
             continue
-        encoded[i] = text
-    return encoded
+        encoded[i - 1] = text
+    return encoded, i
 
 
 def run_batch(pipe, batch: list[Job], on_step, prompts: list[str] | None = None,
@@ -954,9 +959,8 @@ def render_jobs(load_pipe: Callable, jobs: list[Job], out_dir: Path, labels: Lab
         drop_partial_last_line(shard_path)
     batches = batches_of(pending, batch_size)
     prefix = f"rank {rank}: " if world_size > 1 else ""
-    encode_start = time.perf_counter()
-    encoded = encode_ahead(pipe, batches) if pipe is not None and labels.enhancer is None else {}
-    summary.seconds += time.perf_counter() - encode_start  # counted in s/image
+    ahead = labels.enhancer is None and getattr(pipe, "text_encoder_takes_turns", False)
+    encoded, encoded_until = {}, 0
 
     try:
         with tqdm(total=len(pending), desc=f"{prefix}images", unit="img", position=0) as images_bar, \
@@ -968,6 +972,10 @@ def render_jobs(load_pipe: Callable, jobs: list[Job], out_dir: Path, labels: Lab
                 return {}
 
             for index, batch in enumerate(batches):
+                if ahead and index >= encoded_until:
+                    encode_start = time.perf_counter()
+                    encoded, encoded_until = encode_ahead(pipe, batches, index)
+                    summary.seconds += time.perf_counter() - encode_start  # counted in s/image
                 start = time.perf_counter()
                 enhanced, enhance_seconds = [None] * len(batch), 0.0
                 try:

@@ -734,3 +734,29 @@ def test_inpainting_from_jsonl_with_images_mask_and_strength(checkpoints, tmp_pa
     (line,) = manifest(tmp_path / "out")
     assert line["strength"] == 0.7 and line["mask"]["path"] == str(checkpoints / "mask.png")
     assert Image.open(tmp_path / "out" / line["file"]).size == (32, 32)
+
+
+def test_encode_ahead_covers_a_window_of_images_and_skips_image_inputs():
+    from types import SimpleNamespace
+
+    calls = []
+
+    def encode_prompt(prompts, device):
+        calls.append(prompts)
+        return f"embeds of {prompts}", None
+
+    pipe = SimpleNamespace(_execution_device="cpu", encode_prompt=encode_prompt)
+
+    def job(prompt, images=()):
+        return SimpleNamespace(prompt=prompt, negative_prompt="bad", images=images)
+
+    batches = [[job(f"p{i}"), job(f"q{i}")] for i in range(10)]  # 20 images
+    batches[1] = [job("edit this", images=("in.png",))]  # an edit batch: its own call encodes it
+    encoded, until = render.encode_ahead(pipe, batches, 0)
+    assert render.ENCODE_AHEAD_IMAGES == 16 and until == 9  # 2 + 1 + 2 x 7 = 17 images: the window is full
+    assert sorted(encoded) == [0, 2, 3, 4, 5, 6, 7, 8]
+    assert encoded[0] == dict(prompt_embeds="embeds of ['p0', 'q0']", prompt_embeds_mask=None,
+                              negative_prompt_embeds="embeds of ['bad', 'bad']", negative_prompt_embeds_mask=None)
+    assert len(calls) == 16
+    encoded, until = render.encode_ahead(pipe, batches, until)
+    assert sorted(encoded) == [9] and until == 10

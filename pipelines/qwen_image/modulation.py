@@ -4,24 +4,23 @@ The modulation vectors depend on nothing but the forward's `timestep` (and `guid
 call fixes), and the scheduler fixes the timesteps before the loop. So they can be computed once per schedule and
 looked up per step: the forward then reads 60 x 2 x [G, 6D] vectors instead of 2 x 60 Linear(3072, 18432) weights
 (12.7 GiB), which need not even be on the GPU (FastConfig.memory="low" keeps them on the host and streams them
-block by block while a table is built).
+block by block while a table is built: offload.on_device).
 
 Each entry is the same computation on the same input as the forward's own (FastQwenImageTransformer.time_embedding,
 then FastBlock.modulation on a [G, D] input, one step at a time), so a lookup is bit-identical to computing it
 (tests/pipelines/test_modulation.py). The table's key is everything those inputs depend on: the timesteps of every
 step (as the forward gets them, so the batch too), guidance, additional_t_cond, zero_cond_t (the transformer's
-config), dtype, device and the LoRA adapters in effect (lora_state.version and the call's scale).
+config), dtype, device, the LoRA adapters in effect (lora_state.version and the call's scale) and the weights
+themselves (each modulation tensor's data_ptr and _version counter, so a move or an in-place change builds anew).
 
 One step's entry, flat: per block, img [G, 6D] then txt [B, 6D]; then norm_out [B, 2D]. B is the forward's batch, G
 its image-modulation rows (2B with zero_cond_t: timestep t, then 0).
 """
 
-import contextlib
 from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
-import torch.nn as nn
 
 
 @dataclass(frozen=True)
@@ -78,20 +77,3 @@ def tensor_key(t: torch.Tensor | None) -> tuple | None:
     if t is None:
         return None
     return tuple(t.shape), str(t.dtype), t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
-
-
-@contextlib.contextmanager
-def on_device(modules: list[nn.Module], device: torch.device):
-    """Every parameter and buffer of `modules` not on `device` is put there (from pinned host memory, without
-    blocking the host) for the duration, then pointed back at its host tensor; the device copies are freed."""
-    moved = []
-    for module in modules:
-        for t in (*module.parameters(), *module.buffers()):
-            if t.device != device:
-                moved.append((t, t.data))
-                t.data = t.data.to(device, non_blocking=True)
-    try:
-        yield
-    finally:
-        for t, host in moved:
-            t.data = host

@@ -3,21 +3,55 @@
 The text encoder (a Qwen2.5-VL-7B: 15.5 GiB in BF16) and the fast transformer's block linears (12.7 GiB in FP8) do
 not fit a 24 GiB GPU together, and a pipeline call never needs both at once: it encodes, then denoises. So each
 set's tensors are moved into one flat host buffer (HostArena: pinned, so a transfer runs at the link's speed and
-without blocking the host) and the sets take turns in one device buffer as large as the largest (TakingTurns):
+without blocking the host) and the sets take turns in one device buffer (TakingTurns):
 bringing one in is a single host-to-device copy, sending the other out costs nothing (its tensors point back at
 their host copies). Because the buffer never moves, a set comes back at the addresses it had, and CUDA graphs
-captured over the transformer stay valid across turns. The buffer is sized for one set (the transformer's); a larger
-one (the text encoder, by ~1.5 GiB) puts what does not fit into a buffer of its own for its turn, given back to the
-driver when the turn ends, so the denoising loop never has it reserved.
+captured over the transformer stay valid across turns.
+
+The device buffer is sized for one set (the transformer's). A larger one (the text encoder, by ~1.5 GiB) puts what
+does not fit into a buffer of its own for its turn, given back to the driver when the turn ends, so the denoising
+loop never has it reserved.
 
 A tensor changed in place while on the device (fuse_lora folds adapters into FP8 weights with copy_) is copied back
 to its host view before its turn ends: its _version counter moved. One whose storage was replaced is adopted if its
 shape and dtype are unchanged.
+
+Smaller weights used now and then (the modulation linears, while a table is built) come from the host one module at
+a time (on_device).
 """
 
+import contextlib
+
 import torch
+import torch.nn as nn
 
 ALIGN = 256  # bytes: every view starts aligned for vectorized loads and cuBLAS
+
+
+def tensors_of(module: nn.Module, recurse: bool = True) -> list[torch.Tensor]:
+    """A module's parameters and buffers."""
+    return [*module.parameters(recurse=recurse), *module.buffers(recurse=recurse)]
+
+
+def nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+@contextlib.contextmanager
+def on_device(modules: list[nn.Module], device: torch.device):
+    """Every parameter and buffer of `modules` not on `device` is put there (from pinned host memory, without
+    blocking the host) for the duration, then pointed back at its host tensor; the device copies are freed."""
+    moved = []
+    for module in modules:
+        for t in tensors_of(module):
+            if t.device != device:
+                moved.append((t, t.data))
+                t.data = t.data.to(device, non_blocking=True)
+    try:
+        yield
+    finally:
+        for t, host in moved:
+            t.data = host
 
 
 class HostArena:
@@ -28,7 +62,7 @@ class HostArena:
         offsets, size = [], 0
         for t in unique:
             offsets.append(size)
-            size += -(-t.numel() * t.element_size() // ALIGN) * ALIGN
+            size += -(-nbytes(t) // ALIGN) * ALIGN
         self.nbytes = size
         self.host = torch.empty(size, dtype=torch.uint8, pin_memory=pin)
         self.entries = []  # (tensor, offset, host view)
@@ -42,8 +76,7 @@ class HostArena:
 
     @staticmethod
     def _view(buffer: torch.Tensor, offset: int, like: torch.Tensor) -> torch.Tensor:
-        nbytes = like.numel() * like.element_size()
-        return buffer[offset:offset + nbytes].view(like.dtype).view(like.shape)
+        return buffer[offset:offset + nbytes(like)].view(like.dtype).view(like.shape)
 
     @property
     def loaded(self) -> bool:
@@ -52,8 +85,7 @@ class HostArena:
     def load(self, buffer: torch.Tensor):
         """Copy into the device buffer (uint8) and point every tensor at its view there; the tensors from the first
         that does not fit on go to a buffer of their own (self.overflow) until unload."""
-        split = next((offset for t, offset, _ in self.entries
-                      if offset + t.numel() * t.element_size() > buffer.numel()), self.nbytes)
+        split = next((offset for t, offset, _ in self.entries if offset + nbytes(t) > buffer.numel()), self.nbytes)
         buffer[:split].copy_(self.host[:split], non_blocking=True)
         self.overflow = None
         if split < self.nbytes:

@@ -57,7 +57,8 @@ from .attention import TextMask, joint_attention, resolve_backend
 from .cfg_pairing import CfgPairing, pad_text
 from .config import FP8_LINEARS, FastTransformerConfig
 from .lora import BLOCK_SITES, LoraLinear, LoraState, LoraTargetLinear, site_of
-from .modulation import ModulationLayout, ModulationTables, on_device, tensor_key
+from .modulation import ModulationLayout, ModulationTables, tensor_key
+from .offload import on_device, tensors_of
 from .parallel import Ulysses, UlyssesPlan
 
 logger = logging.get_logger(__name__)
@@ -1076,14 +1077,13 @@ class FastQwenImageTransformer(ModelMixin, ConfigMixin):
         on the host: FastConfig.memory="low"). The last few tables are kept (modulation.py says what the key holds)."""
         device, dtype = self.device, self.dtype
         layout = self.modulation_layout(timesteps.shape[1])
-        weights = tuple((t.data_ptr(), t._version) for m in self._modulation_modules()
-                        for t in (*m.parameters(), *m.buffers()))
+        weights = tuple((t.data_ptr(), t._version) for m in self._modulation_modules() for t in tensors_of(m))
         key = (tensor_key(timesteps), tensor_key(guidance), tensor_key(additional_t_cond), self.zero_cond_t,
                str(dtype), str(device), self.lora_state.version, float(lora_scale), weights)
 
         def build() -> torch.Tensor:
             table = torch.empty(timesteps.shape[0], layout.size, dtype=dtype, device=device)
-            with self._lora_call_scale(lora_scale), on_device([self.time_text_embed, self.norm_out], device):
+            with self._lora_call_scale(lora_scale):
                 inputs = [self.time_embedding(timesteps[n], None if guidance is None else guidance[n],
                                               additional_t_cond, dtype) for n in range(timesteps.shape[0])]
                 for n, (_, silu_temb_t) in enumerate(inputs):
