@@ -4,25 +4,36 @@ The pipelines in ACCELERATED call `self.transformer(...)` as the text-to-image o
 latents joining the image stream (edit, layered: `img_shapes` lists them, Edit-2511 sets zero_cond_t), or ControlNet
 residuals; the fast transformer gives what the stock one gives there (tests/pipelines/test_family.py, against each
 stock pipeline). Batched CFG (FastConfig.batched_cfg) runs through the transformer, with their loops as diffusers
-wrote them (pipelines/qwen_image/cfg_pairing.py). What else the text-to-image loop does around the transformer (CUDA
-graphs, other samplers, the 2D VAE decode) does not run here; `applied` says what did. Why (measured):
-benchmarks/RESULTS.md, "Editing and image-conditioned generation".
+wrote them (pipelines/qwen_image/cfg_pairing.py); so do CUDA graphs (cuda_graph.CallGraphs) and the 2D VAE decode
+(decoding_2d), each for one call. FastConfig's samplers and cfg_fraction change the text-to-image loop, which these
+pipelines do not run: they are refused (replace pipe.scheduler instead). `applied` says what a call ran; the
+measurements are in benchmarks/RESULTS.md, "Editing and image-conditioned generation".
 
 Each has a fast class (FastQwenImageEditPlusPipeline, ...: the stock class with the fast transformer) whose
 from_pretrained loads the stock checkpoint and converts it; from_pretrained() below picks the class from the
 checkpoint's model_index.json, as diffusers' DiffusionPipeline.from_pretrained does.
 """
 
+import contextlib
 import inspect
 
 import diffusers
 import torch
+from diffusers.models.autoencoders.vae import DecoderOutput
+from diffusers.utils import logging
 from transformers.utils import is_torchvision_available
 
 from .config import FastConfig
 from .pipeline import FastTransformerPipeline, fast_transformer
 from .pipelines.qwen_image.cfg_pairing import CfgPairing
-from .pipelines.qwen_image.transformer import FastQwenImageTransformer
+from .pipelines.qwen_image.cuda_graph import CallGraphs, GraphedForward
+from .pipelines.qwen_image.transformer import FastQwenImageTransformer, has_offload_hooks
+from .pipelines.qwen_image.vae import can_decode_image, decode_image
+
+logger = logging.get_logger(__name__)
+
+# Graphs a family pipeline keeps (a paired CFG forward, or a cond and an uncond one, per output and condition size).
+MAX_GRAPHS = 4
 
 ACCELERATED = ("QwenImageImg2ImgPipeline", "QwenImageInpaintPipeline", "QwenImageEditPipeline",
                "QwenImageEditPlusPipeline", "QwenImageEditInpaintPipeline", "QwenImageLayeredPipeline",
@@ -33,30 +44,54 @@ class FastFamilyPipeline(FastTransformerPipeline):
     """Mixed in before one of ACCELERATED (fast_class): the fast transformer's answers, `fast_config`, `applied`."""
 
     fast_config: FastConfig
-    _paired: bool | None = None  # whether the last call batched CFG; None before the first
+    _graphs: GraphedForward | None = None  # the transformer's CUDA graphs (FastConfig.cuda_graphs), across calls
+    _ran: list[str] | None = None  # what the last call ran; None before the first
 
     @property
     def applied(self) -> list[str]:
-        """The fast transformer's entries, and batched_cfg: after a call, whether that call batched a step's two
-        forwards; before the first, whether it is in force (a call with CFG and without ControlNet will)."""
-        paired = self._paired if self._paired is not None else self._batches_cfg()
-        return self._transformer_entries() + (["batched_cfg"] if paired else [])
+        """After a call: what that call ran. Before the first: what is in force and runs when a call allows it
+        (batched_cfg: CFG without ControlNet; cuda_graphs: a CUDA device and no offload hooks, from a forward
+        signature's second forward in a call; vae_2d_decode: a stock VAE without tiling or hooks)."""
+        if self._ran is not None:
+            return list(self._ran)
+        return (self._transformer_entries() + (["batched_cfg"] if self._batches_cfg() else [])
+                + (["cuda_graphs"] if self._graphs_usable() else [])
+                + (["vae_2d_decode"] if self.fast_config.vae_2d_decode else []))
 
     def _batches_cfg(self) -> bool:
         return self.fast_config.batched_cfg and self._fast_transformer() is not None
 
+    def _graphs_usable(self) -> bool:
+        transformer = self._fast_transformer()
+        return (self._graphs is not None and transformer is not None and transformer.device.type == "cuda"
+                and not has_offload_hooks(transformer))
+
     def __call__(self, *args, **kwargs):
-        """diffusers' __call__; with batched CFG, the transformer pairs its forwards for this call only (a
-        transformer shared with another pipeline pairs none of that one's)."""
-        if not self._batches_cfg():
-            self._paired = False
-            return super().__call__(*args, **kwargs)
-        pairing = self.transformer.cfg_pairing = CfgPairing()
+        """diffusers' __call__; for this call only, the transformer pairs its CFG forwards (batched_cfg), replays
+        them from CUDA graphs (cuda_graphs) and the VAE decodes as 2D convolutions (vae_2d_decode), so a transformer
+        or VAE shared with another pipeline does none of it for that one."""
+        transformer = self._fast_transformer()
+        pairing = CfgPairing() if self._batches_cfg() else None
+        graphs = None
+        if self._graphs_usable():
+            self._graphs.drop_if_weights_moved()
+            graphs = CallGraphs(self._graphs)
+        decoded_2d = []
+        if transformer is not None:
+            transformer.cfg_pairing, transformer.call_graphs = pairing, graphs
         try:
-            return super().__call__(*args, **kwargs)
+            with decoding_2d(self.vae, decoded_2d) if self.fast_config.vae_2d_decode else contextlib.nullcontext():
+                return super().__call__(*args, **kwargs)
         finally:
-            self.transformer.cfg_pairing = None
-            self._paired = pairing.paired > 0
+            if transformer is not None:
+                transformer.cfg_pairing = transformer.call_graphs = None
+            if graphs is not None and graphs.failed is not None:
+                logger.warning("CUDA graph capture failed, running the transformer eagerly: %s",
+                               graphs.failed.__cause__ or graphs.failed)
+                self._graphs = None
+            self._ran = (self._transformer_entries() + (["batched_cfg"] if pairing and pairing.paired else [])
+                         + (["cuda_graphs"] if graphs and graphs.replayed else [])
+                         + (["vae_2d_decode"] if decoded_2d else []))
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args, fast_config=None, device=None, **kwargs):
@@ -125,7 +160,32 @@ def optimize_family(pipe, config: FastConfig, device, enhance_prompt):
         pipe.register_modules(transformer=fast_transformer(pipe.transformer, config, device))
     pipe.__class__ = fast_class(type(pipe))
     pipe.fast_config = config
+    fast = pipe._fast_transformer()
+    pipe._graphs = GraphedForward(fast, max_graphs=MAX_GRAPHS) if config.cuda_graphs and fast is not None else None
     return pipe
+
+
+@contextlib.contextmanager
+def decoding_2d(vae, decoded: list):
+    """vae.decode as decode_image (vae.py) wherever can_decode_image says that gives what it gives, for the
+    pipeline's own decode calls inside this block; appends to `decoded` each time it did. An instance attribute
+    `decode` set before (someone's wrapper) is called otherwise and put back after."""
+    stock, own = vae.decode, vae.__dict__.get("decode")
+
+    def decode(z, return_dict: bool = True):
+        if not can_decode_image(vae, z, has_offload_hooks(vae)):
+            return stock(z, return_dict=return_dict)
+        decoded.append(True)
+        image = decode_image(vae, z)
+        return DecoderOutput(sample=image) if return_dict else (image,)
+
+    vae.decode = decode
+    try:
+        yield
+    finally:
+        del vae.decode
+        if own is not None:
+            vae.decode = own
 
 
 FastQwenImageImg2ImgPipeline = fast_class(diffusers.QwenImageImg2ImgPipeline)

@@ -56,6 +56,7 @@ from ...kernels.residual_gate import (
 from .attention import TextMask, joint_attention, resolve_backend
 from .cfg_pairing import CfgPairing, pad_text
 from .config import FP8_LINEARS, FastTransformerConfig
+from .cuda_graph import CallGraphs
 from .lora import BLOCK_SITES, LoraLinear, LoraState, LoraTargetLinear, site_of
 from .modulation import ModulationLayout, ModulationTables, tensor_key
 from .offload import on_device, tensors_of
@@ -530,6 +531,7 @@ class FastQwenImageTransformer(ModelMixin, ConfigMixin):
         self.zero_cond_t = config["zero_cond_t"]
         self._context: str | None = None  # the cache_context a forward runs in
         self.cfg_pairing: CfgPairing | None = None  # set by a pipeline that batches CFG through it
+        self.call_graphs: CallGraphs | None = None  # lent by a family pipeline for one call (cuda_graph.py)
         self.ulysses: Ulysses | None = None  # set by a pipeline that splits the sequence over ranks (parallel.py)
         self.requires_grad_(False)
         self._mod_rows: dict = {}
@@ -1127,12 +1129,15 @@ class FastQwenImageTransformer(ModelMixin, ConfigMixin):
                       guidance=guidance, controlnet_block_samples=controlnet_block_samples,
                       additional_t_cond=additional_t_cond, modulation=modulation)
         with self._lora_call_scale(scale):
+            state = (scale, self.lora_state.version)
+            graphs = self.call_graphs
+            forward = self._forward if graphs is None else (lambda **kwargs: graphs(self._forward, kwargs, state))
             if self.cfg_pairing is None:
-                output = self._forward(**inputs)
+                output = forward(**inputs)
             elif modulation is not None:
                 raise ValueError("modulation= is for one forward; a pipeline that pairs CFG forwards computes it")
             else:
-                output = self.cfg_pairing(self._forward, self._context, inputs, (scale, self.lora_state.version))
+                output = self.cfg_pairing(forward, self._context, inputs, state)
         return Transformer2DModelOutput(sample=output) if return_dict else (output,)
 
     def _forward(self, hidden_states, encoder_hidden_states, encoder_hidden_states_mask, timestep, img_shapes,

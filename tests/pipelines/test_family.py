@@ -16,6 +16,7 @@ from transformers import Qwen2Tokenizer
 from qwen_image_fast import FastConfig, QwenImageFastPipeline, optimize
 from qwen_image_fast.family import FastFamilyPipeline, FastQwenImageEditPlusPipeline, from_pretrained
 from qwen_image_fast.kernels._utils import rel_rms_error
+from qwen_image_fast.pipelines.qwen_image.cuda_graph import GraphedForward
 from qwen_image_fast.tiny import tiny_components, tiny_pipeline
 
 
@@ -61,9 +62,10 @@ def stock(case_id: str):
     return pipeline_class(**components, controlnet=controlnet)
 
 
-def final_latents(pipe, case_id: str | None, seed: int = 0, **kwargs) -> torch.Tensor:
-    """The latents after the last step (the layered pipeline has no output_type="latent"), as the callback sees
-    them: what the transformer and the loop computed, before the VAE. The call: CASES[case_id]'s, or kwargs."""
+def run_case(pipe, case_id: str | None, seed: int = 0, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the latents after the last step, as the callback sees them: what the transformer and the loop computed,
+    before the VAE (the layered pipeline has no output_type="latent"); the images, as tensors). The call:
+    CASES[case_id]'s, or kwargs."""
     seen = {}
 
     def keep(pipe, step, t, tensors):
@@ -71,26 +73,32 @@ def final_latents(pipe, case_id: str | None, seed: int = 0, **kwargs) -> torch.T
         return {}
 
     kwargs = dict(height=32, width=48, output_type="pt") | COMMON | (CASES[case_id][2] if case_id else kwargs)
-    pipe(**{k: v for k, v in kwargs.items() if v is not None}, generator=torch.Generator().manual_seed(seed),
-         callback_on_step_end=keep)
-    return seen["latents"]
+    images = pipe(**{k: v for k, v in kwargs.items() if v is not None}, generator=torch.Generator().manual_seed(seed),
+                  callback_on_step_end=keep).images
+    return seen["latents"], torch.stack(list(images)) if isinstance(images, list) else images
+
+
+def final_latents(pipe, case_id: str | None, seed: int = 0, **kwargs) -> torch.Tensor:
+    return run_case(pipe, case_id, seed, **kwargs)[0]
 
 
 @pytest.mark.usefixtures("small_condition_images")
 @pytest.mark.parametrize("case_id", CASES)
 def test_optimize_matches_the_stock_pipeline(case_id):
     name = CASES[case_id][0]
-    ref = final_latents(stock(case_id), case_id)
+    ref, ref_images = run_case(stock(case_id), case_id)
     fast = optimize(stock(case_id), EXACT)
     assert isinstance(fast, FastFamilyPipeline) and isinstance(fast, getattr(diffusers, name))
-    assert fast.applied == ["fused_transformer", "attention:sdpa", "batched_cfg"]
+    assert fast.applied == ["fused_transformer", "attention:sdpa", "batched_cfg", "vae_2d_decode"]
     batches = forward_batches(fast)
-    assert_close(final_latents(fast, case_id), ref, 1e-5, case_id)
+    latents, images = run_case(fast, case_id)
+    assert_close(latents, ref, 1e-5, case_id)
+    torch.testing.assert_close(images, ref_images, atol=1e-5, rtol=0)  # the 2D decode: <= 7e-7 here
     if "controlnet" in case_id or case_id == "layered":  # residuals per text, additional_t_cond: never paired
-        assert batches == [1] * 6 and fast.applied == ["fused_transformer", "attention:sdpa"]
+        assert batches == [1] * 6 and fast.applied == ["fused_transformer", "attention:sdpa", "vae_2d_decode"]
     else:  # the first step unpaired, then one forward of batch 2 per step
         assert batches == [1, 1] + [2] * (len(batches) - 2) and len(batches) >= 3, batches
-        assert fast.applied[-1] == "batched_cfg"
+        assert fast.applied == ["fused_transformer", "attention:sdpa", "batched_cfg", "vae_2d_decode"]
     fp8 = optimize(stock(case_id), FastConfig())
     assert "fp8" in fp8.applied
     assert 0 < rel_rms_error(final_latents(fp8, case_id), ref) < FP8_BOUND
@@ -114,7 +122,45 @@ def test_unbatched_cfg_matches_stock_too():
     fast = optimize(stock("edit_plus_2511"), EXACT.replace(batched_cfg=False))
     batches = forward_batches(fast)
     assert_close(final_latents(fast, "edit_plus_2511"), ref, 1e-5)
-    assert batches == [1] * 6 and fast.applied == ["fused_transformer", "attention:sdpa"]
+    assert batches == [1] * 6 and fast.applied == ["fused_transformer", "attention:sdpa", "vae_2d_decode"]
+
+
+@pytest.mark.usefixtures("small_condition_images")
+def test_graphs_replay_from_a_signatures_second_forward_in_a_call(monkeypatch):
+    """CallGraphs in diffusers' own loop, with a stand-in for the CUDA-graph capture so that it runs here (the
+    stand-in's replay runs the captured function on the captured static inputs; test_graphs_on_gpu replays real
+    graphs): the first forward of a signature in a call runs eagerly, the second captures (no warm-up), the others
+    replay; the latents are those of the pipeline without graphs, bit for bit. ControlNet forwards never replay."""
+    captured, replays = [], []
+
+    def capture(run, kwargs, warmup_runs):
+        static = {name: v.clone() for name, v in kwargs.items() if isinstance(v, torch.Tensor)}
+        out = run(**kwargs | static)
+        captured.append((kwargs["hidden_states"].shape[0], warmup_runs))
+
+        class Graph:
+            def replay(self):
+                replays.append(kwargs["hidden_states"].shape[0])
+                out.copy_(run(**kwargs | static))
+
+        return Graph(), static, out
+
+    monkeypatch.setattr(GraphedForward, "_try_capture", staticmethod(capture))
+    monkeypatch.setattr(FastFamilyPipeline, "_graphs_usable", lambda self: self._graphs is not None)
+    call = CASES["edit_plus_2511"][2] | dict(num_inference_steps=4)
+    eager = optimize(stock("edit_plus_2511"), EXACT.replace(cuda_graphs=False))
+    graphed = optimize(stock("edit_plus_2511"), EXACT)
+    assert "cuda_graphs" not in eager.applied and "cuda_graphs" in graphed.applied
+    ref = final_latents(eager, None, **call)
+    # steps 1 (unpaired cond, uncond) and 2 (the first paired forward) eager, 3 captures, 3 and 4 replay
+    assert torch.equal(final_latents(graphed, None, **call), ref)
+    assert captured == [(2, 0)] and replays == [2, 2]
+    assert graphed.applied == ["fused_transformer", "attention:sdpa", "batched_cfg", "cuda_graphs", "vae_2d_decode"]
+    assert torch.equal(final_latents(graphed, None, **call), ref)  # the next call replays from its first pair
+    assert captured == [(2, 0)] and replays == [2] * 5
+    controlnet = optimize(stock("controlnet"), EXACT)
+    final_latents(controlnet, "controlnet")
+    assert captured == [(2, 0)] and "cuda_graphs" not in controlnet.applied
 
 
 def test_cfg_pairing_returns_the_kept_half_only_for_the_inputs_it_was_computed_from():
@@ -173,7 +219,12 @@ def test_lora_through_the_pipelines_own_loader():
         pipe.load_lora_weights(lightning_format(LORA_A + LORA_B), adapter_name="a")
         pipe.set_adapters(["a"], [0.7])
     assert fast.get_active_adapters() == ["a"]
-    assert_close(final_latents(fast, case_id), final_latents(reference, case_id), 1e-5, "LoRA on Edit-2511")
+    unscaled = final_latents(fast, case_id)
+    assert_close(unscaled, final_latents(reference, case_id), 1e-5, "LoRA on Edit-2511")
+    scaled = CASES[case_id][2] | dict(attention_kwargs={"scale": 0.4})
+    fast_scaled = final_latents(fast, None, **scaled)
+    assert_close(fast_scaled, final_latents(reference, None, **scaled), 1e-5, "attention_kwargs scale")
+    assert rel_rms_error(fast_scaled, unscaled) > 1e-3  # the scale changes what the LoRA adds
     for pipe in (reference, fast):
         pipe.fuse_lora()
     assert_close(final_latents(fast, case_id), final_latents(reference, case_id), 1e-5, "fused LoRA on Edit-2511")
@@ -221,17 +272,11 @@ def read_json(path):
     return json.loads(path.read_text())
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("n_images", [1, 2])
-def test_edit_2511_at_real_shapes_on_gpu(n_images):
-    """QwenImageEditPlusPipeline with Edit-2511's zero_cond_t at the real widths (2 of the 60 blocks: 3072 = 24 x
-    128, MLP 12288, text 3584) and the real VAE, random weights; 1024x1024 output from one or two 1024x1024
-    condition images (4096 noisy + 4096 or 8192 condition tokens); a 1-layer text encoder of the real width with a
-    1-block vision tower of the real output width. Two steps with CFG. The latents after the last step against
-    the fp32 stock pipeline: FP8 no worse than 1.1x stock with emulated FP8 linears; BF16 mode within 2x stock's
-    own bf16 error."""
+def real_width_edit_plus():
+    """Edit-2511's QwenImageEditPlusPipeline at the real widths (2 of the 60 blocks: 3072 = 24 x 128, MLP 12288,
+    text 3584, zero_cond_t) with the real VAE, random weights, fp32 on CUDA; a 1-layer text encoder of the real
+    width with a 1-block vision tower of the real output width."""
     from diffusers import AutoencoderKLQwenImage, QwenImageEditPlusPipeline, QwenImageTransformer2DModel
-    from test_transformer import emulate_fp8
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
     from qwen_image_fast.tiny import VISION_TOKENS
@@ -252,11 +297,28 @@ def test_edit_2511_at_real_shapes_on_gpu(n_images):
         vocab_size=len(tokenizer), **dict(zip(("vision_start_token_id", "vision_end_token_id", "image_token_id",
                                                "video_token_id"), tokenizer.convert_tokens_to_ids(VISION_TOKENS)))))
     components |= dict(transformer=transformer, vae=AutoencoderKLQwenImage(), text_encoder=text_encoder.eval())
-    stock32 = QwenImageEditPlusPipeline(**components).to("cuda")
-    # the same starting noise in every run (drawn in the pipeline's dtype, fp32 and bf16 noise would differ)
+    return QwenImageEditPlusPipeline(**components).to("cuda")
+
+
+def edit_call(n_images: int, steps: int) -> dict:
+    """1024x1024 output from one or two 1024x1024 condition images (4096 noisy + 4096 or 8192 condition tokens),
+    CFG, the same starting noise in every run (drawn in the pipeline's dtype, fp32 and bf16 noise would differ)."""
     noise = torch.randn(1, 64 * 64, 64, generator=torch.Generator().manual_seed(1))
-    call = dict(image=[IMAGE.resize((1024, 1024)), IMAGE_2.resize((1024, 1024))][:n_images], height=1024,
-                width=1024, num_inference_steps=2, latents=noise)
+    return dict(image=[IMAGE.resize((1024, 1024)), IMAGE_2.resize((1024, 1024))][:n_images], height=1024,
+                width=1024, num_inference_steps=steps, latents=noise)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n_images", [1, 2])
+def test_edit_2511_at_real_shapes_on_gpu(n_images):
+    """real_width_edit_plus(), two steps of edit_call(n_images). The latents after the last step against the fp32
+    stock pipeline: FP8 no worse than 1.1x stock with emulated FP8 linears; BF16 mode within 2x stock's own bf16
+    error."""
+    from diffusers import QwenImageEditPlusPipeline
+    from test_transformer import emulate_fp8
+
+    stock32 = real_width_edit_plus()
+    call = edit_call(n_images, steps=2)
     ref32 = final_latents(stock32, None, **call)
     stock = stock32.to(torch.bfloat16)
     err_bf16 = rel_rms_error(final_latents(stock, None, **call), ref32)
@@ -268,8 +330,30 @@ def test_edit_2511_at_real_shapes_on_gpu(n_images):
     err_fp8 = rel_rms_error(final_latents(fp8, None, **call), ref32)
     assert 0 < err_fp8 <= 1.1 * err_emulated, (err_fp8, err_emulated)
     bf16 = optimize(QwenImageEditPlusPipeline(**stock.components), FastConfig(fp8=False))
-    assert fp8.applied[-1] == "batched_cfg"
+    assert fp8.applied == ["fused_transformer", "fp8", "fp8_fast_accum", "attention:fa4", "batched_cfg",
+                           "vae_2d_decode"]  # two steps: no signature's second forward, so no graph
     err_ours_bf16 = rel_rms_error(final_latents(bf16, None, **call), ref32)
     assert err_ours_bf16 <= 2 * err_bf16 + 1e-3, (err_ours_bf16, err_bf16)
     print(f"edit-2511 x{n_images}: rel-RMS vs fp32 stock: stock bf16 {err_bf16:.2e}, ours bf16 {err_ours_bf16:.2e}, "
           f"stock emulated FP8 {err_emulated:.2e}, ours FP8 {err_fp8:.2e}")
+
+
+@pytest.mark.gpu
+def test_graphs_on_gpu():
+    """Real CUDA graphs in Edit-2511's loop at the real widths (two condition images, FP8, five steps, twice): the
+    latents equal the eager pipeline's bit for bit; a LoRA scale change keys new graphs; ControlNet-free forwards
+    only."""
+    from diffusers import QwenImageEditPlusPipeline
+
+    stock = real_width_edit_plus().to(torch.bfloat16)
+    call = edit_call(2, steps=5)
+    eager = optimize(QwenImageEditPlusPipeline(**stock.components), FastConfig(cuda_graphs=False))
+    graphed = optimize(QwenImageEditPlusPipeline(**stock.components), FastConfig())
+    ref = final_latents(eager, None, **call)
+    for run in ("first call", "second call"):
+        assert torch.equal(final_latents(graphed, None, **call), ref), run
+        assert "cuda_graphs" in graphed.applied and "cuda_graphs" not in eager.applied
+    assert len(graphed._graphs.graphs) == 1  # the paired forward's; the unpaired first step's ran eagerly
+    scaled = dict(call, attention_kwargs={"scale": 0.5})
+    assert torch.equal(final_latents(graphed, None, **scaled), final_latents(eager, None, **scaled))
+    assert len(graphed._graphs.graphs) == 2
