@@ -24,7 +24,8 @@ class FastConfig:
         each means); they need fused_transformer.
     batched_cfg: prompt and negative prompt in one forward of batch 2N, padded text masked.
     cuda_graphs: replay the transformer forward from a CUDA graph per (resolution, batch, text length bucket);
-        text lengths round up to a multiple of text_bucket (padding masked). Needs fused_transformer and CUDA.
+        text lengths round up to a multiple of text_bucket (padding masked). Needs fused_transformer and CUDA. In
+        the image-conditioned pipelines (family.py), per forward signature, from its second forward in a call.
     scheduler: "euler" (the pipeline's own scheduler, whatever it is) | "dpm++2m" | "unipc" (derived at call time
         from the pipeline's scheduler config).
     cfg_fraction: selective CFG, LOSSY: guidance only for the first fraction of the steps (1.0 = every step).
