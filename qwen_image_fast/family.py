@@ -44,8 +44,6 @@ class FastFamilyPipeline(FastTransformerPipeline):
     """Mixed in before one of ACCELERATED (fast_class): the fast transformer's answers, `fast_config`, `applied`."""
 
     fast_config: FastConfig
-    _graphs: GraphedForward | None = None  # the transformer's CUDA graphs (FastConfig.cuda_graphs), across calls
-    _ran: list[str] | None = None  # what the last call ran; None before the first
 
     @property
     def applied(self) -> list[str]:
@@ -60,11 +58,6 @@ class FastFamilyPipeline(FastTransformerPipeline):
 
     def _batches_cfg(self) -> bool:
         return self.fast_config.batched_cfg and self._fast_transformer() is not None
-
-    def _graphs_usable(self) -> bool:
-        transformer = self._fast_transformer()
-        return (self._graphs is not None and transformer is not None and transformer.device.type == "cuda"
-                and not has_offload_hooks(transformer))
 
     def __call__(self, *args, **kwargs):
         """diffusers' __call__; for this call only, the transformer pairs its CFG forwards (batched_cfg), replays

@@ -105,6 +105,15 @@ class FastTransformerPipeline:
     the diffusers class): the pipeline-level LoRA methods that look for peft layers, `save_pretrained`'s refusal of
     adapters, and the transformer's entries of `applied`."""
 
+    _graphs: GraphedForward | None = None  # the transformer's CUDA graphs (FastConfig.cuda_graphs), across calls
+    _ran: list[str] | None = None  # what the last call ran (None before the first call)
+
+    def _graphs_usable(self) -> bool:
+        """Whether graphs will replay: kept, and the fast transformer on a CUDA device without offload hooks."""
+        transformer = self._fast_transformer()
+        return (self._graphs is not None and transformer is not None and transformer.device.type == "cuda"
+                and not has_offload_hooks(transformer))
+
     def _transformer_entries(self) -> list[str]:
         transformer = self.transformer
         if not isinstance(transformer, FastQwenImageTransformer):
@@ -174,10 +183,8 @@ class QwenImageFastPipeline(FastTransformerPipeline, QwenImagePipeline):
     prompt_enhancer = None  # a PromptEnhancer, or None: prompts are encoded as given
     last_enhanced_prompts: list[str] | None = None  # the rewrites of the last call (None when there were none)
     sampler = None  # the scheduler the last call stepped with: pipe.scheduler itself, or one derived from it
-    _graphs: GraphedForward | None = None  # the transformer's CUDA graphs (FastConfig.cuda_graphs)
     _turns: TakingTurns | None = None  # memory="low": the text encoder and the block linears on the GPU in turn
     parallel: ParallelMesh | None = None  # the process groups of FastConfig.parallel
-    _ran: list[str] | None = None  # what the last call ran (None before the first call)
 
     def __init__(self, scheduler, vae, text_encoder, tokenizer, transformer, fast_config: FastConfig | str | None = None,
                  enhance_prompt=None):
@@ -255,12 +262,11 @@ class QwenImageFastPipeline(FastTransformerPipeline, QwenImagePipeline):
         (batched_cfg needs CFG, cuda_graphs a CUDA device and no offload hooks)."""
         if self._ran is not None:
             return list(self._ran)
-        config, transformer = self.fast_config, self.transformer
-        graphs = self._graphs is not None and transformer.device.type == "cuda" and not has_offload_hooks(transformer)
+        config = self.fast_config
         parallel = self.parallel.applied() if self.parallel is not None else []
         return (self._transformer_entries() + self._memory_entries(self._uses_table()) + parallel
                 + (["batched_cfg"] if config.batched_cfg and "parallel:cfg2" not in parallel else [])
-                + (["cuda_graphs"] if graphs else []) + self._sampler_entries()
+                + (["cuda_graphs"] if self._graphs_usable() else []) + self._sampler_entries()
                 + ([f"cfg_fraction:{config.cfg_fraction:g}"] if config.cfg_fraction < 1 else [])
                 + (["enhance_prompt"] if self.prompt_enhancer is not None else [])
                 + (["vae_2d_decode"] if config.vae_2d_decode else []))
