@@ -148,10 +148,11 @@ def test_graphs_replay_from_a_signatures_second_forward_in_a_call(monkeypatch):
     monkeypatch.setattr(GraphedForward, "_try_capture", staticmethod(capture))
     monkeypatch.setattr(FastFamilyPipeline, "_graphs_usable", lambda self: self._graphs is not None)
     call = CASES["edit_plus_2511"][2] | dict(num_inference_steps=4)
-    eager = optimize(stock("edit_plus_2511"), EXACT.replace(cuda_graphs=False))
+    eager = optimize(stock("edit_plus_2511"), EXACT.replace(cuda_graphs=False, vae_2d_decode=False))
     graphed = optimize(stock("edit_plus_2511"), EXACT)
     assert "cuda_graphs" not in eager.applied and "cuda_graphs" in graphed.applied
     ref = final_latents(eager, None, **call)
+    assert eager.applied == ["fused_transformer", "attention:sdpa", "batched_cfg"]  # both options off: neither ran
     # steps 1 (unpaired cond, uncond) and 2 (the first paired forward) eager, 3 captures, 3 and 4 replay
     assert torch.equal(final_latents(graphed, None, **call), ref)
     assert captured == [(2, 0)] and replays == [2, 2]
