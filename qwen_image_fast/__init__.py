@@ -1,27 +1,32 @@
-"""qwen-image-fast: fast, faithful Qwen-Image-2512 inference (rowwise FP8, fused Triton kernels, FlashAttention-4).
+"""qwen-image-fast: fast, faithful Qwen-Image inference (rowwise FP8, fused Triton kernels, FlashAttention-4).
 
     from qwen_image_fast import QwenImageFastPipeline, FastConfig, optimize, PromptEnhancer, lightning_scheduler
     from qwen_image_fast import from_pretrained  # any accelerated pipeline, by its model_index.json
 
-The kernels live in `qwen_image_fast.kernels`, the model code in `qwen_image_fast.pipelines`. Importing the package
-imports neither torch nor diffusers: each name below loads its module on first use (the CLI starts fast).
+The kernels live in `qwen_image_fast.kernels`, the models and pipelines in `qwen_image_fast.pipelines`, the command
+line in `qwen_image_fast.cli`. Importing the package imports neither torch nor diffusers: each name below loads its
+module on first use (the CLI starts fast). The fast classes are exported here by name, which is how diffusers finds
+them in a saved fast pipeline's model_index.json (library "qwen_image_fast").
 """
 
 import importlib
 
-__all__ = ["FastConfig", "FastQwenImageTransformer", "PromptEnhancer", "QwenImageFastPipeline", "from_pretrained",
-           "lightning_scheduler", "optimize"]
-__version__ = "0.1.0"
-
 _WHERE = {
-    "FastConfig": ".config",
-    "QwenImageFastPipeline": ".pipeline",
-    "optimize": ".pipeline",
-    "FastQwenImageTransformer": ".pipelines.qwen_image.transformer",
+    "FastConfig": ".pipelines.qwen_image.config",
+    "QwenImageFastPipeline": ".pipelines.qwen_image.text_to_image",
+    "optimize": ".pipelines.qwen_image.loading",
+    "from_pretrained": ".pipelines.qwen_image.loading",
+    "FastQwenImageTransformer": ".pipelines.qwen_image.model.transformer",
+    "FastAutoencoderKLQwenImage": ".pipelines.qwen_image.model.vae",
     "PromptEnhancer": ".pipelines.qwen35.enhance",
-    "lightning_scheduler": ".samplers",
-    "from_pretrained": ".family",
+    "lightning_scheduler": ".pipelines.qwen_image.samplers",
+    **{name: ".pipelines.qwen_image.family" for name in (
+        "FastQwenImageImg2ImgPipeline", "FastQwenImageInpaintPipeline", "FastQwenImageEditPipeline",
+        "FastQwenImageEditPlusPipeline", "FastQwenImageEditInpaintPipeline", "FastQwenImageLayeredPipeline",
+        "FastQwenImageControlNetPipeline", "FastQwenImageControlNetInpaintPipeline")},
 }
+__all__ = sorted(_WHERE)
+__version__ = "0.1.0"
 
 
 def __getattr__(name):

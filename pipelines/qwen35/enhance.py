@@ -16,6 +16,7 @@ depend on the batch it is in; greedy decoding (temperature=0) does not.
 """
 
 import logging
+import os
 import re
 import unicodedata
 
@@ -179,3 +180,24 @@ class PromptEnhancer:
 
     def __repr__(self) -> str:
         return f"PromptEnhancer({self.name or type(self.model).__name__}, device={self.model.device})"
+
+
+def resolve_enhancer(enhance_prompt, device=None):
+    """None / False: no enhancer. True: PromptEnhancer.from_pretrained() (DEFAULT_ENHANCER_ID). A str or path: a
+    Qwen3.5 checkpoint (local folder or hub id); "tiny-random": tiny_enhancer(), random weights, for tests. An object
+    with an enhance(prompts) -> list[str] method (a PromptEnhancer): itself. device: where a loaded enhancer runs
+    (None: CUDA when available)."""
+    from ..tiny import TINY_ENHANCER_ID, tiny_enhancer
+
+    if enhance_prompt is None or enhance_prompt is False:
+        return None
+    if enhance_prompt is True:
+        return PromptEnhancer.from_pretrained(DEFAULT_ENHANCER_ID, device=device)
+    if enhance_prompt == TINY_ENHANCER_ID:
+        return tiny_enhancer(device=device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if isinstance(enhance_prompt, (str, os.PathLike)):
+        return PromptEnhancer.from_pretrained(os.fspath(enhance_prompt), device=device)
+    if callable(getattr(enhance_prompt, "enhance", None)):
+        return enhance_prompt
+    raise TypeError(f"enhance_prompt={enhance_prompt!r}; allowed: None, False, True, a checkpoint path or hub id, "
+                    "or a PromptEnhancer")

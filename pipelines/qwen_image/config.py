@@ -1,13 +1,30 @@
-"""FastTransformerConfig: how the fast transformer stores and runs its block linears and attention.
+"""The options of the fast pipelines and of the fast transformer, each defined once, with its one default.
 
-Kept free of torch/diffusers imports: the package's config and the CLI's argument parsing import it.
+FastTransformerConfig: how the fast transformer stores and runs its block linears and attention; the model keeps it
+(and saves it in its config.json as "fast_config"). FastConfig: those options plus the pipeline's; what
+QwenImageFastPipeline / optimize() apply (`pipe.applied` lists what actually ran; optimizations.py declares each).
+
+Each field says when it is read (`binds`):
+- "build": when the pipeline or model is built (conversion, how weights are stored, where components live, process
+  groups). Changing it means building again.
+- "call": at every pipeline call. `pipe.fast_config = pipe.fast_config.replace(scheduler="unipc")` takes effect at
+  the next call; a change to a build option there is refused.
+
+Free of torch/diffusers imports: the command line builds and validates one before loading anything.
 """
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, fields, replace
 
 # The block linears that may run in FP8; (stream)_(layer). qkv is the per-stream fused Q/K/V projection.
 FP8_LINEARS = ("img_qkv", "img_out", "img_fc1", "img_fc2", "txt_qkv", "txt_out", "txt_fc1", "txt_fc2")
 ATTENTION_BACKENDS = ("auto", "fa4", "cudnn", "sdpa")
+SCHEDULERS = ("euler", "dpm++2m", "unipc")
+PRESETS = ("fast", "baseline")
+PARALLEL_MODES = ("none", "cfg", "ulysses", "cfg,ulysses")
+MEMORY_MODES = ("fast", "low")
+
+BUILD = {"binds": "build"}
+CALL = {"binds": "call"}
 
 
 @dataclass(frozen=True)
@@ -20,10 +37,10 @@ class FastTransformerConfig:
     fp8 and bf16_linears decide how the weights are stored (a saved checkpoint keeps them); fp8_fast_accum and
     attention only how they run."""
 
-    fp8: bool = True
-    bf16_linears: tuple[str, ...] = ()
-    fp8_fast_accum: bool = False
-    attention: str = "auto"
+    fp8: bool = field(default=True, metadata=BUILD)
+    bf16_linears: tuple[str, ...] = field(default=(), metadata=BUILD)
+    fp8_fast_accum: bool = field(default=True, metadata=BUILD)
+    attention: str = field(default="auto", metadata=BUILD)
 
     def __post_init__(self):
         object.__setattr__(self, "bf16_linears", tuple(self.bf16_linears))
@@ -41,12 +58,144 @@ class FastTransformerConfig:
         return tuple(name for name in FP8_LINEARS if self.is_fp8(name))
 
     def to_dict(self) -> dict:
-        return {**asdict(self), "bf16_linears": list(self.bf16_linears)}
+        return {f.name: getattr(self, f.name) for f in fields(FastTransformerConfig)} | {
+            "bf16_linears": list(self.bf16_linears)}
+
+    @classmethod
+    def of(cls, config: "FastTransformerConfig") -> "FastTransformerConfig":
+        """The transformer's options of a FastTransformerConfig or a FastConfig, as a FastTransformerConfig."""
+        return cls(**{f.name: getattr(config, f.name) for f in fields(cls)})
 
     @classmethod
     def from_dict(cls, values: dict) -> "FastTransformerConfig":
-        unknown = sorted(set(values) - set(cls.__dataclass_fields__))
+        allowed = [f.name for f in fields(cls)]
+        unknown = sorted(set(values) - set(allowed))
         if unknown:
-            raise ValueError(f"unknown FastTransformerConfig field(s) {unknown}; allowed: "
-                             f"{', '.join(cls.__dataclass_fields__)}")
+            raise ValueError(f"unknown FastTransformerConfig field(s) {unknown}; allowed: {', '.join(allowed)}")
         return cls(**values)
+
+
+@dataclass(frozen=True)
+class FastConfig(FastTransformerConfig):
+    """The transformer's options (above) and the pipeline's:
+
+    fused_transformer: the fused-kernel transformer (FastQwenImageTransformer) instead of diffusers' blocks; the
+        transformer's options need it.
+    batched_cfg: prompt and negative prompt in one forward of batch 2N, padded text masked.
+    cuda_graphs: replay transformer forwards from CUDA graphs (runtime/runner.py: a forward signature's first
+        forward in a call runs eagerly, the second captures); text lengths round up to a multiple of text_bucket
+        (padding masked) so that prompts of other lengths share a graph. Needs fused_transformer and CUDA.
+    scheduler: "euler" (the pipeline's own scheduler, whatever it is) | "dpm++2m" | "unipc" (derived at call time
+        from the pipeline's scheduler config). Text-to-image only.
+    cfg_fraction: selective CFG: guidance only for the first fraction of the steps (1.0 = every step).
+        Text-to-image only.
+    vae_2d_decode: decode an image with the VAE decoder's causal 3D convolutions as the 2D ones they amount to for
+        one frame (model/vae.py); not while the VAE tiles or has offload hooks.
+    parallel: one image on several processes of an initialised torch.distributed group (runtime/parallel.py):
+        "none" | "cfg" (2 ranks: prompt and negative prompt; needs CFG; then batched_cfg does not apply) |
+        "ulysses" (sequence parallel; needs fused_transformer) | "cfg,ulysses". Text-to-image only.
+    ulysses_degree: ranks per Ulysses group; 0 = every rank CFG leaves. With world = dp x cfg x ulysses, dp > 1
+        groups each denoise their own images (the CLI splits the prompts among them).
+    modulation_table: every block's modulation vectors for every step computed once per schedule and looked up in
+        the loop, bit-identical to computing them in each forward (model/modulation.py); not while offload hooks
+        move the weights. Text-to-image only.
+    memory: "fast" (every weight on the GPU) | "low" (runtime/offload.py: the modulation weights stay on the host,
+        where tables are built from; the text encoder and the transformer's block linears take turns on the GPU in
+        one shared buffer). Needs modulation_table; not with parallel. Text-to-image only.
+    """
+
+    fused_transformer: bool = field(default=True, metadata=BUILD)
+    batched_cfg: bool = field(default=True, metadata=CALL)
+    cuda_graphs: bool = field(default=True, metadata=CALL)
+    text_bucket: int = field(default=64, metadata=CALL)
+    scheduler: str = field(default="euler", metadata=CALL)
+    cfg_fraction: float = field(default=1.0, metadata=CALL)
+    vae_2d_decode: bool = field(default=True, metadata=BUILD)
+    parallel: str = field(default="none", metadata=BUILD)
+    ulysses_degree: int = field(default=0, metadata=BUILD)
+    modulation_table: bool = field(default=True, metadata=CALL)
+    memory: str = field(default="fast", metadata=BUILD)
+
+    def __post_init__(self):
+        super().__post_init__()
+        parallel = ",".join(sorted(self.parallel.split(","))) if isinstance(self.parallel, str) else self.parallel
+        if parallel not in PARALLEL_MODES:
+            raise ValueError(f"parallel={self.parallel!r}; allowed: {', '.join(PARALLEL_MODES)}")
+        object.__setattr__(self, "parallel", parallel)
+        if not isinstance(self.ulysses_degree, int) or self.ulysses_degree < 0:
+            raise ValueError(f"ulysses_degree={self.ulysses_degree!r}; allowed: an integer >= 0 (0 = all the ranks)")
+        if self.ulysses_degree > 1 and "ulysses" not in parallel:
+            raise ValueError(f"ulysses_degree={self.ulysses_degree} needs parallel='ulysses' or 'cfg,ulysses' "
+                             f"(parallel={parallel!r})")
+        if "ulysses" in parallel and not self.fused_transformer:
+            raise ValueError(f"parallel={parallel!r}: Ulysses runs inside the fused transformer; keep "
+                             "fused_transformer=True")
+        if self.memory not in MEMORY_MODES:
+            raise ValueError(f"memory={self.memory!r}; allowed: {', '.join(MEMORY_MODES)}")
+        if self.memory == "low" and not (self.modulation_table and self.fused_transformer):
+            raise ValueError("memory='low' keeps the modulation weights on the host and needs modulation_table=True "
+                             "and fused_transformer=True")
+        if self.memory == "low" and parallel != "none":
+            raise ValueError(f"memory='low' with parallel={parallel!r} is not supported: one or the other")
+        if self.scheduler not in SCHEDULERS:
+            raise ValueError(f"scheduler={self.scheduler!r}; allowed: {', '.join(SCHEDULERS)}")
+        if not 0.0 < self.cfg_fraction <= 1.0:
+            raise ValueError(f"cfg_fraction={self.cfg_fraction}; allowed: 0 < cfg_fraction <= 1 (1 = CFG every step)")
+        if not isinstance(self.text_bucket, int) or self.text_bucket < 1:
+            raise ValueError(f"text_bucket={self.text_bucket!r}; allowed: an integer >= 1")
+
+    def transformer_config(self) -> FastTransformerConfig:
+        return FastTransformerConfig.of(self)
+
+    @classmethod
+    def preset(cls, name: str) -> "FastConfig":
+        """"fast": everything on (the default). "baseline": the stock diffusers pipeline's computation."""
+        if name == "fast":
+            return cls()
+        if name == "baseline":
+            return cls(fused_transformer=False, fp8=False, batched_cfg=False, cuda_graphs=False, vae_2d_decode=False,
+                       modulation_table=False)
+        raise ValueError(f"preset={name!r}; allowed: {', '.join(PRESETS)}")
+
+    @classmethod
+    def coerce(cls, config: "FastConfig | str | None") -> "FastConfig":
+        """A FastConfig as is, a preset name, or None (= "fast")."""
+        if isinstance(config, FastConfig):
+            return config
+        if config is None or isinstance(config, str):
+            return cls.preset(config or "fast")
+        raise TypeError(f"fast_config={config!r}; allowed: a FastConfig, a preset name ({', '.join(PRESETS)}) "
+                        "or None")
+
+    def replace(self, **changes) -> "FastConfig":
+        return replace(self, **changes)
+
+    def changed_build_options(self, other: "FastConfig") -> list[str]:
+        """The build options whose values differ between self and other."""
+        return [f.name for f in fields(self) if f.metadata["binds"] == "build"
+                and getattr(self, f.name) != getattr(other, f.name)]
+
+    def differences(self, base: "FastConfig") -> dict:
+        """{field: value} where self differs from `base` (e.g. a preset): what a command line changed."""
+        mine, theirs = asdict(self), asdict(base)
+        return {name: value for name, value in mine.items() if value != theirs[name]}
+
+    def tag(self) -> str:
+        """Short, file-name-safe summary, e.g. 'fused-fp8-fastacc-auto-bcfg-graphs-euler'."""
+        if not self.fused_transformer:
+            parts = ["stock"]
+        else:
+            parts = ["fused", "fp8" if self.fp8 else "bf16"]
+            parts += [f"keep-{'-'.join(self.bf16_linears)}"] if self.fp8 and self.bf16_linears else []
+            parts += ["fastacc"] if self.fp8 and self.fp8_fast_accum else []
+            parts += [self.attention]
+        parts += ["bcfg"] if self.batched_cfg else []
+        parts += ["graphs"] if self.cuda_graphs and self.fused_transformer else []
+        parts += ["table"] if self.modulation_table and self.fused_transformer else []
+        parts += ["lowmem"] if self.memory == "low" else []
+        parts += [self.scheduler.replace("+", "p")]
+        parts += [f"cfg{self.cfg_fraction:g}"] if self.cfg_fraction < 1 else []
+        parts += ["vae2d"] if self.vae_2d_decode else []
+        parts += ["cfgpar"] if "cfg" in self.parallel.split(",") else []
+        parts += [f"ulysses{self.ulysses_degree or 'all'}"] if "ulysses" in self.parallel else []
+        return "-".join(parts)

@@ -1,9 +1,9 @@
-"""FastConfig.memory="low": where a fast pipeline's components live (pipelines/qwen_image/offload.py says how
+"""FastConfig.memory="low": where a fast pipeline's components live (offload.py says how
 weights take turns on the GPU).
 
 - on the GPU: the VAE and the transformer's small parts (embedders, norm_out, proj_out; ~0.1 GiB);
 - on the host, pinned: the modulation weights (img_mod / txt_mod, 12.7 GiB), read block by block while a modulation
-  table is built (modulation.py);
+  table is built (model/modulation.py);
 - taking turns in one GPU buffer the size of the transformer's block linears: those, and the text encoder (its
   vision tower, which text-to-image never runs, stays on the host; what does not fit the buffer gets one of its own
   for its turn).
@@ -11,7 +11,7 @@ weights take turns on the GPU).
 
 import torch
 
-from .pipelines.qwen_image.offload import HostArena, TakingTurns, tensors_of
+from .offload import HostArena, TakingTurns, tensors_of
 
 SMALL_TRANSFORMER_PARTS = ("time_text_embed", "txt_norm", "img_in", "txt_in", "norm_out", "proj_out")
 
@@ -35,7 +35,6 @@ def place_low_memory(pipe, device: torch.device) -> TakingTurns:
     skip = {id(t) for t in tensors_of(vision)} if vision is not None else set()
     encoder = [t for t in tensors_of(text_encoder) if id(t) not in skip]
     pipe.vae.to(device)
-    transformer.compute_device = device
     turns = TakingTurns({"text_encoder": HostArena(encoder, pin), "transformer": HostArena(blocks, pin)}, device,
                         main="transformer")
     if device.type == "cuda":

@@ -28,6 +28,16 @@ import torch.nn as nn
 ALIGN = 256  # bytes: every view starts aligned for vectorized loads and cuBLAS
 
 
+def has_offload_hooks(model: nn.Module) -> bool:
+    """accelerate's (model / sequential CPU offload) or diffusers' (group offload) hooks: they move weights between
+    forwards (a captured graph would read stale addresses), and group offload with streams keeps its own host copies."""
+    for module in model.modules():
+        registry = getattr(module, "_diffusers_hook", None)
+        if hasattr(module, "_hf_hook") or (registry is not None and registry.hooks):
+            return True
+    return False
+
+
 def tensors_of(module: nn.Module, recurse: bool = True) -> list[torch.Tensor]:
     """A module's parameters and buffers."""
     return [*module.parameters(recurse=recurse), *module.buffers(recurse=recurse)]

@@ -16,7 +16,7 @@ Unfused adapters never touch the base weights, so adapters and strengths change 
 State follows peft's LoRA layer (peft 0.17+ as diffusers drives it):
 - scaling[a] = weight[a] * alpha[a] / r[a] (alpha / sqrt(r) with rslora); set_adapters sets weight[a] and resets
   what scale_layer multiplied; fuse_lora(lora_scale) multiplies the active adapters' scaling (peft's scale_layer)
-  and keeps it; attention_kwargs={"scale": s} multiplies it for one forward.
+  and keeps it; attention_kwargs={"scale": s} multiplies it for one forward (the forward context's lora_scale).
 - fuse_lora freezes the adapters in effect, at their scaling then, into each site; a site with frozen adapters
   runs base + those only (peft runs the merged weight and no unmerged adapter); unfuse_lora drops them, restoring
   the base exactly; a forward while disabled unfuses first, as peft does. An FP8 linear folds its frozen adapters
@@ -30,7 +30,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ...kernels.fp8 import fp8_linear, quantize_fp8_rowwise_ref
+from ....kernels.fp8 import fp8_linear, quantize_fp8_rowwise_ref
+from ..runtime.context import get_context
 
 # Stock block module -> (fast linear, which third of its rows; None: all rows)
 BLOCK_SITES = {
@@ -72,11 +73,11 @@ class LoraState:
     weight: dict = field(default_factory=dict)  # adapter -> set_adapters weight
     layer_scale: dict = field(default_factory=dict)  # adapter -> product of peft scale_layer factors since then
     enabled: bool = True
-    call_scale: float = 1.0  # attention_kwargs["scale"] of the running forward
     version: int = 0
 
     def scaling(self, adapter: str, base_scale: float) -> float:
-        return base_scale * self.weight[adapter] * self.layer_scale[adapter] * self.call_scale
+        """peft's scaling of `adapter` times the running forward's attention_kwargs["scale"]."""
+        return base_scale * self.weight[adapter] * self.layer_scale[adapter] * get_context().lora_scale
 
 
 class LoraLinear(nn.Module):
@@ -91,7 +92,7 @@ class LoraLinear(nn.Module):
         self.frozen: dict[str, list[tuple[str, float]]] = {site: [] for site in sites}  # fuse_lora: (adapter, scaling)
         self.folded = False  # the frozen adapters are in the host FastLinear's weight (fold_lora)
         self._count = 0
-        # (version, call_scale, dtype, device) -> packed factors. Every call scale of the current version stays: a
+        # (version, lora scale, dtype, device) -> packed factors. Every lora scale of the current version stays: a
         # CUDA graph captured at one scale keeps reading its tensors while another scale's run builds its own.
         self._packed: dict[tuple, tuple | None] = {}
         self._packed_fp8: dict[tuple, tuple | None] = {}
@@ -156,7 +157,7 @@ class LoraLinear(nn.Module):
     def _cached(self, store: dict, like: torch.Tensor, build):
         """store's entry for the state now and like's dtype and device, built on a miss; entries of an earlier
         version are dropped (the graphs that read them are recaptured: GraphedForward.drop_if_weights_moved)."""
-        key = (self.state.version, self.state.call_scale, like.dtype, like.device)
+        key = (self.state.version, get_context().lora_scale, like.dtype, like.device)
         if key not in store:
             if any(k[0] != key[0] for k in store):
                 store.clear()

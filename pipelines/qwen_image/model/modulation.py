@@ -4,7 +4,7 @@ The modulation vectors depend on nothing but the forward's `timestep` (and `guid
 call fixes), and the scheduler fixes the timesteps before the loop. So they can be computed once per schedule and
 looked up per step: the forward then reads 60 x 2 x [G, 6D] vectors instead of 2 x 60 Linear(3072, 18432) weights
 (12.7 GiB), which need not even be on the GPU (FastConfig.memory="low" keeps them on the host and streams them
-block by block while a table is built: offload.on_device).
+block by block while a table is built: runtime/offload.on_device).
 
 Each entry is the same computation on the same input as the forward's own (FastQwenImageTransformer.time_embedding,
 then FastBlock.modulation on a [G, D] input, one step at a time), so a lookup is bit-identical to computing it

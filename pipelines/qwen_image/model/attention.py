@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from .config import ATTENTION_BACKENDS as BACKENDS
+from ..config import ATTENTION_BACKENDS as BACKENDS
 
 
 @cache

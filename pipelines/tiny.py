@@ -27,7 +27,7 @@ from transformers import (
 )
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-from .vl_processor import processor_without_torchvision
+from .qwen_image.vl_processor import processor_without_torchvision
 
 TINY_MODEL_ID = "tiny-random"
 TINY_ENHANCER_ID = "tiny-random"
@@ -227,8 +227,8 @@ def tiny_qwen35(vocab_size: int, seed: int = 0, **overrides):
 def tiny_enhancer(seed: int = 0, max_new_tokens: int = 8, device="cpu"):
     """A PromptEnhancer on a tiny random Qwen3.5 (fp32), greedy, with a one-line system prompt. Its rewrites are
     gibberish from random weights. On a CPU its Triton kernels need TRITON_INTERPRET=1."""
-    from .pipelines.qwen35 import FastQwen35ForCausalLM
-    from .pipelines.qwen35.enhance import PromptEnhancer
+    from .qwen35 import FastQwen35ForCausalLM
+    from .qwen35.enhance import PromptEnhancer
 
     tokenizer = tiny_qwen35_tokenizer()
     model = FastQwen35ForCausalLM.from_transformers(tiny_qwen35(len(tokenizer), seed), device=device)

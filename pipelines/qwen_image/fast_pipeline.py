@@ -1,0 +1,293 @@
+"""What every fast pipeline adds to the diffusers pipeline class it extends (FastPipelineMixin, mixed in before it):
+building the fast components, `fast_config` (build options fixed, call options changeable), `applied` from the
+registry (optimizations.py), the runner of each call (runtime/runner.py), the LoRA methods the fast transformer
+answers, and saving / loading a fast pipeline.
+
+Building (optimize(), from_pretrained, the diffusers constructor): the stock transformer is converted into the
+FastQwenImageTransformer (FastConfig.fused_transformer) and the VAE into the FastAutoencoderKLQwenImage
+(vae_2d_decode), the others are diffusers' own. A saved fast pipeline is a diffusers folder whose model_index.json
+names the fast classes; `from_pretrained` loads it back as stored (FP8 weights not requantized) and an upstream
+checkpoint by converting it.
+"""
+
+import contextlib
+import inspect
+import logging
+
+import torch
+from diffusers import AutoencoderKLQwenImage
+
+from .config import FastConfig
+from .model.transformer import FastQwenImageTransformer
+from .model.vae import FastAutoencoderKLQwenImage, as_vae_class, why_not_2d
+from .optimizations import CallRecord, Facts, plans, planned_labels, refused_by_image_conditioned
+from .runtime.context import forward_context
+from .runtime.offload import has_offload_hooks
+from .runtime.runner import Runner
+
+logger = logging.getLogger(__name__)
+
+
+def fp8_supported(device: torch.device) -> bool:
+    return device.type == "cpu" or (device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9))
+
+
+def fast_transformer(transformer, config: FastConfig, device, modulation_device=None) -> FastQwenImageTransformer:
+    """A stock transformer converted on `device` (None: where it is) with config's transformer options; BF16 GEMMs,
+    with a warning, on a GPU without FP8 tensor cores (applied then lacks fp8, and says why in --dry-run)."""
+    device = torch.device(device) if device is not None else transformer.device
+    transformer_config = config.transformer_config()
+    if config.fp8 and not fp8_supported(device):
+        logger.warning("fp8=True but %s has no FP8 tensor cores (compute capability < 8.9): running BF16 GEMMs",
+                       torch.cuda.get_device_name(device))
+        transformer_config = transformer_config.__class__(**{**transformer_config.to_dict(), "fp8": False})
+    return FastQwenImageTransformer.from_diffusers(transformer, transformer_config, device,
+                                                   modulation_device=modulation_device)
+
+
+def image_conditioned_refusal(pipeline: str, options: list[str]) -> str:
+    return (f"{', '.join(options)}: supported by the text-to-image QwenImageFastPipeline only, not by {pipeline}, "
+            "which runs diffusers' own loop (replace pipe.scheduler to sample otherwise; render one image per "
+            "process instead of parallel)")
+
+
+def load_dtype(kwargs: dict, component: str) -> torch.dtype:
+    """The dtype diffusers' from_pretrained loads `component` in: dtype / torch_dtype (a dtype, or a dict by
+    component with a "default"), else float32, diffusers' own default."""
+    dtype = kwargs.get("dtype", kwargs.get("torch_dtype"))
+    if isinstance(dtype, dict):
+        dtype = dtype.get(component, dtype.get("default", torch.float32))
+    return dtype or torch.float32
+
+
+def load_stock(pipeline_class: type, path_or_id, *args, **kwargs):
+    """diffusers' pipeline_class.from_pretrained; without torchvision, an edit checkpoint's processor is built as
+    vl_processor.py says (diffusers' own loading of it needs torchvision)."""
+    from transformers.utils import is_torchvision_available
+
+    takes_processor = "processor" in inspect.signature(pipeline_class.__init__).parameters
+    if takes_processor and "processor" not in kwargs and not is_torchvision_available():
+        from .model.checkpoint import local_folder
+        from .vl_processor import load_processor_without_torchvision
+
+        kwargs["processor"] = load_processor_without_torchvision(local_folder(path_or_id, "processor"))
+    return pipeline_class.from_pretrained(path_or_id, *args, **kwargs)
+
+
+def model_index(path_or_id) -> dict:
+    """A checkpoint's model_index.json (a local folder, or a hub id: read from the hub)."""
+    from diffusers import DiffusionPipeline
+
+    return DiffusionPipeline.load_config(str(path_or_id))
+
+
+def is_fast_checkpoint(path_or_id) -> bool:
+    """Whether a pipeline folder (or hub repo) was written by a fast pipeline's save_pretrained: its
+    model_index.json names the FastQwenImageTransformer."""
+    try:
+        index = model_index(path_or_id)
+    except OSError:  # not a pipeline folder or repo: diffusers' own loader says so
+        return False
+    return list(index.get("transformer", [None, None]))[-1] == FastQwenImageTransformer.__name__
+
+
+class FastPipelineMixin:
+    """Mixed in before a diffusers Qwen-Image pipeline class (`stock_class`)."""
+
+    stock_class: type
+    runner: Runner
+    _fast_config: FastConfig
+    _last_call: CallRecord | None = None  # what the last call ran (None before the first)
+
+    # ---- building
+
+    @classmethod
+    def _build(cls, components: dict, config: FastConfig, device=None, **fast_state):
+        """The fast pipeline around these components (diffusers' constructor of stock_class, then _set_up)."""
+        pipe = cls.__new__(cls)
+        cls.stock_class.__init__(pipe, **components)
+        pipe._set_up(config, device, **fast_state)
+        return pipe
+
+    def _set_up(self, config: FastConfig, device, **fast_state):
+        """The fast components on `device` (None: where they are): the transformer converted unless it is fast
+        already (then its stored options must match config's), the VAE converted; the runner."""
+        refused = refused_by_image_conditioned(config) if self._image_conditioned else []
+        if refused:
+            raise ValueError(image_conditioned_refusal(self.stock_class.__name__, [
+                f"{opt.field}={getattr(config, opt.field)!r}" for opt in refused]))
+        transformer = self.transformer
+        if isinstance(transformer, FastQwenImageTransformer):
+            stored = transformer.fast_config
+            if not config.fused_transformer or (stored.fp8, stored.bf16_linears) != (config.fp8, config.bf16_linears):
+                raise ValueError(
+                    f"the pipeline's transformer is a FastQwenImageTransformer (fp8={stored.fp8}, bf16_linears="
+                    f"{list(stored.bf16_linears)}) but fast_config asks for fused_transformer={config.fused_transformer}"
+                    f", fp8={config.fp8}, bf16_linears={list(config.bf16_linears)}: pass a FastConfig that matches "
+                    "it, or build the pipeline from the stock transformer")
+        elif config.fused_transformer:
+            self.register_modules(transformer=fast_transformer(
+                transformer, config, device, modulation_device="cpu" if config.memory == "low" else None))
+        if config.vae_2d_decode and type(self.vae) is AutoencoderKLQwenImage:
+            self.register_modules(vae=as_vae_class(self.vae, FastAutoencoderKLQwenImage))
+        elif not config.vae_2d_decode and type(self.vae) is FastAutoencoderKLQwenImage:  # a saved fast pipeline's
+            self.register_modules(vae=as_vae_class(self.vae, AutoencoderKLQwenImage))
+        self._fast_config = config
+        self.runner = Runner()
+        self._last_call = None
+        self._set_up_pipeline(config, device, **fast_state)
+
+    def _set_up_pipeline(self, config: FastConfig, device, **fast_state):
+        """What a pipeline class adds to _set_up (the text-to-image one: mesh, enhancer, memory placement)."""
+
+    @property
+    def _image_conditioned(self) -> bool:
+        return self.stock_class.__name__ != "QwenImagePipeline"
+
+    # ---- options and what runs
+
+    @property
+    def fast_config(self) -> FastConfig:
+        """What was asked for (config.py). Assign a FastConfig to change the call options for the next calls; the
+        build options must stay as built."""
+        return self._fast_config
+
+    @fast_config.setter
+    def fast_config(self, config: FastConfig):
+        changed = config.changed_build_options(self._fast_config)
+        if changed:
+            raise ValueError(f"FastConfig options {changed} are read when the pipeline is built: build it again "
+                             "(optimize / from_pretrained) to change them; call options (batched_cfg, cuda_graphs, "
+                             "scheduler, cfg_fraction, modulation_table, text_bucket) can change here")
+        refused = refused_by_image_conditioned(config) if self._image_conditioned else []
+        if refused:
+            raise ValueError(image_conditioned_refusal(self.stock_class.__name__, [opt.field for opt in refused]))
+        self._fast_config = config
+
+    def facts(self) -> Facts:
+        """What decides whether each optimization can run here (optimizations.Facts)."""
+        transformer = self.transformer
+        fused = isinstance(transformer, FastQwenImageTransformer)
+        fp8 = fused and bool(transformer.fast_config.fp8_linears)
+        return Facts(pipeline=self.stock_class.__name__, fused=fused, device=transformer.device.type, fp8=fp8,
+                     fast_accum=fp8 and transformer.fast_config.fp8_fast_accum,
+                     attention=transformer.attention_backend if fused else None,
+                     offload_hooks=has_offload_hooks(transformer), vae_2d=why_not_2d(self.vae),
+                     enhancer=getattr(self, "prompt_enhancer", None) is not None, parallel=self._parallel_labels())
+
+    def _parallel_labels(self) -> tuple[str, ...]:
+        return ()
+
+    def will_run(self) -> dict[str, bool]:
+        """Optimization name -> whether the next call runs it (when the call allows: CFG for batched_cfg)."""
+        return {opt.name: bool(plan.values) for opt, plan in plans(self.fast_config, self.facts())}
+
+    @property
+    def applied(self) -> list[str]:
+        """After a call: what that call ran. Before the first: what the next call will run (those that need
+        something of the call, batched_cfg and cfg_fraction: CFG, as in a call with it). optimizations.py."""
+        if self._last_call is not None:
+            return self._last_call.labels()
+        return planned_labels(self.fast_config, self.facts())
+
+    @contextlib.contextmanager
+    def _fast_call(self, attention_kwargs: dict | None = None, **context):
+        """The runner of one call (CUDA graphs and batched CFG as the registry plans them) and its record, which
+        `applied` reads once the call has returned. context: more of the forward context (runtime/context.py)."""
+        will_run = self.will_run()
+        record = CallRecord()
+        with self.runner.call(self.transformer, record, graphs=will_run["cuda_graphs"],
+                              pair_cfg=will_run["batched_cfg"], bucket=self.fast_config.text_bucket,
+                              attention_kwargs=attention_kwargs) as run, forward_context(**context):
+            yield run
+        self._last_call = record
+
+    # ---- LoRA: diffusers' pipeline methods that look for peft layers, answered by the fast transformer
+
+    def _fast_transformer(self) -> FastQwenImageTransformer | None:
+        return self.transformer if isinstance(self.transformer, FastQwenImageTransformer) else None
+
+    def get_active_adapters(self) -> list[str]:
+        fast = self._fast_transformer()
+        if fast is None:
+            return super().get_active_adapters()
+        return list(fast.lora_state.active) if fast.lora_state.configs else []
+
+    def fuse_lora(self, components: list[str] = ["transformer"], lora_scale: float = 1.0, safe_fusing: bool = False,
+                  adapter_names: list[str] | None = None, **kwargs):
+        fast = self._fast_transformer()
+        if fast is None:
+            return super().fuse_lora(components=components, lora_scale=lora_scale, safe_fusing=safe_fusing,
+                                     adapter_names=adapter_names, **kwargs)
+        self._check_lora_components(components)
+        fast.fuse_lora(lora_scale, safe_fusing=safe_fusing, adapter_names=adapter_names)
+        self._merged_adapters = self._merged_adapters | fast.fused_adapters
+
+    def unfuse_lora(self, components: list[str] = ["transformer"], **kwargs):
+        fast = self._fast_transformer()
+        if fast is None:
+            return super().unfuse_lora(components=components, **kwargs)
+        self._check_lora_components(components)
+        fast.unfuse_lora()
+        self._merged_adapters = self._merged_adapters & fast.fused_adapters
+
+    def _check_lora_components(self, components):
+        if not components:
+            raise ValueError("`components` cannot be an empty list.")
+        for component in components:
+            if component not in self._lora_loadable_modules:
+                raise ValueError(f"{component} is not found in {self._lora_loadable_modules=}.")
+
+    def set_lora_device(self, adapter_names, device):
+        if self._fast_transformer() is None:
+            return super().set_lora_device(adapter_names, device)
+        raise NotImplementedError("set_lora_device: the fast transformer keeps adapters on its own device; "
+                                  "delete_adapters(...) the ones you do not need")
+
+    # ---- saving and loading
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        """diffusers' save_pretrained (the same arguments: safe_serialization, variant, max_shard_size, ...): a
+        folder qwen_image_fast.from_pretrained loads back as it is. Refused before anything is written while the
+        fast transformer has LoRA adapters (its own save refuses them, but only after the components saved before
+        it were written)."""
+        fast = self._fast_transformer()
+        if fast is not None and fast.lora_state.configs:
+            fast.save_pretrained(save_directory)  # raises, saying what to do
+        return super().save_pretrained(save_directory, *args, **kwargs)
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, fast_config=None, device=None, **kwargs):
+        """The upstream checkpoint layout (hub id or local folder, loaded by diffusers, then converted on `device`:
+        e.g. "cuda" from a CPU load keeps one BF16 copy, on the CPU), or a folder a fast pipeline's save_pretrained
+        wrote (its FP8 transformer loaded as stored, straight onto `device`). dtype / torch_dtype as in diffusers
+        (a dtype or a dict by component; default float32, as diffusers loads)."""
+        config = FastConfig.coerce(fast_config)
+        fast_state = cls._before_loading(config, pretrained_model_name_or_path, device, kwargs)
+        if "transformer" not in kwargs and is_fast_checkpoint(pretrained_model_name_or_path):
+            if not config.fused_transformer:
+                raise ValueError(f"{pretrained_model_name_or_path} holds the fast transformer (no stock one): "
+                                 "fast_config must keep fused_transformer=True")
+            kwargs["transformer"] = FastQwenImageTransformer.from_pretrained(
+                pretrained_model_name_or_path, subfolder="transformer",
+                device="cpu" if config.memory == "low" else device, torch_dtype=load_dtype(kwargs, "transformer"),
+                fast_config=config.transformer_config(), variant=kwargs.get("variant"))
+        stock = load_stock(cls.stock_class, pretrained_model_name_or_path, *args, **kwargs)
+        return cls._build(stock.components, config, device, **fast_state)
+
+    @classmethod
+    def _before_loading(cls, config: FastConfig, path_or_id, device, kwargs: dict) -> dict:
+        """Checks that need no weights, made before any is loaded; returns the fast state _set_up takes."""
+        return {}
+
+    @classmethod
+    def from_pipe(cls, pipeline, fast_config=None, device=None, **kwargs):
+        """A fast pipeline sharing `pipeline`'s components (its transformer is left as it is and stays usable).
+        Unlike diffusers' from_pipe, which casts the shared components to float32 unless told otherwise (and so
+        changes the source pipeline too), the dtype stays the source transformer's unless dtype is given."""
+        config = FastConfig.coerce(fast_config)
+        fast_state = cls._before_loading(config, None, device, kwargs)
+        if "torch_dtype" not in kwargs:
+            kwargs.setdefault("dtype", pipeline.transformer.dtype)
+        stock = cls.stock_class.from_pipe(pipeline, **kwargs)
+        return cls._build(stock.components, config, device, **fast_state)

@@ -1,0 +1,58 @@
+"""Entry points: optimize(pipe), a fast pipeline from a diffusers one you have, and from_pretrained(path), the fast
+pipeline of whatever a checkpoint holds (picked from its model_index.json, as diffusers' DiffusionPipeline does)."""
+
+from ..qwen35.enhance import resolve_enhancer
+from .config import FastConfig
+from .family import IMAGE_CONDITIONED
+from .fast_pipeline import FastPipelineMixin, model_index
+from .text_to_image import QwenImageFastPipeline
+
+FAST_CLASSES = {cls.stock_class: cls for cls in (QwenImageFastPipeline, *IMAGE_CONDITIONED)}
+# model_index.json's _class_name -> the fast class: the stock name, or the fast one (a folder a fast pipeline saved)
+BY_CLASS_NAME = {name: cls for cls in FAST_CLASSES.values() for name in (cls.stock_class.__name__, cls.__name__)}
+
+
+def supported() -> str:
+    return ", ".join(stock.__name__ for stock in FAST_CLASSES)
+
+
+def optimize(pipe, config: FastConfig | str | None = None, device=None, enhance_prompt=None):
+    """The fast pipeline of a diffusers Qwen-Image pipeline (one of FAST_CLASSES' keys: QwenImagePipeline, or an
+    image-conditioned one, which keeps its own __call__), built around the same components: the transformer
+    converted (config: a FastConfig, a preset name or None = "fast"), on `device` (default: where the transformer
+    is; build from a CPU pipeline straight onto the GPU to never hold two BF16 copies there), the VAE made the one
+    that decodes in 2D. `pipe` itself keeps its class and takes the converted components too, so its stock weights
+    are not kept twice. enhance_prompt (text-to-image only): rewrite each prompt with a local Qwen3.5 before
+    encoding it (pipelines/qwen35/enhance.py resolve_enhancer). Any other pipeline: TypeError naming the
+    supported ones."""
+    config = FastConfig.coerce(config)
+    if isinstance(pipe, FastPipelineMixin):
+        raise ValueError("this pipeline is already optimized; call optimize() on a fresh diffusers pipeline")
+    fast_class = FAST_CLASSES.get(type(pipe))
+    if fast_class is None:
+        raise TypeError(f"optimize() takes one of diffusers' {supported()}; got {type(pipe).__name__} (its stock "
+                        "pipeline runs as is)")
+    if fast_class is QwenImageFastPipeline:
+        fast = fast_class._build(pipe.components, config, device, enhancer=resolve_enhancer(enhance_prompt, device))
+    elif enhance_prompt is not None and enhance_prompt is not False:
+        raise ValueError(f"enhance_prompt is supported by the text-to-image QwenImageFastPipeline only, not by "
+                         f"{type(pipe).__name__}")
+    else:
+        fast = fast_class._build(pipe.components, config, device)
+    pipe.register_modules(transformer=fast.transformer, vae=fast.vae)
+    return fast
+
+
+def pipeline_class_name(path_or_id) -> str:
+    """The `_class_name` of a checkpoint's model_index.json (a local folder, or a hub id: read from the hub)."""
+    return model_index(path_or_id)["_class_name"]
+
+
+def from_pretrained(path_or_id, fast_config: FastConfig | str | None = None, device=None, **kwargs):
+    """The fast pipeline for whatever a checkpoint holds: QwenImageFastPipeline for a text-to-image one, the fast
+    class of an image-conditioned one (e.g. Qwen/Qwen-Image-Edit-2511 -> FastQwenImageEditPlusPipeline), either
+    stock or saved by a fast pipeline. Another pipeline class: TypeError naming those supported."""
+    name = pipeline_class_name(path_or_id)
+    if name not in BY_CLASS_NAME:
+        raise TypeError(f"{path_or_id} is a {name} checkpoint; qwen-image-fast accelerates {supported()}")
+    return BY_CLASS_NAME[name].from_pretrained(path_or_id, fast_config=fast_config, device=device, **kwargs)

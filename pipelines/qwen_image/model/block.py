@@ -1,0 +1,196 @@
+"""One fused dual-stream block of the fast transformer, and the kernels' glue between its GEMMs.
+
+Per block and stream (image tokens L_img, text tokens L_txt):
+
+    [previous block's residual + gate2 * mlp] + norm1 + mod1 (+fp8) in one kernel -> fused QKV GEMM
+    -> qkv_pack (QK-norm, RoPE, into joint [B, L_img + L_txt, H, D] buffers) -> attention (padded text keys masked)
+    -> attn_split (+fp8) -> output GEMM -> residual + gate1, norm2 + mod2 (+fp8) in one kernel -> fc1 GEMM
+    -> gelu (+fp8) -> fc2 GEMM, whose gated residual add the next block's first kernel does (norm_out's after the
+       last block)
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ....kernels.attn_split_fp8 import attn_split_fp8
+from ....kernels.fp8 import quantize_fp8_rowwise
+from ....kernels.gelu_fp8 import gelu_fp8
+from ....kernels.layer_norm_modulate import layer_norm_modulate, layer_norm_modulate_fp8
+from ....kernels.qkv_pack import qkv_pack
+from ....kernels.residual_gate import (
+    residual_gate,
+    residual_gate_layer_norm_modulate,
+    residual_gate_layer_norm_modulate_fp8,
+)
+from ..config import FastTransformerConfig
+from ..runtime.parallel import Ulysses, UlyssesPlan
+from .attention import TextMask, joint_attention
+from .linear import FastLinear, Operand, as_fp8_operand, q_dtype_for
+
+# Producers of the next GEMM's operand: FP8 (q, scale) rows when that linear runs in FP8, else plain rows [M, D].
+
+def norm_mod(x, shift, scale, mod_row, fp8: bool) -> Operand:
+    if fp8:
+        return as_fp8_operand(*layer_norm_modulate_fp8(x, shift, scale, mod_row=mod_row, q_dtype=q_dtype_for(x.device)))
+    return layer_norm_modulate(x, shift, scale, mod_row=mod_row).view(-1, x.shape[-1])
+
+
+def gate_norm_mod(residual, x, gate, shift, scale, mod_row, fp8: bool) -> tuple[torch.Tensor, Operand]:
+    if fp8:
+        residual, q, s = residual_gate_layer_norm_modulate_fp8(
+            residual, x, gate, shift, scale, mod_row=mod_row, q_dtype=q_dtype_for(x.device))
+        return residual, as_fp8_operand(q, s)
+    residual, y = residual_gate_layer_norm_modulate(residual, x, gate, shift, scale, mod_row=mod_row)
+    return residual, y.view(-1, y.shape[-1])
+
+
+def gelu(h: torch.Tensor, fp8: bool) -> Operand:
+    if fp8:
+        return as_fp8_operand(*gelu_fp8(h, q_dtype=q_dtype_for(h.device)))
+    return F.gelu(h, approximate="tanh")
+
+
+def split_attention(o: torch.Tensor, img_len: int, img_fp8: bool, txt_fp8: bool) -> tuple[Operand, Operand]:
+    """Joint output [B, S, H, D] -> the image and text operands of the two output projections."""
+    batch, seq = o.shape[:2]
+    o = o.view(batch, seq, -1)
+    if img_fp8 and txt_fp8:
+        qi, si, qt, st = attn_split_fp8(o, img_len, q_dtype=q_dtype_for(o.device))
+        return as_fp8_operand(qi, si), as_fp8_operand(qt, st)
+    parts = (o[:, :img_len].reshape(-1, o.shape[-1]), o[:, img_len:].reshape(-1, o.shape[-1]))
+    return tuple(as_fp8_operand(*quantize_fp8_rowwise(p, q_dtype_for(o.device))) if fp8 else p
+                 for p, fp8 in zip(parts, (img_fp8, txt_fp8)))
+
+
+@dataclass
+class Tail:
+    """A block's last step left to the next block's first kernel: residual += gate * out."""
+
+    out: torch.Tensor  # [B, L, D]
+    gate: torch.Tensor  # [G, D]
+
+
+def add_tail(residual, tail: Tail | None, mod_row) -> torch.Tensor:
+    return residual if tail is None else residual_gate(residual, tail.out, tail.gate, mod_row=mod_row)
+
+
+def head(residual, tail: Tail | None, shift, scale, mod_row, fp8: bool) -> tuple[torch.Tensor, Operand]:
+    """[residual + gate * out of the previous block], then LayerNorm + modulation: (new residual, next operand)."""
+    if tail is None:
+        return residual, norm_mod(residual, shift, scale, mod_row, fp8)
+    return gate_norm_mod(residual, tail.out, tail.gate, shift, scale, mod_row, fp8)
+
+
+class StreamMods:
+    """One stream's modulation for one block, as [G, D] views of the [G, 6D] mod output (G = B, or 2B with
+    zero_cond_t) in diffusers' chunk order: shift1, scale1, gate1, shift2, scale2, gate2."""
+
+    def __init__(self, mods: torch.Tensor):
+        self.shift1, self.scale1, self.gate1, self.shift2, self.scale2, self.gate2 = mods.chunk(6, dim=-1)
+
+
+@dataclass
+class JointInputs:
+    """What every block of one forward shares: text mask, rotary tables, timestep embeddings, attention backend,
+    the joint Q/K/V buffer [3, B, L_img + L_txt, H, D] each block refills (image first, attention.py says why),
+    and under Ulysses the group and where this rank's rows are (runtime/parallel.py); then rotary tables, mod_row and the
+    buffer cover this rank's rows only, the mask the whole sequence."""
+
+    mask: TextMask | None
+    img_freqs: torch.Tensor  # [L_img, D_head / 2, 2] fp32 (cos, sin)
+    txt_freqs: torch.Tensor  # [L_txt, D_head / 2, 2]
+    silu_temb: torch.Tensor | None  # [G, D]: image modulation input (G = 2B with zero_cond_t: timestep t, then 0)
+    silu_temb_t: torch.Tensor | None  # [B, D]: text modulation input (timestep t); both None with a table
+    mod_row: torch.Tensor | None  # zero_cond_t: int32 [B * L_img], each image token's modulation row
+    backend: str
+    qkv: torch.Tensor
+    ulysses: Ulysses | None = None
+    plan: UlyssesPlan | None = None
+
+    def attention(self) -> torch.Tensor:
+        """Attention over the joint sequence of the rows in `qkv`: [B, rows, H, D]."""
+        if self.ulysses is None:
+            return joint_attention(*self.qkv.unbind(0), self.mask, self.backend)
+        q, k, v = self.ulysses.to_heads(self.qkv, self.plan).unbind(0)
+        return self.ulysses.to_rows(joint_attention(q, k, v, self.mask, self.backend), self.plan)
+
+
+class FastBlock(nn.Module):
+    """One dual-stream block, fused: per stream one QKV linear [3*H*D, D], the output linear, the MLP's two; the
+    QK-norm weights [D_head]; img_mod / txt_mod as in diffusers (nn.Sequential(SiLU, Linear(D, 6D)))."""
+
+    def __init__(self, dim: int, heads: int, head_dim: int, config: FastTransformerConfig, eps: float = 1e-6):
+        super().__init__()
+        self.heads, self.head_dim, self.eps, self.config = heads, head_dim, eps, config
+        self.img_mod = nn.Sequential(nn.SiLU(), nn.Linear(dim, 6 * dim))
+        self.txt_mod = nn.Sequential(nn.SiLU(), nn.Linear(dim, 6 * dim))
+        inner, mlp = heads * head_dim, 4 * dim  # diffusers' FeedForward: mult=4
+        shapes = {"qkv": (dim, 3 * inner), "out": (inner, dim), "fc1": (dim, mlp), "fc2": (mlp, dim)}
+        for stream in ("img", "txt"):
+            for name, (k, n) in shapes.items():
+                setattr(self, f"{stream}_{name}", FastLinear(k, n, config.is_fp8(f"{stream}_{name}"),
+                                                             config.fp8_fast_accum))
+        self.norm_q, self.norm_k = nn.Parameter(torch.empty(head_dim)), nn.Parameter(torch.empty(head_dim))
+        self.norm_added_q, self.norm_added_k = nn.Parameter(torch.empty(head_dim)), nn.Parameter(torch.empty(head_dim))
+
+    @classmethod
+    def from_stock(cls, block, config: FastTransformerConfig, device, modulation_device) -> "FastBlock":
+        """From a diffusers QwenImageTransformerBlock; its img_mod / txt_mod modules are shared (moved to
+        modulation_device)."""
+        attn = block.attn
+        with torch.device("meta"):
+            fast = cls(block.dim, attn.heads, attn.inner_dim // attn.heads, config, attn.norm_q.eps)
+        fast.img_mod, fast.txt_mod = block.img_mod.to(modulation_device), block.txt_mod.to(modulation_device)
+        for stream, (q, k, v), out, mlp in (
+            ("img", (attn.to_q, attn.to_k, attn.to_v), attn.to_out[0], block.img_mlp),
+            ("txt", (attn.add_q_proj, attn.add_k_proj, attn.add_v_proj), attn.to_add_out, block.txt_mlp),
+        ):
+            qkv_w = torch.cat([q.weight.to(device), k.weight.to(device), v.weight.to(device)])  # [3HD, D]
+            qkv_b = torch.cat([q.bias.to(device), k.bias.to(device), v.bias.to(device)])
+            fc1, fc2 = mlp.net[0].proj, mlp.net[2]
+            for name, weight, bias in (("qkv", qkv_w, qkv_b), ("out", out.weight, out.bias),
+                                       ("fc1", fc1.weight, fc1.bias), ("fc2", fc2.weight, fc2.bias)):
+                setattr(fast, f"{stream}_{name}", FastLinear.from_weight(
+                    weight, bias, config.is_fp8(f"{stream}_{name}"), device, config.fp8_fast_accum))
+            del qkv_w, qkv_b
+        for name, norm in (("norm_q", attn.norm_q), ("norm_k", attn.norm_k), ("norm_added_q", attn.norm_added_q),
+                           ("norm_added_k", attn.norm_added_k)):
+            setattr(fast, name, nn.Parameter(norm.weight.detach().to(device), requires_grad=False))
+        return fast
+
+    def modulation(self, silu_temb: torch.Tensor, silu_temb_t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(img [G, 6D], txt [B, 6D]) from the forward's silu(temb) [G, D] and its timestep-t rows [B, D]."""
+        return self.img_mod[1](silu_temb), self.txt_mod[1](silu_temb_t)
+
+    def forward(self, img: torch.Tensor, txt: torch.Tensor, img_tail: Tail | None, txt_tail: Tail | None,
+                joint: JointInputs, text_out: bool = True, mods: tuple[torch.Tensor, torch.Tensor] | None = None):
+        """img [B, L_img, D], txt [B, L_txt, D]: the residual streams before the previous block's tails are added.
+        Returns (img, txt, img_tail, txt_tail) in the same form. text_out=False (the last block) skips the text
+        stream's output projection and MLP, whose result diffusers discards. mods: this block's modulation from a
+        table (modulation.py); None: computed here."""
+        batch, img_len, dim = img.shape
+        txt_len, fp8 = txt.shape[1], self.config.is_fp8
+        img_mods, txt_mods = mods if mods is not None else self.modulation(joint.silu_temb, joint.silu_temb_t)
+        im, tm = StreamMods(img_mods), StreamMods(txt_mods)  # [G, 6D], [B, 6D]
+        img, img_x = head(img, img_tail, im.shift1, im.scale1, joint.mod_row, fp8("img_qkv"))
+        txt, txt_x = head(txt, txt_tail, tm.shift1, tm.scale1, None, fp8("txt_qkv"))
+        q, k, v = joint.qkv.unbind(0)
+        qkv_pack(self.img_qkv(img_x).view(batch, img_len, -1), self.norm_q, self.norm_k, joint.img_freqs, q, k, v, 0,
+                 eps=self.eps)
+        qkv_pack(self.txt_qkv(txt_x).view(batch, txt_len, -1), self.norm_added_q, self.norm_added_k,
+                 joint.txt_freqs, q, k, v, img_len, eps=self.eps)
+        o = joint.attention()  # [B, L_img + L_txt, H, D]
+        img_o, txt_o = split_attention(o, img_len, fp8("img_out"), fp8("txt_out"))
+
+        img, img_x = gate_norm_mod(img, self.img_out(img_o).view(batch, img_len, dim), im.gate1, im.shift2,
+                                   im.scale2, joint.mod_row, fp8("img_fc1"))
+        img_mlp = self.img_fc2(gelu(self.img_fc1(img_x), fp8("img_fc2"))).view(batch, img_len, dim)
+        if not text_out:
+            return img, txt, Tail(img_mlp, im.gate2), None
+        txt, txt_x = gate_norm_mod(txt, self.txt_out(txt_o).view(batch, txt_len, dim), tm.gate1, tm.shift2,
+                                   tm.scale2, None, fp8("txt_fc1"))
+        txt_mlp = self.txt_fc2(gelu(self.txt_fc1(txt_x), fp8("txt_fc2"))).view(batch, txt_len, dim)
+        return img, txt, Tail(img_mlp, im.gate2), Tail(txt_mlp, tm.gate2)

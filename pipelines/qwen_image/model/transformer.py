@@ -1,0 +1,458 @@
+"""The fast Qwen-Image transformer: diffusers' `QwenImageTransformer2DModel` (0.42) rebuilt on fused kernels.
+
+Built from a stock model (`FastQwenImageTransformer.from_diffusers`, which leaves it usable beside it) or loaded from
+a folder its `save_pretrained` wrote (FP8 weights and scales as stored, nothing requantized). Same `forward`
+arguments and output as diffusers; block.py says what one block runs.
+
+Each block computes its own modulation vectors and reads only its own weights inside its forward, so offload hooks
+(model CPU offload, group offload at block or leaf level) see every weight before it is used. Linears listed in
+FP8_LINEARS run as rowwise FP8 `torch._scaled_mm` (per-token activation x per-channel weight scales, bias in the
+epilogue) unless the config keeps them in BF16; the embedders, img_mod/txt_mod, norm_out and proj_out always stay in
+the model's dtype and keep diffusers' module names (their state-dict keys equal the stock model's). Nothing in
+forward synchronizes with the host, so it can be captured in a CUDA graph.
+
+The model holds its weights, its config and caches derived from them; what a pipeline call decides (LoRA scale,
+sequence-parallel group, batched CFG and graphs) reaches it through the forward context (runtime/context.py).
+"""
+
+import inspect
+import json
+from math import prod
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+import triton
+from diffusers import ConfigMixin, ModelMixin, QwenImageTransformer2DModel
+from diffusers.models.modeling_outputs import Transformer2DModelOutput
+from diffusers.models.normalization import AdaLayerNormContinuous, RMSNorm
+from diffusers.models.transformers.transformer_qwenimage import (
+    QwenEmbedLayer3DRope,
+    QwenEmbedRope,
+    QwenTimestepProjEmbeddings,
+)
+from diffusers.utils import logging
+
+from ....kernels.layer_norm_modulate import layer_norm_modulate
+from ....kernels.residual_gate import residual_gate_layer_norm_modulate
+from ..config import FastTransformerConfig
+from ..runtime.cfg_pairing import pad_text
+from ..runtime.context import forward_context, get_context
+from ..runtime.offload import on_device, tensors_of
+from ..runtime.parallel import UlyssesPlan
+from .adapters import LoraAdapters, check_carriable, peft_lora_layers
+from .attention import TextMask, resolve_backend
+from .block import FastBlock, JointInputs, add_tail
+from .checkpoint import CheckpointWeights, load_weights, local_folder
+from .lora import LoraState
+from .modulation import ModulationLayout, ModulationTables, tensor_key
+from .unsupported import Unsupported
+
+logger = logging.get_logger(__name__)
+
+# The stock model's constructor arguments and defaults: its config, which ours keeps (plus "fast_config").
+STOCK_CONFIG = {name: p.default for name, p in inspect.signature(QwenImageTransformer2DModel.__init__).parameters.items()
+                if name != "self"}
+# The modules of the stock model the fast one takes as they are (from_diffusers shares them).
+SHARED_MODULES = ("time_text_embed", "txt_norm", "img_in", "txt_in", "norm_out", "proj_out")
+
+
+@triton.jit
+def _interpreter_probe(X):
+    pass
+
+
+def triton_runs_on(device: torch.device) -> bool:
+    """Our Triton kernels run on CUDA, and on the CPU only when Triton's interpreter was on when they were defined
+    (TRITON_INTERPRET=1 before triton was first imported), as this module's probe kernel was."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return device.type == "cuda" or isinstance(_interpreter_probe, InterpretedFunction)
+
+
+def check_triton_runs_on(device: torch.device):
+    """Before converting onto `device` (a CPU build may be meant for offload to a GPU, so only without one) and in
+    every forward (the inputs' device): a clear error instead of Triton's "0 active drivers"."""
+    if not triton_runs_on(device):
+        raise RuntimeError(
+            f"the fast transformer's Triton kernels cannot run on {device}: on a CPU they need Triton's interpreter, "
+            "turned on by TRITON_INTERPRET=1 before Python starts (before triton or diffusers is imported); or run "
+            "on a CUDA GPU, or keep the stock transformer (FastConfig.preset('baseline'))")
+
+
+
+class FastQwenImageTransformer(Unsupported, LoraAdapters, ModelMixin, ConfigMixin):
+    """Drop-in for diffusers' QwenImageTransformer2DModel: same forward arguments and output, its config (plus
+    "fast_config": how the block linears are stored and run), dtype, device, cache_context, and every weight
+    registered, so `.to()`, `state_dict()`, `save_pretrained()` and offload hooks see them all.
+
+    A diffusers ModelMixin (not a QwenImageTransformer2DModel subclass): pipelines, offload hooks and
+    save/load treat it as a model, while nothing of the stock model's block structure is inherited that it does
+    not have. LoRA through diffusers' API (adapters.py). Stock methods it cannot honour (attention processors, step
+    caches, gradient checkpointing: unsupported.py) raise NotImplementedError saying what to do instead.
+    `.to(dtype)` casts everything except the FP8 weights and their scales.
+    """
+
+    config_name = "config.json"
+    _no_split_modules = ["FastBlock"]
+    _supports_gradient_checkpointing = False
+    _supports_group_offloading = True
+
+    def __init__(self, fast_config: FastTransformerConfig | dict | None = None, **config):
+        """The structure, with uninitialized weights (build under torch.device("meta") to allocate nothing; use
+        from_diffusers / from_pretrained for a working model). config: QwenImageTransformer2DModel's arguments."""
+        super().__init__()
+        unknown = sorted(set(config) - set(STOCK_CONFIG))
+        if unknown:
+            raise TypeError(f"unknown QwenImageTransformer2DModel config field(s) {unknown}")
+        config = {**STOCK_CONFIG, **config}
+        fast_config = (FastTransformerConfig.of(fast_config) if isinstance(fast_config, FastTransformerConfig)
+                       else FastTransformerConfig.from_dict(fast_config or {}))
+        self.register_to_config(**config, fast_config=fast_config.to_dict())
+        self.fast_config = fast_config
+        heads, head_dim = config["num_attention_heads"], config["attention_head_dim"]
+        inner = heads * head_dim
+        self.pos_embed = self._pos_embed(config)
+        self.time_text_embed = QwenTimestepProjEmbeddings(inner, use_additional_t_cond=config["use_additional_t_cond"])
+        self.txt_norm = RMSNorm(config["joint_attention_dim"], eps=1e-6)
+        self.img_in = nn.Linear(config["in_channels"], inner)
+        self.txt_in = nn.Linear(config["joint_attention_dim"], inner)
+        self.transformer_blocks = nn.ModuleList(FastBlock(inner, heads, head_dim, fast_config)
+                                                for _ in range(config["num_layers"]))
+        self.norm_out = AdaLayerNormContinuous(inner, inner, elementwise_affine=False, eps=1e-6)
+        out_channels = config["out_channels"] or config["in_channels"]
+        self.proj_out = nn.Linear(inner, config["patch_size"] ** 2 * out_channels)
+        self.zero_cond_t = config["zero_cond_t"]
+        self.requires_grad_(False)
+        self._mod_rows: dict = {}  # zero_cond_t: each image token's modulation row, per shape
+        self.modulation_tables = ModulationTables()
+        self.lora_state = LoraState()
+        self.weight_source: CheckpointWeights | None = None  # the BF16 masters of the FP8 weights (fuse_lora)
+
+    @staticmethod
+    def _pos_embed(config: dict) -> nn.Module:
+        """The rotary tables (plain CPU tensors, no parameters; cached per device on use). Built on the CPU even under a
+        meta-device context: they are computed, not loaded."""
+        rope = QwenEmbedLayer3DRope if config["use_layer3d_rope"] else QwenEmbedRope
+        with torch.device("cpu"):
+            return rope(theta=10000, axes_dim=list(config["axes_dims_rope"]), scale_rope=True)
+
+    # ---- building and loading
+
+    @classmethod
+    @torch.no_grad()
+    def from_diffusers(cls, stock, config: FastTransformerConfig | None = None, device=None, modulation_device=None):
+        """stock: a diffusers QwenImageTransformer2DModel (any device; left unchanged except that the modules shared
+        with this model (embedders, img_mod/txt_mod, norm_out, proj_out) move to `device`, img_mod / txt_mod to
+        `modulation_device` if given: "cpu" keeps their 12.7 GiB off the GPU, for tables built from the host).
+        Block by block, so at most one block's BF16 linears sit on the device beside the converted ones."""
+        if not isinstance(stock, QwenImageTransformer2DModel):
+            raise TypeError(f"from_diffusers takes a diffusers QwenImageTransformer2DModel, got {type(stock).__name__}")
+        peft_layers = peft_lora_layers(stock)
+        check_carriable(stock, peft_layers)
+        config = FastTransformerConfig.of(config or FastTransformerConfig())
+        device = torch.device(device) if device is not None else stock.device
+        if not torch.cuda.is_available():
+            check_triton_runs_on(device)
+        if config.attention != "auto":
+            resolve_backend(config.attention, device, stock.dtype)  # a clear error before any conversion
+        stock_config = {name: stock.config[name] for name in STOCK_CONFIG if name in stock.config}
+        with torch.device("meta"):
+            fast = cls(config, **stock_config)
+        fast.pos_embed = stock.pos_embed
+        for name in SHARED_MODULES:
+            setattr(fast, name, getattr(stock, name).to(device))
+        for i, block in enumerate(stock.transformer_blocks):
+            fast.transformer_blocks[i] = FastBlock.from_stock(block, config, device, modulation_device or device)
+        if peft_layers:
+            fast._carry_lora(stock, peft_layers)
+        fast.weight_source = CheckpointWeights.of(stock)
+        return fast.requires_grad_(False).eval()
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, subfolder: str | None = None, *, device=None,
+                        torch_dtype: torch.dtype | None = None, fast_config: FastTransformerConfig | None = None,
+                        variant: str | None = None, **unsupported):
+        """Load what save_pretrained wrote (a local folder or a hub repo; `variant` as diffusers names it): weights
+        as stored (FP8 ones with their scales, not requantized), straight onto `device` (default: the CPU).
+        torch_dtype casts all but the FP8 tensors. fast_config: how to run it (fp8 and bf16_linears must match the
+        checkpoint; fp8_fast_accum and attention may differ); None: as saved, attention "auto"."""
+        if unsupported:  # e.g. a diffusers pipeline's loader (device_map, low_cpu_mem_usage, ...)
+            raise ValueError(
+                f"{pretrained_model_name_or_path} holds a qwen-image-fast transformer (FP8 block linears, fused "
+                f"layout), which diffusers' own pipelines and loaders cannot load (arguments "
+                f"{', '.join(sorted(unsupported))} are not supported): load the pipeline with "
+                "qwen_image_fast.from_pretrained(folder), or this model with "
+                "FastQwenImageTransformer.from_pretrained(folder, subfolder='transformer', device=...)")
+        folder = local_folder(pretrained_model_name_or_path, subfolder)
+        saved = json.loads((folder / cls.config_name).read_text())
+        if saved.get("_class_name") != cls.__name__ or "fast_config" not in saved:
+            raise ValueError(
+                f"{folder} holds a {saved.get('_class_name')} checkpoint, not a FastQwenImageTransformer one; "
+                "convert a stock model with FastQwenImageTransformer.from_diffusers(QwenImageTransformer2DModel."
+                "from_pretrained(...)), or load the pipeline with qwen_image_fast.from_pretrained(...)")
+        stored = FastTransformerConfig.from_dict(saved["fast_config"])
+        run = (FastTransformerConfig.of(fast_config) if fast_config is not None
+               else FastTransformerConfig(**{**stored.to_dict(), "attention": "auto"}))
+        if (run.fp8, run.bf16_linears) != (stored.fp8, stored.bf16_linears):
+            raise ValueError(
+                f"{folder} stores the block linears with fp8={stored.fp8}, bf16_linears={list(stored.bf16_linears)}; "
+                f"fast_config asks for fp8={run.fp8}, bf16_linears={list(run.bf16_linears)}: pass a config with the "
+                "stored values, or convert the stock checkpoint with the ones you want")
+        device = torch.device(device or "cpu")
+        if not torch.cuda.is_available():
+            check_triton_runs_on(device)
+        stock_config = {name: saved[name] for name in STOCK_CONFIG if name in saved}
+        with torch.device("meta"):
+            model = cls(run, **stock_config)
+        model.pos_embed = cls._pos_embed({**STOCK_CONFIG, **stock_config})
+        model.load_state_dict(load_weights(folder, device, variant), strict=True, assign=True)
+        if torch_dtype is not None:
+            model.to(torch_dtype)
+        if run.attention != "auto":
+            resolve_backend(run.attention, device, model.dtype)
+        return model.requires_grad_(False).eval()
+
+    def save_pretrained(self, save_directory, is_main_process: bool = True, save_function=None,
+                        safe_serialization: bool = True, variant: str | None = None, max_shard_size="10GB",
+                        push_to_hub: bool = False, **kwargs):
+        """ModelMixin.save_pretrained (the same arguments), refused while LoRA adapters are loaded: the checkpoint
+        would silently lack them (they are not weights of the model)."""
+        if self.lora_state.configs:
+            raise ValueError(
+                f"save_pretrained with LoRA adapters {sorted(self.lora_state.configs)} loaded would write the model "
+                "without them: unload_lora_weights() first and keep the LoRA files to load again, or fuse the LoRA "
+                "into the stock model, unload it there and convert (optimize) that")
+        return super().save_pretrained(save_directory, is_main_process=is_main_process, save_function=save_function,
+                                       safe_serialization=safe_serialization, variant=variant,
+                                       max_shard_size=max_shard_size, push_to_hub=push_to_hub, **kwargs)
+
+    # ---- what pipelines and users touch on a diffusers model
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The compute dtype (that of every weight except the FP8 ones and their fp32 scales)."""
+        return self.img_in.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.img_in.weight.device
+
+    @property
+    def attention_backend(self) -> str:
+        """The attention that runs on the model's current device and dtype."""
+        return resolve_backend(self.fast_config.attention, self.device, self.dtype)
+    def cache_context(self, name: str):
+        """Diffusers' pipelines mark the cond / uncond passes for step caches (there are none here: enable_cache
+        raises); the name reaches the runner through the forward context (it pairs the passes)."""
+        return forward_context(cache_name=name)
+
+    def running(self) -> list[tuple[str, object]]:
+        """What a forward runs, as optimizations.py names it (recorded in a call's CallRecord)."""
+        fp8 = bool(self.fast_config.fp8_linears)
+        return ([("fused_transformer", True)] + ([("fp8", True)] if fp8 else [])
+                + ([("fp8_fast_accum", True)] if fp8 and self.fast_config.fp8_fast_accum else [])
+                + [("attention", self.attention_backend)])
+
+    def lora_key(self) -> tuple:
+        """What a forward's output depends on beyond its arguments and the weights: the LoRA scale of the forward
+        and the adapters' state."""
+        return get_context().lora_scale, self.lora_state.version
+
+    def _check_weights_on(self, device: torch.device, modulation: bool):
+        """memory="low" (the forward context says weights take turns): the block linears, and for a forward
+        without a table the modulation weights, must be where it runs."""
+        where = self.transformer_blocks[0].img_qkv.bias.device
+        if where != device:
+            raise RuntimeError(
+                f"the transformer's block linears are on {where} and the forward on {device}: with "
+                "FastConfig(memory='low') they take turns with the text encoder on the GPU, and "
+                "QwenImageFastPipeline brings them in before its loop; call the pipeline, not the transformer")
+        if not modulation:
+            return
+        where = self.transformer_blocks[0].img_mod[1].weight.device
+        if where != device:
+            raise RuntimeError(
+                f"the modulation weights (img_mod / txt_mod) are on {where} and the forward on {device} "
+                "(FastConfig(memory='low') keeps them on the host): pass this step's row of "
+                "transformer.modulation_table(...) as modulation=, which QwenImageFastPipeline does, or move the "
+                "transformer with .to(device)")
+
+    def _mod_row(self, img_shapes, batch: int, device, plan: UlyssesPlan | None = None) -> torch.Tensor:
+        """zero_cond_t: the modulation row of each image token, b (its sample, timestep t) for the first image's
+        tokens and b + B (timestep 0) for condition images. int32 [B * L_img] (under Ulysses this rank's image
+        tokens only), cached per shape."""
+        img = plan.img if plan else slice(None)
+        key = (str(img_shapes), batch, str(device), img.start, img.stop)
+        if key not in self._mod_rows:
+            index = torch.tensor(
+                [[0] * prod(sample[0]) + [1] * sum(prod(s) for s in sample[1:]) for sample in img_shapes],
+                dtype=torch.int32,
+            )
+            rows = torch.arange(batch, dtype=torch.int32)[:, None] + batch * index
+            self._mod_rows[key] = rows[:, img].flatten().to(device)
+        return self._mod_rows[key]
+
+    # ---- the modulation table (modulation.py)
+
+    def modulation_layout(self, batch: int) -> ModulationLayout:
+        return ModulationLayout(blocks=len(self.transformer_blocks), batch=batch,
+                                img_rows=2 * batch if self.zero_cond_t else batch, dim=self.inner_dim)
+
+    @property
+    def inner_dim(self) -> int:
+        return self.config.num_attention_heads * self.config.attention_head_dim
+
+    def time_embedding(self, timestep: torch.Tensor, guidance: torch.Tensor | None, additional_t_cond,
+                       dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The modulation inputs of a forward given `timestep` [B] (and guidance, additional_t_cond) in `dtype`:
+        silu(temb) [G, D] and its timestep-t rows [B, D] (G = 2B with zero_cond_t: timestep t, then 0)."""
+        timestep = timestep.to(dtype)
+        if self.zero_cond_t:
+            timestep = torch.cat([timestep, timestep * 0], dim=0)
+        like = timestep.new_empty(0)  # QwenTimestepProjEmbeddings reads only its dtype
+        if guidance is not None:
+            guidance = guidance.to(dtype) * 1000
+        temb = (
+            self.time_text_embed(timestep, like, additional_t_cond)
+            if guidance is None
+            else self.time_text_embed(timestep, guidance, like, additional_t_cond)
+        )  # [G, D]
+        silu_temb = F.silu(temb)
+        return silu_temb, silu_temb.chunk(2, dim=0)[0] if self.zero_cond_t else silu_temb
+
+    def _modulation_modules(self) -> list[nn.Module]:
+        return [self.time_text_embed, self.norm_out.linear] + [
+            m for block in self.transformer_blocks for m in (block.img_mod, block.txt_mod)]
+
+    @torch.no_grad()
+    def modulation_table(self, timesteps: torch.Tensor, guidance: torch.Tensor | None = None, additional_t_cond=None,
+                         lora_scale: float = 1.0) -> torch.Tensor:
+        """[N, layout.size]: row n is the modulation of a forward given timestep=timesteps[n] ([N, B], on the
+        model's device, exactly as passed to forward), guidance=guidance[n] (None or [N, B]), additional_t_cond and
+        attention_kwargs={"scale": lora_scale}; pass it as forward(..., modulation=table[n]). Built one step and one
+        block at a time, each block's img_mod / txt_mod put on the model's device while it is used (they may live
+        on the host: FastConfig.memory="low"). The last few tables are kept (modulation.py says what the key holds)."""
+        device, dtype = self.device, self.dtype
+        layout = self.modulation_layout(timesteps.shape[1])
+        weights = tuple((t.data_ptr(), t._version) for m in self._modulation_modules() for t in tensors_of(m))
+        key = (tensor_key(timesteps), tensor_key(guidance), tensor_key(additional_t_cond), self.zero_cond_t,
+               str(dtype), str(device), self.lora_state.version, float(lora_scale), weights)
+
+        def build() -> torch.Tensor:
+            table = torch.empty(timesteps.shape[0], layout.size, dtype=dtype, device=device)
+            with forward_context(lora_scale=float(lora_scale)):
+                inputs = [self.time_embedding(timesteps[n], None if guidance is None else guidance[n],
+                                              additional_t_cond, dtype) for n in range(timesteps.shape[0])]
+                for n, (_, silu_temb_t) in enumerate(inputs):
+                    layout.out(table[n]).copy_(self.norm_out.linear(silu_temb_t))
+                for i, block in enumerate(self.transformer_blocks):
+                    with on_device([block.img_mod, block.txt_mod], device):
+                        for n, (silu_temb, silu_temb_t) in enumerate(inputs):
+                            img, txt = layout.block(table[n], i)
+                            mods = block.modulation(silu_temb, silu_temb_t)
+                            img.copy_(mods[0])
+                            txt.copy_(mods[1])
+            return table
+
+        return self.modulation_tables.get(key, build)
+
+    @torch.no_grad()
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor = None,
+        encoder_hidden_states_mask: torch.Tensor = None,
+        timestep: torch.LongTensor = None,
+        img_shapes=None,
+        guidance: torch.Tensor = None,
+        attention_kwargs=None,
+        controlnet_block_samples=None,
+        additional_t_cond=None,
+        return_dict: bool = True,
+        modulation: torch.Tensor | None = None,
+    ):
+        """diffusers' forward. modulation (not a diffusers argument): this step's row of modulation_table(...)
+        built for the same timestep, guidance, additional_t_cond and attention_kwargs scale; then the timestep
+        embedding and the modulation linears are not run (their weights are not read). Inside a fast pipeline's
+        call the forward goes through its runner (runtime/runner.py: batched CFG, CUDA graphs)."""
+        attention_kwargs = dict(attention_kwargs or {})
+        scale = attention_kwargs.pop("scale", 1.0)
+        if attention_kwargs:  # diffusers' attention processors ignore these too (with a warning)
+            logger.warning(f"attention_kwargs {sorted(attention_kwargs)} are not expected by the Qwen-Image "
+                           "attention and are ignored (as diffusers does)")
+        inputs = dict(hidden_states=hidden_states, encoder_hidden_states=encoder_hidden_states,
+                      encoder_hidden_states_mask=encoder_hidden_states_mask, timestep=timestep, img_shapes=img_shapes,
+                      guidance=guidance, controlnet_block_samples=controlnet_block_samples,
+                      additional_t_cond=additional_t_cond, modulation=modulation)
+        with forward_context(lora_scale=float(scale)) as context:
+            run = context.run
+            output = (run.diffusers_forward(inputs) if run is not None and run.transformer is self
+                      else self.compute(**inputs))
+        return Transformer2DModelOutput(sample=output) if return_dict else (output,)
+
+    def compute(self, hidden_states, encoder_hidden_states, encoder_hidden_states_mask, timestep, img_shapes,
+                guidance, controlnet_block_samples, additional_t_cond, modulation=None) -> torch.Tensor:
+        """One forward on the kernels: [B, L_img, p*p*C]. The LoRA scale, and under FastConfig(parallel="ulysses")
+        the sequence-parallel group, come from the forward context."""
+        device = hidden_states.device
+        check_triton_runs_on(device)
+        batch, img_len, _ = hidden_states.shape
+        context = get_context()
+        ulysses, plan = context.ulysses, None
+        if ulysses is not None and encoder_hidden_states.shape[1] < ulysses.degree:  # every rank holds text
+            encoder_hidden_states, encoder_hidden_states_mask = pad_text(
+                encoder_hidden_states, encoder_hidden_states_mask, ulysses.degree)
+        txt_len = encoder_hidden_states.shape[1]  # the whole text (RoPE positions, mask)
+        if ulysses is not None:  # this rank's rows only from here on (runtime/parallel.py)
+            plan = ulysses.plan(img_len, txt_len, device)
+            hidden_states, encoder_hidden_states = hidden_states[:, plan.img], encoder_hidden_states[:, plan.txt]
+            if controlnet_block_samples is not None:
+                controlnet_block_samples = [sample[:, plan.img] for sample in controlnet_block_samples]
+        hidden_states = self.img_in(hidden_states)  # [B, L_img, D]
+        mod_row = self._mod_row(img_shapes, batch, device, plan) if self.zero_cond_t else None
+        encoder_hidden_states = self.txt_in(self.txt_norm(encoder_hidden_states))  # [B, L_txt, D]
+
+        layout = self.modulation_layout(batch)
+        if context.weights_take_turns:
+            self._check_weights_on(device, modulation=modulation is None)
+        if modulation is None:
+            silu_temb, silu_temb_t = self.time_embedding(timestep, guidance, additional_t_cond, hidden_states.dtype)
+        elif modulation.shape != (layout.size,) or modulation.dtype != hidden_states.dtype:
+            raise ValueError(f"modulation {tuple(modulation.shape)} {modulation.dtype}: a forward of batch {batch} "
+                             f"takes a row of modulation_table(...) ({layout.size},) {hidden_states.dtype}")
+        else:
+            silu_temb = silu_temb_t = None
+        img_freqs, txt_freqs = self.pos_embed(img_shapes, max_txt_seq_len=txt_len, device=device)
+        if plan:
+            img_freqs, txt_freqs = img_freqs[plan.img], txt_freqs[plan.txt]
+        block0 = self.transformer_blocks[0]
+        rows = plan.local_len if plan else img_len + txt_len
+        joint = JointInputs(
+            mask=None if encoder_hidden_states_mask is None else TextMask(encoder_hidden_states_mask, img_len),
+            img_freqs=torch.view_as_real(img_freqs), txt_freqs=torch.view_as_real(txt_freqs),
+            silu_temb=silu_temb, silu_temb_t=silu_temb_t,
+            mod_row=mod_row, backend=resolve_backend(self.fast_config.attention, device, hidden_states.dtype),
+            qkv=hidden_states.new_empty(3, batch, rows, block0.heads, block0.head_dim), ulysses=ulysses, plan=plan,
+        )
+
+        img, txt, img_tail, txt_tail = hidden_states, encoder_hidden_states, None, None
+        n_blocks = len(self.transformer_blocks)
+        for i, block in enumerate(self.transformer_blocks):
+            mods = None if modulation is None else layout.block(modulation, i)
+            img, txt, img_tail, txt_tail = block(img, txt, img_tail, txt_tail, joint, i < n_blocks - 1, mods)
+            if controlnet_block_samples is not None:  # added after the block's residual, as diffusers does
+                img = add_tail(img, img_tail, mod_row) + controlnet_block_samples[i // -(-n_blocks //
+                                                                                       len(controlnet_block_samples))]
+                img_tail = None
+
+        out_mod = self.norm_out.linear(silu_temb_t) if modulation is None else layout.out(modulation)
+        out_scale, out_shift = out_mod.chunk(2, dim=1)  # [B, D] each
+        if img_tail is not None and mod_row is None:  # last residual fused with norm_out's LayerNorm + modulation
+            img, img_x = residual_gate_layer_norm_modulate(img, img_tail.out, img_tail.gate, out_shift, out_scale)
+        else:  # norm_out modulates per sample, a zero_cond_t gate per token
+            img_x = layer_norm_modulate(add_tail(img, img_tail, mod_row), out_shift, out_scale)
+        out = self.proj_out(img_x)  # [B, L_img, p*p*C]
+        return out if plan is None else ulysses.gather_image(out, plan)
+
+

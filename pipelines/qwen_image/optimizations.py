@@ -1,0 +1,253 @@
+"""Every optimization of the fast pipelines, declared once: its `applied` label, the FastConfig field that switches
+it, whether it is exact or lossy (and a lossy one's error bound), and when it can run.
+
+`pipe.applied` is built from here only: before a call, `planned_labels` (what the next call will run; those that
+need something of the call, CFG for batched_cfg, cfg_fraction and parallel:cfg2, as in a call with CFG); after a
+call, `CallRecord.labels` (what that call ran: the code that runs an optimization records it). The command line's
+`--no-<name>` flags and `--dry-run` come from here too. Kinds:
+- "exact": the output equals stock diffusers' at the same inputs and seed (fp32 tiny config: EXACT_TOL);
+- "lossy": an approximation, within its Bound;
+- "choice": computes something else on purpose, as stock diffusers does when set up the same way (another sampler,
+  a guidance schedule, a rewritten prompt); equal to that to EXACT_TOL.
+
+Free of torch/diffusers imports (the command line imports it to build its parser).
+"""
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+from .config import FastConfig
+
+# fp32, tiny config, FP8 off: what "equal to stock" means for an exact optimization (final latents, rel-RMS).
+EXACT_TOL = 1e-5
+
+
+@dataclass(frozen=True)
+class Bound:
+    """A lossy optimization's error: rel-RMS of the final latents against stock diffusers at the same seed, on the
+    tiny fp32 test config on the CPU (`tiny`, 3 steps), and at the real shapes with random weights on a GPU (`full`,
+    50 steps, with the decoded image's PSNR). Random weights do not reproduce real activations: `full` says what
+    was measured there, not what a real checkpoint gives."""
+
+    tiny: float
+    full: float
+    full_psnr_db: float
+
+
+# Measured: tiny 1.5e-3 to 1.1e-2 over the pipelines (test_optimizations.py); full 4.4e-2, 45 dB at 1024^2 (H200).
+FP8_BOUND = Bound(tiny=2e-2, full=0.1, full_psnr_db=38.0)
+
+
+@dataclass(frozen=True)
+class Facts:
+    """What decides whether an optimization can run, read off a built pipeline (FastPipelineMixin.facts) or, for
+    the command line's --dry-run, known before anything loads."""
+
+    pipeline: str  # the diffusers pipeline class it is, or is the fast version of, e.g. "QwenImageEditPlusPipeline"
+    fused: bool  # the transformer is the fused FastQwenImageTransformer
+    device: str  # where the transformer runs: "cuda" or "cpu"
+    fp8: bool  # its block linears run FP8 GEMMs (False on a GPU without FP8 tensor cores)
+    fast_accum: bool  # ... with fast accumulation
+    attention: str | None  # the attention backend it runs (None: not fused)
+    offload_hooks: bool  # accelerate's or diffusers' offload hooks on the transformer
+    vae_2d: str | None  # None: the VAE decodes an image as 2D convolutions; else why not
+    enhancer: bool  # a prompt enhancer rewrites prompts
+    parallel: tuple[str, ...] = ()  # the process mesh's labels: "cfg2", "ulysses4"
+
+    @property
+    def text_to_image(self) -> bool:
+        return self.pipeline == "QwenImagePipeline"
+
+
+@dataclass(frozen=True)
+class Plan:
+    values: tuple = ()  # what will run: () not at all, (True,) a plain label, else each a label's value
+    why_not: str | None = None  # asked for but cannot run here
+
+
+NOT_ASKED = Plan()
+
+
+@dataclass(frozen=True)
+class Optimization:
+    name: str  # the applied label (with ":value" for valued ones)
+    field: str | None  # the FastConfig field that switches it (None: a pipeline argument, enhance_prompt)
+    kind: str  # "exact" | "lossy" | "choice"
+    summary: str
+    plan: Callable[[FastConfig, Facts], Plan] = field(repr=False)
+    bound: Bound | None = None
+    needs: tuple[str, ...] = ()  # optimizations it runs inside: switching one of those off switches it off
+    text_to_image_only: bool = False  # the image-conditioned pipelines run diffusers' loop, which it would change
+
+    def label(self, value) -> str:
+        return self.name if value is True else f"{self.name}:{value}"
+
+    @property
+    def binds(self) -> str:
+        from dataclasses import fields
+
+        if self.field is None:
+            return "build"
+        return next(f.metadata["binds"] for f in fields(FastConfig) if f.name == self.field)
+
+
+def plain(asked: bool, why_not: str | None = None) -> Plan:
+    if not asked:
+        return NOT_ASKED
+    return Plan(why_not=why_not) if why_not else Plan(values=(True,))
+
+
+def no_graphs_reason(facts: Facts) -> str | None:
+    if not facts.fused:
+        return "needs fused_transformer (the stock transformer's forward is not captured)"
+    if facts.device != "cuda":
+        return f"needs a CUDA device (the transformer runs on {facts.device})"
+    if facts.offload_hooks:
+        return "offload hooks move the weights between forwards (a graph would read stale addresses)"
+    return None
+
+
+def text_to_image_reason(facts: Facts) -> str | None:
+    return None if facts.text_to_image else f"{facts.pipeline} runs diffusers' own loop"
+
+
+def plan_fused(config: FastConfig, facts: Facts) -> Plan:
+    return plain(config.fused_transformer)
+
+
+def plan_fp8(config: FastConfig, facts: Facts) -> Plan:
+    asked = config.fused_transformer and config.fp8
+    if asked and set(config.bf16_linears) >= {"img_qkv", "img_out", "img_fc1", "img_fc2", "txt_qkv", "txt_out",
+                                              "txt_fc1", "txt_fc2"}:
+        return Plan(why_not="bf16_linears keeps every block linear in BF16")
+    return plain(asked, None if facts.fp8 else "this GPU has no FP8 tensor cores (compute capability < 8.9): BF16 "
+                                                "GEMMs run")
+
+
+def plan_fast_accum(config: FastConfig, facts: Facts) -> Plan:
+    return plain(config.fused_transformer and config.fp8 and config.fp8_fast_accum,
+                 None if facts.fp8 and facts.fast_accum else "no FP8 GEMM runs")
+
+
+def plan_attention(config: FastConfig, facts: Facts) -> Plan:
+    return Plan(values=(facts.attention,)) if config.fused_transformer and facts.attention else NOT_ASKED
+
+
+def plan_batched_cfg(config: FastConfig, facts: Facts) -> Plan:
+    if "cfg2" in facts.parallel:
+        return plain(config.batched_cfg, "parallel='cfg' runs the negative prompt on another rank")
+    return plain(config.batched_cfg, None if facts.text_to_image or facts.fused else
+                 "the image-conditioned pipelines pair their CFG forwards inside the fused transformer")
+
+
+def plan_cuda_graphs(config: FastConfig, facts: Facts) -> Plan:
+    return plain(config.cuda_graphs and config.fused_transformer, no_graphs_reason(facts))
+
+
+def plan_modulation_table(config: FastConfig, facts: Facts) -> Plan:
+    why_not = (text_to_image_reason(facts) or (None if facts.fused else "needs fused_transformer")
+               or ("offload hooks bring the weights to the GPU only inside the forward" if facts.offload_hooks else None))
+    return plain(config.modulation_table and config.fused_transformer, why_not)
+
+
+def plan_memory(config: FastConfig, facts: Facts) -> Plan:
+    if config.memory == "fast":
+        return NOT_ASKED
+    why_not = text_to_image_reason(facts)
+    return Plan(why_not=why_not) if why_not else Plan(values=(config.memory,))
+
+
+def plan_parallel(config: FastConfig, facts: Facts) -> Plan:
+    if config.parallel == "none":
+        return NOT_ASKED
+    why_not = text_to_image_reason(facts)
+    return Plan(why_not=why_not) if why_not else Plan(values=facts.parallel)
+
+
+def plan_scheduler(config: FastConfig, facts: Facts) -> Plan:
+    if config.scheduler == "euler":
+        return NOT_ASKED
+    why_not = text_to_image_reason(facts)
+    return Plan(why_not=why_not) if why_not else Plan(values=(config.scheduler,))
+
+
+def plan_cfg_fraction(config: FastConfig, facts: Facts) -> Plan:
+    if config.cfg_fraction == 1:
+        return NOT_ASKED
+    why_not = text_to_image_reason(facts)
+    return Plan(why_not=why_not) if why_not else Plan(values=(f"{config.cfg_fraction:g}",))
+
+
+def plan_vae_2d_decode(config: FastConfig, facts: Facts) -> Plan:
+    return plain(config.vae_2d_decode, facts.vae_2d)
+
+
+def plan_enhance_prompt(config: FastConfig, facts: Facts) -> Plan:
+    return plain(facts.enhancer)
+
+
+REGISTRY: tuple[Optimization, ...] = (
+    Optimization("fused_transformer", "fused_transformer", "exact",
+                 "the transformer on fused Triton kernels (FastQwenImageTransformer)", plan_fused),
+    Optimization("fp8", "fp8", "lossy", "rowwise FP8 GEMMs for the block linears", plan_fp8, bound=FP8_BOUND,
+                 needs=("fused_transformer",)),
+    Optimization("fp8_fast_accum", "fp8_fast_accum", "lossy",
+                 "Hopper's fast FP8 accumulation (inside fp8's bound)", plan_fast_accum, bound=FP8_BOUND,
+                 needs=("fused_transformer", "fp8")),
+    Optimization("attention", "attention", "exact", "the attention kernel, padded text masked", plan_attention,
+                 needs=("fused_transformer",)),
+    Optimization("modulation_table", "modulation_table", "exact",
+                 "every step's modulation vectors computed once per schedule", plan_modulation_table,
+                 needs=("fused_transformer",), text_to_image_only=True),
+    Optimization("memory", "memory", "exact",
+                 "low: modulation weights on the host, text encoder and block linears take turns on the GPU",
+                 plan_memory, needs=("fused_transformer", "modulation_table"), text_to_image_only=True),
+    Optimization("parallel", "parallel", "exact", "one image on several processes (CFG-parallel, Ulysses)",
+                 plan_parallel, text_to_image_only=True),
+    Optimization("batched_cfg", "batched_cfg", "exact", "prompt and negative prompt in one forward of batch 2N",
+                 plan_batched_cfg),
+    Optimization("cuda_graphs", "cuda_graphs", "exact", "transformer forwards replayed from CUDA graphs",
+                 plan_cuda_graphs, needs=("fused_transformer",)),
+    Optimization("scheduler", "scheduler", "choice", "DPM-Solver++ 2M or UniPC from the pipeline's scheduler",
+                 plan_scheduler, text_to_image_only=True),
+    Optimization("cfg_fraction", "cfg_fraction", "choice", "guidance on the first fraction of the steps only",
+                 plan_cfg_fraction, text_to_image_only=True),
+    Optimization("enhance_prompt", None, "choice", "prompts rewritten by a local Qwen3.5", plan_enhance_prompt,
+                 text_to_image_only=True),
+    Optimization("vae_2d_decode", "vae_2d_decode", "exact",
+                 "an image's VAE decode as the 2D convolutions its causal 3D ones amount to", plan_vae_2d_decode),
+)
+BY_NAME = {opt.name: opt for opt in REGISTRY}
+
+
+def plans(config: FastConfig, facts: Facts) -> list[tuple[Optimization, Plan]]:
+    return [(opt, opt.plan(config, facts)) for opt in REGISTRY]
+
+
+def planned_labels(config: FastConfig, facts: Facts) -> list[str]:
+    """What the next call will run (a call with CFG)."""
+    return [opt.label(value) for opt, plan in plans(config, facts) for value in plan.values]
+
+
+def refused_by_image_conditioned(config: FastConfig) -> list[Optimization]:
+    """The text-to-image-only optimizations that `config` sets away from their default: an image-conditioned
+    pipeline (diffusers' own loop) refuses them rather than ignore them. One on by default there (modulation_table)
+    just does not run, and applied / --dry-run say so."""
+    default = FastConfig()
+    return [opt for opt in REGISTRY if opt.text_to_image_only and opt.field is not None
+            and getattr(config, opt.field) != getattr(default, opt.field)]
+
+
+class CallRecord:
+    """What one pipeline call ran, recorded by the code that ran it: name -> values (insertion-ordered)."""
+
+    def __init__(self):
+        self.ran: dict[str, dict] = {}
+
+    def add(self, name: str, value=True):
+        if name not in BY_NAME:
+            raise KeyError(f"{name!r} is not a registered optimization (optimizations.REGISTRY)")
+        self.ran.setdefault(name, {})[value] = None
+
+    def labels(self) -> list[str]:
+        return [opt.label(value) for opt in REGISTRY for value in self.ran.get(opt.name, ())]

@@ -1,0 +1,54 @@
+"""The forward context: what one pipeline call tells the models it runs, in one explicit place.
+
+The fast transformer and VAE hold only their weights (and caches derived from them). What a call decides reaches
+them here, set by the pipeline for the call (or by the transformer's forward for itself: the LoRA scale, the
+cache_context name) and read where it is used, as nano-vllm's `Context` does; a context variable, so threads and
+nested calls each see their own:
+- lora_scale: attention_kwargs["scale"] of the forward running (model/lora.py multiplies the adapters by it);
+- cache_name: diffusers' cache_context ("cond" / "uncond"): which CFG pass a forward is (runtime/runner.py pairs
+  them);
+- run: the call's CallRun (runtime/runner.py) when a diffusers loop calls the transformer: its forwards go through
+  it (batched CFG, CUDA graphs);
+- ulysses: the sequence-parallel group of a FastConfig(parallel="ulysses") call (runtime/parallel.py);
+- weights_take_turns: memory="low" (runtime/offload.py): the forward checks that the block linears are on its device;
+- record: the call's CallRecord (optimizations.py): what ran, for `applied`.
+"""
+
+import contextlib
+from contextvars import ContextVar
+from dataclasses import dataclass, replace
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ForwardContext:
+    lora_scale: float = 1.0
+    cache_name: str | None = None
+    run: Any = None  # runner.CallRun
+    ulysses: Any = None  # parallel.Ulysses
+    weights_take_turns: bool = False
+    record: Any = None  # optimizations.CallRecord
+
+
+_CONTEXT: ContextVar[ForwardContext] = ContextVar("qwen_image_fast_forward_context", default=ForwardContext())
+
+
+def get_context() -> ForwardContext:
+    return _CONTEXT.get()
+
+
+@contextlib.contextmanager
+def forward_context(**changes):
+    """The current context with `changes`, for the duration of the block."""
+    token = _CONTEXT.set(replace(_CONTEXT.get(), **changes))
+    try:
+        yield _CONTEXT.get()
+    finally:
+        _CONTEXT.reset(token)
+
+
+def record(name: str, value=True):
+    """Note in the running call's CallRecord that optimization `name` ran (nothing outside a pipeline call)."""
+    call = _CONTEXT.get().record
+    if call is not None:
+        call.add(name, value)

@@ -1,0 +1,110 @@
+"""The runner: how a fast pipeline's transformer forwards run. One for both kinds of loop, the text-to-image
+pipeline's own and diffusers' image-conditioned ones, with one policy each for CUDA graphs and batched CFG.
+
+A pipeline owns one Runner (its graphs live across calls); each call opens a CallRun:
+- `forward(context, **inputs)`: one forward. With graphs (FastConfig.cuda_graphs, where the registry says they can
+  run): the text is padded (masked) to a multiple of text_bucket tokens; a forward signature's first forward in a
+  call runs eagerly (it compiles the kernels and fills the model's caches), its second is captured and replayed,
+  later ones replay; graphs are kept across calls (at most MAX_GRAPHS, least recently used dropped) and dropped when
+  the weights move. Forwards with ControlNet residuals (a list of tensors) run eagerly. A capture error turns graphs
+  off for the pipeline, with a warning.
+- `pair(inputs, negative_embeds, negative_mask)`: batched CFG, prompt and negative prompt in one forward of batch
+  2B (cfg_pairing.paired_inputs); the text-to-image loop calls it.
+- `diffusers_forward(inputs)`: what the fast transformer's forward does inside a diffusers loop's call: pairs the
+  "cond" and "uncond" forwards by speculation (cfg_pairing.Speculation) when batched CFG is on.
+What ran is recorded in the call's CallRecord (optimizations.py).
+"""
+
+import contextlib
+import logging
+
+import torch
+
+from .cfg_pairing import Speculation, bucketed_text, paired_inputs
+from .context import forward_context, get_context
+from .cuda_graph import GraphCaptureError, Graphs, signature
+
+logger = logging.getLogger(__name__)
+
+# Graphs a pipeline keeps: a paired CFG forward, or a cond and an uncond one, per output and condition size.
+MAX_GRAPHS = 4
+
+
+class Runner:
+    """A pipeline's transformer forwards across its calls: the CUDA graphs it keeps."""
+
+    def __init__(self, max_graphs: int = MAX_GRAPHS):
+        self.graphs = Graphs(max_graphs)
+        self.graphs_failed: str | None = None  # a capture error: graphs stay off for this pipeline
+
+    @contextlib.contextmanager
+    def call(self, transformer, record, *, graphs: bool, pair_cfg: bool, bucket: int, attention_kwargs=None):
+        """A CallRun for one pipeline call. graphs / pair_cfg: whether CUDA graphs and batched CFG may run (the
+        registry's plan); bucket: FastConfig.text_bucket; attention_kwargs: the call's, for a stock transformer."""
+        graphs = graphs and self.graphs_failed is None
+        if graphs:
+            self.graphs.drop_if_weights_moved(transformer)
+        run = CallRun(self, transformer, record, graphs=graphs, pair_cfg=pair_cfg, bucket=bucket,
+                      attention_kwargs=attention_kwargs or {})
+        with forward_context(run=run, record=record):
+            yield run
+
+
+class CallRun:
+    """The transformer forwards of one pipeline call (see the module docstring)."""
+
+    def __init__(self, runner: Runner, transformer, record, *, graphs: bool, pair_cfg: bool, bucket: int,
+                 attention_kwargs: dict):
+        self.runner, self.transformer, self.record = runner, transformer, record
+        self.fused = hasattr(transformer, "compute")  # FastQwenImageTransformer; else a stock model
+        self.graphs, self.pair_cfg, self.bucket = graphs and self.fused, pair_cfg, bucket
+        self.attention_kwargs = attention_kwargs
+        self.seen: set[tuple] = set()  # signatures run eagerly in this call
+        self.speculation = Speculation() if pair_cfg and self.fused else None
+
+    def forward(self, context: str, **inputs) -> torch.Tensor:
+        """One forward (the transformer's `forward` arguments, `modulation` too for the fused one) -> [B, L, C]."""
+        if not self.fused:  # diffusers' model: its own forward, under the cache_context a diffusers loop sets
+            if inputs.pop("modulation", None) is not None:
+                raise ValueError("modulation= is an argument of the fused transformer only")
+            with self.transformer.cache_context(context):
+                return self.transformer(**inputs, attention_kwargs=self.attention_kwargs, return_dict=False)[0]
+        for name, value in self.transformer.running():
+            self.record.add(name, value)
+        with forward_context(cache_name=context):
+            if not self.graphs or inputs["controlnet_block_samples"] is not None:
+                return self.transformer.compute(**inputs)
+            return self._graphed(bucketed_text(inputs, self.bucket))
+
+    def _graphed(self, inputs: dict) -> torch.Tensor:
+        key = (signature(inputs), self.transformer.lora_key())
+        if key not in self.runner.graphs and key not in self.seen:
+            self.seen.add(key)
+            return self.transformer.compute(**inputs)
+        try:
+            out = self.runner.graphs.replay(key, inputs, self.transformer.compute)
+        except GraphCaptureError as e:
+            logger.warning("CUDA graph capture failed, running the transformer eagerly from now on: %s",
+                           e.__cause__ or e)
+            self.runner.graphs_failed, self.graphs = str(e), False
+            self.runner.graphs.graphs.clear()
+            return self.transformer.compute(**inputs)
+        self.record.add("cuda_graphs")
+        return out
+
+    def pair(self, inputs: dict, negative_embeds: torch.Tensor, negative_mask: torch.Tensor | None,
+             modulation: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Batched CFG: (prompt half, negative half) of one forward of batch 2B."""
+        batch = inputs["hidden_states"].shape[0]
+        out = self.forward("cond_uncond", **paired_inputs(inputs, negative_embeds, negative_mask, modulation))
+        self.record.add("batched_cfg")
+        return out[:batch], out[batch:]
+
+    def diffusers_forward(self, inputs: dict) -> torch.Tensor:
+        """A forward a diffusers loop made (under its cache_context), paired by speculation when batched CFG is on."""
+        context = get_context().cache_name
+        if self.speculation is None:
+            return self.forward(context, **inputs)
+        return self.speculation(lambda inputs: self.forward(context, **inputs),
+                                lambda inputs, embeds, mask: self.pair(inputs, embeds, mask),
+                                context, inputs, self.transformer.lora_key())
