@@ -69,8 +69,8 @@ def full_size_components(tokenizer_dir: Path) -> dict:
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     from bench_transformer import make_stock
-    from qwen_image_fast.tiny import QWEN_IMAGE_SCHEDULER_CONFIG, VISION_TOKENS
-    from qwen_image_fast.vl_processor import processor_without_torchvision
+    from qwen_image_fast.pipelines.tiny import QWEN_IMAGE_SCHEDULER_CONFIG, VISION_TOKENS
+    from qwen_image_fast.pipelines.qwen_image.vl_processor import processor_without_torchvision
 
     tokenizer = Qwen2Tokenizer.from_pretrained(tokenizer_dir)
     tokenizer.add_special_tokens({"additional_special_tokens": list(VISION_TOKENS)})
@@ -91,7 +91,7 @@ def full_size_components(tokenizer_dir: Path) -> dict:
 
 
 def tiny_components() -> dict:
-    from qwen_image_fast.tiny import tiny_components as tiny
+    from qwen_image_fast.pipelines.tiny import tiny_components as tiny
 
     return tiny(0, vision=True, transformer_config=dict(zero_cond_t=True))
 
@@ -157,7 +157,7 @@ def call(pipe, kwargs: dict, steps: int, device) -> tuple[float, dict, torch.Ten
 def graph_rows(fast, size: int, device) -> list[dict]:
     """The fast transformer at edit1's shapes, eager vs graphed, B=1 vs B=2 (cond + uncond, the shorter text
     padded and masked), ms per image-forward."""
-    from qwen_image_fast.pipelines.qwen_image.cuda_graph import GraphedForward
+    from qwen_image_fast.pipelines.qwen_image.runtime.cuda_graph import GraphedForward
 
     transformer, side = fast.transformer, size // 16
     g = torch.Generator(device).manual_seed(1)

@@ -39,7 +39,7 @@ from common import append_results, environment, sync  # noqa: E402
 from qwen_image_fast import FastConfig, QwenImageFastPipeline, lightning_scheduler  # noqa: E402
 from qwen_image_fast.compare import psnr  # noqa: E402
 from qwen_image_fast.kernels._utils import rel_rms_error  # noqa: E402
-from qwen_image_fast.pipelines.qwen_image.vae import decode_image  # noqa: E402
+from qwen_image_fast.pipelines.qwen_image.model.vae import decode_image  # noqa: E402
 
 GATE = (0.1, 38.0)  # latent rel-RMS, image PSNR dB: FP8 against bf16 with the same sampler and LoRA state
 
@@ -54,7 +54,7 @@ def main():
     args = parser.parse_args()
     device = torch.device("cpu" if args.tiny else "cuda")
     if args.tiny:
-        from qwen_image_fast.tiny import tiny_pipeline
+        from qwen_image_fast.pipelines.tiny import tiny_pipeline
 
         stock, sizes, steps_list, rank = tiny_pipeline(), [(48, 32)], [2], 4
     else:

@@ -27,7 +27,7 @@ from common import append_results, bench_ms, environment  # noqa: E402
 from diffusers import QwenImagePipeline  # noqa: E402
 
 from qwen_image_fast.kernels._utils import rel_rms_error  # noqa: E402
-from qwen_image_fast.pipelines.qwen_image.transformer import (  # noqa: E402
+from qwen_image_fast.pipelines.qwen_image.model.transformer import (  # noqa: E402
     CheckpointWeights,
     FastQwenImageTransformer,
     FastTransformerConfig,

@@ -96,7 +96,7 @@ def vae_decode_rows(env) -> list[dict]:
     seconds and the peak it adds over what was allocated before (max_memory_allocated and reserved rise)."""
     from diffusers import AutoencoderKLQwenImage
 
-    from qwen_image_fast.pipelines.qwen_image.vae import decode_image
+    from qwen_image_fast.pipelines.qwen_image.model.vae import decode_image
     from qwen_image_fast.render import ASPECTS
 
     vae = AutoencoderKLQwenImage().to("cuda", torch.bfloat16).eval()

@@ -47,7 +47,7 @@ def full_size_stock_pipeline(tokenizer_dir: Path | None = None, full_text_encode
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer
 
     from bench_transformer import make_stock
-    from qwen_image_fast.tiny import QWEN_IMAGE_SCHEDULER_CONFIG, tiny_tokenizer
+    from qwen_image_fast.pipelines.tiny import QWEN_IMAGE_SCHEDULER_CONFIG, tiny_tokenizer
 
     tokenizer = tiny_tokenizer() if tokenizer_dir is None else Qwen2Tokenizer.from_pretrained(tokenizer_dir)
     n = len(tokenizer)
@@ -76,7 +76,7 @@ def full_size_stock_pipeline(tokenizer_dir: Path | None = None, full_text_encode
 
 
 def tiny_stock_pipeline():
-    from qwen_image_fast.tiny import tiny_pipeline
+    from qwen_image_fast.pipelines.tiny import tiny_pipeline
 
     return tiny_pipeline()
 

@@ -22,9 +22,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import append_results, bench_ms, environment  # noqa: E402
 
 from qwen_image_fast.kernels._utils import rel_rms_error  # noqa: E402
-from qwen_image_fast.pipelines.qwen_image.attention import TextMask, joint_attention, resolve_backend  # noqa: E402
-from qwen_image_fast.pipelines.qwen_image.cuda_graph import GraphedForward  # noqa: E402
-from qwen_image_fast.pipelines.qwen_image.transformer import (  # noqa: E402
+from qwen_image_fast.pipelines.qwen_image.model.attention import TextMask, joint_attention, resolve_backend  # noqa: E402
+from qwen_image_fast.pipelines.qwen_image.runtime.cuda_graph import GraphedForward  # noqa: E402
+from qwen_image_fast.pipelines.qwen_image.model.transformer import (  # noqa: E402
     FastQwenImageTransformer,
     FastTransformerConfig,
 )

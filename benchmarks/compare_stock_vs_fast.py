@@ -36,7 +36,7 @@ if not torch.cuda.is_available():
 
 from qwen_image_fast import FastConfig, compare, render  # noqa: E402
 from qwen_image_fast.cli import int_at_least, multiple_of_16  # noqa: E402
-from qwen_image_fast.tiny import TINY_MODEL_ID  # noqa: E402
+from qwen_image_fast.pipelines.tiny import TINY_MODEL_ID  # noqa: E402
 
 PRESETS = ("baseline", "fast")  # A = stock, B = fast
 RANDOM_MODEL = "random-full-size"

@@ -4,7 +4,8 @@ Quantization of a row x: a = max(amax(|x|), 1e-12); scale = a / 448; q = e4m3(cl
 (one division per row, not per element).
 Activations are quantized per token (row of [M, K]), weights per output channel (row of [N, K]), and
 fp8_linear computes (q_x * s_x) @ (q_w * s_w).T + bias with fp32 accumulation, as torchao's PerRow
-`Float8DynamicActivationFloat8WeightConfig` does through the same `torch._scaled_mm`.
+`Float8DynamicActivationFloat8WeightConfig` does through the same `torch._scaled_mm`; the CPU makes the same call
+to scaled_mm_cpu, which computes it alike and refuses what the CUDA op refuses.
 
 `q_dtype=torch.float32` makes the kernels store the clamped pre-cast values instead of e4m3 codes: the Triton
 interpreter mis-rounds fp32 -> fp8 near powers of two, so CPU tests check those values and the scales, and the
@@ -95,11 +96,12 @@ def fp8_linear(
     """x_q: [M, K] e4m3 with x_scale [M, 1] fp32 (per token); w_q: [N, K] e4m3 with w_scale [N] fp32 (per output
     channel); bias: [N] in out_dtype or None. Returns [M, N] out_dtype.
 
-    CUDA: one `torch._scaled_mm` (fp32 accumulate, both scales and the bias in its epilogue). CPU: fp8_linear_ref
-    (dequantize, fp32 matmul), for tests and references only. A GPU without FP8 tensor cores raises.
+    One `torch._scaled_mm` call on every device (fp32 accumulate, both scales and the bias in its epilogue): on
+    CUDA the op itself (a GPU without FP8 tensor cores raises), elsewhere through scaled_mm_cpu, which holds the
+    call to what the CUDA op requires and computes it alike, so that CPU tests check the call the GPU gets.
     fast_accum: Hopper's faster FP8 accumulation (cuBLAS promotes partial sums to fp32 less often), as torchao's
-    inference default; no effect on the CPU path, nor below FAST_ACCUM_MIN_ROWS rows, where cuBLASLt (torch 2.11,
-    H200) has no fast-accumulation kernel for K=12288 (CUBLAS_STATUS_NOT_SUPPORTED; a short prompt's text stream
+    inference default; no effect on the CPU, nor below FAST_ACCUM_MIN_ROWS rows, where cuBLASLt (torch 2.11, H200)
+    has no fast-accumulation kernel for K=12288 (CUBLAS_STATUS_NOT_SUPPORTED; a short prompt's text stream
     unpadded) and such a small GEMM gains nothing from it."""
     check_tensor("x_q", x_q, dtypes=(FP8_DTYPE,), ndim=2)
     m, k = x_q.shape
@@ -111,17 +113,48 @@ def fp8_linear(
     check_tensor("w_scale", w_scale, dtypes=(torch.float32,), shape=(n,))
     if bias is not None:
         check_tensor("bias", bias, dtypes=(out_dtype,), shape=(n,))
-    if x_q.device.type != "cuda":
-        return fp8_linear_ref(x_q, x_scale, w_q, w_scale, bias, out_dtype)
-    if torch.cuda.get_device_capability(x_q.device) < (8, 9):
-        name = torch.cuda.get_device_name(x_q.device)
-        raise RuntimeError(f"fp8_linear needs FP8 tensor cores (compute capability >= 8.9); {name} has none. "
-                           "Use the BF16 mode (fp8=False) on this GPU.")
     if k % 16 or n % 16:
         raise ValueError(f"torch._scaled_mm needs K and N divisible by 16, got K={k}, N={n}")
+    if x_q.device.type == "cuda":
+        if torch.cuda.get_device_capability(x_q.device) < (8, 9):
+            name = torch.cuda.get_device_name(x_q.device)
+            raise RuntimeError(f"fp8_linear needs FP8 tensor cores (compute capability >= 8.9); {name} has none. "
+                               "Use the BF16 mode (fp8=False) on this GPU.")
+        scaled_mm = torch._scaled_mm
+    else:
+        scaled_mm = scaled_mm_cpu
     # w_q.t() is the column-major [K, N] operand _scaled_mm wants; w_scale as [1, N] selects rowwise scaling.
-    return torch._scaled_mm(x_q, w_q.t(), scale_a=x_scale, scale_b=w_scale[None, :], bias=bias, out_dtype=out_dtype,
-                            use_fast_accum=fast_accum and m >= FAST_ACCUM_MIN_ROWS)
+    return scaled_mm(x_q, w_q.t(), scale_a=x_scale, scale_b=w_scale[None, :], bias=bias, out_dtype=out_dtype,
+                     use_fast_accum=fast_accum and m >= FAST_ACCUM_MIN_ROWS)
+
+
+def scaled_mm_cpu(a, b, scale_a, scale_b, bias=None, out_dtype=torch.bfloat16, use_fast_accum=False) -> torch.Tensor:
+    """torch._scaled_mm's rowwise-scaled e4m3 product for CPU tensors, refusing what the CUDA op refuses (Hopper's
+    cuBLASLt): e4m3 operands, a [M, K] row-major and b [K, N] column-major, K and N multiples of 16, scale_a [M, 1]
+    and scale_b [1, N] contiguous fp32 (rowwise scaling), bias [N] in out_dtype. fp32 accumulation of the exact
+    e4m3 products; both scales and the bias in the epilogue; one cast. use_fast_accum changes nothing here.
+    Not torch's CPU op: on CPUs with AMX it goes to oneDNN, which (torch 2.11) asserts on rowwise scales. Not held:
+    CUDA takes no bias with an fp32 output (CPU tests run fp32 models in FP8 mode with one)."""
+    m, k = a.shape
+    n = b.shape[1]
+    if a.dtype != FP8_DTYPE or b.dtype != FP8_DTYPE:
+        raise ValueError(f"_scaled_mm operands are {a.dtype} and {b.dtype}; fp8_linear's call takes {FP8_DTYPE}")
+    if b.shape[0] != k:
+        raise ValueError(f"_scaled_mm cannot multiply a {tuple(a.shape)} by b {tuple(b.shape)}")
+    if a.stride(1) != 1 or b.stride(0) != 1:
+        raise ValueError(f"_scaled_mm needs a row-major and b column-major, got strides {a.stride()} and {b.stride()}")
+    if k % 16 or n % 16:
+        raise ValueError(f"_scaled_mm needs K and N divisible by 16, got K={k}, N={n}")
+    for name, scale, shape in (("scale_a", scale_a, (m, 1)), ("scale_b", scale_b, (1, n))):
+        if scale.dtype != torch.float32 or scale.shape != shape or not scale.is_contiguous():
+            raise ValueError(f"rowwise scaling takes {name} {shape} contiguous fp32, got {tuple(scale.shape)} "
+                             f"{scale.dtype} strides {scale.stride()}")
+    if bias is not None and (bias.dtype != out_dtype or bias.shape != (n,)):
+        raise ValueError(f"_scaled_mm's bias must be ({n},) {out_dtype}, got {tuple(bias.shape)} {bias.dtype}")
+    out = (a.float() @ b.float()) * scale_a * scale_b  # [M, N]
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(out_dtype)
 
 
 def fp8_linear_ref(x_q, x_scale, w_q, w_scale, bias=None, out_dtype=torch.bfloat16) -> torch.Tensor:

@@ -15,7 +15,7 @@ import torch.distributed as dist  # noqa: E402
 from diffusers import QwenImagePipeline  # noqa: E402
 
 from qwen_image_fast import FastConfig, optimize  # noqa: E402
-from qwen_image_fast.tiny import tiny_pipeline  # noqa: E402
+from qwen_image_fast.pipelines.tiny import tiny_pipeline  # noqa: E402
 
 # 4 heads so that 2 and 4 Ulysses ranks divide them; latent token counts 6, 9 and 4 (6 and 9 divide neither 4 nor 2)
 TRANSFORMER = {"num_attention_heads": 4}

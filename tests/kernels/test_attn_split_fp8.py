@@ -1,18 +1,37 @@
 import pytest
 import torch
+from diffusers.models.transformers.transformer_qwenimage import QwenImageTransformerBlock
 from helpers import DEVICES, DTYPES, assert_close
 
 from qwen_image_fast.kernels.attn_split_fp8 import attn_split_fp8, attn_split_fp8_ref
-from qwen_image_fast.kernels.fp8 import dequantize_fp8_rowwise
+from qwen_image_fast.kernels.fp8 import dequantize_fp8_rowwise, quantize_fp8_rowwise_ref
 
+# e4m3 keeps 3 mantissa bits: a rounding error of at most 2^-4 relative, ~2.5% RMS on normal data.
+FP8_TOL = 4e-2
 
 
 def test_ref_splits_like_diffusers():
-    o = torch.randn(2, 9, 3, 16)  # [B, S, H, Dh] attention output, text rows first as diffusers concatenates
-    q1, s1, q2, s2 = attn_split_fp8_ref(o, 4, torch.float32)
-    joint = o.flatten(2, 3)
-    assert_close(dequantize_fp8_rowwise(q1, s1), joint[:, :4].reshape(-1, 48), 1e-6, "text")
-    assert_close(dequantize_fp8_rowwise(q2, s2), joint[:, 4:].reshape(-1, 48), 1e-6, "image")
+    """Our joint sequence is [image, text] (diffusers' is [text, image]): split at L_img, the first stream must be
+    what diffusers' QwenDoubleStreamAttnProcessor2_0 feeds attn.to_out[0] (image), the second what it feeds
+    attn.to_add_out (text), as rowwise-FP8 operands [B * len, H * Dh], batch-major."""
+    torch.manual_seed(0)
+    b, l_img, l_txt, heads, head_dim = 2, 5, 3, 3, 16  # 24 heads x 128 in the model
+    d = heads * head_dim
+    attn = QwenImageTransformerBlock(dim=d, num_attention_heads=heads, attention_head_dim=head_dim).attn
+    seen = {}
+    attn.to_out[0].register_forward_pre_hook(lambda m, args: seen.update(image=args[0]))  # [B, L_img, D]
+    attn.to_add_out.register_forward_pre_hook(lambda m, args: seen.update(text=args[0]))  # [B, L_txt, D]
+    with torch.no_grad():
+        attn(hidden_states=torch.randn(b, l_img, d), encoder_hidden_states=torch.randn(b, l_txt, d))
+
+    o = torch.cat([seen["image"], seen["text"]], dim=1).unflatten(-1, (heads, head_dim))  # ours: [B, S, H, Dh]
+    q_img, s_img, q_txt, s_txt = attn_split_fp8_ref(o, l_img)
+    pre_img, _, pre_txt, _ = attn_split_fp8_ref(o, l_img, torch.float32)
+    for name, q, s, pre in (("image", q_img, s_img, pre_img), ("text", q_txt, s_txt, pre_txt)):
+        rows = seen[name].reshape(-1, d)  # what diffusers' output projection got, [B * len, D]
+        pre_expected, s_expected = quantize_fp8_rowwise_ref(rows, torch.float32)
+        assert torch.equal(pre, pre_expected) and torch.equal(s, s_expected), f"{name}: pre-cast values, scales"
+        assert_close(dequantize_fp8_rowwise(q, s), rows, FP8_TOL, f"{name}: dequantized")
 
 
 @pytest.mark.parametrize("device", DEVICES)

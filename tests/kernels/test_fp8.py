@@ -1,14 +1,17 @@
 import pytest
 import torch
-from helpers import DEVICES, TOL, assert_close
+from helpers import DEVICES, FP32_TOL, assert_close, assert_matches_ref
 
+from qwen_image_fast.kernels import fp8
 from qwen_image_fast.kernels._utils import FP8_DTYPE, FP8_MAX
 from qwen_image_fast.kernels.fp8 import (
+    FAST_ACCUM_MIN_ROWS,
     dequantize_fp8_rowwise,
     fp8_linear,
     fp8_linear_ref,
     quantize_fp8_rowwise,
     quantize_fp8_rowwise_ref,
+    scaled_mm_cpu,
 )
 
 # e4m3 keeps 3 mantissa bits: a rounding error of at most 2^-4 relative, ~2.5% RMS on normal data.
@@ -61,20 +64,119 @@ def test_quantize_rejects_bad_q_dtype():
         quantize_fp8_rowwise(torch.randn(2, 16), torch.float16)
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("m", [1, 37])
-def test_fp8_linear_matches_ref_and_nn_linear(device, m):
+# (M, K, N): K and N multiples of 16 (cuBLASLt's rule) but not powers of two; M = 65 reaches FAST_ACCUM_MIN_ROWS.
+LINEAR_SHAPES = [
+    (1, 48, 80),
+    (37, 112, 112),  # K == N: an untransposed w_q would still multiply
+    (65, 208, 48),
+    (48, 96, 48),  # M == N: swapped scales would still have valid shapes
+]
+
+
+# scaled_mm_cpu scales the exact sum of e4m3 code products, fp8_linear_ref sums products of dequantized values: the
+# fp32 sums differ by a few ulps, which can round a bf16 output the other way, many ulps off where the sum cancels.
+CPU_GEMM_BOUNDS = dict(max_ulp=None, max_frac=1e-2)
+# Hopper's FP8 tensor cores accumulate with less than fp32 precision, fast_accum off too (H100, torch 2.11: fp32
+# outputs ~1e-4 of the largest off the exact sum; bf16 outputs 6e-4 to 1e-3 rel-RMS off the reference here).
+GPU_GEMM_TOL = 4e-3
+
+
+def make_linear_operands(m, k, n, out_dtype, device):
+    """e4m3 operands whose row scales differ row to row and channel to channel (independently, so that swapped or
+    transposed scales change the product), and a bias as large as the product (so a lost or doubled one shows)."""
+    x = torch.randn(m, k, device=device) * torch.randn(m, 1, device=device).exp()
+    w = torch.randn(n, k, device=device) * torch.randn(n, 1, device=device).exp() / k**0.5
+    x_q, x_s = quantize_fp8_rowwise_ref(x)  # [M, K] e4m3, [M, 1] fp32
+    w_q, w_s = quantize_fp8_rowwise_ref(w)  # [N, K] e4m3, [N, 1] fp32
+    bias = torch.randn(n, device=device).to(out_dtype)
+    return x_q, x_s, w_q, w_s.view(-1), bias
+
+
+@pytest.mark.parametrize("shape", LINEAR_SHAPES)
+def test_ref_matches_nn_linear(shape):
+    """fp8_linear_ref against the module it replaces, nn.Linear, given the weights and inputs the e4m3 codes and
+    scales stand for: the same fp32 products, summed in another order (addmm)."""
     torch.manual_seed(0)
-    k, n = 96, 144
-    lin = torch.nn.Linear(k, n).to(device=device, dtype=torch.bfloat16)
-    x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
-    x_q, x_s = quantize_fp8_rowwise(x)
-    w_q, w_s = quantize_fp8_rowwise(lin.weight)
-    out = fp8_linear(x_q, x_s, w_q, w_s.view(-1), lin.bias)
-    assert out.dtype == torch.bfloat16 and out.shape == (m, n)
-    assert_close(out, fp8_linear_ref(x_q, x_s, w_q, w_s.view(-1), lin.bias), TOL[torch.bfloat16], "vs ref")
-    # against the upstream module: within the error FP8 operands introduce
-    assert_close(out, lin(x), 2 * FP8_TOL, "vs nn.Linear")
+    m, k, n = shape
+    x_q, x_s, w_q, w_s, bias = make_linear_operands(m, k, n, torch.float32, "cpu")
+    lin = torch.nn.Linear(k, n)
+    with torch.no_grad():
+        lin.weight.copy_(dequantize_fp8_rowwise(w_q, w_s[:, None]))
+        lin.bias.copy_(bias)
+        expected = lin(dequantize_fp8_rowwise(x_q, x_s))
+    assert_close(fp8_linear_ref(x_q, x_s, w_q, w_s, bias, torch.float32), expected, FP32_TOL, f"{shape}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", LINEAR_SHAPES)
+def test_fp8_linear_matches_ref(device, out_dtype, shape):
+    """The _scaled_mm call fp8_linear makes (the same on CPU and CUDA) against the dequantize-and-multiply
+    reference: a wrong scale layout, an untransposed weight or a misplaced bias raises or changes the product."""
+    if device == "cuda" and out_dtype == torch.float32:
+        pytest.skip("CUDA's _scaled_mm takes no bias with an fp32 output")
+    torch.manual_seed(0)
+    args = make_linear_operands(*shape, out_dtype, device)
+    out, ref = fp8_linear(*args, out_dtype=out_dtype), fp8_linear_ref(*args, out_dtype=out_dtype)
+    assert out.dtype == out_dtype and out.shape == shape[::2]
+    if device == "cuda":
+        assert_close(out, ref, GPU_GEMM_TOL, f"{shape} {out_dtype}")
+    else:
+        assert_matches_ref(out, ref, f"{shape} {out_dtype}", **CPU_GEMM_BOUNDS)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fast_accum", [False, True])
+def test_fp8_linear_fast_accum_from_min_rows(device, fast_accum, monkeypatch):
+    """use_fast_accum reaches _scaled_mm when asked for, from FAST_ACCUM_MIN_ROWS rows on, and never below."""
+    calls = []
+
+    def recording(scaled_mm):
+        def record(*args, **kwargs):
+            calls.append(kwargs["use_fast_accum"])
+            return scaled_mm(*args, **kwargs)
+        return record
+
+    # fp8_linear calls one of them: torch._scaled_mm on CUDA, scaled_mm_cpu elsewhere
+    monkeypatch.setattr(torch, "_scaled_mm", recording(torch._scaled_mm))
+    monkeypatch.setattr(fp8, "scaled_mm_cpu", recording(fp8.scaled_mm_cpu))
+    rows = [1, FAST_ACCUM_MIN_ROWS - 1, FAST_ACCUM_MIN_ROWS, FAST_ACCUM_MIN_ROWS + 1]
+    for m in rows:
+        fp8_linear(*make_linear_operands(m, 48, 80, torch.bfloat16, device), fast_accum=fast_accum)
+    assert calls == [fast_accum and m >= FAST_ACCUM_MIN_ROWS for m in rows]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_scaled_mm_cpu_refuses_what_cuda_refuses(device):
+    """Calls of fp8_linear's form, each with one thing wrong: the CUDA op refuses them all, and so does its CPU
+    stand-in (with its message), so a CPU run of fp8_linear catches a call the GPU would refuse."""
+    torch.manual_seed(0)
+    x_q, x_s, w_q, w_s, bias = make_linear_operands(37, 96, 80, torch.bfloat16, device)
+    good = dict(scale_a=x_s, scale_b=w_s[None, :], bias=bias, out_dtype=torch.bfloat16)
+    refused = [
+        ("a row-major and b column-major", (x_q, w_q.t().contiguous()), good),
+        ("K and N divisible by 16", (x_q[:, :40], w_q[:, :40].t()), good),
+        (r"scale_b \(1, 80\)", (x_q, w_q.t()), {**good, "scale_b": w_s[:, None]}),
+        (r"scale_a \(37, 1\)", (x_q, w_q.t()), {**good, "scale_a": w_s[:, None], "scale_b": x_s.t()}),
+        (r"bias must be \(80,\) torch.bfloat16", (x_q, w_q.t()), {**good, "bias": bias.float()}),
+        ("operands are torch.bfloat16", (x_q.bfloat16(), w_q.t()), good),
+    ]
+    scaled_mm = torch._scaled_mm if device == "cuda" else scaled_mm_cpu
+    for message, operands, kwargs in refused:
+        with pytest.raises((RuntimeError, ValueError), match=None if device == "cuda" else message):
+            scaled_mm(*operands, **kwargs)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", LINEAR_SHAPES)
+def test_scaled_mm_cpu_matches_cuda(shape):
+    """The CPU stand-in computes what the CUDA op computes from the same call (up to Hopper's FP8 accumulation)."""
+    torch.manual_seed(0)
+    x_q, x_s, w_q, w_s, bias = make_linear_operands(*shape, torch.bfloat16, "cpu")
+    out = torch._scaled_mm(x_q.cuda(), w_q.cuda().t(), scale_a=x_s.cuda(), scale_b=w_s[None, :].cuda(),
+                           bias=bias.cuda(), out_dtype=torch.bfloat16)
+    ref = scaled_mm_cpu(x_q, w_q.t(), scale_a=x_s, scale_b=w_s[None, :], bias=bias, out_dtype=torch.bfloat16)
+    assert_close(out.cpu(), ref, GPU_GEMM_TOL, f"{shape}")
 
 
 @pytest.mark.gpu
@@ -100,3 +202,5 @@ def test_fp8_linear_validates():
         fp8_linear(x_q, torch.ones(4), w_q[:, :32], torch.ones(16))
     with pytest.raises(ValueError, match="x_q has dtype torch.bfloat16"):
         fp8_linear(torch.zeros(4, 32, dtype=torch.bfloat16), torch.ones(4, 1), w_q[:, :32], torch.ones(16))
+    with pytest.raises(ValueError, match=r"^torch\._scaled_mm needs K and N divisible by 16, got K=40"):
+        fp8_linear(torch.zeros(4, 40, dtype=FP8_DTYPE), torch.ones(4, 1), w_q[:, :40], torch.ones(16))

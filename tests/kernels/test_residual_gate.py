@@ -1,5 +1,6 @@
 import pytest
 import torch
+from diffusers.models.transformers.transformer_qwenimage import QwenImageTransformerBlock
 from helpers import (
     DEVICES,
     DTYPES,
@@ -11,6 +12,7 @@ from helpers import (
     ulp_error,
 )
 
+from qwen_image_fast.kernels.fp8 import dequantize_fp8_rowwise, quantize_fp8_rowwise_ref
 from qwen_image_fast.kernels.residual_gate import (
     residual_gate,
     residual_gate_layer_norm_modulate,
@@ -21,6 +23,8 @@ from qwen_image_fast.kernels.residual_gate import (
 )
 
 SHAPES = [(1, 1, 48), (2, 37, 123), (1, 3, 3072)]
+# e4m3 keeps 3 mantissa bits: a rounding error of at most 2^-4 relative, ~2.5% RMS on normal data.
+FP8_TOL = 4e-2
 
 
 @pytest.fixture(autouse=True)
@@ -36,11 +40,69 @@ def make_inputs(b, l, d, dtype, device, g=None):
     return residual, x, gate, shift, scale
 
 
+def tiny_block(dtype, zero_cond_t):
+    torch.manual_seed(0)
+    block = QwenImageTransformerBlock(dim=48,  # 3072
+                                      num_attention_heads=3,  # 24
+                                      attention_head_dim=16,  # 128
+                                      zero_cond_t=zero_cond_t)
+    return block.to(dtype).eval()
+
+
+def run_block(block, x, txt, temb, modulate_index):
+    """The block's own forward on image tokens x [B, L, D] and text tokens txt; returns its output image residual
+    and, captured with hooks, what its image stream computed on the way: img_mod's output [G, 6D] (shift, scale,
+    gate of norm1, then of norm2), the attention output, the residual after the attention (img_norm2's input), the
+    modulated norm2 output (img_mlp's input) and the MLP output."""
+    seen = {}
+    hooks = [
+        block.img_mod.register_forward_hook(lambda m, args, out: seen.update(mod=out)),
+        block.attn.register_forward_hook(lambda m, args, out: seen.update(attn_output=out[0])),  # (image, text)
+        block.img_norm2.register_forward_pre_hook(lambda m, args: seen.update(residual1=args[0])),
+        block.img_mlp.register_forward_pre_hook(lambda m, args: seen.update(modulated2=args[0])),
+        block.img_mlp.register_forward_hook(lambda m, args, out: seen.update(mlp_output=out)),
+    ]
+    with torch.no_grad():
+        _, out = block(x, txt, None, temb, modulate_index=modulate_index)  # returns (text, image)
+    for hook in hooks:
+        hook.remove()
+    return out, seen
+
+
+@pytest.mark.parametrize("zero_cond_t", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_ref_matches_diffusers_expression(dtype):
-    residual, x, gate, _, _ = make_inputs(2, 5, 48, dtype, "cpu")
-    # QwenImageTransformerBlock: `hidden_states = hidden_states + img_gate1 * img_attn_output`, gate [B, 1, D]
-    assert torch.equal(residual_gate_ref(residual, x, gate), residual + gate.unsqueeze(1) * x)
+def test_refs_match_diffusers_block(dtype, zero_cond_t):
+    """The references against what QwenImageTransformerBlock.forward computes, with its own img_mod's gates, shifts
+    and scales: after the attention, `hidden_states + img_gate1 * img_attn_output` then img_norm2 and _modulate;
+    after the MLP, `hidden_states + img_gate2 * img_mlp_output`. Bit-equal: the same ops in the same dtype."""
+    b, l, d = 2, 6, 48
+    block = tiny_block(dtype, zero_cond_t)
+    x = (torch.randn(b, l, d) * 4).to(dtype)
+    txt = torch.randn(b, 3, d).to(dtype)
+    mod_row, index = None, None
+    if zero_cond_t:  # temb [2B, D]: rows B.. are the t=0 ones, which a condition image's tokens (index 1) use
+        index = torch.tensor([[0] * 4 + [1] * 2, [0] * 3 + [1] * 3])  # [B, L] as diffusers' modulate_index
+        mod_row = (torch.arange(b)[:, None] + b * index).flatten().int()
+    temb = torch.randn(2 * b if zero_cond_t else b, d).to(dtype)
+    out, seen = run_block(block, x, txt, temb, index)
+    mod = seen["mod"]  # [G, 6D]; the kernels take strided views of it, as the transformer passes them
+    gate1, shift2, scale2, gate2 = mod[:, 2 * d : 3 * d], mod[:, 3 * d : 4 * d], mod[:, 4 * d : 5 * d], mod[:, 5 * d :]
+
+    residual1 = residual_gate_ref(x, seen["attn_output"], gate1, mod_row=mod_row)
+    assert torch.equal(residual1, seen["residual1"]), "residual after the attention"
+    r, y = residual_gate_layer_norm_modulate_ref(x, seen["attn_output"], gate1, shift2, scale2, mod_row=mod_row)
+    assert torch.equal(r, seen["residual1"]), "fused: residual"
+    assert torch.equal(y, seen["modulated2"]), "fused: norm2 + modulation"
+    assert torch.equal(residual_gate_ref(seen["residual1"], seen["mlp_output"], gate2, mod_row=mod_row), out), (
+        "residual after the MLP (the block's output)")
+
+    # FP8: [B*L, D] rows of the modulated output, e4m3 codes and scales exactly those of what img_mlp got
+    r, q, s = residual_gate_layer_norm_modulate_fp8_ref(x, seen["attn_output"], gate1, shift2, scale2, mod_row=mod_row)
+    rows = seen["modulated2"].reshape(-1, d)
+    q_expected, s_expected = quantize_fp8_rowwise_ref(rows)
+    assert torch.equal(r, seen["residual1"]), "fp8: residual"
+    assert torch.equal(q.view(torch.uint8), q_expected.view(torch.uint8)) and torch.equal(s, s_expected), "fp8"
+    assert_close(dequantize_fp8_rowwise(q, s), rows.float(), FP8_TOL, "fp8: dequantized")
 
 
 def assert_exact(out, ref, what=""):

@@ -14,10 +14,12 @@ from test_pipeline import EXACT, FIXTURE_TOKENIZER, tiny_controlnet
 from transformers import Qwen2Tokenizer
 
 from qwen_image_fast import FastConfig, QwenImageFastPipeline, optimize
-from qwen_image_fast.family import FastFamilyPipeline, FastQwenImageEditPlusPipeline, from_pretrained
+from qwen_image_fast import FastQwenImageEditPlusPipeline, from_pretrained
+from qwen_image_fast.pipelines.qwen_image.fast_pipeline import FastPipelineMixin
 from qwen_image_fast.kernels._utils import rel_rms_error
-from qwen_image_fast.pipelines.qwen_image.cuda_graph import GraphedForward
-from qwen_image_fast.tiny import tiny_components, tiny_pipeline
+from qwen_image_fast.pipelines.qwen_image import optimizations
+from qwen_image_fast.pipelines.qwen_image.runtime.cuda_graph import Graphs
+from qwen_image_fast.pipelines.tiny import tiny_components, tiny_pipeline
 
 
 # id -> (pipeline, transformer config overrides, call arguments beyond COMMON). Input images of other sizes than
@@ -88,7 +90,7 @@ def test_optimize_matches_the_stock_pipeline(case_id):
     name = CASES[case_id][0]
     ref, ref_images = run_case(stock(case_id), case_id)
     fast = optimize(stock(case_id), EXACT)
-    assert isinstance(fast, FastFamilyPipeline) and isinstance(fast, getattr(diffusers, name))
+    assert isinstance(fast, FastPipelineMixin) and isinstance(fast, getattr(diffusers, name))
     assert fast.applied == ["fused_transformer", "attention:sdpa", "batched_cfg", "vae_2d_decode"]
     batches = forward_batches(fast)
     latents, images = run_case(fast, case_id)
@@ -106,13 +108,13 @@ def test_optimize_matches_the_stock_pipeline(case_id):
 
 def forward_batches(pipe) -> list[int]:
     """Records the batch of every forward the fast transformer computes (paired ones included)."""
-    batches, forward = [], pipe.transformer._forward
+    batches, compute = [], pipe.transformer.compute
 
     def counting(**inputs):
         batches.append(inputs["hidden_states"].shape[0])
-        return forward(**inputs)
+        return compute(**inputs)
 
-    pipe.transformer._forward = counting
+    pipe.transformer.compute = counting
     return batches
 
 
@@ -133,10 +135,10 @@ def test_graphs_replay_from_a_signatures_second_forward_in_a_call(monkeypatch):
     replay; the latents are those of the pipeline without graphs, bit for bit. ControlNet forwards never replay."""
     captured, replays = [], []
 
-    def capture(run, kwargs, warmup_runs):
+    def capture(run, kwargs):
         static = {name: v.clone() for name, v in kwargs.items() if isinstance(v, torch.Tensor)}
         out = run(**kwargs | static)
-        captured.append((kwargs["hidden_states"].shape[0], warmup_runs))
+        captured.append((kwargs["hidden_states"].shape[0], 0))
 
         class Graph:
             def replay(self):
@@ -145,8 +147,8 @@ def test_graphs_replay_from_a_signatures_second_forward_in_a_call(monkeypatch):
 
         return Graph(), static, out
 
-    monkeypatch.setattr(GraphedForward, "_try_capture", staticmethod(capture))
-    monkeypatch.setattr(FastFamilyPipeline, "_graphs_usable", lambda self: self._graphs is not None)
+    monkeypatch.setattr(Graphs, "capture", staticmethod(capture))
+    monkeypatch.setattr(optimizations, "no_graphs_reason", lambda facts: None)
     call = CASES["edit_plus_2511"][2] | dict(num_inference_steps=4)
     eager = optimize(stock("edit_plus_2511"), EXACT.replace(cuda_graphs=False, vae_2d_decode=False))
     graphed = optimize(stock("edit_plus_2511"), EXACT)
@@ -168,9 +170,11 @@ def test_cfg_pairing_returns_the_kept_half_only_for_the_inputs_it_was_computed_f
     """Calls as a pipeline's loop makes them, then ones that differ from what the "cond" call speculated: another
     latents tensor, latents changed in place, another negative text, another timestep. Each "uncond" answer must be
     the unpaired forward of its own inputs."""
-    from qwen_image_fast.pipelines.qwen_image.cfg_pairing import CfgPairing
+    from qwen_image_fast.pipelines.qwen_image.runtime.context import forward_context
+    from qwen_image_fast.pipelines.qwen_image.runtime.runner import Runner
 
     fast = optimize(stock("img2img"), EXACT).transformer
+    batches = forward_batches(type("Pipe", (), {"transformer": fast}))
     torch.manual_seed(0)
     h = torch.randn(1, 24, 16)
     text, negative, other_negative = torch.randn(1, 7, 16), torch.randn(1, 4, 16), torch.randn(1, 4, 16)
@@ -182,13 +186,11 @@ def test_cfg_pairing_returns_the_kept_half_only_for_the_inputs_it_was_computed_f
                         timestep=timestep, img_shapes=[[(1, 4, 6)]], return_dict=False)[0]
 
     def unpaired(hidden, embeds, timestep):
-        pairing, fast.cfg_pairing = fast.cfg_pairing, None
-        try:
+        with forward_context(run=None):
             return call(None, hidden, embeds, timestep)
-        finally:
-            fast.cfg_pairing = pairing
 
-    fast.cfg_pairing = pairing = CfgPairing()
+    paired_call = Runner().call(fast, optimizations.CallRecord(), graphs=False, pair_cfg=True, bucket=1)
+    paired_call.__enter__()
     call("cond", h, text, t)
     call("uncond", h, negative, t)  # records the negative text
     h2 = torch.randn_like(h)
@@ -207,7 +209,8 @@ def test_cfg_pairing_returns_the_kept_half_only_for_the_inputs_it_was_computed_f
         assert_close(call("uncond", uncond_hidden, embeds, timestep), unpaired(uncond_hidden, embeds, timestep),
                      1e-5, what)
         call("uncond", h2, negative, t)  # the loop's negative text again, for the next case
-    assert pairing.paired == len(misses)
+    paired_call.__exit__(None, None, None)
+    assert batches.count(2) == len(misses)
 
 
 @pytest.mark.usefixtures("small_condition_images")
@@ -232,16 +235,13 @@ def test_lora_through_the_pipelines_own_loader():
 
 
 def test_what_it_cannot_do_is_refused(tmp_path):
-    with pytest.raises(ValueError, match="scheduler='dpm\\+\\+2m'"):
+    with pytest.raises(ValueError, match="scheduler='dpm\\+\\+2m': supported by the text-to-image"):
         optimize(stock("img2img"), EXACT.replace(scheduler="dpm++2m"))
     with pytest.raises(ValueError, match="enhance_prompt is supported by the text-to-image"):
         optimize(stock("img2img"), EXACT, enhance_prompt="tiny-random")
     fast = optimize(stock("img2img"), EXACT)
     with pytest.raises(ValueError, match="already optimized"):
         optimize(fast)
-    with pytest.raises(NotImplementedError, match="save_pretrained of an optimized QwenImageImg2ImgPipeline"):
-        fast.save_pretrained(tmp_path / "x")
-    assert not (tmp_path / "x").exists()
     flux = diffusers.FluxPipeline.__new__(diffusers.FluxPipeline)
     with pytest.raises(TypeError, match="QwenImageControlNetInpaintPipeline; got FluxPipeline"):
         optimize(flux)
@@ -280,7 +280,7 @@ def real_width_edit_plus():
     from diffusers import AutoencoderKLQwenImage, QwenImageEditPlusPipeline, QwenImageTransformer2DModel
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
-    from qwen_image_fast.tiny import VISION_TOKENS
+    from qwen_image_fast.pipelines.tiny import VISION_TOKENS
 
     torch.manual_seed(0)
     components = tiny_components(0, vision=True)
@@ -354,7 +354,7 @@ def test_graphs_on_gpu():
     for run in ("first call", "second call"):
         assert torch.equal(final_latents(graphed, None, **call), ref), run
         assert "cuda_graphs" in graphed.applied and "cuda_graphs" not in eager.applied
-    assert len(graphed._graphs.graphs) == 1  # the paired forward's; the unpaired first step's ran eagerly
+    assert len(graphed.runner.graphs) == 1  # the paired forward's; the unpaired first step's ran eagerly
     scaled = dict(call, attention_kwargs={"scale": 0.5})
     assert torch.equal(final_latents(graphed, None, **scaled), final_latents(eager, None, **scaled))
-    assert len(graphed._graphs.graphs) == 2
+    assert len(graphed.runner.graphs) == 2

@@ -11,8 +11,9 @@ from test_pipeline import EXACT, fast_pipeline, run
 from test_transformer import make_inputs, tiny_stock
 
 from qwen_image_fast import FastConfig
-from qwen_image_fast.pipelines.qwen_image.modulation import ModulationTables
-from qwen_image_fast.pipelines.qwen_image.transformer import FastQwenImageTransformer, FastTransformerConfig
+from qwen_image_fast.pipelines.qwen_image.model.modulation import ModulationTables
+from qwen_image_fast.pipelines.qwen_image.config import FastTransformerConfig
+from qwen_image_fast.pipelines.qwen_image.model.transformer import FastQwenImageTransformer
 
 NO_TABLE = EXACT.replace(modulation_table=False)
 CFG = dict(prompt="a red fox in snow", negative_prompt="blurry", true_cfg_scale=3.0)
@@ -167,7 +168,7 @@ def test_low_memory_keeps_what_changed_during_a_turn():
 
 
 def test_memory_setting_errors():
-    from qwen_image_fast.tiny import tiny_pipeline
+    from qwen_image_fast.pipelines.tiny import tiny_pipeline
     from diffusers import QwenImageImg2ImgPipeline
     from qwen_image_fast import optimize
 
@@ -187,7 +188,10 @@ def test_memory_setting_errors():
 @pytest.mark.parametrize("zero_cond_t", [False, True])
 def test_table_at_the_real_width_on_gpu(zero_cond_t):
     """Two blocks of the real width (24 heads x 128, FP8, bf16), eager and replayed from a CUDA graph."""
-    from qwen_image_fast.pipelines.qwen_image.cuda_graph import GraphedForward
+    from test_transformer import compute_inputs
+
+    from qwen_image_fast.pipelines.qwen_image.optimizations import CallRecord
+    from qwen_image_fast.pipelines.qwen_image.runtime.runner import Runner
 
     stock = tiny_stock(zero_cond_t=zero_cond_t, num_layers=2, attention_head_dim=128, num_attention_heads=24,
                        joint_attention_dim=3584, axes_dims_rope=(16, 56, 56), device="cuda").to(torch.bfloat16)
@@ -195,12 +199,15 @@ def test_table_at_the_real_width_on_gpu(zero_cond_t):
     inputs = make_inputs(stock, "edit" if zero_cond_t else "square", device="cuda", dtype=torch.bfloat16)
     steps = torch.linspace(1.0, 0.02, 4, device="cuda", dtype=torch.bfloat16)[:, None].expand(-1, 2).contiguous()
     table = fast.modulation_table(steps)
-    graphed = GraphedForward(fast)
-    for n in range(4):
-        kwargs = {**inputs, "timestep": steps[n]}
-        own = fast(**kwargs, return_dict=False)[0]
-        assert torch.equal(fast(**kwargs, modulation=table[n], return_dict=False)[0], own), f"eager, step {n}"
-        assert torch.equal(graphed(**kwargs, modulation=table[n], return_dict=False)[0], own), f"graph, step {n}"
+    runner = Runner()
+    with runner.call(fast, CallRecord(), graphs=True, pair_cfg=False, bucket=1) as call:
+        for n in range(4):  # the first forward eager, the second captured, the others replayed
+            kwargs = {**inputs, "timestep": steps[n]}
+            own = fast(**kwargs, return_dict=False)[0]
+            assert torch.equal(fast(**kwargs, modulation=table[n], return_dict=False)[0], own), f"eager, step {n}"
+            graphed = call.forward("cond", **compute_inputs(kwargs) | {"modulation": table[n]})
+            assert torch.equal(graphed, own), f"graph, step {n}"
+    assert len(runner.graphs) == 1
 
 
 @pytest.mark.gpu
@@ -220,10 +227,10 @@ def test_low_memory_on_gpu():
 
     expected = latents(fast)
     assert torch.equal(latents(low), expected)
-    graphs = dict(low._graphs.graphs)
+    graphs = dict(low.runner.graphs.graphs)
     assert graphs and "cuda_graphs" in low.applied
     assert torch.equal(latents(low), expected)  # text encoder turn, transformer turn: the same graphs replay
-    assert low._graphs.graphs == graphs and low._turns.loads == 4
+    assert low.runner.graphs.graphs == graphs and low._turns.loads == 4
     low.encode_prompt("a cat", device=torch.device("cuda"))
     config = low.transformer.config
     with pytest.raises(RuntimeError, match="take turns with the text encoder"):
@@ -242,7 +249,7 @@ def optimize_on_cuda(config):
 
 
 def test_an_arena_larger_than_the_buffer_overflows_for_its_turn_only():
-    from qwen_image_fast.pipelines.qwen_image.offload import HostArena, TakingTurns
+    from qwen_image_fast.pipelines.qwen_image.runtime.offload import HostArena, TakingTurns
 
     small = [torch.randn(100), torch.randn(3, 7)]
     large = [torch.randn(50), torch.randn(200), torch.arange(12, dtype=torch.int32)]

@@ -21,10 +21,10 @@ from transformers import Qwen2Tokenizer
 
 from qwen_image_fast import FastConfig, PromptEnhancer, QwenImageFastPipeline, optimize
 from qwen_image_fast.kernels._utils import rel_rms_error
-from qwen_image_fast.samplers import make_scheduler
+from qwen_image_fast.pipelines.qwen_image.samplers import make_scheduler
 from qwen_image_fast.pipelines.qwen35.enhance import DEFAULT_ENHANCER_ID
-from qwen_image_fast.pipelines.qwen_image.transformer import FastQwenImageTransformer
-from qwen_image_fast.tiny import tiny_components, tiny_enhancer, tiny_tokenizer
+from qwen_image_fast.pipelines.qwen_image.model.transformer import FastQwenImageTransformer
+from qwen_image_fast.pipelines.tiny import tiny_components, tiny_enhancer, tiny_tokenizer
 
 FIXTURE_TOKENIZER = Path(__file__).resolve().parents[1] / "fixtures" / "tiny_qwen_tokenizer"
 EXACT = FastConfig(fp8=False)  # numerics-neutral options only: BF16 mode (fp32 here), Euler, CFG every step
@@ -46,15 +46,15 @@ def run(pipe, seed=0, **kwargs):
 
 
 def count_forwards(pipe) -> list[int]:
-    """Record the batch size of every transformer forward."""
+    """Record the batch size of every forward the fast transformer computes."""
     sizes = []
-    forward = pipe.transformer.forward
+    compute = pipe.transformer.compute
 
-    def counting(*args, **kwargs):
-        sizes.append(kwargs["hidden_states"].shape[0])
-        return forward(*args, **kwargs)
+    def counting(**inputs):
+        sizes.append(inputs["hidden_states"].shape[0])
+        return compute(**inputs)
 
-    pipe.transformer.forward = counting
+    pipe.transformer.compute = counting
     return sizes
 
 
@@ -306,10 +306,10 @@ def test_enhance_prompt_values(monkeypatch, tmp_path):
 
 
 def test_tiny_enhancer_goes_to_cuda_when_available_and_no_device_is_given(monkeypatch):
-    import qwen_image_fast.tiny
+    import qwen_image_fast.pipelines.tiny
 
     devices = []
-    monkeypatch.setattr(qwen_image_fast.tiny, "tiny_enhancer", lambda device: devices.append(device) or Rewriter())
+    monkeypatch.setattr(qwen_image_fast.pipelines.tiny, "tiny_enhancer", lambda device: devices.append(device) or Rewriter())
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     optimize(stock_pipeline(), EXACT, enhance_prompt="tiny-random")
     optimize(stock_pipeline(), EXACT, device="cpu", enhance_prompt="tiny-random")
@@ -369,7 +369,7 @@ def test_cuda_graph_replay_matches_eager_on_gpu():
                     generator=torch.Generator("cuda").manual_seed(0)).images
 
     assert_close(latents(graphed), latents(eager), 1e-5, "graph replay vs eager (fp32)")
-    assert len(graphed._graphs.graphs) == 1
+    assert len(graphed.runner.graphs) == 1
 
 
 # ---- diffusers' contract: constructor, replaced scheduler, callbacks, save/load, casts, what `applied` reports
@@ -436,14 +436,16 @@ def test_callback_outputs_honoured_as_in_stock(batched_cfg):
 
 
 def test_negative_pass_runs_under_the_uncond_cache_context():
+    from qwen_image_fast.pipelines.qwen_image.runtime.context import get_context
+
     fast = fast_pipeline(EXACT.replace(batched_cfg=False))
-    names, context = [], fast.transformer.cache_context
+    names, compute = [], fast.transformer.compute
 
-    def spying(name):
-        names.append(name)
-        return context(name)
+    def spying(**inputs):
+        names.append(get_context().cache_name)
+        return compute(**inputs)
 
-    fast.transformer.cache_context = spying
+    fast.transformer.compute = spying
     run(fast, prompt="a cat", negative_prompt="bad", num_inference_steps=2)
     assert names == ["cond", "uncond"] * 2
 
@@ -461,7 +463,7 @@ def test_save_pretrained_round_trip(tmp_path, config):
     assert all(torch.equal(before[k], after[k]) and before[k].dtype == after[k].dtype for k in before)
     case = dict(prompt="a cat", negative_prompt="blurry")
     assert torch.equal(run(loaded, **case), run(fast, **case))
-    with pytest.raises(ValueError, match="QwenImageFastPipeline.from_pretrained"):
+    with pytest.raises(ValueError, match="qwen_image_fast.from_pretrained"):
         QwenImagePipeline.from_pretrained(tmp_path)
     with pytest.raises(ValueError, match="fused_transformer=True"):
         QwenImageFastPipeline.from_pretrained(tmp_path, fast_config="baseline")
@@ -499,7 +501,7 @@ def test_applied_reports_what_the_last_call_ran():
 
 def test_conversion_on_a_cpu_without_the_triton_interpreter_says_how_to_fix_it():
     script = ("from qwen_image_fast import optimize\n"
-              "from qwen_image_fast.tiny import tiny_pipeline\n"
+              "from qwen_image_fast.pipelines.tiny import tiny_pipeline\n"
               "optimize(tiny_pipeline(), 'baseline')\n"  # the stock computation needs no Triton
               "try:\n    optimize(tiny_pipeline())\n"
               "except RuntimeError as e:\n    print('raised:', e)\n")
@@ -602,8 +604,8 @@ def test_graphs_are_recaptured_after_the_weights_move():
                 output_type="latent")
     pipe = optimize(stock_pipeline().to("cuda"), FastConfig(fp8=False))
     first = pipe(**case, generator=torch.Generator("cuda").manual_seed(0)).images
-    assert "cuda_graphs" in pipe.applied and len(pipe._graphs.graphs) == 1
+    assert "cuda_graphs" in pipe.applied and len(pipe.runner.graphs) == 1
     pipe.to("cpu")
     pipe.to("cuda")
     again = pipe(**case, generator=torch.Generator("cuda").manual_seed(0)).images
-    assert torch.equal(first, again) and len(pipe._graphs.graphs) == 1
+    assert torch.equal(first, again) and len(pipe.runner.graphs) == 1

@@ -11,11 +11,8 @@ from helpers import assert_close
 
 from qwen_image_fast.kernels._utils import rel_rms_error
 from qwen_image_fast.kernels.fp8 import dequantize_fp8_rowwise, quantize_fp8_rowwise_ref
-from qwen_image_fast.pipelines.qwen_image.transformer import (
-    FP8_LINEARS,
-    FastQwenImageTransformer,
-    FastTransformerConfig,
-)
+from qwen_image_fast.pipelines.qwen_image.config import FP8_LINEARS, FastTransformerConfig
+from qwen_image_fast.pipelines.qwen_image.model.transformer import FastQwenImageTransformer
 
 IMG_SHAPES = {  # per sample: [(frames, latent h / 2, latent w / 2), condition images...]
     "square": [(1, 4, 4)],
@@ -227,26 +224,32 @@ def test_real_width_on_gpu(fp8, padded):
         assert err <= 2 * err_stock_bf16 + 1e-3, (err, err_stock_bf16)
 
 
+def compute_inputs(inputs: dict) -> dict:
+    """make_inputs' forward arguments as FastQwenImageTransformer.compute takes them (what the runner passes)."""
+    return dict(guidance=None, controlnet_block_samples=None, additional_t_cond=None, modulation=None) | inputs
+
+
 @pytest.mark.gpu
 def test_cuda_graph_replay_matches_eager():
-    from qwen_image_fast.pipelines.qwen_image.cuda_graph import GraphedForward
+    """The runner's policy on the real CUDA graphs: a signature's first forward eager, its second captured, later
+    ones replayed, each equal to the eager forward of its own inputs."""
+    from qwen_image_fast.pipelines.qwen_image.optimizations import CallRecord
+    from qwen_image_fast.pipelines.qwen_image.runtime.runner import Runner
 
     stock = tiny_stock(num_layers=2, device="cuda", num_attention_heads=4, attention_head_dim=32,
                        axes_dims_rope=(8, 12, 12))  # the rotary axes must add up to the head dim
     fast = FastQwenImageTransformer.from_diffusers(stock.to(torch.bfloat16), FastTransformerConfig(fp8=True))
-    graphed = GraphedForward(fast)
-    for padded in (False, True):
-        inputs = make_inputs(stock, "square", padded=padded, device="cuda", dtype=torch.bfloat16)
-        eager = run(fast, inputs)
-        first = graphed(**inputs).sample
-        inputs["hidden_states"] = torch.randn_like(inputs["hidden_states"])  # replay must see new inputs
-        assert_close(graphed(**inputs).sample, run(fast, inputs), 1e-6, "replay vs eager")
-        assert_close(first, eager, 1e-6, "first call vs eager")
-    assert len(graphed.graphs) == 2  # one per signature (mask / no mask)
+    runner, record = Runner(), CallRecord()
+    with runner.call(fast, record, graphs=True, pair_cfg=False, bucket=1) as call:
+        for padded in (False, True):
+            for _ in range(3):
+                inputs = make_inputs(stock, "square", padded=padded, device="cuda", dtype=torch.bfloat16)
+                assert_close(call.forward("cond", **compute_inputs(inputs)), run(fast, inputs), 1e-6, "vs eager")
+    assert len(runner.graphs) == 2 and "cuda_graphs" in record.labels()  # one per signature (mask / no mask)
 
 
 def test_auto_attention_never_picks_fa4_for_fp32(monkeypatch):
-    from qwen_image_fast.pipelines.qwen_image import attention
+    from qwen_image_fast.pipelines.qwen_image.model import attention
 
     monkeypatch.setattr(attention, "fa4_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
@@ -266,7 +269,7 @@ def test_config_is_the_stock_config_plus_how_linears_are_stored():
     stock_keys = [k for k in stock.config if not k.startswith("_")]
     assert {k: fast.config[k] for k in stock_keys} == {k: stock.config[k] for k in stock_keys}
     assert set(fast.config) - set(stock.config) == {"fast_config"}
-    assert fast.config.fast_config == {"fp8": True, "bf16_linears": ["img_fc2"], "fp8_fast_accum": False,
+    assert fast.config.fast_config == {"fp8": True, "bf16_linears": ["img_fc2"], "fp8_fast_accum": True,
                                        "attention": "auto"}
     assert fast.dtype == torch.float32 and fast.device == torch.device("cpu")
 
@@ -391,7 +394,7 @@ def test_from_pretrained_refuses_what_it_cannot_load(tmp_path):
     FastQwenImageTransformer.from_diffusers(stock, FastTransformerConfig(fp8=True)).save_pretrained(tmp_path / "fast")
     with pytest.raises(ValueError, match="stores the block linears with fp8=True"):
         FastQwenImageTransformer.from_pretrained(tmp_path / "fast", fast_config=FastTransformerConfig(fp8=False))
-    with pytest.raises(ValueError, match="QwenImageFastPipeline.from_pretrained"):  # what diffusers' loader passes
+    with pytest.raises(ValueError, match="qwen_image_fast.from_pretrained"):  # what diffusers' loader passes
         FastQwenImageTransformer.from_pretrained(tmp_path / "fast", low_cpu_mem_usage=True, device_map=None)
     stock.save_pretrained(tmp_path / "stock")
     with pytest.raises(ValueError, match="holds a QwenImageTransformer2DModel checkpoint.+from_diffusers"):

@@ -1,5 +1,5 @@
-"""The VAE decode of one image as 2D convolutions (pipelines/qwen_image/vae.py) against diffusers'
-AutoencoderKLQwenImage.decode, and the pipeline's choice of it."""
+"""The VAE decode of one image as 2D convolutions (pipelines/qwen_image/model/vae.py) against diffusers'
+AutoencoderKLQwenImage.decode, and where FastAutoencoderKLQwenImage chooses it."""
 
 import numpy as np
 import pytest
@@ -7,12 +7,23 @@ import torch
 from test_pipeline import EXACT, fast_pipeline, stock_pipeline
 from test_pipeline import run as run_pipeline
 
-from qwen_image_fast.pipelines.qwen_image.vae import can_decode_image, decode_image
+from qwen_image_fast.pipelines.qwen_image.model.vae import (
+    FastAutoencoderKLQwenImage,
+    as_vae_class,
+    decode_image,
+    decodes_2d,
+)
 
 
 @pytest.fixture(scope="module")
 def vae():
     return stock_pipeline().vae.eval()
+
+
+def small_tiles(vae):
+    """Tiles of 16 pixels (4 latents with the tiny VAE), so that the test latents are tiled when tiling is on."""
+    vae.enable_tiling(tile_sample_min_height=16, tile_sample_min_width=16, tile_sample_stride_height=12,
+                      tile_sample_stride_width=12)
 
 
 def latents(vae, batch=2, frames=1, h=12, w=10, seed=0):
@@ -47,23 +58,44 @@ def test_decode_image_bf16_and_slicing(vae):
 
 
 def test_only_where_it_computes_what_stock_does(vae):
-    assert can_decode_image(vae, latents(vae), has_hooks=False)
-    assert not can_decode_image(vae, latents(vae, frames=2), has_hooks=False)
-    assert not can_decode_image(vae, latents(vae), has_hooks=True)
-    vae.enable_tiling()
+    from diffusers.hooks import HookRegistry, ModelHook
+
+    fast = as_vae_class(vae, FastAutoencoderKLQwenImage)
+    assert not decodes_2d(vae, latents(vae)), "the stock class: never"
+    assert decodes_2d(fast, latents(fast))
+    assert not decodes_2d(fast, latents(fast, frames=2))
+    fast.enable_tiling()  # latents within one tile: stock does not tile them either
+    assert decodes_2d(fast, latents(fast))
+    small_tiles(fast)
     try:
-        assert not can_decode_image(vae, latents(vae), has_hooks=False)
+        assert not decodes_2d(fast, latents(fast))
     finally:
-        vae.disable_tiling()
-    vae.train()  # dropout p = 0: nothing changes
-    assert can_decode_image(vae, latents(vae), has_hooks=False)
-    dropout = vae.decoder.mid_block.resnets[0].dropout
+        fast.disable_tiling()
+    HookRegistry.check_if_exists_or_initialize(fast.decoder).register_hook(ModelHook(), "offload")
+    assert not decodes_2d(fast, latents(fast))
+    fast = as_vae_class(vae, FastAutoencoderKLQwenImage).train()  # dropout p = 0: nothing changes
+    assert decodes_2d(fast, latents(fast))
+    dropout = fast.decoder.mid_block.resnets[0].dropout
     dropout.p = 0.1
     try:
-        assert not can_decode_image(vae, latents(vae), has_hooks=False)
+        assert not decodes_2d(fast, latents(fast))
     finally:
         dropout.p = 0.0
-        vae.eval()
+
+
+def test_the_fast_class_shares_the_stock_weights_and_decodes_as_stock(vae):
+    fast = as_vae_class(vae, FastAutoencoderKLQwenImage)
+    assert all(a.data_ptr() == b.data_ptr() for a, b in zip(fast.parameters(), vae.parameters()))
+    z = latents(vae)
+    torch.testing.assert_close(fast.decode(z).sample, vae.decode(z).sample, atol=1e-5, rtol=0)
+    small_tiles(fast)
+    torch.testing.assert_close(fast.decode(z).sample, AutoencoderKLTiled(vae).decode(z).sample, atol=0, rtol=0)
+
+
+def AutoencoderKLTiled(vae):
+    stock = as_vae_class(vae, type(vae))
+    small_tiles(stock)
+    return stock
 
 
 def test_pipeline_images_match_stock_and_say_which_decode_ran():
@@ -73,9 +105,10 @@ def test_pipeline_images_match_stock_and_say_which_decode_ran():
     out = run_pipeline(fast, **case)
     assert "vae_2d_decode" in fast.applied
     np.testing.assert_allclose(out, ref, atol=1e-5, rtol=0)
-    fast.vae.enable_tiling()
+    small_tiles(fast.vae)
     out = run_pipeline(fast, **case)
-    assert "vae_2d_decode" not in fast.applied, "tiling: the stock decode"
+    assert "vae_2d_decode" not in fast.applied, "tiled: the stock decode"
     off = fast_pipeline(EXACT.replace(vae_2d_decode=False))
+    assert type(off.vae) is type(stock.vae)
     run_pipeline(off, **case)
     assert "vae_2d_decode" not in off.applied

@@ -44,6 +44,7 @@ from .adapters import LoraAdapters, check_carriable, peft_lora_layers
 from .attention import TextMask, resolve_backend
 from .block import FastBlock, JointInputs, add_tail
 from .checkpoint import CheckpointWeights, load_weights, local_folder
+from .linear import FP8_TENSORS
 from .lora import LoraState
 from .modulation import ModulationLayout, ModulationTables, tensor_key
 from .unsupported import Unsupported
@@ -206,9 +207,11 @@ class FastQwenImageTransformer(Unsupported, LoraAdapters, ModelMixin, ConfigMixi
         with torch.device("meta"):
             model = cls(run, **stock_config)
         model.pos_embed = cls._pos_embed({**STOCK_CONFIG, **stock_config})
-        model.load_state_dict(load_weights(folder, device, variant), strict=True, assign=True)
-        if torch_dtype is not None:
-            model.to(torch_dtype)
+        state = load_weights(folder, device, variant)
+        if torch_dtype is not None:  # every tensor but the FP8 weights and their fp32 scales
+            state = {name: t if name.rsplit(".", 1)[-1] in FP8_TENSORS else t.to(torch_dtype)
+                     for name, t in state.items()}
+        model.load_state_dict(state, strict=True, assign=True)
         if run.attention != "auto":
             resolve_backend(run.attention, device, model.dtype)
         return model.requires_grad_(False).eval()

@@ -13,7 +13,7 @@ wherever it gives what stock's gives (FastConfig.vae_2d_decode).
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from diffusers import AutoencoderKLQwenImage
+from diffusers import AutoencoderKLQwenImage, ModelMixin  # noqa: F401 (ModelMixin: see FastAutoencoderKLQwenImage)
 from diffusers.models.autoencoders.autoencoder_kl_qwenimage import QwenImageCausalConv3d
 from diffusers.models.autoencoders.vae import DecoderOutput
 
@@ -60,7 +60,8 @@ def as_vae_class(vae: AutoencoderKLQwenImage, cls: type) -> AutoencoderKLQwenIma
 class FastAutoencoderKLQwenImage(AutoencoderKLQwenImage):
     """diffusers' AutoencoderKLQwenImage whose decode runs an image as 2D convolutions (decode_image) wherever
     decodes_2d holds, and stock's decode otherwise (video, tiles, offload hooks); a pipeline call records when it
-    did (applied: vae_2d_decode)."""
+    did (applied: vae_2d_decode). A saved fast pipeline names this class in model_index.json; diffusers' loader
+    looks for ModelMixin in the module that defines it, to know how to load it (hence that import here)."""
 
     def _decode(self, z: torch.Tensor, return_dict: bool = True):
         if not decodes_2d(self, z):
