@@ -92,12 +92,12 @@ def table_cost(pipe, size) -> float:
 
 
 def vae_decode_rows(env) -> list[dict]:
-    """The VAE decode of one image at every official size (render.ASPECTS) as the pipeline runs it (the 2D decode):
+    """The VAE decode of one image at every official size (cli.jobs.ASPECTS) as the pipeline runs it (the 2D decode):
     seconds and the peak it adds over what was allocated before (max_memory_allocated and reserved rise)."""
     from diffusers import AutoencoderKLQwenImage
 
     from qwen_image_fast.pipelines.qwen_image.model.vae import decode_image
-    from qwen_image_fast.render import ASPECTS
+    from qwen_image_fast.cli.jobs import ASPECTS
 
     vae = AutoencoderKLQwenImage().to("cuda", torch.bfloat16).eval()
     rows = []

@@ -34,8 +34,15 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before qwen_image_fast imports triton: its kernels on the CPU
 
-from qwen_image_fast import FastConfig, compare, render  # noqa: E402
-from qwen_image_fast.cli import int_at_least, multiple_of_16  # noqa: E402
+from qwen_image_fast import FastConfig, compare  # noqa: E402
+from qwen_image_fast.cli.inputs import check_pipeline_inputs, read_input_image, sizes_from_image  # noqa: E402
+from qwen_image_fast.cli.jobs import (  # noqa: E402
+    ASPECTS, MIN_STEPS, NEGATIVE_PROMPT, TINY_SIZE, TINY_STEPS, Defaults, Job, make_jobs, read_prompt_file)
+from qwen_image_fast.cli.manifest import read_records  # noqa: E402
+from qwen_image_fast.cli.models import REAL_MODEL_ID, labels_for, load_pipeline, pipeline_class_name  # noqa: E402
+from qwen_image_fast.cli.output import prepare_out_dir  # noqa: E402
+from qwen_image_fast.cli.parser import int_at_least, multiple_of_16  # noqa: E402
+from qwen_image_fast.cli.run import format_summary, render_jobs  # noqa: E402
 from qwen_image_fast.pipelines.tiny import TINY_MODEL_ID  # noqa: E402
 
 PRESETS = ("baseline", "fast")  # A = stock, B = fast
@@ -60,21 +67,21 @@ def save_random_checkpoint(folder: Path) -> Path:
     return folder
 
 
-def median_seconds(out_dir: Path, jobs: list[render.Job]) -> float:
-    records = render.read_records(out_dir)
+def median_seconds(out_dir: Path, jobs: list[Job]) -> float:
+    records = read_records(out_dir)
     return statistics.median(records[f"{job.stem}.png"]["seconds"] for job in jobs)
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default=render.REAL_MODEL_ID,
+    parser.add_argument("--model", default=REAL_MODEL_ID,
                         help=f"hub id, local folder, {TINY_MODEL_ID} or {RANDOM_MODEL}")
     parser.add_argument("--checkpoint-dir", type=Path, default=Path("/tmp/qwen-image-random-full-size"),
                         help=f"where --model {RANDOM_MODEL} is saved")
     parser.add_argument("--prompts", default="samples/prompts.txt", help=".txt or .jsonl, as for `render`")
     parser.add_argument("--width", type=multiple_of_16, help="default 1328 (64 with tiny-random)")
     parser.add_argument("--height", type=multiple_of_16, help="default 1328 (64 with tiny-random)")
-    parser.add_argument("--steps", type=int_at_least(render.MIN_STEPS), help="default 50 (2 with tiny-random)")
+    parser.add_argument("--steps", type=int_at_least(MIN_STEPS), help="default 50 (2 with tiny-random)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--image", action="append", default=[], help="input image(s), as for `render`")
     parser.add_argument("--mask", help="inpainting mask, as for `render`")
@@ -85,31 +92,31 @@ def main():
 
     tiny = args.model == TINY_MODEL_ID
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    size = render.TINY_SIZE if tiny else render.ASPECTS["1:1"][0]
-    pipeline = render.pipeline_class_name(args.model) if args.model != RANDOM_MODEL else "QwenImagePipeline"
-    if render.sizes_from_image(pipeline) and args.width is None:
+    size = TINY_SIZE if tiny else ASPECTS["1:1"][0]
+    pipeline = pipeline_class_name(args.model) if args.model != RANDOM_MODEL else "QwenImagePipeline"
+    if sizes_from_image(pipeline) and args.width is None:
         size = None  # an edit pipeline sizes its output from the input image
-    defaults = render.Defaults(
-        negative_prompt=render.NEGATIVE_PROMPT, seed=args.seed, width=args.width or size, height=args.height or size,
-        steps=args.steps or (render.TINY_STEPS if tiny else 50), cfg=4.0,
-        images=tuple(render.read_input_image(path, "--image") for path in args.image),
-        mask=render.read_input_image(args.mask, "--mask") if args.mask else None, strength=args.strength)
-    jobs = render.make_jobs(render.read_prompt_file(args.prompts), defaults)
-    render.check_pipeline_inputs(jobs, pipeline, args.model, size_given=args.width is not None)
+    defaults = Defaults(
+        negative_prompt=NEGATIVE_PROMPT, seed=args.seed, width=args.width or size, height=args.height or size,
+        steps=args.steps or (TINY_STEPS if tiny else 50), cfg=4.0,
+        images=tuple(read_input_image(path, "--image") for path in args.image),
+        mask=read_input_image(args.mask, "--mask") if args.mask else None, strength=args.strength)
+    jobs = make_jobs(read_prompt_file(args.prompts), defaults)
+    check_pipeline_inputs(jobs, pipeline, args.model, size_given=args.width is not None)
 
     random_weights = args.model == RANDOM_MODEL
     if random_weights and device.type != "cuda":
         sys.exit(f"--model {RANDOM_MODEL} builds a 20B-parameter model and needs a GPU; use --model {TINY_MODEL_ID}")
     model = str(save_random_checkpoint(args.checkpoint_dir)) if random_weights else args.model
-    labels = {preset: render.labels_for(model, preset, FastConfig.preset(preset)) for preset in PRESETS}
+    labels = {preset: labels_for(model, preset, FastConfig.preset(preset)) for preset in PRESETS}
     if random_weights:
         labels = {preset: dataclasses.replace(label, note=RANDOM_NOTE) for preset, label in labels.items()}
     applied = {}
     for preset in PRESETS:
-        out_dir = render.prepare_out_dir(args.out / preset)
-        load_pipe = functools.partial(render.load_pipeline, model, preset, labels[preset].config, device)
-        summary = render.render_jobs(load_pipe, jobs, out_dir, labels[preset], resume=False)
-        print(f"{preset}: {render.format_summary(summary, labels[preset], out_dir)}", flush=True)
+        out_dir = prepare_out_dir(args.out / preset)
+        load_pipe = functools.partial(load_pipeline, model, preset, labels[preset].config, device)
+        summary = render_jobs(load_pipe, jobs, out_dir, labels[preset], resume=False)
+        print(f"{preset}: {format_summary(summary, labels[preset], out_dir)}", flush=True)
         applied[preset] = list(summary.applied)
         gc.collect()  # the pipeline lived inside render_jobs: free its GPU memory before the next one
         if device.type == "cuda":

@@ -17,7 +17,7 @@ from urllib.parse import quote
 import numpy as np
 from PIL import Image, ImageDraw, ImageFont
 
-from .render import read_settings
+from .cli.output import read_settings
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp")
 DIFF_GAIN = 8  # the difference panel shows |A-B| x 8, clipped to 255

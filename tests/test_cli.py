@@ -17,8 +17,13 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from qwen_image_fast import render
 from qwen_image_fast.cli import main
+from qwen_image_fast.cli.jobs import NEGATIVE_PROMPT, Defaults, make_jobs
+from qwen_image_fast.cli.models import (DEFAULT_ENHANCER_ID, TINY_ENHANCER_ID, TINY_ENHANCER_NOTE, TINY_MODEL_ID,
+                                        TINY_NOTE, labels_for, resolve_model)
+from qwen_image_fast.cli.output import prepare_out_dir, read_settings
+from qwen_image_fast.cli.run import ENCODE_AHEAD_IMAGES, encode_ahead, render_jobs
+from qwen_image_fast.config import FastConfig
 
 TINY = ["--model", "tiny-random", "--device", "cpu", "--width", "32", "--height", "32", "--steps", "2"]
 BASELINE = [*TINY, "--preset", "baseline"]
@@ -229,13 +234,13 @@ def test_help_imports_neither_torch_nor_diffusers_nor_the_model_code():
     assert out.stdout.splitlines()[-1] == "[]"
 
 
-def test_ids_copied_into_render_match_their_modules():
-    """render.py keeps copies of ids from modules that import torch (tiny.py, the enhancer): they must agree."""
+def test_ids_copied_into_the_cli_match_their_modules():
+    """cli/models.py keeps copies of ids from modules that import torch (tiny.py, the enhancer): they must agree."""
     from qwen_image_fast import tiny
     from qwen_image_fast.pipelines.qwen35 import enhance
 
-    assert (render.TINY_MODEL_ID, render.TINY_ENHANCER_ID) == (tiny.TINY_MODEL_ID, tiny.TINY_ENHANCER_ID)
-    assert render.DEFAULT_ENHANCER_ID == enhance.DEFAULT_ENHANCER_ID
+    assert (TINY_MODEL_ID, TINY_ENHANCER_ID) == (tiny.TINY_MODEL_ID, tiny.TINY_ENHANCER_ID)
+    assert DEFAULT_ENHANCER_ID == enhance.DEFAULT_ENHANCER_ID
 
 
 def test_fast_preset_on_cpu_without_interpreter_exits_2(tmp_path, monkeypatch, capsys):
@@ -257,12 +262,12 @@ def test_enhance_on_cpu_without_interpreter_exits_2(tmp_path, monkeypatch, capsy
 def test_model_auto_uses_the_real_model_only_when_cached_and_on_a_gpu(monkeypatch):
     import torch
 
-    monkeypatch.setattr(render, "cached_locally", lambda repo_id: False)
-    assert render.resolve_model("auto", torch.device("cuda"))[0] == "tiny-random"
-    monkeypatch.setattr(render, "cached_locally", lambda repo_id: True)
-    assert render.resolve_model("auto", torch.device("cpu"))[0] == "tiny-random"
-    assert render.resolve_model("auto", torch.device("cuda"))[0] == "Qwen/Qwen-Image-2512"
-    assert render.resolve_model("some/model", torch.device("cpu")) == ("some/model", "as asked")
+    monkeypatch.setattr("qwen_image_fast.cli.models.cached_locally", lambda repo_id: False)
+    assert resolve_model("auto", torch.device("cuda"))[0] == "tiny-random"
+    monkeypatch.setattr("qwen_image_fast.cli.models.cached_locally", lambda repo_id: True)
+    assert resolve_model("auto", torch.device("cpu"))[0] == "tiny-random"
+    assert resolve_model("auto", torch.device("cuda"))[0] == "Qwen/Qwen-Image-2512"
+    assert resolve_model("some/model", torch.device("cpu")) == ("some/model", "as asked")
 
 
 # ---- output: files, embedded settings, manifest
@@ -280,10 +285,10 @@ def test_fast_preset_records_what_ran_per_image_and_tiny_is_labeled_noise(tmp_pa
     assert "2 written, 0 skipped" in out and "noise from random weights" in out
     cat, dog = manifest(out_dir)
     assert cat["file"] == "00000-0.png" and "noise from random weights" in cat["note"]
-    expected = dict(prompt="a cat", negative_prompt=render.NEGATIVE_PROMPT, seed=0, width=64, height=64, steps=2,
+    expected = dict(prompt="a cat", negative_prompt=NEGATIVE_PROMPT, seed=0, width=64, height=64, steps=2,
                     cfg=4.0, model="tiny-random", preset="fast", scheduler="euler", enhancer=None,
-                    note=render.TINY_NOTE)
-    embedded = render.read_settings(out_dir / "00000-0.png")
+                    note=TINY_NOTE)
+    embedded = read_settings(out_dir / "00000-0.png")
     assert embedded == {**expected, "applied": cat["applied"]}  # the same values and types as the manifest line
     assert {key: cat[key] for key in expected} == expected
     assert "fused_transformer" in cat["applied"] and "batched_cfg" in cat["applied"]
@@ -303,14 +308,14 @@ def test_each_image_records_what_its_own_pipeline_call_ran(tmp_path):
             self.applied = ["fused_transformer"] + (["batched_cfg"] if true_cfg_scale > 1 else [])
             return type("Output", (), {"images": [Image.new("RGB", (width, height))] * len(prompt)})
 
-    jobs = render.make_jobs([{"prompt": "a cat"}, {"prompt": "a dog", "cfg": 1.0}, {"prompt": "a cow"}],
-                            render.Defaults(negative_prompt="", seed=0, width=16, height=16, steps=2, cfg=4.0))
-    labels = render.labels_for("tiny-random", "fast", render.FastConfig())
-    summary = render.render_jobs(Pipe, jobs, render.prepare_out_dir(tmp_path), labels)
+    jobs = make_jobs([{"prompt": "a cat"}, {"prompt": "a dog", "cfg": 1.0}, {"prompt": "a cow"}],
+                     Defaults(negative_prompt="", seed=0, width=16, height=16, steps=2, cfg=4.0))
+    labels = labels_for("tiny-random", "fast", FastConfig())
+    summary = render_jobs(Pipe, jobs, prepare_out_dir(tmp_path), labels)
     assert summary.written == 3 and summary.applied == ("fused_transformer", "batched_cfg")
     assert [line["applied"] for line in manifest(tmp_path)] == [
         ["fused_transformer", "batched_cfg"], ["fused_transformer"], ["fused_transformer", "batched_cfg"]]
-    assert render.read_settings(tmp_path / "00001-1.png")["applied"] == ["fused_transformer"]
+    assert read_settings(tmp_path / "00001-1.png")["applied"] == ["fused_transformer"]
 
 
 @pytest.mark.parametrize("fmt", ["png", "jpg", "webp"])
@@ -318,7 +323,7 @@ def test_settings_round_trip_with_their_types_in_every_format(fmt, tmp_path):
     assert main(["render", *BASELINE, "--format", fmt, "--seed", "5", "--out", str(tmp_path), "un chat 猫"]) == 0
     [line] = manifest(tmp_path)
     assert line["file"] == f"00000-5.{fmt}"
-    settings = render.read_settings(tmp_path / line["file"])
+    settings = read_settings(tmp_path / line["file"])
     assert settings == {key: line[key] for key in settings} and settings["seed"] == 5 and settings["cfg"] == 4.0
     assert settings["prompt"] == "un chat 猫" and settings["preset"] == "baseline" and settings["applied"] == []
     assert "note" in settings
@@ -389,9 +394,9 @@ def test_enhance_tiny_random_records_the_rewrites_and_resumes(tmp_path, capsys):
     lines = manifest(out_dir)
     assert [line["prompt"] for line in lines] == ["a cat", "a dog"]
     for line in lines:
-        assert line["enhancer"] == "tiny-random" and line["enhancer_note"] == render.TINY_ENHANCER_NOTE
+        assert line["enhancer"] == "tiny-random" and line["enhancer_note"] == TINY_ENHANCER_NOTE
         assert line["enhanced_prompt"] not in ("", line["prompt"]) and line["enhance_seconds"] >= 0
-        embedded = render.read_settings(out_dir / line["file"])
+        embedded = read_settings(out_dir / line["file"])
         assert list(embedded)[:2] == ["prompt", "enhanced_prompt"]
         assert {key: embedded[key] for key in ("prompt", "enhanced_prompt", "enhancer", "enhancer_note")} == {
             key: line[key] for key in ("prompt", "enhanced_prompt", "enhancer", "enhancer_note")}
@@ -430,7 +435,7 @@ def test_lora_is_fused_recorded_and_part_of_what_resume_compares(tmp_path, capsy
     line = manifest(fast)[0]
     digest = __import__("hashlib").sha256(lora.read_bytes()).hexdigest()
     assert line["loras"] == [{"path": f"{lora}", "scale": 0.8, "sha256": digest}]
-    assert render.read_settings(fast / line["file"])["loras"] == line["loras"]
+    assert read_settings(fast / line["file"])["loras"] == line["loras"]
     image, same, without = (pixels(folder / line["file"]) for folder in (fast, stock, plain))
     off, lora_effect = np.abs(image - same).mean(), np.abs(image - without).mean()
     assert off < lora_effect / 4, (off, lora_effect)
@@ -712,7 +717,7 @@ def test_edit_renders_records_its_inputs_resumes_and_compares(checkpoints, tmp_p
     assert line["images"][0] == {"path": str(checkpoints / "a.png"), "sha256": digest}
     assert line["mask"] is None and line["strength"] is None and len(line["images"]) == 2
     assert "batched_cfg" in line["applied"] and "fused_transformer" in line["applied"]
-    assert render.read_settings(tmp_path / "fast" / line["file"])["images"] == line["images"]
+    assert read_settings(tmp_path / "fast" / line["file"])["images"] == line["images"]
     sizes = {Image.open(tmp_path / preset / line["file"]).size for preset in ("baseline", "fast")}
     assert sizes == {(64, 96)}  # the pipeline's own choice from the last input image's aspect, in both presets
     assert cli(["render", *edit, "--preset", "fast", "--out", str(tmp_path / "fast")]) == 0
@@ -752,11 +757,11 @@ def test_encode_ahead_covers_a_window_of_images_and_skips_image_inputs():
 
     batches = [[job(f"p{i}"), job(f"q{i}")] for i in range(10)]  # 20 images
     batches[1] = [job("edit this", images=("in.png",))]  # an edit batch: its own call encodes it
-    encoded, until = render.encode_ahead(pipe, batches, 0)
-    assert render.ENCODE_AHEAD_IMAGES == 16 and until == 9  # 2 + 1 + 2 x 7 = 17 images: the window is full
+    encoded, until = encode_ahead(pipe, batches, 0)
+    assert ENCODE_AHEAD_IMAGES == 16 and until == 9  # 2 + 1 + 2 x 7 = 17 images: the window is full
     assert sorted(encoded) == [0, 2, 3, 4, 5, 6, 7, 8]
     assert encoded[0] == dict(prompt_embeds="embeds of ['p0', 'q0']", prompt_embeds_mask=None,
                               negative_prompt_embeds="embeds of ['bad', 'bad']", negative_prompt_embeds_mask=None)
     assert len(calls) == 16
-    encoded, until = render.encode_ahead(pipe, batches, until)
+    encoded, until = encode_ahead(pipe, batches, until)
     assert sorted(encoded) == [9] and until == 10

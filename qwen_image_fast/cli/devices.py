@@ -1,0 +1,139 @@
+"""Where the command runs: its processes (RANK, WORLD_SIZE, LOCAL_RANK as torchrun / accelerate launch set them),
+--device, Triton on the CPU, --max-memory, and --parallel (one image over several processes: its mesh is checked
+before any model loads and started after).
+"""
+
+import os
+
+from ..pipelines.qwen_image.config import PRESETS
+from .models import STOCK_PRESET, Labels, transformer_heads
+
+
+def distributed_env() -> tuple[int, int, int | None]:
+    """(RANK, WORLD_SIZE, LOCAL_RANK) as set by torchrun / accelerate launch; (0, 1, None) otherwise."""
+    try:
+        rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+        local_rank = int(os.environ["LOCAL_RANK"]) if "LOCAL_RANK" in os.environ else None
+    except ValueError as e:
+        raise ValueError(f"RANK / WORLD_SIZE / LOCAL_RANK must be integers ({e})") from e
+    if not 0 <= rank < world_size:
+        raise ValueError(f"RANK={rank} with WORLD_SIZE={world_size}: need 0 <= RANK < WORLD_SIZE")
+    return rank, world_size, local_rank
+
+
+def resolve_device(name: str | None, rank: int, local_rank: int | None):
+    """--device (None: cuda if available, else cpu) -> a torch.device; plain "cuda" -> GPU LOCAL_RANK (else RANK
+    modulo the GPU count). ValueError for a device that is not here."""
+    import torch
+
+    try:
+        device = torch.device(name if name is not None else "cuda" if torch.cuda.is_available() else "cpu")
+    except RuntimeError:
+        raise ValueError(f"--device {name}: not a device; use cpu, cuda or cuda:N") from None
+    if device.type == "cpu":
+        return device
+    if device.type != "cuda":
+        raise ValueError(f"--device {name}: only cpu and cuda are supported")
+    if not torch.cuda.is_available():
+        raise ValueError(f"--device {name}: CUDA is not available here (torch {torch.__version__}, "
+                         f"{'a CPU-only build' if torch.version.cuda is None else 'no GPU found'}); use --device cpu")
+    count = torch.cuda.device_count()
+    index = device.index if device.index is not None else (local_rank if local_rank is not None else rank % count)
+    if index >= count:
+        raise ValueError(f"--device {name}: GPU {index} asked for, {count} here")
+    return torch.device("cuda", index)
+
+
+def check_triton_on_cpu(device, labels: Labels, enhance: str | None = None):
+    """The fused transformer's and the prompt enhancer's Triton kernels run on the CPU only under Triton's
+    interpreter, which must be on before triton is first imported."""
+    if device.type != "cpu" or os.environ.get("TRITON_INTERPRET") == "1":
+        return
+    if labels.preset != STOCK_PRESET and labels.config.fused_transformer:
+        raise ValueError(f"--preset {labels.preset} on the CPU runs its Triton kernels in Triton's interpreter: start "
+                         "the command with TRITON_INTERPRET=1 (it must be set before Python starts), or use "
+                         f"--preset {STOCK_PRESET}")
+    if enhance is not None:
+        raise ValueError("--enhance on the CPU runs the Qwen3.5 model's Triton kernels in Triton's interpreter: start "
+                         "the command with TRITON_INTERPRET=1 (it must be set before Python starts)")
+
+
+# GiB, measured on an H200 (benchmarks/RESULTS.md, "Running in 24 GiB"): the fast pipeline's peak at 1328^2 is
+# 42.5 GiB; memory="low" peaks at 21.7 GiB reserved at 1024^2 and 23.0 at 1328^2.
+FAST_PIPELINE_GIB = 48.0
+LOW_MEMORY_GIB = 22.0
+
+
+def memory_setting(max_memory: float | None, preset: str, pipeline: str, parallel: str | None) -> str:
+    """FastConfig.memory for --max-memory GIB (None: "fast"); ValueError when nothing fits or low cannot run."""
+    if max_memory is None or max_memory >= FAST_PIPELINE_GIB:
+        return "fast"
+    if max_memory < LOW_MEMORY_GIB:
+        raise ValueError(f"--max-memory {max_memory:g}: the pipeline needs at least {LOW_MEMORY_GIB:g} GiB (with "
+                         "memory='low': 21.7 GiB at 1024x1024, 23.0 at 1328x1328, measured)")
+    why = (f"--preset {preset} runs the stock pipeline" if preset == STOCK_PRESET else
+           f"{pipeline} is not the text-to-image pipeline" if pipeline != "QwenImagePipeline" else
+           f"--parallel {parallel} is set" if parallel else None)
+    if why:
+        raise ValueError(f"--max-memory {max_memory:g} below {FAST_PIPELINE_GIB:g} needs memory='low', which runs in "
+                         f"the fast text-to-image pipeline alone; {why}: leave --max-memory out")
+    return "low"
+
+
+def cap_memory(max_memory: float | None, device) -> None:
+    if max_memory is None or device.type != "cuda":
+        return
+    import torch
+
+    total = torch.cuda.get_device_properties(device).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, max_memory * 2**30 / total), device)
+
+
+def image_group_shape(args, model: str, pipeline: str, rank: int, world_size: int):
+    """--parallel's mesh (MeshShape), checked before any model loads; None without --parallel."""
+    if args.parallel is None:
+        if args.ulysses:
+            raise ValueError(f"--ulysses {args.ulysses} needs --parallel ulysses or cfg,ulysses")
+        return None
+    from ..pipelines.qwen_image.runtime.parallel import MeshShape
+
+    if world_size < 2:
+        raise ValueError(f"--parallel {args.parallel} splits one image over several processes: launch with "
+                         "torchrun --nproc_per_node N -m qwen_image_fast render ...")
+    if args.preset == STOCK_PRESET:
+        raise ValueError(f"--parallel runs in the fast pipeline; --preset {STOCK_PRESET} runs the stock diffusers "
+                         "pipeline as diffusers runs it (one image per process): leave --parallel out, or use "
+                         f"--preset {PRESETS[0]}")
+    if pipeline != "QwenImagePipeline":
+        raise ValueError(f"--parallel is for text-to-image checkpoints; {pipeline} ({model}) renders one image per "
+                         "process (leave --parallel out)")
+    return MeshShape.resolve(args.parallel, args.ulysses, world_size, transformer_heads(model))
+
+
+def check_cfg_parallel(parallel: str, jobs) -> None:
+    """CFG-parallel runs the negative prompt on its own rank: every job needs CFG."""
+    if "cfg" not in parallel.split(","):
+        return
+    for job in jobs:
+        if job.cfg <= 1 or job.negative_prompt is None:
+            raise ValueError(f"--parallel {parallel} runs the prompt and the negative prompt on two ranks, but "
+                             f"prompt {job.index + 1} ({job.stem}) has cfg {job.cfg:g}"
+                             f"{' and no negative prompt' if job.negative_prompt is None else ''}: give every "
+                             "prompt cfg > 1 and a negative prompt, or use --parallel ulysses")
+
+
+def start_mesh(device, shape):
+    """With --parallel: the default process group (NCCL on CUDA, gloo on the CPU) and the mesh of `shape` (a
+    parallel.MeshShape) on it. Its image groups render one image together: the leader of each decides what is
+    left to render and writes images and manifest lines; the others take part in every call and write nothing."""
+    import torch
+    import torch.distributed as dist
+
+    from ..pipelines.qwen_image.runtime.parallel import ParallelMesh
+
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                                device_id=device if device.type == "cuda" else None)
+    return ParallelMesh(shape)

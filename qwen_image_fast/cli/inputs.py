@@ -1,0 +1,111 @@
+"""The inputs of image-conditioned checkpoints (edit, img2img, inpainting): --image and --mask files read, decoded
+and hashed before any model loads (InputImage), and what each pipeline class takes (check_pipeline_inputs).
+"""
+
+import hashlib
+import io
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, NamedTuple
+
+from PIL import Image
+
+if TYPE_CHECKING:
+    from .jobs import Job
+
+
+@dataclass(frozen=True)
+class InputImage:
+    """An input image (--image, --mask): the path as given, its content's sha256 and its size (width, height)."""
+
+    path: str
+    sha256: str
+    size: tuple[int, int]
+
+    def record(self) -> dict:
+        return {"path": self.path, "sha256": self.sha256}
+
+    def load(self, mode: str) -> Image.Image:
+        """The image, decoded from the file read now; ValueError if its content is no longer what was hashed (the
+        image would record an input it was not made from)."""
+        data = Path(self.path).read_bytes()
+        if hashlib.sha256(data).hexdigest() != self.sha256:
+            raise ValueError(f"{self.path} changed since it was read (sha256 {self.sha256[:12]}...); run again")
+        with Image.open(io.BytesIO(data)) as image:
+            return image.convert(mode)
+
+
+def read_input_image(path: str, what: str) -> InputImage:
+    """An input image file, opened and decoded once (a truncated or non-image file fails here, before any model
+    loads), with its content's sha256. ValueError naming `what` (e.g. "--image") and the path."""
+    try:
+        data = Path(path).read_bytes()
+    except OSError as e:
+        raise ValueError(f"{what} {path}: cannot read it ({e.strerror or e})") from e
+    try:
+        with Image.open(io.BytesIO(data)) as image:
+            image.load()
+            size = image.size
+    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
+        raise ValueError(f"{what} {path}: not a readable image ({e})") from e
+    return InputImage(path=str(path), sha256=hashlib.sha256(data).hexdigest(), size=size)
+
+
+def valid_strength(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value <= 1
+
+
+class PipelineInputs(NamedTuple):
+    """What `render` gives one pipeline class it drives."""
+
+    fewest: int  # input images
+    most: int | None  # None: any number
+    mask: str  # "required" / "forbidden"
+    strength: bool  # --strength allowed
+    size_from_image: str | None  # the output sized from the input image, --width/--height "optional" / "refused";
+    # None: the text-to-image size defaults
+
+
+PIPELINE_INPUTS = {
+    "QwenImagePipeline": PipelineInputs(0, 0, "forbidden", False, None),
+    "QwenImageImg2ImgPipeline": PipelineInputs(1, 1, "forbidden", True, None),
+    "QwenImageInpaintPipeline": PipelineInputs(1, 1, "required", True, None),
+    "QwenImageEditPipeline": PipelineInputs(1, 1, "forbidden", False, "optional"),
+    "QwenImageEditPlusPipeline": PipelineInputs(1, None, "forbidden", False, "optional"),
+    "QwenImageEditInpaintPipeline": PipelineInputs(1, 1, "required", True, "refused"),
+}
+
+
+def sizes_from_image(pipeline: str) -> bool:
+    """Whether the pipeline class sizes its output from the input image when no size is given."""
+    return pipeline in PIPELINE_INPUTS and PIPELINE_INPUTS[pipeline].size_from_image is not None
+
+
+def check_pipeline_inputs(jobs: "list[Job]", pipeline: str, model: str, size_given: bool):
+    """ValueError for inputs the pipeline class of `model` would not take, or take and ignore."""
+    if pipeline not in PIPELINE_INPUTS:
+        raise ValueError(f"--model {model} is a {pipeline} checkpoint; render drives "
+                         f"{', '.join(PIPELINE_INPUTS)} (the others through the Python API: optimize(pipe))")
+    fewest, most, mask, strength, size_from_image = PIPELINE_INPUTS[pipeline]
+    if size_given and size_from_image == "refused":
+        raise ValueError(f"--width/--height/--aspect: {pipeline} ({model}) sizes its output from the input image")
+    for job in jobs:
+        where = f"prompt {job.index + 1}"
+        if fewest == 0 and job.images:
+            raise ValueError(f"{where}: --image given, but {model} is a text-to-image model ({pipeline}); give an "
+                             "edit, img2img or inpainting checkpoint with --model")
+        if len(job.images) < fewest:
+            raise ValueError(f"{where}: {pipeline} ({model}) needs an input image: give --image PATH")
+        if most is not None and len(job.images) > most:
+            raise ValueError(f"{where}: {pipeline} ({model}) takes {most} input image, got {len(job.images)}")
+        if mask == "required" and job.mask is None:
+            raise ValueError(f"{where}: {pipeline} ({model}) inpaints: give --mask PATH")
+        if mask == "forbidden" and job.mask is not None:
+            raise ValueError(f"{where}: --mask given, but {pipeline} ({model}) takes no mask")
+        if job.mask is not None and job.mask.size != job.images[0].size:
+            raise ValueError(f"{where}: the mask {job.mask.path} is {job.mask.size[0]}x{job.mask.size[1]}, the "
+                             f"image {job.images[0].path} {job.images[0].size[0]}x{job.images[0].size[1]}: they must "
+                             "be the same size")
+        if job.strength is not None and not strength:
+            raise ValueError(f"{where}: --strength given, but {pipeline} ({model}) takes none (img2img and "
+                             "inpainting pipelines do)")

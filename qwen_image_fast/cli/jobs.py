@@ -1,0 +1,225 @@
+"""Prompts -> jobs, one image each: a prompt file (.txt, .jsonl) or the prompts given as arguments -> entries ->
+jobs, with the command's defaults (render_defaults: size, steps, cfg, seed, negative prompt, input images) under each
+line's own settings, per-prompt seeds, and the split of the jobs over processes (shard).
+"""
+
+import json
+import math
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+from .inputs import InputImage, read_input_image, sizes_from_image, valid_strength
+
+# Qwen-Image-2512's recommended negative prompt (QwenLM/Qwen-Image README).
+NEGATIVE_PROMPT = "低分辨率，低画质，肢体畸形，手指畸形，画面过饱和，蜡像感，人脸无细节，过度光滑，画面具有AI感。构图混乱。文字模糊，扭曲。"
+# The official sizes of Qwen-Image-2512, as (width, height).
+ASPECTS = {
+    "1:1": (1328, 1328),
+    "16:9": (1664, 928),
+    "9:16": (928, 1664),
+    "4:3": (1472, 1104),
+    "3:4": (1104, 1472),
+    "3:2": (1584, 1056),
+    "2:3": (1056, 1584),
+}
+TINY_SIZE, TINY_STEPS = 64, 2
+REAL_STEPS, REAL_CFG = 50, 4.0
+LIGHTNING_STEPS, LIGHTNING_CFG = 8, 1.0
+# One step gives NaN images: Qwen's scheduler stretches 1 - sigma by its last value (shift_terminal), 0 at 1 step.
+MIN_STEPS = 2
+# torch.Generator.manual_seed takes -2**63 .. 2**64 - 1 and wraps negatives (-1 is 2**64 - 1): only 0 .. 2**64 - 1,
+# so that two different seeds never give the same image under two names.
+MAX_SEED = 2**64 - 1
+JSONL_FIELDS = {"prompt", "negative_prompt", "seed", "width", "height", "steps", "cfg", "id", "images", "mask",
+                "strength"}
+ID_CHARACTERS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
+
+
+@dataclass(frozen=True)
+class Defaults:
+    """Settings for every prompt that its JSONL line does not override. width/height None: the pipeline sizes the
+    output from the input image (the edit pipelines)."""
+
+    negative_prompt: str
+    seed: int
+    width: int | None
+    height: int | None
+    steps: int
+    cfg: float
+    images: tuple[InputImage, ...] = ()
+    mask: InputImage | None = None
+    strength: float | None = None
+
+
+@dataclass(frozen=True)
+class Job:
+    """One image to render. index: position in the whole prompt list (before sharding)."""
+
+    index: int
+    id: str | None
+    prompt: str
+    negative_prompt: str | None  # None when cfg <= 1 (no classifier-free guidance)
+    seed: int
+    width: int | None
+    height: int | None
+    steps: int
+    cfg: float
+    images: tuple[InputImage, ...] = ()
+    mask: InputImage | None = None
+    strength: float | None = None
+
+    @property
+    def stem(self) -> str:
+        return f"{self.id if self.id is not None else f'{self.index:05d}'}-{self.seed}"
+
+
+def read_prompt_file(path: str | Path) -> list[dict]:
+    """A .jsonl file (objects with "prompt" and optional JSONL_FIELDS) or a text file (one prompt a line; blank
+    lines and lines starting with # skipped) -> entries {"line": n, "prompt": ..., ...}. ValueError names the line."""
+    path = Path(path)
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"--prompts {path}: cannot read it ({e})") from e
+    entries = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip() or (path.suffix != ".jsonl" and line.lstrip().startswith("#")):
+            continue
+        entries.append(parse_jsonl_line(path, number, line) if path.suffix == ".jsonl" else
+                       {"line": number, "prompt": line.strip()})
+    if not entries:
+        raise ValueError(f"--prompts {path}: no prompts in it (blank lines and # comments are skipped)")
+    return entries
+
+
+def command_line_entries(prompts: list[str]) -> list[dict]:
+    """Prompts given as arguments -> entries; an empty or blank one is rejected, as in a JSONL file."""
+    for number, prompt in enumerate(prompts, start=1):
+        if not prompt.strip():
+            raise ValueError(f"prompt {number} is {'empty' if not prompt else 'only whitespace'}: give a non-empty "
+                             "prompt")
+    return [{"prompt": prompt} for prompt in prompts]
+
+
+def parse_jsonl_line(path: Path, number: int, line: str) -> dict:
+    def bad(why):
+        return ValueError(f"--prompts {path}, line {number}: {why}")
+
+    try:
+        entry = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise bad(f"not valid JSON ({e.msg})") from e
+    if not isinstance(entry, dict):
+        raise bad(f"expected a JSON object, got {type(entry).__name__}")
+    unknown = sorted(set(entry) - JSONL_FIELDS)
+    if unknown:
+        raise bad(f"unknown field(s) {', '.join(unknown)}; allowed: {', '.join(sorted(JSONL_FIELDS))}")
+    if not isinstance(entry.get("prompt"), str) or not entry["prompt"].strip():
+        raise bad('"prompt" must be a non-empty string')
+    if "negative_prompt" in entry and not isinstance(entry["negative_prompt"], str):
+        raise bad('"negative_prompt" must be a string')
+    for name in ("seed", "width", "height", "steps"):
+        if name in entry and (not isinstance(entry[name], int) or isinstance(entry[name], bool)):
+            raise bad(f'"{name}" must be an integer, got {entry[name]!r}')
+    for name in ("width", "height"):
+        if name in entry and (entry[name] < 16 or entry[name] % 16):
+            raise bad(f'"{name}" must be a positive multiple of 16, got {entry[name]}')
+    if "steps" in entry and entry["steps"] < MIN_STEPS:
+        raise bad(f'"steps" must be >= {MIN_STEPS}, got {entry["steps"]}')
+    if "seed" in entry and not 0 <= entry["seed"] <= MAX_SEED:
+        raise bad(f'"seed" must be in 0..{MAX_SEED} (2**64 - 1), got {entry["seed"]}')
+    if "cfg" in entry and (not isinstance(entry["cfg"], (int, float)) or isinstance(entry["cfg"], bool)
+                           or not math.isfinite(entry["cfg"])):
+        raise bad(f'"cfg" must be a finite number, got {entry["cfg"]!r}')
+    if "images" in entry:
+        images = [entry["images"]] if isinstance(entry["images"], str) else entry["images"]
+        if not isinstance(images, list) or not images or not all(isinstance(i, str) and i for i in images):
+            raise bad(f'"images" must be a path or a non-empty list of paths, got {entry["images"]!r}')
+        entry["images"] = images
+    if "mask" in entry and (not isinstance(entry["mask"], str) or not entry["mask"]):
+        raise bad(f'"mask" must be a path, got {entry["mask"]!r}')
+    if "strength" in entry and not valid_strength(entry["strength"]):
+        raise bad(f'"strength" must be a number in (0, 1], got {entry["strength"]!r}')
+    if "id" in entry:
+        entry["id"] = str(entry["id"])
+        if not entry["id"] or not set(entry["id"]) <= ID_CHARACTERS:
+            raise bad(f'"id" {entry["id"]!r} must be non-empty and use only letters, digits, ".", "_", "-" '
+                      "(it names the file)")
+    return {"line": number, **entry}
+
+
+def derive_seed(base: int, index: int, id: str | None) -> int:
+    """base + index; with an id, base + crc32(id): reordering a JSONL file keeps each image."""
+    return base + (zlib.crc32(id.encode()) if id is not None else index)
+
+
+def make_jobs(entries: list[dict], defaults: Defaults) -> list[Job]:
+    """Entries (read_prompt_file, or command_line_entries) -> jobs. ValueError when two would write the same file,
+    or a derived seed leaves 0..MAX_SEED."""
+    jobs, seen, read = [], {}, {}
+
+    def input_image(path: str, what: str) -> InputImage:
+        if (path, what) not in read:
+            read[path, what] = read_input_image(path, what)
+        return read[path, what]
+
+    for index, entry in enumerate(entries):
+        where = f"line {entry['line']}" if "line" in entry else f"prompt {index + 1}"
+        images = (tuple(input_image(path, f"{where}: images") for path in entry["images"]) if "images" in entry
+                  else defaults.images)
+        mask = input_image(entry["mask"], f"{where}: mask") if "mask" in entry else defaults.mask
+        cfg = float(entry.get("cfg", defaults.cfg))
+        seed = entry.get("seed", derive_seed(defaults.seed, index, entry.get("id")))
+        if not 0 <= seed <= MAX_SEED:
+            how = f"crc32 of its id {entry['id']!r}" if entry.get("id") is not None else f"its index {index}"
+            raise ValueError(f"{where}: its seed {seed} (--seed {defaults.seed} + {how}) is beyond {MAX_SEED} "
+                             "(2**64 - 1), the largest torch.Generator seed; use a smaller --seed")
+        job = Job(
+            index=index,
+            id=entry.get("id"),
+            prompt=entry["prompt"],
+            negative_prompt=entry.get("negative_prompt", defaults.negative_prompt) if cfg > 1 else None,
+            seed=seed,
+            width=entry.get("width", defaults.width),
+            height=entry.get("height", defaults.height),
+            steps=entry.get("steps", defaults.steps),
+            cfg=cfg,
+            images=images,
+            mask=mask,
+            strength=entry.get("strength", defaults.strength),
+        )
+        if job.stem in seen:
+            raise ValueError(f"{where} and {seen[job.stem]} would both write {job.stem}.*; give them different "
+                             "ids or seeds")
+        seen[job.stem] = where
+        jobs.append(job)
+    return jobs
+
+
+def render_defaults(args, tiny: bool, pipeline: str = "QwenImagePipeline") -> Defaults:
+    """pipeline: the class the checkpoint names; an edit pipeline sizes its output from the input image unless
+    --aspect / --width / --height say otherwise."""
+    if args.aspect and (args.width or args.height):
+        raise ValueError("give --aspect or --width/--height, not both")
+    if (args.width is None) != (args.height is None):
+        raise ValueError("give --width and --height together")
+    if args.aspect:
+        width, height = ASPECTS[args.aspect]
+    elif args.width:
+        width, height = args.width, args.height
+    elif sizes_from_image(pipeline):
+        width, height = None, None
+    else:
+        width, height = (TINY_SIZE, TINY_SIZE) if tiny else ASPECTS["1:1"]
+    steps = args.steps or (TINY_STEPS if tiny else LIGHTNING_STEPS if args.lightning else REAL_STEPS)
+    cfg = args.cfg if args.cfg is not None else LIGHTNING_CFG if args.lightning else REAL_CFG
+    images = tuple(read_input_image(path, "--image") for path in args.image)
+    mask = read_input_image(args.mask, "--mask") if args.mask is not None else None
+    return Defaults(negative_prompt=args.negative_prompt, seed=args.seed, width=width, height=height, steps=steps,
+                    cfg=cfg, images=images, mask=mask, strength=args.strength)
+
+
+def shard(jobs: list[Job], rank: int, world_size: int) -> list[Job]:
+    """The jobs of one process: prompt i goes to rank i % world_size."""
+    return [job for job in jobs if job.index % world_size == rank]

@@ -1,0 +1,126 @@
+"""manifest.jsonl (one JSON line per image; with several processes a shard per rank, merged) and resume.
+
+Crash safety: an image is written to a temporary file, fsynced and renamed into place; only then is its manifest
+line appended (and fsynced). An image is done when its manifest line has the same settings and its file exists.
+An image file of the same name with other settings is never overwritten silently: find_conflict names it, and the
+command line refuses to run (--no-resume overwrites on purpose).
+"""
+
+import fcntl
+import json
+import os
+from pathlib import Path
+
+from .jobs import Job
+from .models import Labels
+from .output import read_settings, settings_of, to_json, write_atomic
+
+MANIFEST = "manifest.jsonl"
+MANIFEST_LOCK = ".manifest.lock"
+
+
+def manifest_path(out_dir: Path, rank: int, world_size: int) -> Path:
+    return out_dir / (MANIFEST if world_size == 1 else f"manifest.rank{rank}.jsonl")
+
+
+def drop_partial_last_line(path: Path):
+    """A kill during an append can leave a last line without its newline: cut it, so the next line starts clean."""
+    if not path.exists():
+        return
+    data = path.read_bytes()
+    if data and not data.endswith(b"\n"):
+        with open(path, "r+b") as f:
+            f.truncate(data.rfind(b"\n") + 1)
+
+
+def append_line(path: Path, record: dict):
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(to_json(record) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def read_records(out_dir: Path) -> dict[str, dict]:
+    """{file name: its latest manifest line} over manifest.jsonl and the rank shards; unreadable lines skipped."""
+    records = {}
+    for path in [out_dir / MANIFEST, *sorted(out_dir.glob("manifest.rank*.jsonl"))]:
+        if not path.exists():
+            continue
+        for line in path.read_text(encoding="utf-8").splitlines():
+            try:
+                record = json.loads(line)
+                name, when = record["file"], record["time"]
+            except (json.JSONDecodeError, TypeError, KeyError):
+                continue
+            if name not in records or when >= records[name]["time"]:
+                records[name] = record
+    return records
+
+
+def merge_manifests(out_dir: Path):
+    """Rewrite manifest.jsonl as the union of itself and the shards: one line per image on disk, sorted by file.
+
+    Every rank calls this when it finishes. Merges run one at a time (an exclusive lock on a file, released by the
+    kernel even on kill -9) and each keeps everything the previous one wrote, so whichever rank finishes last
+    leaves the complete manifest: no barrier, no torch.distributed."""
+    with open(out_dir / MANIFEST_LOCK, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        records = [r for name, r in sorted(read_records(out_dir).items()) if (out_dir / name).exists()]
+        text = "".join(to_json(r) + "\n" for r in records)
+        write_atomic(out_dir / MANIFEST, lambda f: f.write(text.encode("utf-8")))
+
+
+def lora_identity(records) -> list | None:
+    """What makes two LoRA sets the same work: each file's content and scale, in order (not where the file is)."""
+    return None if not records else [(r.get("sha256"), r.get("scale")) for r in records]
+
+
+def differing_settings(job: Job, recorded: dict, labels: Labels) -> list[str]:
+    """The settings of `job` that `recorded` (a manifest line or embedded settings) does not have. `loras` is
+    compared whenever either side has it (images made without LoRAs, before the setting existed, record none);
+    LoRAs, input images and masks by content (sha256), not by where their files are."""
+    wanted = settings_of(job, labels)
+    by_content = {"images": lambda records: None if records is None else [r.get("sha256") for r in records],
+                  "mask": lambda record: None if record is None else record.get("sha256"), "loras": lora_identity}
+    differing = [key for key, value in wanted.items() if key not in by_content and recorded.get(key) != value]
+    differing += [key for key, identity in by_content.items()
+                  if (key in wanted or key == "loras") and identity(wanted.get(key)) != identity(recorded.get(key))]
+    return differing
+
+
+def is_done(job: Job, records: dict[str, dict], out_dir: Path, fmt: str, labels: Labels) -> bool:
+    name = f"{job.stem}.{fmt}"
+    record = records.get(name)
+    return record is not None and (out_dir / name).exists() and not differing_settings(job, record, labels)
+
+
+def find_conflict(jobs: list[Job], out_dir: Path, fmt: str, labels: Labels) -> str | None:
+    """A job whose file already exists in out_dir with other settings (its manifest line's, else its embedded
+    ones; a file with neither is someone else's), which rendering would overwrite: a one-line description, or
+    None when there is no such job."""
+    if not out_dir.is_dir():
+        return None
+    records = read_records(out_dir)
+    for job in jobs:
+        path = out_dir / f"{job.stem}.{fmt}"
+        if not path.exists():
+            continue
+        recorded = records.get(path.name)
+        if recorded is None:
+            try:
+                recorded = read_settings(path)
+            except (OSError, SyntaxError, ValueError):
+                recorded = {}
+        differing = differing_settings(job, recorded, labels)
+        if differing and not recorded:
+            return f"{path} exists and was not made by this tool (no settings in it)"
+        if differing:
+            wanted = settings_of(job, labels)
+            changes = "; ".join(f"{key} {short(recorded.get(key))}, now {short(wanted.get(key))}" for key in differing)
+            return f"{path} exists, made with other settings ({changes})"
+    return None
+
+
+def short(value, limit: int = 30) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."

@@ -1,0 +1,154 @@
+"""The argument parser: the options of `render` and `compare`, their types and their help."""
+
+import argparse
+import math
+
+from ..pipelines.qwen_image.config import PARALLEL_MODES, PRESETS, SCHEDULERS
+from .devices import FAST_PIPELINE_GIB, LOW_MEMORY_GIB
+from .jobs import (ASPECTS, LIGHTNING_CFG, LIGHTNING_STEPS, MAX_SEED, MIN_STEPS, NEGATIVE_PROMPT, REAL_CFG, REAL_STEPS,
+                   TINY_STEPS)
+from .loras import lora_argument
+from .models import DEFAULT_ENHANCER_ID, REAL_MODEL_ID, STOCK_PRESET, TINY_ENHANCER_ID, TINY_MODEL_ID
+from .output import FORMATS
+
+
+def multiple_of_16(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+    if value < 16 or value % 16:
+        raise argparse.ArgumentTypeError(f"must be a positive multiple of 16, got {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def int_at_least(minimum: int, maximum: int | None = None):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+        if value < minimum or (maximum is not None and value > maximum):
+            raise argparse.ArgumentTypeError(
+                f"must be >= {minimum}, got {value}" if maximum is None else
+                f"must be in {minimum}..{maximum}, got {value}")
+        return value
+
+    return parse
+
+
+def finite_float(minimum: float | None = None):
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"must be a finite number, got {text!r}")
+        if minimum is not None and value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum:g}, got {text!r}")
+        return value
+
+    return parse
+
+
+def strength_argument(text: str) -> float:
+    value = finite_float()(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text!r}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="qwen-image-fast", description="Fast Qwen-Image-2512 inference.")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    render_parser = commands.add_parser(
+        "render", help="render prompts to image files", usage="%(prog)s [options] [prompt ...]",
+        description="Render prompts to image files with their settings embedded, a manifest.jsonl, and resume "
+                    "(finished images are skipped on a re-run).")
+    add = render_parser.add_argument
+    add("prompt", nargs="*", help="prompts (or use --prompts)")
+    add("--prompts", metavar="FILE", help=".txt: one prompt a line (# comments); .jsonl: objects with prompt and "
+        "optional negative_prompt, seed, width, height, steps, cfg, id")
+    add("--model", default=REAL_MODEL_ID,
+        help=f"hub id or local folder (default {REAL_MODEL_ID}); {TINY_MODEL_ID}: a tiny random model built in "
+             f"memory (its images are noise); auto: the real model if cached locally and a GPU is there, else "
+             f"{TINY_MODEL_ID}")
+    add("--preset", choices=PRESETS, default=PRESETS[0],
+        help=f"{PRESETS[0]}: every optimization; {STOCK_PRESET}: the stock diffusers pipeline")
+    add("--aspect", choices=tuple(ASPECTS),
+        help="official size: " + ", ".join(f"{k} {w}x{h}" for k, (w, h) in ASPECTS.items()))
+    add("--width", type=multiple_of_16, help="multiple of 16 (with --height)")
+    add("--height", type=multiple_of_16, help="multiple of 16 (with --width)")
+    add("--steps", type=int_at_least(MIN_STEPS),
+        help=f"denoising steps (default {REAL_STEPS}, {LIGHTNING_STEPS} with --lightning; {TINY_STEPS} with "
+             f"{TINY_MODEL_ID})")
+    add("--cfg", type=finite_float(), help=f"true_cfg_scale (default {REAL_CFG}, {LIGHTNING_CFG} with --lightning; "
+        "<= 1: no CFG)")
+    add("--lora", type=lora_argument, action="append", default=[], metavar="PATH_OR_ID[:SCALE]",
+        help="a LoRA .safetensors file, local or in a hub repo as OWNER/NAME/FILE.safetensors, at strength SCALE "
+             "(default 1); repeatable. Recorded with each image (path, scale, sha256); fused with the fast preset")
+    add("--lightning", action="store_true",
+        help=f"few-step sampling for a Lightning (step-distilled) LoRA: its Euler schedule (shift 3), "
+             f"{LIGHTNING_STEPS} steps and cfg {LIGHTNING_CFG:g} unless --steps / --cfg say otherwise")
+    add("--image", action="append", default=[], metavar="PATH",
+        help="an input image, for an edit, img2img or inpainting checkpoint (its model_index.json picks the "
+             "pipeline, e.g. --model Qwen/Qwen-Image-Edit-2511); repeatable (Edit-2509/2511 take several); JSONL "
+             "key images. Recorded with each image (path, sha256)")
+    add("--mask", metavar="PATH", help="the inpainting mask (white: repaint), the input image's size; JSONL key mask")
+    add("--strength", type=strength_argument, metavar="S",
+        help="img2img / inpainting: how much of the input image is re-noised, in (0, 1] (default: the pipeline's); "
+             "JSONL key strength")
+    add("--negative-prompt", default=NEGATIVE_PROMPT, help="default: Qwen-Image-2512's recommended one")
+    add("--scheduler", choices=SCHEDULERS, default="euler")
+    add("--seed", type=int_at_least(0, maximum=MAX_SEED), default=0,
+        help="base seed, 0..2**64-1: prompt i gets seed+i (seed+crc32(id) with a JSONL id) unless its line gives one")
+    add("--batch-size", type=int_at_least(1), default=1, help="prompts per pipeline call")
+    add("--enhance", nargs="?", const=DEFAULT_ENHANCER_ID, metavar="PATH_OR_ID",
+        help=f"rewrite each prompt into a detailed one with a local Qwen3.5 before rendering it, stored as "
+             f"enhanced_prompt (no value: {DEFAULT_ENHANCER_ID}; or a hub id or local folder; {TINY_ENHANCER_ID}: a "
+             f"tiny random model, its rewrites are gibberish). Put it after the prompts, or write --enhance=ID")
+    add("--out", default="out", help="output folder (default ./out)")
+    add("--format", choices=tuple(FORMATS), default="png")
+    add("--device", help="cpu, cuda or cuda:N; default: cuda (cuda:LOCAL_RANK with several processes) if "
+        "available, else cpu")
+    add("--parallel", choices=PARALLEL_MODES[1:],
+        help="one image on several processes (torchrun --nproc_per_node N -m qwen_image_fast render ...): cfg "
+             "(2 ranks: prompt and negative prompt), ulysses (sequence parallel), cfg,ulysses; ranks beyond one "
+             "image group render other prompts (data parallel). Default: each process renders its own prompts")
+    add("--ulysses", type=int_at_least(0), default=0, metavar="N",
+        help="ranks per Ulysses group with --parallel ulysses or cfg,ulysses (default 0: every rank CFG leaves)")
+    add("--max-memory", type=positive_float, metavar="GIB",
+        help=f"GPU memory this process may use, in GiB: below {FAST_PIPELINE_GIB:g} the text-to-image pipeline runs "
+             "with memory='low' (the text encoder and the transformer take turns on the GPU, the modulation weights "
+             f"stay on the host; the same images), at least {LOW_MEMORY_GIB:g}; on CUDA the process is capped there "
+             "(torch.cuda.set_per_process_memory_fraction) and fails with out-of-memory rather than use more")
+    add("--no-resume", dest="resume", action="store_false",
+        help="render everything again, overwriting images of the same name (default: skip images already in the "
+             "manifest and on disk, and refuse to overwrite one made with other settings)")
+    render_parser.set_defaults(parser=render_parser)
+
+    compare_parser = commands.add_parser(
+        "compare", help="compare two folders of images", usage="%(prog)s [options] A_DIR B_DIR --out REPORT",
+        description="Pair images by file name; PSNR, SSIM, max |A-B|; side-by-side grids and an index.html report. "
+                    "Exits 1 when nothing pairs, a pair cannot be measured (unreadable, sizes differ) or is below "
+                    "--min-psnr.")
+    add = compare_parser.add_argument
+    add("a_dir", help="folder A (e.g. the baseline's images)")
+    add("b_dir", help="folder B")
+    add("--out", required=True, help="report folder")
+    add("--min-psnr", type=finite_float(minimum=0.0), metavar="DB",
+        help="exit 1 if a pair is below this PSNR (dB, finite, >= 0)")
+    compare_parser.set_defaults(parser=compare_parser)
+    return parser
