@@ -218,6 +218,7 @@ REGISTRY: tuple[Optimization, ...] = (
                  "an image's VAE decode as the 2D convolutions its causal 3D ones amount to", plan_vae_2d_decode),
 )
 BY_NAME = {opt.name: opt for opt in REGISTRY}
+CFG_ONLY = ("batched_cfg", "cfg_fraction")  # they run only in a call with CFG (true_cfg_scale > 1, a negative prompt)
 
 
 def plans(config: FastConfig, facts: Facts) -> list[tuple[Optimization, Plan]]:

@@ -10,7 +10,9 @@ step of `render` in its own file:
     parser.py    the options, their types and help
     jobs.py      prompts (arguments or --prompts FILE) -> jobs: defaults, seeds, sharding
     inputs.py    --image, --mask, --strength: input images read and hashed; what each pipeline class takes
-    models.py    --model, --enhance: checked, resolved, loaded; Labels (what produces the images)
+    models.py    --model, --enhance: checked, resolved, loaded; Labels (what produces the images); the command's
+                 FastConfig (--preset and the optimization options, which parser.py makes from the registry)
+    plan.py      --dry-run: what would run
     loras.py     --lora: parsed, found, hashed
     devices.py   processes (RANK, WORLD_SIZE), --device, --max-memory, --parallel
     output.py    what an image records, atomic writes, the output folder
@@ -23,15 +25,16 @@ torch, diffusers and the model code are imported inside functions in all of them
 import sys
 from pathlib import Path
 
-from ..pipelines.qwen_image.config import FastConfig
+from ..pipelines.qwen_image.optimizations import REGISTRY
 from .devices import (cap_memory, check_cfg_parallel, check_triton_on_cpu, distributed_env, image_group_shape,
                       memory_setting, resolve_device, start_mesh)
 from .inputs import check_pipeline_inputs
 from .jobs import command_line_entries, make_jobs, read_prompt_file, render_defaults, shard
 from .loras import resolve_lora
 from .manifest import find_conflict
-from .models import (TINY_MODEL_ID, LoadError, check_enhancer, check_model, labels_for, load_pipeline, pipeline_class,
-                     resolve_model)
+from .models import (TINY_MODEL_ID, LoadError, check_enhancer, check_model, command_config, labels_for, load_pipeline,
+                     pipeline_class, resolve_model)
+from .plan import dry_run_report
 from .output import missing_folders, prepare_out_dir, remove_empty_folders
 from .parser import build_parser
 from .run import format_summary, render_jobs
@@ -58,7 +61,8 @@ def run_render(args) -> int:
         rank, world_size, local_rank = distributed_env()
         device = resolve_device(args.device, rank, local_rank)
         model, why = resolve_model(args.model, device)  # auto: tiny-random, or the real model when cached
-        config = FastConfig.preset(args.preset).replace(scheduler=args.scheduler)  # the command's one config
+        config = command_config(args.preset, {opt.field: getattr(args, opt.field) for opt in REGISTRY
+                                              if opt.field is not None and hasattr(args, opt.field)})
         pipeline = pipeline_class(model)
         shape = image_group_shape(args, model, pipeline, rank, world_size)
         if shape is not None:
@@ -74,6 +78,9 @@ def run_render(args) -> int:
                              "about an input image: leave --enhance out")
         if shape is not None:
             check_cfg_parallel(args.parallel, jobs)
+        if args.dry_run:
+            print(dry_run_report(config, labels, pipeline, device, shape, jobs))
+            return 0
         # with --parallel an image group renders what one process renders without it
         group_index, groups = (rank // shape.group_size, shape.dp) if shape is not None else (rank, world_size)
         mine = shard(jobs, group_index, groups)

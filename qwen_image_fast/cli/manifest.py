@@ -76,15 +76,16 @@ def lora_identity(records) -> list | None:
 
 
 def differing_settings(job: Job, recorded: dict, labels: Labels) -> list[str]:
-    """The settings of `job` that `recorded` (a manifest line or embedded settings) does not have. `loras` is
-    compared whenever either side has it (images made without LoRAs, before the setting existed, record none);
-    LoRAs, input images and masks by content (sha256), not by where their files are."""
+    """The settings of `job` that `recorded` (a manifest line or embedded settings) does not have. `loras` and
+    `options` are compared whenever either side has them (images made without, or before the setting existed,
+    record none); LoRAs, input images and masks by content (sha256), not by where their files are."""
     wanted = settings_of(job, labels)
     by_content = {"images": lambda records: None if records is None else [r.get("sha256") for r in records],
-                  "mask": lambda record: None if record is None else record.get("sha256"), "loras": lora_identity}
+                  "mask": lambda record: None if record is None else record.get("sha256"), "loras": lora_identity,
+                  "options": lambda options: options or None}
     differing = [key for key, value in wanted.items() if key not in by_content and recorded.get(key) != value]
-    differing += [key for key, identity in by_content.items()
-                  if (key in wanted or key == "loras") and identity(wanted.get(key)) != identity(recorded.get(key))]
+    differing += [key for key, identity in by_content.items() if (key in wanted or key in ("loras", "options"))
+                  and identity(wanted.get(key)) != identity(recorded.get(key))]
     return differing
 
 

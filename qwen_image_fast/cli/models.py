@@ -46,6 +46,14 @@ class Labels:
     def scheduler(self) -> str:
         return "lightning" if self.lightning else self.config.scheduler
 
+    @property
+    def options(self) -> dict:
+        """The options the command changed from its preset, recorded with each image (resume compares them);
+        scheduler is recorded on its own, and memory / parallel give the same images bit for bit."""
+        changed = self.config.differences(FastConfig.preset(self.preset))
+        return {name: value for name, value in changed.items()
+                if name not in ("scheduler", "memory", "parallel", "ulysses_degree")}
+
 
 def hub_offline() -> bool:
     from huggingface_hub import constants
@@ -131,6 +139,18 @@ def transformer_heads(model: str) -> int | None:
     from ..pipelines.qwen_image.text_to_image import checkpoint_heads
 
     return checkpoint_heads(model)
+
+
+def command_config(preset: str, options: dict) -> FastConfig:
+    """The command's one FastConfig: the preset's, with the optimization options given (None: not given).
+    ValueError for an option given with STOCK_PRESET, which runs diffusers' own pipeline (it would be ignored)."""
+    given = {name: value for name, value in options.items() if value is not None}
+    if preset == STOCK_PRESET and given:
+        flags = ", ".join(f"--{name.replace('_', '-')}" if value is not False else f"--no-{name.replace('_', '-')}"
+                          for name, value in given.items())
+        raise ValueError(f"--preset {STOCK_PRESET} runs the stock diffusers pipeline, which takes none of our options; "
+                         f"{flags} needs another preset")
+    return FastConfig.preset(preset).replace(**given)
 
 
 def check_scheduler(preset: str, scheduler: str):

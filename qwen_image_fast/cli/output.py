@@ -30,14 +30,16 @@ TEMP_PREFIX = ".tmp-"
 
 def settings_of(job: Job, labels: Labels) -> dict:
     """What was asked for, embedded in an image and recorded in its manifest line: resume compares these.
-    `enhancer` is always there (None without --enhance), so a run with another enhancer, or none, differs."""
+    `enhancer` is always there (None without --enhance), so a run with another enhancer, or none, differs; `options`
+    (what --no-<name>, --attention, --cfg-fraction changed from the preset) only when there are some."""
     settings = dict(prompt=job.prompt, negative_prompt=job.negative_prompt, seed=job.seed, width=job.width,
                     height=job.height, steps=job.steps, cfg=job.cfg, model=labels.model, preset=labels.preset,
                     scheduler=labels.scheduler, enhancer=labels.enhancer)
     if job.images:  # what the image-conditioned pipelines were given (content hashes: resume compares those)
         settings |= dict(images=[image.record() for image in job.images],
                          mask=None if job.mask is None else job.mask.record(), strength=job.strength)
-    return (settings | ({"loras": [lora.record() for lora in labels.loras]} if labels.loras else {})
+    return (settings | ({"options": labels.options} if labels.options else {})
+            | ({"loras": [lora.record() for lora in labels.loras]} if labels.loras else {})
             | ({"note": labels.note} if labels.note else {})
             | ({"enhancer_note": labels.enhancer_note} if labels.enhancer_note else {}))
 

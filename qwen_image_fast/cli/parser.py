@@ -3,7 +3,8 @@
 import argparse
 import math
 
-from ..pipelines.qwen_image.config import PARALLEL_MODES, PRESETS, SCHEDULERS
+from ..pipelines.qwen_image.config import ATTENTION_BACKENDS, PARALLEL_MODES, PRESETS, SCHEDULERS, FastConfig
+from ..pipelines.qwen_image.optimizations import REGISTRY
 from .devices import FAST_PIPELINE_GIB, LOW_MEMORY_GIB
 from .jobs import (ASPECTS, LIGHTNING_CFG, LIGHTNING_STEPS, MAX_SEED, MIN_STEPS, NEGATIVE_PROMPT, REAL_CFG, REAL_STEPS,
                    TINY_STEPS)
@@ -69,6 +70,38 @@ def strength_argument(text: str) -> float:
     return value
 
 
+def fraction(text: str) -> float:
+    value = finite_float()(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text!r}")
+    return value
+
+
+# The registered optimizations whose option is not a plain switch or value: those have options of their own.
+OWN_OPTIONS = {"memory": "--max-memory", "parallel": "--parallel", None: "--enhance"}
+# How the value of a registered optimization that is not on/off is given.
+VALUE_OPTIONS = {"attention": dict(choices=ATTENTION_BACKENDS), "scheduler": dict(choices=SCHEDULERS),
+                 "cfg_fraction": dict(type=fraction, metavar="F")}
+
+
+def add_optimization_options(add):
+    """One option per registered optimization (optimizations.REGISTRY): --no-<field> for one on by default, a value
+    for the others. Each stores into args.<field> (None: the preset's value)."""
+    default = FastConfig()
+    for opt in REGISTRY:
+        if opt.field in OWN_OPTIONS:
+            continue
+        flag, about = opt.field.replace("_", "-"), f"{opt.kind}: {opt.summary}"
+        if getattr(default, opt.field) is True:
+            add(f"--no-{flag}", dest=opt.field, action="store_false", default=None, help=f"turn {opt.name} off ({about})")
+        elif opt.field in VALUE_OPTIONS:
+            add(f"--{flag}", dest=opt.field, default=None, help=f"{about} (default: the preset's, "
+                f"{getattr(default, opt.field)})", **VALUE_OPTIONS[opt.field])
+        else:
+            raise TypeError(f"optimization {opt.name!r} (FastConfig.{opt.field}) has no command-line option: add it "
+                            "to VALUE_OPTIONS or OWN_OPTIONS")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="qwen-image-fast", description="Fast Qwen-Image-2512 inference.")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -111,7 +144,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="img2img / inpainting: how much of the input image is re-noised, in (0, 1] (default: the pipeline's); "
              "JSONL key strength")
     add("--negative-prompt", default=NEGATIVE_PROMPT, help="default: Qwen-Image-2512's recommended one")
-    add("--scheduler", choices=SCHEDULERS, default="euler")
     add("--seed", type=int_at_least(0, maximum=MAX_SEED), default=0,
         help="base seed, 0..2**64-1: prompt i gets seed+i (seed+crc32(id) with a JSONL id) unless its line gives one")
     add("--batch-size", type=int_at_least(1), default=1, help="prompts per pipeline call")
@@ -134,6 +166,10 @@ def build_parser() -> argparse.ArgumentParser:
              "with memory='low' (the text encoder and the transformer take turns on the GPU, the modulation weights "
              f"stay on the host; the same images), at least {LOW_MEMORY_GIB:g}; on CUDA the process is capped there "
              "(torch.cuda.set_per_process_memory_fraction) and fails with out-of-memory rather than use more")
+    add_optimization_options(add)
+    add("--dry-run", action="store_true",
+        help="print what would run (each optimization: on, off, or why it cannot run here; exact or lossy, with its "
+             "bound) and exit, loading no model and writing nothing")
     add("--no-resume", dest="resume", action="store_false",
         help="render everything again, overwriting images of the same name (default: skip images already in the "
              "manifest and on disk, and refuse to overwrite one made with other settings)")

@@ -1,0 +1,54 @@
+"""--dry-run: what a render command would run, decided by the registry (optimizations.py) from what the command
+line says (the checkpoint's pipeline class, the device, the options), before anything loads."""
+
+from ..pipelines.qwen_image.config import FastConfig
+from ..pipelines.qwen_image.optimizations import CFG_ONLY, Facts, plans
+from .models import STOCK_PRESET, TINY_MODEL_ID, Labels
+from .parser import OWN_OPTIONS, VALUE_OPTIONS
+
+
+def command_facts(config: FastConfig, labels: Labels, pipeline: str, device, shape) -> Facts:
+    """The Facts a pipeline built by this command would have (no offload hooks: the command adds none)."""
+    import torch
+
+    from ..pipelines.qwen_image.fast_pipeline import fp8_supported
+    from ..pipelines.qwen_image.model.attention import resolve_backend
+
+    fused = config.fused_transformer
+    fp8 = fused and config.fp8 and fp8_supported(device)
+    dtype = torch.float32 if labels.model == TINY_MODEL_ID else torch.bfloat16
+    parallel = () if shape is None else ((("cfg2",) if shape.cfg > 1 else ())
+                                         + ((f"ulysses{shape.ulysses}",) if shape.ulysses > 1 else ()))
+    return Facts(pipeline=pipeline, fused=fused, device=device.type, fp8=fp8, fast_accum=fp8 and config.fp8_fast_accum,
+                 attention=resolve_backend(config.attention, device, dtype) if fused else None, offload_hooks=False,
+                 vae_2d=None, enhancer=labels.enhancer is not None, parallel=parallel)
+
+
+def option_of(opt) -> str:
+    if opt.field in OWN_OPTIONS:
+        return OWN_OPTIONS[opt.field]
+    flag = opt.field.replace("_", "-")
+    return f"--{flag}" if opt.field in VALUE_OPTIONS else f"--no-{flag}"
+
+
+def dry_run_report(config: FastConfig, labels: Labels, pipeline: str, device, shape, jobs) -> str:
+    with_cfg = sum(job.cfg > 1 and job.negative_prompt is not None for job in jobs)
+    lines = [f"dry run: model {labels.model} ({pipeline}), preset {labels.preset}, device {device}; {len(jobs)} "
+             f"image(s), {with_cfg} with CFG; nothing loaded or written"]
+    if labels.preset == STOCK_PRESET:
+        return "\n".join(lines + ["diffusers' own pipeline runs, untouched: none of the optimizations below"])
+    rows = [("optimization", "option", "runs", "kind", "bound, or why it does not run")]
+    for opt, plan in plans(config, command_facts(config, labels, pipeline, device, shape)):
+        runs = ", ".join(opt.label(value) for value in plan.values) if plan.values else "no" if plan.why_not else "off"
+        if plan.values and opt.name in CFG_ONLY and with_cfg < len(jobs):
+            runs += f" ({with_cfg} of {len(jobs)} images have CFG)" if with_cfg else " (no image has CFG: no)"
+        note = plan.why_not or (describe(opt.bound) if opt.bound and plan.values else "")
+        rows.append((opt.name, option_of(opt), runs, opt.kind, note))
+    widths = [max(len(row[i]) for row in rows) for i in range(4)]
+    return "\n".join(lines + ["  ".join(cell.ljust(width) for cell, width in zip(row[:4], widths)) + "  " + row[4]
+                              for row in rows])
+
+
+def describe(bound) -> str:
+    return (f"final latents rel-RMS vs stock <= {bound.tiny:g} (tiny fp32 config), <= {bound.full:g} and PSNR >= "
+            f"{bound.full_psnr_db:g} dB (real shapes, random weights)")
