@@ -29,10 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_transformer import make_stock  # noqa: E402
 from common import append_results, environment  # noqa: E402
 
-from qwen_image_fast.pipelines.qwen_image.model.transformer import (  # noqa: E402
-    FastQwenImageTransformer,
-    FastTransformerConfig,
-)
+from qwen_image_fast.pipelines.qwen_image.config import FastTransformerConfig  # noqa: E402
+from qwen_image_fast.pipelines.qwen_image.model.transformer import FastQwenImageTransformer  # noqa: E402
 
 
 def folder_bytes(folder: Path) -> int:

@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_pipeline import NEGATIVE  # noqa: E402
 from common import append_results, bench_ms, environment, sync  # noqa: E402
 
-from qwen_image_fast import FastConfig, family, optimize  # noqa: E402
+from qwen_image_fast import FastConfig, optimize  # noqa: E402
 from qwen_image_fast.compare import psnr  # noqa: E402
 from qwen_image_fast.kernels._utils import rel_rms_error  # noqa: E402
 
@@ -104,14 +104,14 @@ def test_image(size: int, seed: int) -> Image.Image:
 
 
 class Timings:
-    """Wall time spent in some of a pipeline's methods during a call (the GPU synchronized around each), and in
-    the 2D VAE decode that family.decoding_2d puts in place of the VAE's. restore() takes the wrappers off."""
+    """Wall time spent in some of a pipeline's methods during a call (the GPU synchronized around each; the VAE's
+    decode, 2D or not). restore() takes the wrappers off."""
 
     def __init__(self, pipe, device):
         self.seconds: dict[str, float] = {}
         self.wrapped = []
         for owner, method, label in ((pipe, "encode_prompt", "text_s"), (pipe, "_encode_vae_image", "vae_encode_s"),
-                                     (pipe.vae, "decode", "vae_decode_s"), (family, "decode_image", "vae_decode_s")):
+                                     (pipe.vae, "decode", "vae_decode_s")):
             if hasattr(owner, method):
                 self.wrapped.append((owner, method, owner.__dict__.get(method)))
                 setattr(owner, method, self._timed(getattr(owner, method), label, device))
@@ -155,9 +155,10 @@ def call(pipe, kwargs: dict, steps: int, device) -> tuple[float, dict, torch.Ten
 
 
 def graph_rows(fast, size: int, device) -> list[dict]:
-    """The fast transformer at edit1's shapes, eager vs graphed, B=1 vs B=2 (cond + uncond, the shorter text
-    padded and masked), ms per image-forward."""
-    from qwen_image_fast.pipelines.qwen_image.runtime.cuda_graph import GraphedForward
+    """The fast transformer at edit1's shapes, eager vs graphed (the runner's policy: the second forward of a
+    signature captured), B=1 vs B=2 (cond + uncond, the shorter text padded and masked), ms per image-forward."""
+    from qwen_image_fast.pipelines.qwen_image.optimizations import CallRecord
+    from qwen_image_fast.pipelines.qwen_image.runtime.runner import Runner
 
     transformer, side = fast.transformer, size // 16
     g = torch.Generator(device).manual_seed(1)
@@ -170,19 +171,21 @@ def graph_rows(fast, size: int, device) -> list[dict]:
                     encoder_hidden_states=torch.randn(batch, 260, 3584, device=device, generator=g,
                                                       dtype=torch.bfloat16),
                     encoder_hidden_states_mask=mask, timestep=torch.full((batch,), 0.5, device=device),
-                    img_shapes=[[(1, side, side), (1, side, side)]] * batch)
+                    img_shapes=[[(1, side, side), (1, side, side)]] * batch, guidance=None,
+                    controlnet_block_samples=None, additional_t_cond=None, modulation=None)
 
-    graphed, rows = GraphedForward(transformer), []
-    for batch in (1, 2):
-        x = inputs(batch)
-        eager_out = transformer(**x, return_dict=False)[0]
-        graph_out = graphed(**x).sample
-        err = rel_rms_error(graph_out, eager_out)
-        assert err < 1e-2, f"graph replay vs eager: rel-RMS {err:.2e}"
-        for mode, fn in (("eager", lambda: transformer(**x, return_dict=False)),
-                         ("graph", lambda: graphed(**x))):
-            rows.append(dict(row="graphs", impl="ours", mode=mode, batch=batch,
-                             ms_per_image_forward=bench_ms(fn, 500, 3000) / batch, graph_vs_eager_rel_rms=err))
+    rows = []
+    with Runner().call(transformer, CallRecord(), graphs=True, pair_cfg=False, bucket=1) as run:
+        for batch in (1, 2):
+            x = inputs(batch)
+            eager_out = transformer.compute(**x)
+            run.forward("cond", **x)  # the signature's first forward: eager; the next captures
+            graph_out = run.forward("cond", **x)
+            err = rel_rms_error(graph_out, eager_out)
+            assert err < 1e-2, f"graph replay vs eager: rel-RMS {err:.2e}"
+            for mode, fn in (("eager", lambda: transformer.compute(**x)), ("graph", lambda: run.forward("cond", **x))):
+                rows.append(dict(row="graphs", impl="ours", mode=mode, batch=batch,
+                                 ms_per_image_forward=bench_ms(fn, 500, 3000) / batch, graph_vs_eager_rel_rms=err))
     return rows
 
 

@@ -33,7 +33,7 @@ from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_lora import lightning_lora  # noqa: E402
-from bench_pipeline import PROMPT, decode, decoder_for, full_size_stock_pipeline, module_bytes  # noqa: E402
+from bench_pipeline import PROMPT, decode, full_size_stock_pipeline, module_bytes  # noqa: E402
 from common import append_results, environment, sync  # noqa: E402
 
 from qwen_image_fast import FastConfig, QwenImageFastPipeline, lightning_scheduler  # noqa: E402
@@ -78,7 +78,7 @@ def main():
                        generator=torch.Generator(device).manual_seed(seed), output_type="latent").images
         sync(device)
         seconds = time.perf_counter() - t0
-        images, vae_s = decode(decoder_for(pipe, fast), latents, resolution, device)
+        images, vae_s = decode(pipe, latents, resolution, device)
         return latents, images, seconds, vae_s
 
     def text_ms(pipe) -> float:

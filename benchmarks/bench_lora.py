@@ -27,11 +27,9 @@ from common import append_results, bench_ms, environment  # noqa: E402
 from diffusers import QwenImagePipeline  # noqa: E402
 
 from qwen_image_fast.kernels._utils import rel_rms_error  # noqa: E402
-from qwen_image_fast.pipelines.qwen_image.model.transformer import (  # noqa: E402
-    CheckpointWeights,
-    FastQwenImageTransformer,
-    FastTransformerConfig,
-)
+from qwen_image_fast.pipelines.qwen_image.config import FastTransformerConfig  # noqa: E402
+from qwen_image_fast.pipelines.qwen_image.model.checkpoint import CheckpointWeights  # noqa: E402
+from qwen_image_fast.pipelines.qwen_image.model.transformer import FastQwenImageTransformer  # noqa: E402
 
 TARGETS = ["attn.to_q", "attn.to_k", "attn.to_v", "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj",
            "attn.to_out.0", "attn.to_add_out", "img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj",

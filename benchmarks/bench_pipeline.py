@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import append_results, environment, sync  # noqa: E402
 
 from qwen_image_fast import FastConfig, QwenImageFastPipeline  # noqa: E402
+from qwen_image_fast.pipelines.qwen_image.text_to_image import decode_latents  # noqa: E402
 from qwen_image_fast.compare import psnr  # noqa: E402
 from qwen_image_fast.kernels._utils import rel_rms_error  # noqa: E402
 
@@ -81,28 +82,6 @@ def tiny_stock_pipeline():
     return tiny_pipeline()
 
 
-def loop_variant(fast, config: FastConfig, device):
-    """A shallow copy of `fast` with other denoising-loop settings (config's transformer fields are not used),
-    sharing its converted transformer and its CUDA graphs, which depend only on the transformer's inputs.
-    Its `applied` says what its calls ran."""
-    variant = copy.copy(fast)
-    variant.fast_config = config
-    variant._graphs = fast._graphs if config.cuda_graphs else None
-    variant._ran = None
-    return variant
-
-
-def stock_decoder(fast):
-    """The stock pipeline's VAE decode: `fast` with vae_2d_decode off (the same VAE module)."""
-    variant = copy.copy(fast)
-    variant.fast_config = fast.fast_config.replace(vae_2d_decode=False)
-    return variant
-
-
-def decoder_for(pipe, fast):
-    return pipe if isinstance(pipe, QwenImageFastPipeline) else stock_decoder(fast)
-
-
 VARIANTS = ("fast", "no-graphs", "no-fastacc", "dpm++2m", "unipc")
 
 # What a timed row must pass against its reference (latent rel-RMS, image PSNR). FP8 with the same sampler sits at
@@ -138,13 +117,13 @@ def timed_latents(pipe, resolution, steps, seed, device):
     return latents, time.perf_counter() - t0
 
 
-def decode(fast_pipe, latents, resolution, device):
-    """(uint8 images [N, H, W, 3], seconds): the stock pipeline's decode steps, run through a fast pipeline's VAE
-    and its FastConfig.vae_2d_decode (stock_decoder(fast) for the stock pipeline's rows)."""
+def decode(pipe, latents, resolution, device):
+    """(uint8 images [N, H, W, 3], seconds): the stock pipeline's decode steps with `pipe`'s VAE (a fast pipeline's
+    decodes an image as 2D convolutions, FastConfig.vae_2d_decode; the stock one's as diffusers does)."""
     width, height = resolution
     sync(device)
     t0 = time.perf_counter()
-    images = fast_pipe.decode_latents(latents, height, width, output_type="np")
+    images = decode_latents(pipe, latents, height, width, output_type="np")
     sync(device)
     return (np.clip(images, 0, 1) * 255).round().astype(np.uint8), time.perf_counter() - t0
 
@@ -184,28 +163,30 @@ def main():
 
     fast = QwenImageFastPipeline.from_pipe(stock, fast_config=FastConfig(), device=device)
     fast.set_progress_bar_config(disable=True)
-    variants = {"fast": fast}
-    for name, config in (("no-graphs", FastConfig(cuda_graphs=False)), ("dpm++2m", FastConfig(scheduler="dpm++2m")),
-                         ("unipc", FastConfig(scheduler="unipc"))):
-        if name in chosen or (name == "no-graphs" and graph_sizes):
-            variants[name] = loop_variant(fast, config, device)
-    if "no-fastacc" in chosen:  # exact FP8 accumulation needs its own converted transformer
-        variants["no-fastacc"] = QwenImageFastPipeline.from_pipe(stock, fast_config=FastConfig(fp8_fast_accum=False),
-                                                                 device=device)
-        variants["no-fastacc"].set_progress_bar_config(disable=True)
+    # name -> (pipeline, the call options it runs with: pipe.fast_config is set to them before each of its rows)
+    variants = {name: (fast, FastConfig(**options)) for name, options in (
+        ("fast", {}), ("no-graphs", dict(cuda_graphs=False)), ("dpm++2m", dict(scheduler="dpm++2m")),
+        ("unipc", dict(scheduler="unipc")))}
+    if "no-fastacc" in chosen:  # fast accumulation is a build option: its own converted transformer
+        config = FastConfig(fp8_fast_accum=False)
+        variants["no-fastacc"] = (QwenImageFastPipeline.from_pipe(stock, fast_config=config, device=device), config)
+        variants["no-fastacc"][0].set_progress_bar_config(disable=True)
 
     rows = []
 
-    def record(impl, name, pipe, resolution, n_steps, ref, gate=None):
-        """Times one variant; ref: (latents, images) to compare with; gate: (max latent rel-RMS, min PSNR dB) that
-        the comparison must pass, else the row is printed as FAILED and not recorded."""
+    def record(impl, name, pipe, resolution, n_steps, ref, gate=None, config=None):
+        """Times one variant (config: the call options set on pipe first); ref: (latents, images) to compare with;
+        gate: (max latent rel-RMS, min PSNR dB) that the comparison must pass, else the row is printed as FAILED
+        and not recorded."""
+        if config is not None:
+            pipe.fast_config = config
         warm, _ = timed_latents(pipe, resolution, 2, seed=1, device=device)  # warm-up: compiles, captures graphs
-        decode(decoder_for(pipe, fast), warm, resolution, device)  # and the VAE's first-call cost
+        decode(pipe, warm, resolution, device)  # and the VAE's first-call cost
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
             before = torch.cuda.memory_allocated()
         latents, seconds = timed_latents(pipe, resolution, n_steps, seed=0, device=device)
-        images, vae_s = decode(decoder_for(pipe, fast), latents, resolution, device)
+        images, vae_s = decode(pipe, latents, resolution, device)
         if device.type == "cuda":
             peak_gib = (torch.cuda.max_memory_allocated() - before + module_bytes(pipe)) / 2**30
         row = dict(env, bench="pipeline", impl=impl, variant=name, applied=getattr(pipe, "applied", []),
@@ -235,18 +216,20 @@ def main():
         ref = record("diffusers", "stock", stock, resolution, steps, None)
         for name in ("fast", "no-graphs", "no-fastacc") if resolution == sizes[0] else ("fast",):
             if name in chosen:
-                record("ours", name, variants[name], resolution, steps, ref, gate=SAME_SAMPLER_GATE)
+                pipe, config = variants[name]
+                record("ours", name, pipe, resolution, steps, ref, gate=SAME_SAMPLER_GATE, config=config)
         if resolution == sizes[0]:
             variants.pop("no-fastacc", None)
             for name in ("dpm++2m", "unipc"):
                 if name not in chosen:
                     continue
-                record("ours", name, variants[name], resolution, fast_steps, ref, gate=OTHER_SAMPLER_GATE)
+                pipe, config = variants[name]
+                record("ours", name, pipe, resolution, fast_steps, ref, gate=OTHER_SAMPLER_GATE, config=config)
         del ref
         gc.collect()
     for resolution in graph_sizes:  # no stock run here: the graph replay is checked against our eager loop
-        eager = record("ours", "no-graphs", variants["no-graphs"], resolution, steps, None)
-        record("ours", "fast", variants["fast"], resolution, steps, eager, gate=GRAPH_GATE)
+        eager = record("ours", "no-graphs", fast, resolution, steps, None, config=variants["no-graphs"][1])
+        record("ours", "fast", fast, resolution, steps, eager, gate=GRAPH_GATE, config=variants["fast"][1])
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ from qwen_image_fast.cli.models import (DEFAULT_ENHANCER_ID, TINY_ENHANCER_ID, T
                                         TINY_NOTE, labels_for, resolve_model)
 from qwen_image_fast.cli.output import prepare_out_dir, read_settings
 from qwen_image_fast.cli.run import ENCODE_AHEAD_IMAGES, encode_ahead, render_jobs
-from qwen_image_fast.config import FastConfig
+from qwen_image_fast.pipelines.qwen_image.config import FastConfig
 
 TINY = ["--model", "tiny-random", "--device", "cpu", "--width", "32", "--height", "32", "--steps", "2"]
 BASELINE = [*TINY, "--preset", "baseline"]
@@ -96,7 +96,7 @@ def tiny_lora(path, targets=("transformer_blocks.0.attn.to_q", "transformer_bloc
     import torch
     from safetensors.torch import save_file
 
-    from qwen_image_fast.tiny import tiny_pipeline
+    from qwen_image_fast.pipelines.tiny import tiny_pipeline
 
     model = tiny_pipeline().transformer
     g = torch.Generator().manual_seed(seed)
@@ -236,7 +236,7 @@ def test_help_imports_neither_torch_nor_diffusers_nor_the_model_code():
 
 def test_ids_copied_into_the_cli_match_their_modules():
     """cli/models.py keeps copies of ids from modules that import torch (tiny.py, the enhancer): they must agree."""
-    from qwen_image_fast import tiny
+    from qwen_image_fast.pipelines import tiny
     from qwen_image_fast.pipelines.qwen35 import enhance
 
     assert (TINY_MODEL_ID, TINY_ENHANCER_ID) == (tiny.TINY_MODEL_ID, tiny.TINY_ENHANCER_ID)
@@ -332,7 +332,7 @@ def test_settings_round_trip_with_their_types_in_every_format(fmt, tmp_path):
 
 def test_a_local_checkpoint_loads_without_deprecation_warnings(tmp_path):
     """diffusers 0.42 deprecates from_pretrained's torch_dtype (a FutureWarning at every load): we pass dtype."""
-    from qwen_image_fast.tiny import tiny_pipeline
+    from qwen_image_fast.pipelines.tiny import tiny_pipeline
 
     tiny_pipeline().save_pretrained(tmp_path / "model")
     with warnings.catch_warnings(record=True) as caught:
@@ -458,7 +458,7 @@ def test_lightning_flag_sets_the_few_step_sampler(tmp_path, capsys):
     import torch
 
     from qwen_image_fast import lightning_scheduler
-    from qwen_image_fast.tiny import tiny_pipeline
+    from qwen_image_fast.pipelines.tiny import tiny_pipeline
 
     assert main(["render", *BASELINE, "--lightning", "--out", str(tmp_path), "a cat"]) == 0
     line = manifest(tmp_path)[0]
@@ -650,7 +650,7 @@ def checkpoints(tmp_path_factory):
     """Tiny Edit-2511-style (EditPlus, zero_cond_t), inpainting and text-to-image folders, and input images."""
     import diffusers
 
-    from qwen_image_fast.tiny import tiny_pipeline
+    from qwen_image_fast.pipelines.tiny import tiny_pipeline
 
     root = tmp_path_factory.mktemp("checkpoints")
     tiny_pipeline(diffusers.QwenImageEditPlusPipeline, transformer_config=dict(zero_cond_t=True)).save_pretrained(
@@ -765,3 +765,58 @@ def test_encode_ahead_covers_a_window_of_images_and_skips_image_inputs():
     assert len(calls) == 16
     encoded, until = encode_ahead(pipe, batches, until)
     assert sorted(encoded) == [9] and until == 10
+
+
+# ---- the registry's options: one per optimization, recorded with the images; --dry-run
+
+
+def test_every_registered_optimization_has_its_option():
+    from qwen_image_fast.cli.parser import OWN_OPTIONS, build_parser
+    from qwen_image_fast.cli.plan import option_of
+    from qwen_image_fast.pipelines.qwen_image.optimizations import REGISTRY
+
+    render_help = build_parser()._subparsers._group_actions[0].choices["render"].format_help()
+    for opt in REGISTRY:
+        assert option_of(opt) in render_help, opt.name
+        if opt.field not in OWN_OPTIONS and getattr(FastConfig(), opt.field) is True:
+            assert option_of(opt) == f"--no-{opt.field.replace('_', '-')}"
+
+
+@needs_interpreter
+def test_dry_run_says_what_would_run_and_writes_nothing(tmp_path, capsys):
+    from qwen_image_fast.pipelines.qwen_image.optimizations import REGISTRY
+
+    out = tmp_path / "out"
+    assert main(["render", *TINY, "--out", str(out), "--no-cuda-graphs", "--cfg-fraction", "0.5", "--dry-run",
+                 "a cat", "a dog"]) == 0
+    text = capsys.readouterr().out
+    rows = {line.split()[0]: line for line in text.splitlines()[2:]}
+    assert sorted(rows) == sorted(opt.name for opt in REGISTRY)
+    assert " off " in rows["cuda_graphs"] and "cfg_fraction:0.5" in rows["cfg_fraction"]
+    assert "lossy" in rows["fp8"] and "rel-RMS vs stock <= 0.02" in rows["fp8"]
+    assert not out.exists()
+    assert main(["render", *BASELINE, "--out", str(out), "--dry-run", "a cat"]) == 0
+    assert "diffusers' own pipeline runs, untouched" in capsys.readouterr().out and not out.exists()
+
+
+def test_options_with_the_stock_preset_are_refused(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["render", *BASELINE, "--out", str(tmp_path / "out"), "--no-fp8", "a cat"])
+    assert exit_info.value.code == 2
+    assert "--preset baseline runs the stock diffusers pipeline, which takes none of our options; --no-fp8" in \
+        capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+@needs_interpreter
+def test_options_are_recorded_and_resume_tells_them_apart(tmp_path):
+    out = tmp_path / "out"
+    command = ["render", *TINY, "--out", str(out), "--cfg", "1", "a cat"]
+    assert main([*command, "--no-fp8"]) == 0
+    line = manifest(out)[0]
+    assert line["options"] == {"fp8": False} and "fp8" not in line["applied"]
+    assert read_settings(out / line["file"])["options"] == {"fp8": False}
+    assert main([*command, "--no-fp8"]) == 0 and len(manifest(out)) == 1  # the same options: done
+    with pytest.raises(SystemExit) as exit_info:  # the same file, other options: refused, not overwritten
+        main(command)
+    assert exit_info.value.code == 2

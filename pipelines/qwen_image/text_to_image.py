@@ -367,15 +367,21 @@ class QwenImageFastPipeline(FastPipelineMixin, QwenImagePipeline):
 
     def decode_latents(self, latents, height, width, output_type):
         """Packed latents -> images, as the stock pipeline decodes them."""
-        return self._decode(latents, height, width, output_type)
+        return decode_latents(self, latents, height, width, output_type)
 
-    @torch.no_grad()
     def _decode(self, latents, height, width, output_type):
-        latents = self._unpack_latents(latents, height, width, self.vae_scale_factor).to(self.vae.dtype)
-        z_dim = self.vae.config.z_dim
-        mean = torch.tensor(self.vae.config.latents_mean).view(1, z_dim, 1, 1, 1).to(latents.device, latents.dtype)
-        inv_std = 1.0 / torch.tensor(self.vae.config.latents_std).view(1, z_dim, 1, 1, 1).to(latents.device,
-                                                                                               latents.dtype)
-        latents = latents / inv_std + mean
-        image = self.vae.decode(latents, return_dict=False)[0][:, :, 0]
-        return self.image_processor.postprocess(image, output_type=output_type)
+        return decode_latents(self, latents, height, width, output_type)
+
+
+@torch.no_grad()
+def decode_latents(pipe, latents, height, width, output_type):
+    """The stock QwenImagePipeline's decode steps (unpack, denormalize, VAE, postprocess) with `pipe`'s VAE: a
+    FastAutoencoderKLQwenImage decodes an image as 2D convolutions, a stock VAE as diffusers does."""
+    latents = pipe._unpack_latents(latents, height, width, pipe.vae_scale_factor).to(pipe.vae.dtype)
+    z_dim = pipe.vae.config.z_dim
+    mean = torch.tensor(pipe.vae.config.latents_mean).view(1, z_dim, 1, 1, 1).to(latents.device, latents.dtype)
+    inv_std = 1.0 / torch.tensor(pipe.vae.config.latents_std).view(1, z_dim, 1, 1, 1).to(latents.device,
+                                                                                         latents.dtype)
+    latents = latents / inv_std + mean
+    image = pipe.vae.decode(latents, return_dict=False)[0][:, :, 0]
+    return pipe.image_processor.postprocess(image, output_type=output_type)
