@@ -50,3 +50,64 @@ def test_wheel_has_only_the_qwen_image_fast_top_level(tmp_path):
     assert {t for t in tops if not t.endswith(".dist-info")} == {"qwen_image_fast"}, tops
     names = zipfile.ZipFile(wheel).namelist()
     assert "qwen_image_fast/kernels/fp8.py" in names and "qwen_image_fast/pipelines/__init__.py" in names
+
+
+def module_imports(folder: Path, package: str) -> dict[str, tuple[set, set]]:
+    """{module: (modules it imports at module level, modules it imports anywhere)} for the .py files under folder,
+    installed as `package`; relative imports resolved, only the project's own modules kept."""
+    import ast
+
+    found = {}
+    for path in folder.rglob("*.py"):
+        parts = list(path.relative_to(folder).with_suffix("").parts)
+        is_package = parts[-1] == "__init__"
+        module = ".".join([package, *parts[:-1]] if is_package else [package, *parts])
+        tree = ast.parse(path.read_text())
+        top, anywhere = set(), set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                base = module.split(".")[: len(module.split(".")) - node.level + (1 if is_package else 0)]
+                target = ".".join(base + ([node.module] if node.module else [])) if node.level else node.module
+                names = [f"{target}.{alias.name}" for alias in node.names] + [target]
+            elif isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            else:
+                continue
+            names = {n for n in names if n and n.startswith("qwen_image_fast")}
+            anywhere |= names
+            if node in tree.body:
+                top |= names
+        found[module] = (top, anywhere)
+    return found
+
+
+def test_imports_point_one_way_and_have_no_cycle():
+    """qwen_image_fast -> pipelines -> kernels, never back; no cycle among module-level imports (a function may
+    import lazily)."""
+    modules = {}
+    for folder, package in ((REPO / "qwen_image_fast", "qwen_image_fast"), (REPO / "pipelines", "qwen_image_fast.pipelines"),
+                            (REPO / "kernels", "qwen_image_fast.kernels")):
+        modules |= module_imports(folder, package)
+
+    def layer(name):
+        return ("kernels" if name.startswith("qwen_image_fast.kernels") else
+                "pipelines" if name.startswith("qwen_image_fast.pipelines") else "api")
+
+    order = {"api": 2, "pipelines": 1, "kernels": 0}
+    for module, (_, anywhere) in modules.items():
+        upward = sorted(n for n in anywhere if n != "qwen_image_fast" and order[layer(n)] > order[layer(module)])
+        assert not upward, f"{module} imports {upward}: imports point qwen_image_fast -> pipelines -> kernels"
+    graph = {m: {n for n in top if n in modules and n != m} for m, (top, _) in modules.items()}
+    state = {}
+
+    def visit(m, path):
+        state[m] = "open"
+        for n in graph[m]:
+            assert state.get(n) != "open", f"import cycle: {' -> '.join(path + [m, n])}"
+            if n not in state:
+                visit(n, path + [m])
+        state[m] = "done"
+
+    for m in graph:
+        if m not in state:
+            visit(m, [])

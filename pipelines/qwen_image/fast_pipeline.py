@@ -12,6 +12,7 @@ checkpoint by converting it.
 
 import contextlib
 import inspect
+import json
 import logging
 
 import torch
@@ -91,6 +92,14 @@ def is_fast_checkpoint(path_or_id) -> bool:
     return list(index.get("transformer", [None, None]))[-1] == FastQwenImageTransformer.__name__
 
 
+def saved_transformer_options(path_or_id) -> dict:
+    """The fast transformer's stored options (fp8, bf16_linears, fp8_fast_accum) in a folder a fast pipeline saved."""
+    from .model.checkpoint import local_folder
+
+    saved = json.loads((local_folder(path_or_id, "transformer") / "config.json").read_text())["fast_config"]
+    return {name: saved[name] for name in ("fp8", "bf16_linears", "fp8_fast_accum")}
+
+
 class FastPipelineMixin:
     """Mixed in before a diffusers Qwen-Image pipeline class (`stock_class`)."""
 
@@ -116,7 +125,7 @@ class FastPipelineMixin:
         if refused:
             raise ValueError(image_conditioned_refusal(self.stock_class.__name__, [
                 f"{opt.field}={getattr(config, opt.field)!r}" for opt in refused]))
-        transformer = self.transformer
+        transformer = self.transformer  # None: a pipeline built without one (e.g. to encode prompts only)
         if isinstance(transformer, FastQwenImageTransformer):
             stored = transformer.fast_config
             if not config.fused_transformer or (stored.fp8, stored.bf16_linears) != (config.fp8, config.bf16_linears):
@@ -125,7 +134,7 @@ class FastPipelineMixin:
                     f"{list(stored.bf16_linears)}) but fast_config asks for fused_transformer={config.fused_transformer}"
                     f", fp8={config.fp8}, bf16_linears={list(config.bf16_linears)}: pass a FastConfig that matches "
                     "it, or build the pipeline from the stock transformer")
-        elif config.fused_transformer:
+        elif config.fused_transformer and transformer is not None:
             self.register_modules(transformer=fast_transformer(
                 transformer, config, device, modulation_device="cpu" if config.memory == "low" else None))
         if config.vae_2d_decode and type(self.vae) is AutoencoderKLQwenImage:
@@ -169,10 +178,11 @@ class FastPipelineMixin:
         transformer = self.transformer
         fused = isinstance(transformer, FastQwenImageTransformer)
         fp8 = fused and bool(transformer.fast_config.fp8_linears)
-        return Facts(pipeline=self.stock_class.__name__, fused=fused, device=transformer.device.type, fp8=fp8,
+        return Facts(pipeline=self.stock_class.__name__, fused=fused,
+                     device="cpu" if transformer is None else transformer.device.type, fp8=fp8,
                      fast_accum=fp8 and transformer.fast_config.fp8_fast_accum,
                      attention=transformer.attention_backend if fused else None,
-                     offload_hooks=has_offload_hooks(transformer), vae_2d=why_not_2d(self.vae),
+                     offload_hooks=transformer is not None and has_offload_hooks(transformer), vae_2d=why_not_2d(self.vae),
                      enhancer=getattr(self, "prompt_enhancer", None) is not None, parallel=self._parallel_labels())
 
     def _parallel_labels(self) -> tuple[str, ...]:
@@ -191,10 +201,11 @@ class FastPipelineMixin:
         return planned_labels(self.fast_config, self.facts())
 
     @contextlib.contextmanager
-    def _fast_call(self, attention_kwargs: dict | None = None, **context):
-        """The runner of one call (CUDA graphs and batched CFG as the registry plans them) and its record, which
-        `applied` reads once the call has returned. context: more of the forward context (runtime/context.py)."""
-        will_run = self.will_run()
+    def _fast_call(self, attention_kwargs: dict | None = None, will_run: dict[str, bool] | None = None, **context):
+        """The runner of one call (CUDA graphs and batched CFG as the registry plans them: will_run, default
+        self.will_run()) and its record, which `applied` reads once the call has returned. context: more of the
+        forward context (runtime/context.py)."""
+        will_run = will_run or self.will_run()
         record = CallRecord()
         with self.runner.call(self.transformer, record, graphs=will_run["cuda_graphs"],
                               pair_cfg=will_run["batched_cfg"], bucket=self.fast_config.text_bucket,
@@ -260,11 +271,15 @@ class FastPipelineMixin:
     def from_pretrained(cls, pretrained_model_name_or_path, *args, fast_config=None, device=None, **kwargs):
         """The upstream checkpoint layout (hub id or local folder, loaded by diffusers, then converted on `device`:
         e.g. "cuda" from a CPU load keeps one BF16 copy, on the CPU), or a folder a fast pipeline's save_pretrained
-        wrote (its FP8 transformer loaded as stored, straight onto `device`). dtype / torch_dtype as in diffusers
-        (a dtype or a dict by component; default float32, as diffusers loads)."""
+        wrote (its FP8 transformer loaded as stored, straight onto `device`; without fast_config, with the options
+        it was saved with). dtype / torch_dtype as in diffusers (a dtype or a dict by component; without it,
+        diffusers' own default)."""
+        fast_checkpoint = "transformer" not in kwargs and is_fast_checkpoint(pretrained_model_name_or_path)
+        if fast_config is None and fast_checkpoint:  # the build options the folder was saved with
+            fast_config = FastConfig(**saved_transformer_options(pretrained_model_name_or_path))
         config = FastConfig.coerce(fast_config)
         fast_state = cls._before_loading(config, pretrained_model_name_or_path, device, kwargs)
-        if "transformer" not in kwargs and is_fast_checkpoint(pretrained_model_name_or_path):
+        if fast_checkpoint:
             if not config.fused_transformer:
                 raise ValueError(f"{pretrained_model_name_or_path} holds the fast transformer (no stock one): "
                                  "fast_config must keep fused_transformer=True")

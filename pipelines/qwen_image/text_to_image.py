@@ -83,6 +83,7 @@ class QwenImageFastPipeline(FastPipelineMixin, QwenImagePipeline):
     def _set_up_pipeline(self, config: FastConfig, device, enhancer=None):
         self.parallel = (None if config.parallel == "none" else
                          ParallelMesh.build(config.parallel, config.ulysses_degree,
+                                            None if self.transformer is None else
                                             self.transformer.config.num_attention_heads))
         self.prompt_enhancer = enhancer
         self.last_enhanced_prompts = None
@@ -294,7 +295,7 @@ class QwenImageFastPipeline(FastPipelineMixin, QwenImagePipeline):
 
         # 6. Denoising loop (and 7. the decode: the runner's call records what both ran)
         sampler.set_begin_index(0)
-        with self._fast_call(self._attention_kwargs, **context) as run:
+        with self._fast_call(self._attention_kwargs, will_run, **context) as run:
             with self.progress_bar(total=num_inference_steps) as progress_bar:
                 for i, t in enumerate(timesteps):
                     if self.interrupt:

@@ -36,7 +36,7 @@ from .models import (TINY_MODEL_ID, LoadError, check_enhancer, check_model, comm
                      pipeline_class, resolve_model)
 from .plan import dry_run_report
 from .output import missing_folders, prepare_out_dir, remove_empty_folders
-from .parser import build_parser
+from .parser import OWN_OPTIONS, build_parser
 from .run import format_summary, render_jobs
 
 INTERRUPTED = 130  # 128 + SIGINT, as shells report it
@@ -62,7 +62,7 @@ def run_render(args) -> int:
         device = resolve_device(args.device, rank, local_rank)
         model, why = resolve_model(args.model, device)  # auto: tiny-random, or the real model when cached
         config = command_config(args.preset, {opt.field: getattr(args, opt.field) for opt in REGISTRY
-                                              if opt.field is not None and hasattr(args, opt.field)})
+                                              if opt.field not in OWN_OPTIONS})
         pipeline = pipeline_class(model)
         shape = image_group_shape(args, model, pipeline, rank, world_size)
         if shape is not None:

@@ -20,9 +20,10 @@ CFG = dict(prompt="a red fox in snow", negative_prompt="blurry", true_cfg_scale=
 MOD_LORA = [f"transformer_blocks.{i}.{m}.1" for i in (0, 1) for m in ("img_mod", "txt_mod")]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("fp8", [False, True])
-@pytest.mark.parametrize("zero_cond_t,shape", [(False, "square"), (True, "edit")])
+@pytest.mark.parametrize("dtype, fp8, zero_cond_t, shape", [
+    (torch.float32, False, False, "square"), (torch.float32, True, True, "edit"),
+    (torch.bfloat16, True, False, "square"), (torch.bfloat16, False, True, "edit"),
+])
 def test_table_row_equals_the_forwards_own_modulation(dtype, fp8, zero_cond_t, shape):
     stock = tiny_stock(zero_cond_t=zero_cond_t).to(dtype)
     fast = FastQwenImageTransformer.from_diffusers(stock, FastTransformerConfig(fp8=fp8))
@@ -78,15 +79,16 @@ def test_wrong_row_is_refused():
         fast(**make_inputs(stock, "square"), modulation=table[0])
 
 
-@pytest.mark.parametrize("scheduler", ["euler", "dpm++2m", "unipc"])
+@pytest.mark.parametrize("scheduler", ["dpm++2m", "unipc"])
 def test_pipeline_with_table_equals_without(scheduler):
+    """Other samplers' timesteps (Euler's against stock: test_optimizations.py)."""
     plain, table = fast_pipeline(NO_TABLE.replace(scheduler=scheduler)), fast_pipeline(EXACT.replace(scheduler=scheduler))
     assert "modulation_table" not in plain.applied and "modulation_table" in table.applied
     assert torch.equal(run(table, **CFG), run(plain, **CFG))
     assert "modulation_table" in table.applied
 
 
-@pytest.mark.parametrize("scheduler", ["euler", "unipc"])
+@pytest.mark.parametrize("scheduler", ["euler"])
 def test_pipeline_with_table_equals_without_in_bf16(scheduler):
     plain = fast_pipeline(NO_TABLE.replace(scheduler=scheduler)).to(torch.bfloat16)
     table = fast_pipeline(EXACT.replace(scheduler=scheduler)).to(torch.bfloat16)
@@ -109,12 +111,6 @@ def test_new_resolution_and_replaced_scheduler_build_new_tables():
             pipe.scheduler.config, base_shift=1.0986, max_shift=1.0986, shift_terminal=None)
     assert torch.equal(run(table, **CFG), run(plain, **CFG))
     assert transformer.modulation_tables.built > built
-
-
-@pytest.mark.parametrize("changes", [dict(batched_cfg=False), dict(cfg_fraction=0.5)])
-def test_unbatched_and_selective_cfg(changes):
-    plain, table = fast_pipeline(NO_TABLE.replace(**changes)), fast_pipeline(EXACT.replace(**changes))
-    assert torch.equal(run(table, num_inference_steps=4, **CFG), run(plain, num_inference_steps=4, **CFG))
 
 
 def test_lora_on_the_modulation_layers_rebuilds_the_tables():
@@ -140,7 +136,7 @@ def test_lora_on_the_modulation_layers_rebuilds_the_tables():
     assert torch.equal(run(table, **CFG), no_lora)
 
 
-@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("fp8", [True])  # FP8 off: test_optimizations.py, against stock
 def test_low_memory_gives_the_same_latents(fp8):
     fast, low = fast_pipeline(EXACT.replace(fp8=fp8)), fast_pipeline(EXACT.replace(fp8=fp8, memory="low"))
     after_table = fast.applied.index("modulation_table") + 1

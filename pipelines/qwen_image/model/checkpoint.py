@@ -33,6 +33,9 @@ def weight_files(folder: Path, variant: str | None = None) -> list[Path]:
             return [folder / name for name in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
         if single.exists():
             return [single]
+    if variant is not None:  # diffusers' own message for a variant that is not there
+        raise ValueError(f"You are trying to load the model files of the `variant={variant}`, but no such modeling "
+                         f"files are available (in {folder}).")
     raise FileNotFoundError(f"{folder} has no {_add_variant(SAFETENSORS_WEIGHTS_NAME, variant)} or "
                             f"{_add_variant(WEIGHTS_NAME, variant)} (nor a sharded index of either)")
 
