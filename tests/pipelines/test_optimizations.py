@@ -4,8 +4,8 @@
 (b) with it on, the output equals stock diffusers' at the same seed (EXACT_TOL, FP8 off), or, for a lossy one, stays
     inside its declared bound; a "choice" equals stock diffusers set up the same way independently of our code;
 (c) it has an effect a CPU test can see (a spy on what it replaces, or a stand-in for CUDA-graph capture).
-A registered optimization without a case here fails test_every_optimization_has_a_case. Parallel (torchrun) is
-test_parallel.py's, checked the same way there."""
+A registered optimization without a case here (or in ELSEWHERE: parallel, under torchrun in test_parallel.py) fails
+test_every_optimization_has_a_case."""
 
 import contextlib
 import math
@@ -164,10 +164,6 @@ def case_memory(stock_latents, monkeypatch):
     assert turns.resident == "text_encoder" and within(turns.arenas["transformer"].host)
 
 
-def case_parallel(stock_latents, monkeypatch):
-    pytest.skip("checked in test_parallel.py::test_parallel_against_stock (torchrun, gloo): a, b and c")
-
-
 def case_batched_cfg(stock_latents, monkeypatch):
     check_switch(EXACT, EXACT.replace(batched_cfg=False), "batched_cfg")
     for batched in (True, False):
@@ -311,13 +307,17 @@ def case_vae_2d_decode(stock_latents, monkeypatch):
 
 
 CASES = {name.removeprefix("case_"): function for name, function in globals().items() if name.startswith("case_")}
+# Optimizations whose a, b and c need more than one process: checked under torchrun (gloo) by these tests.
+ELSEWHERE = {"parallel": ("test_parallel", "test_parallel_against_stock")}
 
 
 def test_every_optimization_has_a_case():
-    assert sorted(CASES) == sorted(opt.name for opt in REGISTRY)
+    assert sorted([*CASES, *ELSEWHERE]) == sorted(opt.name for opt in REGISTRY)
+    for module, test in ELSEWHERE.values():
+        assert callable(getattr(__import__(module), test)), f"{module}.{test}"
 
 
-@pytest.mark.parametrize("name", [opt.name for opt in REGISTRY])
+@pytest.mark.parametrize("name", [opt.name for opt in REGISTRY if opt.name not in ELSEWHERE])
 def test_optimization(name, stock_latents, monkeypatch, request):
     kwargs = {"stand_in_graphs": request.getfixturevalue("stand_in_graphs")} if name == "cuda_graphs" else {}
     CASES[name](stock_latents, monkeypatch, **kwargs)

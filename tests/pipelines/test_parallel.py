@@ -12,6 +12,7 @@ import torch.distributed as dist
 from diffusers import QwenImagePipeline
 
 from helpers import assert_close
+from qwen_image_fast.pipelines.qwen_image.optimizations import EXACT_TOL
 from qwen_image_fast import FastConfig, optimize
 from qwen_image_fast.pipelines.qwen_image.text_to_image import check_parallel_setup
 from qwen_image_fast.pipelines.qwen_image.runtime.parallel import MeshShape, UlyssesPlan, even_sizes
@@ -24,10 +25,29 @@ WORKER = Path(__file__).parents[1] / "parallel_worker.py"
 
 
 @pytest.fixture(scope="module")
-def single_process_latents():
+def stock_latents():
+    """Stock diffusers' latents for the worker's cases (a list prompt with one negative string: one per prompt)."""
+    pipe = tiny_pipeline(QwenImagePipeline, 0, TRANSFORMER)
+    pipe.set_progress_bar_config(disable=True)
+    results = []
+    for seed, case in enumerate(CASES):
+        prompts = case["prompt"]
+        negative = ([case["negative_prompt"]] * len(prompts) if isinstance(prompts, list) else case["negative_prompt"])
+        results.append(render(pipe, case | {"negative_prompt": negative}, seed))
+    return results
+
+
+@pytest.fixture(scope="module")
+def single_process_applied():
     pipe = optimize(tiny_pipeline(QwenImagePipeline, 0, TRANSFORMER), FastConfig(fp8=False, cuda_graphs=False))
     pipe.set_progress_bar_config(disable=True)
-    return [render(pipe, case, seed) for seed, case in enumerate(CASES)]
+    render(pipe, CASES[0], 0)
+    return pipe.applied
+
+
+def image_tokens(height: int, width: int) -> int:
+    scale = 2 * tiny_pipeline(QwenImagePipeline, 0, TRANSFORMER).vae_scale_factor  # VAE, then 2x2 patches
+    return (height // scale) * (width // scale)
 
 
 def launch(tmp_path, nproc: int, parallel: str, ulysses: int = 0) -> dict[int, dict]:
@@ -40,23 +60,30 @@ def launch(tmp_path, nproc: int, parallel: str, ulysses: int = 0) -> dict[int, d
     return {int(f.stem[4:]): torch.load(f) for f in sorted(tmp_path.glob("rank*.pt"))}
 
 
-@pytest.mark.parametrize("nproc, parallel, ulysses, leaders, applied", [
-    (2, "cfg", 0, [0], ["parallel:cfg2"]),
-    (2, "ulysses", 0, [0], ["parallel:ulysses2"]),
+@pytest.mark.parametrize("nproc, parallel, ulysses, leaders, labels", [
     (4, "cfg,ulysses", 0, [0], ["parallel:cfg2", "parallel:ulysses2"]),
     (4, "ulysses", 2, [0, 2], ["parallel:ulysses2"]),  # two data-parallel groups of 2
 ])
-def test_parallel_latents_equal_single_process(tmp_path, single_process_latents, nproc, parallel, ulysses, leaders,
-                                               applied):
+def test_parallel_against_stock(tmp_path, stock_latents, single_process_applied, nproc, parallel, ulysses, leaders,
+                                labels):
+    """The registry's checks of the parallel optimization (test_optimizations.py's case points here), with gloo
+    processes under torchrun: (a) its labels are what it adds to the single-process run's `applied`, which loses
+    batched_cfg where CFG-parallel runs the negative prompt on the other rank; (b) the latents equal stock
+    diffusers' (fp32, 1e-5); (c) each rank's forwards hold a part only: one of prompt / negative prompt with
+    CFG-parallel, its slice of the tokens with Ulysses."""
     saved = launch(tmp_path, nproc, parallel, ulysses)
     assert sorted(saved) == leaders
+    expected = [label for label in single_process_applied if not (label == "batched_cfg" and "cfg" in parallel)]
     for rank, results in saved.items():
-        for case, got, want in zip(CASES, results["latents"], single_process_latents):
+        for case, got, want in zip(CASES, results["latents"], stock_latents):
             assert got.shape == want.shape, case
-            assert_close(got, want, 1e-5, f"rank {rank}, {case}")
+            assert_close(got, want, EXACT_TOL, f"rank {rank}, {case}")
         for entries in results["applied"]:
-            assert [e for e in entries if e.startswith("parallel:")] == applied
-            assert ("batched_cfg" in entries) == ("cfg" not in parallel)
+            assert [e for e in entries if not e.startswith("parallel:")] == expected
+            assert [e for e in entries if e.startswith("parallel:")] == labels
+        batch, tokens = results["forward"]  # the first forward of the first case (40x24): 2 ranks share its tokens
+        assert batch == (1 if "cfg" in parallel else 2) and tokens == even_sizes(image_tokens(40, 24), 2)[0], (
+            batch, tokens)
     assert [results["dp_rank"] for results in saved.values()] == list(range(len(leaders)))
 
 
