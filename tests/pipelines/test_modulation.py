@@ -195,12 +195,15 @@ def test_table_at_the_real_width_on_gpu(zero_cond_t):
     inputs = make_inputs(stock, "edit" if zero_cond_t else "square", device="cuda", dtype=torch.bfloat16)
     steps = torch.linspace(1.0, 0.02, 4, device="cuda", dtype=torch.bfloat16)[:, None].expand(-1, 2).contiguous()
     table = fast.modulation_table(steps)
+    eager = []
+    for n in range(4):  # eager, outside a call: the transformer's own modulation, and its table row
+        kwargs = {**inputs, "timestep": steps[n]}
+        own = fast(**kwargs, return_dict=False)[0]
+        assert torch.equal(fast(**kwargs, modulation=table[n], return_dict=False)[0], own), f"eager, step {n}"
+        eager.append((kwargs, own))
     runner = Runner()
     with runner.call(fast, CallRecord(), graphs=True, pair_cfg=False, bucket=1) as call:
-        for n in range(4):  # the first forward eager, the second captured, the others replayed
-            kwargs = {**inputs, "timestep": steps[n]}
-            own = fast(**kwargs, return_dict=False)[0]
-            assert torch.equal(fast(**kwargs, modulation=table[n], return_dict=False)[0], own), f"eager, step {n}"
+        for n, (kwargs, own) in enumerate(eager):  # the first forward eager, the second captured, the others replayed
             graphed = call.forward("cond", **compute_inputs(kwargs) | {"modulation": table[n]})
             assert torch.equal(graphed, own), f"graph, step {n}"
     assert len(runner.graphs) == 1

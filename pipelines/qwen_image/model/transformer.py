@@ -38,7 +38,7 @@ from ....kernels.residual_gate import residual_gate_layer_norm_modulate
 from ..config import FastTransformerConfig
 from ..runtime.cfg_pairing import pad_text
 from ..runtime.context import forward_context, get_context
-from ..runtime.offload import on_device, tensors_of
+from ..runtime.offload import has_offload_hooks, on_device, tensors_of
 from ..runtime.parallel import UlyssesPlan
 from .adapters import LoraAdapters, check_carriable, peft_lora_layers
 from .attention import TextMask, resolve_backend
@@ -262,24 +262,25 @@ class FastQwenImageTransformer(Unsupported, LoraAdapters, ModelMixin, ConfigMixi
         and the adapters' state."""
         return get_context().lora_scale, self.lora_state.version
 
-    def _check_weights_on(self, device: torch.device, modulation: bool):
-        """memory="low" (the forward context says weights take turns): the block linears, and for a forward
-        without a table the modulation weights, must be where it runs."""
-        where = self.transformer_blocks[0].img_qkv.bias.device
-        if where != device:
-            raise RuntimeError(
-                f"the transformer's block linears are on {where} and the forward on {device}: with "
-                "FastConfig(memory='low') they take turns with the text encoder on the GPU, and "
-                "QwenImageFastPipeline brings them in before its loop; call the pipeline, not the transformer")
-        if not modulation:
+    def _check_weights_on(self, device: torch.device, modulation: bool, take_turns: bool):
+        """The block linears, and for a forward without a table the modulation weights, must be where the forward
+        runs. take_turns: memory="low" (the forward context says so) keeps them on the host between turns; outside
+        such a call, a transformer with offload hooks is not checked (its hooks bring the weights in as it runs)."""
+        blocks = self.transformer_blocks[0].img_qkv.bias.device
+        mods = self.transformer_blocks[0].img_mod[1].weight.device if modulation else device
+        if (blocks == device and mods == device) or (not take_turns and has_offload_hooks(self)):
             return
-        where = self.transformer_blocks[0].img_mod[1].weight.device
-        if where != device:
+        if blocks != device:
             raise RuntimeError(
-                f"the modulation weights (img_mod / txt_mod) are on {where} and the forward on {device} "
-                "(FastConfig(memory='low') keeps them on the host): pass this step's row of "
-                "transformer.modulation_table(...) as modulation=, which QwenImageFastPipeline does, or move the "
-                "transformer with .to(device)")
+                f"the transformer's block linears are on {blocks} and the forward on {device}: with "
+                "FastConfig(memory='low') they take turns with the text encoder on the GPU, and "
+                "QwenImageFastPipeline brings them in before its loop; call the pipeline, not the transformer "
+                "(otherwise move the transformer with .to(device))")
+        raise RuntimeError(
+            f"the modulation weights (img_mod / txt_mod) are on {mods} and the forward on {device} "
+            "(FastConfig(memory='low') keeps them on the host): pass this step's row of "
+            "transformer.modulation_table(...) as modulation=, which QwenImageFastPipeline does, or move the "
+            "transformer with .to(device)")
 
     def _mod_row(self, img_shapes, batch: int, device, plan: UlyssesPlan | None = None) -> torch.Tensor:
         """zero_cond_t: the modulation row of each image token, b (its sample, timestep t) for the first image's
@@ -417,8 +418,7 @@ class FastQwenImageTransformer(Unsupported, LoraAdapters, ModelMixin, ConfigMixi
         encoder_hidden_states = self.txt_in(self.txt_norm(encoder_hidden_states))  # [B, L_txt, D]
 
         layout = self.modulation_layout(batch)
-        if context.weights_take_turns:
-            self._check_weights_on(device, modulation=modulation is None)
+        self._check_weights_on(device, modulation=modulation is None, take_turns=context.weights_take_turns)
         if modulation is None:
             silu_temb, silu_temb_t = self.time_embedding(timestep, guidance, additional_t_cond, hidden_states.dtype)
         elif modulation.shape != (layout.size,) or modulation.dtype != hidden_states.dtype:

@@ -23,6 +23,7 @@ import torch
 from .cfg_pairing import Speculation, bucketed_text, paired_inputs
 from .context import forward_context, get_context
 from .cuda_graph import GraphCaptureError, Graphs, signature
+from .offload import has_offload_hooks
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +58,8 @@ class CallRun:
                  attention_kwargs: dict):
         self.runner, self.transformer, self.record = runner, transformer, record
         self.fused = hasattr(transformer, "compute")  # FastQwenImageTransformer; else a stock model
+        # offload hooks (model / group offload) wrap the module's forward: the weights come in through it
+        self.hooked = self.fused and has_offload_hooks(transformer)
         self.graphs, self.pair_cfg, self.bucket = graphs and self.fused, pair_cfg, bucket
         self.attention_kwargs = attention_kwargs
         self.seen: set[tuple] = set()  # signatures run eagerly in this call
@@ -64,6 +67,11 @@ class CallRun:
 
     def forward(self, context: str, **inputs) -> torch.Tensor:
         """One forward (the transformer's `forward` arguments, `modulation` too for the fused one) -> [B, L, C]."""
+        return self._forward(context, inputs, through_hooks=self.hooked)
+
+    def _forward(self, context: str, inputs: dict, through_hooks: bool) -> torch.Tensor:
+        """through_hooks: call the module (its offload hooks bring the weights in), which computes without coming
+        back here (run=None); False where the loop's own call of the module already went through them."""
         if not self.fused:  # diffusers' model: its own forward, under the cache_context a diffusers loop sets
             if inputs.pop("modulation", None) is not None:
                 raise ValueError("modulation= is an argument of the fused transformer only")
@@ -71,6 +79,10 @@ class CallRun:
                 return self.transformer(**inputs, attention_kwargs=self.attention_kwargs, return_dict=False)[0]
         for name, value in self.transformer.running():
             self.record.add(name, value)
+        if through_hooks:  # no graphs under offload hooks (the registry's plan)
+            with forward_context(run=None, cache_name=context):
+                return self.transformer(**inputs, attention_kwargs={"scale": get_context().lora_scale},
+                                        return_dict=False)[0]
         with forward_context(cache_name=context):
             if not self.graphs or inputs["controlnet_block_samples"] is not None:
                 return self.transformer.compute(**inputs)
@@ -93,18 +105,20 @@ class CallRun:
         return out
 
     def pair(self, inputs: dict, negative_embeds: torch.Tensor, negative_mask: torch.Tensor | None,
-             modulation: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+             modulation: torch.Tensor | None = None, through_hooks: bool | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor]:
         """Batched CFG: (prompt half, negative half) of one forward of batch 2B."""
         batch = inputs["hidden_states"].shape[0]
-        out = self.forward("cond_uncond", **paired_inputs(inputs, negative_embeds, negative_mask, modulation))
+        out = self._forward("cond_uncond", paired_inputs(inputs, negative_embeds, negative_mask, modulation),
+                            self.hooked if through_hooks is None else through_hooks)
         self.record.add("batched_cfg")
         return out[:batch], out[batch:]
 
     def diffusers_forward(self, inputs: dict) -> torch.Tensor:
         """A forward a diffusers loop made (under its cache_context), paired by speculation when batched CFG is on."""
-        context = get_context().cache_name
+        context = get_context().cache_name  # the loop's call of the module went through its offload hooks
         if self.speculation is None:
-            return self.forward(context, **inputs)
-        return self.speculation(lambda inputs: self.forward(context, **inputs),
-                                lambda inputs, embeds, mask: self.pair(inputs, embeds, mask),
+            return self._forward(context, inputs, through_hooks=False)
+        return self.speculation(lambda inputs: self._forward(context, inputs, through_hooks=False),
+                                lambda inputs, embeds, mask: self.pair(inputs, embeds, mask, through_hooks=False),
                                 context, inputs, self.transformer.lora_key())
