@@ -13,7 +13,8 @@ $(VENV)/.installed: pyproject.toml tests/constraints.txt
 	touch $@
 
 test: install
-	TRITON_INTERPRET=1 HF_HUB_OFFLINE=1 $(PY) -m pytest -q -ra -n 2 tests
+	# two workers on the 2-core CI machine, one thread each (tiny tensors: threads only contend)
+	OMP_NUM_THREADS=1 TRITON_INTERPRET=1 HF_HUB_OFFLINE=1 $(PY) -m pytest -q -ra -n 2 --durations=15 tests
 
 # `make demo`: samples/prompts.txt -> samples/out/ with the real model if it is in the local Hugging Face cache and a
 # GPU is there, else the tiny random model (its images are noise). No GPU: Triton kernels run in its interpreter.

@@ -150,9 +150,9 @@ def test_graphs_replay_from_a_signatures_second_forward_in_a_call(monkeypatch):
 
     monkeypatch.setattr(Graphs, "capture", staticmethod(capture))
     monkeypatch.setattr(optimizations, "no_graphs_reason", lambda facts: None)
-    call = CASES["edit_plus_2511"][2] | dict(num_inference_steps=3)
-    eager = optimize(stock("edit_plus_2511"), EXACT.replace(cuda_graphs=False, vae_2d_decode=False))
-    graphed = optimize(stock("edit_plus_2511"), EXACT.replace(text_bucket=1))  # unpadded text: bit for bit
+    call = CASES["img2img"][2] | dict(num_inference_steps=3, strength=1.0)  # 3 steps (test_graphs_on_gpu: Edit-2511)
+    eager = optimize(stock("img2img"), EXACT.replace(cuda_graphs=False, vae_2d_decode=False))
+    graphed = optimize(stock("img2img"), EXACT.replace(text_bucket=1))  # unpadded text: bit for bit
     assert "cuda_graphs" not in eager.applied and "cuda_graphs" in graphed.applied
     ref = final_latents(eager, None, **call)
     assert eager.applied == ["fused_transformer", "attention:sdpa", "batched_cfg"]  # both options off: neither ran
