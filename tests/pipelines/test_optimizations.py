@@ -138,14 +138,15 @@ def case_attention(stock_latents, monkeypatch):
 
 def case_modulation_table(stock_latents, monkeypatch):
     check_switch(EXACT, EXACT.replace(modulation_table=False), "modulation_table")
-    for table in (True, False):
-        pipe = fast(EXACT.replace(modulation_table=table))
+    # the paired forwards' table (batch 2B) and the unpaired ones' (batch B): 2 forwards a call, or 4
+    for table, batched in ((True, True), (False, True), (True, False)):
+        pipe = fast(EXACT.replace(modulation_table=table, batched_cfg=batched))
         linear = pipe.transformer.transformer_blocks[0].img_mod[1]
-        assert_close(run(pipe), stock_latents, EXACT_TOL, f"table={table} vs stock")
+        assert_close(run(pipe), stock_latents, EXACT_TOL, f"table={table}, batched_cfg={batched} vs stock")
         calls = record_calls(monkeypatch, linear, "forward")
         run(pipe)
-        # (c) the same schedule again: the table's rows are looked up, the linear is not run in the 2 forwards
-        assert len(calls) == (0 if table else 2), (table, len(calls))
+        # (c) the same schedule again: the table's rows are looked up, the linear is not run in the forwards
+        assert len(calls) == (0 if table else 2), (table, batched, len(calls))
         monkeypatch.undo()
 
 
@@ -171,6 +172,9 @@ def case_batched_cfg(stock_latents, monkeypatch):
         batches = forward_batches(pipe)
         assert_close(run(pipe), stock_latents, EXACT_TOL, f"batched_cfg={batched} vs stock")
         assert batches == ([2, 2] if batched else [1, 1, 1, 1]), "(c) one forward of 2B per step"
+    # prompt and negative prompt of one length: diffusers drops both all-ones masks, the texts pair unpadded
+    same_length = dict(negative_prompt="a dog on a rug")  # as long as CALL's prompt
+    assert_close(run(fast(), **same_length), run(stock_pipeline(), **same_length), EXACT_TOL, "unmasked pair vs stock")
 
 
 @pytest.fixture
@@ -304,6 +308,14 @@ def case_vae_2d_decode(stock_latents, monkeypatch):
     images = run(pipe, output_type="np", height=32, width=48)
     np.testing.assert_allclose(images, run(stock_pipeline(), output_type="np", height=32, width=48), atol=1e-5, rtol=0)
     assert len(calls) == 1 and not stock_decoder, "(c) the 2D decode ran, the stock 3D decoder did not"
+    # an output layer 20x larger in both VAEs: the decoder's output saturates, and both clamp it to [-1, 1]
+    stock_vae, z = stock_pipeline().vae, torch.randn(1, pipe.vae.config.z_dim, 1, 4, 6)
+    with torch.no_grad():
+        for v in (stock_vae, pipe.vae):
+            v.decoder.conv_out.weight.mul_(20)
+        want = stock_vae.decode(z).sample
+        assert (want.abs() == 1).float().mean() > 0.05, "the check needs clamped pixels"
+        assert_close(pipe.vae.decode(z).sample, want, EXACT_TOL, "saturated decode vs stock")
 
 
 CASES = {name.removeprefix("case_"): function for name, function in globals().items() if name.startswith("case_")}

@@ -4,6 +4,7 @@ AutoencoderKLQwenImage.decode, and where FastAutoencoderKLQwenImage chooses it."
 import numpy as np
 import pytest
 import torch
+import torch.nn as nn
 from test_pipeline import EXACT, fast_pipeline, stock_pipeline
 from test_pipeline import run as run_pipeline
 
@@ -71,8 +72,12 @@ def test_only_where_it_computes_what_stock_does(vae):
         assert not decodes_2d(fast, latents(fast))
     finally:
         fast.disable_tiling()
-    HookRegistry.check_if_exists_or_initialize(fast.decoder).register_hook(ModelHook(), "offload")
-    assert not decodes_2d(fast, latents(fast))
+    registry = HookRegistry.check_if_exists_or_initialize(fast.decoder)  # the decoder is vae's too
+    registry.register_hook(ModelHook(), "offload")
+    try:
+        assert not decodes_2d(fast, latents(fast))
+    finally:
+        registry.remove_hook("offload")
     fast = as_vae_class(vae, FastAutoencoderKLQwenImage).train()  # dropout p = 0: nothing changes
     assert decodes_2d(fast, latents(fast))
     dropout = fast.decoder.mid_block.resnets[0].dropout
@@ -81,11 +86,20 @@ def test_only_where_it_computes_what_stock_does(vae):
         assert not decodes_2d(fast, latents(fast))
     finally:
         dropout.p = 0.0
+        fast.eval()  # the modules are the fixture's
 
 
 def test_the_fast_class_shares_the_stock_weights_and_decodes_as_stock(vae):
     fast = as_vae_class(vae, FastAutoencoderKLQwenImage)
     assert all(a.data_ptr() == b.data_ptr() for a, b in zip(fast.parameters(), vae.parameters()))
+    fast.to(torch.float64)  # as on a diffusers pipeline's shared components: both move
+    try:
+        assert vae.dtype == torch.float64 and all(a is b for a, b in zip(fast.parameters(), vae.parameters()))
+    finally:
+        fast.to(torch.float32)
+    fast.register_module("extra", nn.Identity())  # registries of its own
+    assert not hasattr(vae, "extra")
+    del fast.extra
     z = latents(vae)
     torch.testing.assert_close(fast.decode(z).sample, vae.decode(z).sample, atol=1e-5, rtol=0)
     small_tiles(fast)

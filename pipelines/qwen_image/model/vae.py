@@ -10,6 +10,9 @@ the zero terms. FastAutoencoderKLQwenImage is the stock VAE (same weights, confi
 wherever it gives what stock's gives (FastConfig.vae_2d_decode).
 """
 
+import copy
+from collections import OrderedDict
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -19,11 +22,6 @@ from diffusers.models.autoencoders.vae import DecoderOutput
 
 from ..runtime.context import record
 from ..runtime.offload import has_offload_hooks
-
-# Instance settings of AutoencoderKLQwenImage that enable_slicing / enable_tiling change (the rest is its config).
-SETTINGS = ("use_slicing", "use_tiling", "tile_sample_min_height", "tile_sample_min_width", "tile_sample_stride_height",
-            "tile_sample_stride_width")
-
 
 def why_not_2d(vae) -> str | None:
     """Why the VAE's image decodes would not run as 2D convolutions (None: they do where the latents allow it)."""
@@ -47,14 +45,14 @@ def decodes_2d(vae, latents: torch.Tensor) -> bool:
 
 
 def as_vae_class(vae: AutoencoderKLQwenImage, cls: type) -> AutoencoderKLQwenImage:
-    """`vae` as an instance of cls (AutoencoderKLQwenImage or FastAutoencoderKLQwenImage): the same weights (shared,
-    not copied), config and settings."""
-    with torch.device("meta"):
-        converted = cls.from_config(vae.config)
-    converted.load_state_dict(vae.state_dict(), strict=True, assign=True)
-    for name in SETTINGS:
-        setattr(converted, name, getattr(vae, name))
-    return converted.train(vae.training)
+    """`vae` as an instance of cls (AutoencoderKLQwenImage or FastAutoencoderKLQwenImage): a second module over the
+    same submodules and weights, as diffusers' pipelines share their components (.to() and weight changes through
+    either reach both), with the same config and settings (enable_tiling's); its own registries, so a module or a
+    hook registered on one of the two later is not on the other."""
+    converted = cls.__new__(cls)
+    converted.__dict__.update({name: copy.copy(value) if type(value) in (dict, OrderedDict) else value
+                               for name, value in vae.__dict__.items()})
+    return converted
 
 
 class FastAutoencoderKLQwenImage(AutoencoderKLQwenImage):
