@@ -139,3 +139,14 @@ def assert_e4m3_codes_match(q8: torch.Tensor, q8_ref: torch.Tensor, what: str = 
     differ = (q8.view(torch.uint8) != q8_ref.view(torch.uint8)).sum().item()
     assert differ <= allowed(max_frac, q8.numel()), f"{what}: {differ} of {q8.numel()} e4m3 codes differ"
 
+
+def forward_batches(pipe) -> list[int]:
+    """Records the batch of every forward the fast transformer computes (paired ones included)."""
+    batches, compute = [], pipe.transformer.compute
+
+    def counting(**inputs):
+        batches.append(inputs["hidden_states"].shape[0])
+        return compute(**inputs)
+
+    pipe.transformer.compute = counting
+    return batches

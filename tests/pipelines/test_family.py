@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 from diffusers import QwenImageMultiControlNetModel
-from helpers import assert_close
+from helpers import assert_close, forward_batches
 from PIL import Image
 from test_pipeline import EXACT, FIXTURE_TOKENIZER, tiny_controlnet
 from transformers import Qwen2Tokenizer
@@ -105,18 +105,6 @@ def test_optimize_matches_the_stock_pipeline(case_id):
     fp8 = optimize(stock(case_id), FastConfig())
     assert "fp8" in fp8.applied
     assert 0 < rel_rms_error(final_latents(fp8, case_id), ref) < FP8_BOUND
-
-
-def forward_batches(pipe) -> list[int]:
-    """Records the batch of every forward the fast transformer computes (paired ones included)."""
-    batches, compute = [], pipe.transformer.compute
-
-    def counting(**inputs):
-        batches.append(inputs["hidden_states"].shape[0])
-        return compute(**inputs)
-
-    pipe.transformer.compute = counting
-    return batches
 
 
 @pytest.mark.usefixtures("small_condition_images")
@@ -218,21 +206,21 @@ def test_cfg_pairing_returns_the_kept_half_only_for_the_inputs_it_was_computed_f
 def test_lora_through_the_pipelines_own_loader():
     from test_lora import LORA_A, LORA_B, lightning_format
 
-    case_id = "edit_plus_2511"
+    case_id = "img2img"  # the loader is diffusers' QwenImageLoraLoaderMixin in every family pipeline
     reference, fast = stock(case_id), optimize(stock(case_id), EXACT)
     for pipe in (reference, fast):
         pipe.load_lora_weights(lightning_format(LORA_A + LORA_B), adapter_name="a")
         pipe.set_adapters(["a"], [0.7])
     assert fast.get_active_adapters() == ["a"]
     unscaled = final_latents(fast, case_id)
-    assert_close(unscaled, final_latents(reference, case_id), 1e-5, "LoRA on Edit-2511")
+    assert_close(unscaled, final_latents(reference, case_id), 1e-5, "LoRA on img2img")
     scaled = CASES[case_id][2] | dict(attention_kwargs={"scale": 0.4})
     fast_scaled = final_latents(fast, None, **scaled)
     assert_close(fast_scaled, final_latents(reference, None, **scaled), 1e-5, "attention_kwargs scale")
     assert rel_rms_error(fast_scaled, unscaled) > 1e-3  # the scale changes what the LoRA adds
     for pipe in (reference, fast):
         pipe.fuse_lora()
-    assert_close(final_latents(fast, case_id), final_latents(reference, case_id), 1e-5, "fused LoRA on Edit-2511")
+    assert_close(final_latents(fast, case_id), final_latents(reference, case_id), 1e-5, "fused LoRA on img2img")
 
 
 def test_what_it_cannot_do_is_refused(tmp_path):

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 from diffusers import DPMSolverMultistepScheduler, UniPCMultistepScheduler
-from helpers import assert_close
+from helpers import assert_close, forward_batches
 from test_pipeline import EXACT, stock_pipeline
 
 from qwen_image_fast import FastConfig, optimize
@@ -79,17 +79,6 @@ def record_calls(monkeypatch, owner, attribute: str) -> list:
 
     monkeypatch.setattr(owner, attribute, recording)
     return calls
-
-
-def forward_batches(pipe) -> list[int]:
-    batches, compute = [], pipe.transformer.compute
-
-    def counting(**inputs):
-        batches.append(inputs["hidden_states"].shape[0])
-        return compute(**inputs)
-
-    pipe.transformer.compute = counting
-    return batches
 
 
 # ---- the cases, one per registered optimization

@@ -114,13 +114,13 @@ def test_forward_matches_transformers():
 
 
 def test_prefill_and_decode_match_transformers():
-    """Two sequences of different lengths in one cache; prefill and 32 decode steps, each compared with upstream
-    running the same tokens through its own cache."""
+    """Two sequences of different lengths in one cache; prefill and 16 decode steps (past the 4-token convolution
+    window), each compared with upstream running the same tokens through its own cache."""
     hf = tiny_hf()
     fast = FastQwen35ForCausalLM.from_transformers(hf)
-    out, ref = run_cached(fast, [hf], (5, 13), 32, torch.Generator().manual_seed(1))
-    assert out.dtype == torch.float32 and out.shape == (33, 2, TINY_TEXT["vocab_size"])
-    for step in range(33):
+    out, ref = run_cached(fast, [hf], (5, 13), 16, torch.Generator().manual_seed(1))
+    assert out.dtype == torch.float32 and out.shape == (17, 2, TINY_TEXT["vocab_size"])
+    for step in range(17):
         for i in range(2):
             assert_close(out[step, i], ref[step, i], 1e-4, f"step {step} (0: prefill), sequence {i}")
 
