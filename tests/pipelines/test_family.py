@@ -206,21 +206,24 @@ def test_cfg_pairing_returns_the_kept_half_only_for_the_inputs_it_was_computed_f
 def test_lora_through_the_pipelines_own_loader():
     from test_lora import LORA_A, LORA_B, lightning_format
 
-    case_id = "img2img"  # the loader is diffusers' QwenImageLoraLoaderMixin in every family pipeline
+    # Edit-2511 (zero_cond_t: LORA_B's img_mod.1 adapter under per-token modulation), one condition image
+    case_id = "edit_plus_2511"
+    call = CASES[case_id][2] | dict(image=[IMAGE])
     reference, fast = stock(case_id), optimize(stock(case_id), EXACT)
     for pipe in (reference, fast):
         pipe.load_lora_weights(lightning_format(LORA_A + LORA_B), adapter_name="a")
         pipe.set_adapters(["a"], [0.7])
     assert fast.get_active_adapters() == ["a"]
-    unscaled = final_latents(fast, case_id)
-    assert_close(unscaled, final_latents(reference, case_id), 1e-5, "LoRA on img2img")
-    scaled = CASES[case_id][2] | dict(attention_kwargs={"scale": 0.4})
+    unscaled = final_latents(fast, None, **call)
+    assert_close(unscaled, final_latents(reference, None, **call), 1e-5, "LoRA on Edit-2511")
+    scaled = call | dict(attention_kwargs={"scale": 0.4})
     fast_scaled = final_latents(fast, None, **scaled)
     assert_close(fast_scaled, final_latents(reference, None, **scaled), 1e-5, "attention_kwargs scale")
     assert rel_rms_error(fast_scaled, unscaled) > 1e-3  # the scale changes what the LoRA adds
     for pipe in (reference, fast):
         pipe.fuse_lora()
-    assert_close(final_latents(fast, case_id), final_latents(reference, case_id), 1e-5, "fused LoRA on img2img")
+    assert_close(final_latents(fast, None, **call), final_latents(reference, None, **call), 1e-5,
+                 "fused LoRA on Edit-2511")
 
 
 def test_what_it_cannot_do_is_refused(tmp_path):
