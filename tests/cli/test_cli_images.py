@@ -1,0 +1,137 @@
+"""`qwen-image-fast render` with image-conditioned checkpoints: --image, --mask, --strength."""
+
+import json
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from qwen_image_fast.cli import main
+from qwen_image_fast.cli.output import read_settings
+from qwen_image_fast.cli.run import ENCODE_AHEAD_IMAGES, encode_ahead
+
+from cli_helpers import BASELINE, manifest, needs_interpreter
+
+
+# ---- image-conditioned checkpoints: --image, --mask, --strength
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """Tiny Edit-2511-style (EditPlus, zero_cond_t), inpainting and text-to-image folders, and input images."""
+    import diffusers
+
+    from qwen_image_fast.pipelines.tiny import tiny_pipeline
+
+    root = tmp_path_factory.mktemp("checkpoints")
+    tiny_pipeline(diffusers.QwenImageEditPlusPipeline, transformer_config=dict(zero_cond_t=True)).save_pretrained(
+        root / "edit")
+    tiny_pipeline(diffusers.QwenImageInpaintPipeline).save_pretrained(root / "inpaint")
+    rng = np.random.default_rng(0)
+    for name, shape in (("a.png", (32, 48, 3)), ("b.png", (40, 24, 3)), ("c.png", (32, 48, 3))):
+        Image.fromarray(rng.integers(0, 256, shape, dtype=np.uint8)).save(root / name)
+    Image.fromarray(((rng.random((32, 48)) > 0.5) * 255).astype(np.uint8)).save(root / "mask.png")
+    Image.fromarray(np.zeros((16, 16), dtype=np.uint8)).save(root / "small_mask.png")
+    (root / "not_an_image.png").write_text("hello")
+    return root
+
+
+EDIT_BAD_INPUT = {
+    "image-missing": (lambda c: ["--model", c / "edit", "--image", c / "none.png"], "--image {c}/none.png: cannot read"),
+    "image-unreadable": (lambda c: ["--model", c / "edit", "--image", c / "not_an_image.png"],
+                         "--image {c}/not_an_image.png: not a readable image"),
+    "image-with-text-to-image-model": (lambda c: ["--image", c / "a.png"],
+                                       "--image given, but tiny-random is a text-to-image model"),
+    "edit-without-image": (lambda c: ["--model", c / "edit"], "QwenImageEditPlusPipeline ({c}/edit) needs an input"),
+    "strength-zero": (lambda c: ["--strength", "0"], "argument --strength: must be in (0, 1], got '0'"),
+    "strength-above-one": (lambda c: ["--strength", "1.5"], "argument --strength: must be in (0, 1], got '1.5'"),
+    "strength-for-edit": (lambda c: ["--model", c / "edit", "--image", c / "a.png", "--strength", "0.5"],
+                          "--strength given, but QwenImageEditPlusPipeline"),
+    "mask-for-edit": (lambda c: ["--model", c / "edit", "--image", c / "a.png", "--mask", c / "mask.png"],
+                      "--mask given, but QwenImageEditPlusPipeline"),
+    "inpaint-without-mask": (lambda c: ["--model", c / "inpaint", "--image", c / "a.png"], "inpaints: give --mask"),
+    "mask-of-another-size": (lambda c: ["--model", c / "inpaint", "--image", c / "a.png", "--mask",
+                                        c / "small_mask.png"], "is 16x16, the image {c}/a.png 48x32"),
+    "inpaint-two-images": (lambda c: ["--model", c / "inpaint", "--image", c / "a.png", "--image", c / "b.png",
+                                      "--mask", c / "mask.png"], "takes 1 input image, got 2"),
+    "enhance-an-edit": (lambda c: ["--model", c / "edit", "--image", c / "a.png", "--enhance=tiny-random"],
+                        "--enhance rewrites text-to-image prompts"),
+}
+
+
+@pytest.mark.parametrize("make_args, message", EDIT_BAD_INPUT.values(), ids=EDIT_BAD_INPUT.keys())
+def test_bad_image_input_exits_2_with_one_line_and_leaves_no_folder(make_args, message, checkpoints, tmp_path,
+                                                                      capsys):
+    args = ["render", *BASELINE, "--out", str(tmp_path / "out"), *map(str, make_args(checkpoints)), "a cat"]
+    with pytest.raises(SystemExit) as exit_info:
+        main(args)
+    assert exit_info.value.code == 2
+    usage, error = capsys.readouterr().err.splitlines()
+    assert message.format(c=checkpoints) in error
+    assert not (tmp_path / "out").exists()
+
+
+@needs_interpreter
+@pytest.mark.usefixtures("small_condition_images")
+def test_edit_renders_records_its_inputs_resumes_and_compares(checkpoints, tmp_path, capsys):
+    """The class comes from model_index.json; both presets render the same edit; the inputs' paths and hashes are
+    recorded; resume skips a finished image and refuses one whose input image changed; compare pairs them."""
+    from qwen_image_fast.cli import main as cli
+
+    edit = ["--model", str(checkpoints / "edit"), "--device", "cpu", "--steps", "2", "--image",
+            str(checkpoints / "a.png"), "--image", str(checkpoints / "b.png"), "make it blue"]
+    for preset in ("baseline", "fast"):
+        assert cli(["render", *edit, "--preset", preset, "--out", str(tmp_path / preset)]) == 0
+    assert "QwenImageEditPlusPipeline" in capsys.readouterr().out
+    (line,) = manifest(tmp_path / "fast")
+    digest = __import__("hashlib").sha256((checkpoints / "a.png").read_bytes()).hexdigest()
+    assert line["images"][0] == {"path": str(checkpoints / "a.png"), "sha256": digest}
+    assert line["mask"] is None and line["strength"] is None and len(line["images"]) == 2
+    assert "batched_cfg" in line["applied"] and "fused_transformer" in line["applied"]
+    assert read_settings(tmp_path / "fast" / line["file"])["images"] == line["images"]
+    sizes = {Image.open(tmp_path / preset / line["file"]).size for preset in ("baseline", "fast")}
+    assert sizes == {(64, 96)}  # the pipeline's own choice from the last input image's aspect, in both presets
+    assert cli(["render", *edit, "--preset", "fast", "--out", str(tmp_path / "fast")]) == 0
+    assert "1 skipped" in capsys.readouterr().out
+    changed = [str(checkpoints / "c.png") if a == str(checkpoints / "a.png") else a for a in edit]
+    with pytest.raises(SystemExit) as exit_info:
+        cli(["render", *changed, "--preset", "fast", "--out", str(tmp_path / "fast")])
+    assert exit_info.value.code == 2 and "made with other settings (images" in capsys.readouterr().err
+    assert cli(["compare", str(tmp_path / "baseline"), str(tmp_path / "fast"), "--out", str(tmp_path / "report"),
+                "--min-psnr", "30"]) == 0
+
+
+def test_inpainting_from_jsonl_with_images_mask_and_strength(checkpoints, tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "a cat", "images": str(checkpoints / "a.png"),
+                                   "mask": str(checkpoints / "mask.png"), "strength": 0.7}) + "\n")
+    assert main(["render", *BASELINE, "--model", str(checkpoints / "inpaint"), "--prompts", str(prompts),
+                 "--out", str(tmp_path / "out")]) == 0
+    (line,) = manifest(tmp_path / "out")
+    assert line["strength"] == 0.7 and line["mask"]["path"] == str(checkpoints / "mask.png")
+    assert Image.open(tmp_path / "out" / line["file"]).size == (32, 32)
+
+
+def test_encode_ahead_covers_a_window_of_images_and_skips_image_inputs():
+    from types import SimpleNamespace
+
+    calls = []
+
+    def encode_prompt(prompts, device):
+        calls.append(prompts)
+        return f"embeds of {prompts}", None
+
+    pipe = SimpleNamespace(_execution_device="cpu", encode_prompt=encode_prompt)
+
+    def job(prompt, images=()):
+        return SimpleNamespace(prompt=prompt, negative_prompt="bad", images=images)
+
+    batches = [[job(f"p{i}"), job(f"q{i}")] for i in range(10)]  # 20 images
+    batches[1] = [job("edit this", images=("in.png",))]  # an edit batch: its own call encodes it
+    encoded, until = encode_ahead(pipe, batches, 0)
+    assert ENCODE_AHEAD_IMAGES == 16 and until == 9  # 2 + 1 + 2 x 7 = 17 images: the window is full
+    assert sorted(encoded) == [0, 2, 3, 4, 5, 6, 7, 8]
+    assert encoded[0] == dict(prompt_embeds="embeds of ['p0', 'q0']", prompt_embeds_mask=None,
+                              negative_prompt_embeds="embeds of ['bad', 'bad']", negative_prompt_embeds_mask=None)
+    assert len(calls) == 16
+    encoded, until = encode_ahead(pipe, batches, until)
+    assert sorted(encoded) == [9] and until == 10

@@ -1,0 +1,65 @@
+"""`qwen-image-fast render`'s per-optimization options (from the registry), recorded with each image; --dry-run."""
+
+
+import pytest
+
+from qwen_image_fast.cli import main
+from qwen_image_fast.cli.output import read_settings
+from qwen_image_fast.pipelines.qwen_image.config import FastConfig
+
+from cli_helpers import BASELINE, TINY, manifest, needs_interpreter
+
+
+# ---- the registry's options: one per optimization, recorded with the images; --dry-run
+
+
+def test_every_registered_optimization_has_its_option():
+    from qwen_image_fast.cli.parser import OWN_OPTIONS, build_parser
+    from qwen_image_fast.cli.plan import option_of
+    from qwen_image_fast.pipelines.qwen_image.optimizations import REGISTRY
+
+    render_help = build_parser()._subparsers._group_actions[0].choices["render"].format_help()
+    for opt in REGISTRY:
+        assert option_of(opt) in render_help, opt.name
+        if opt.field not in OWN_OPTIONS and getattr(FastConfig(), opt.field) is True:
+            assert option_of(opt) == f"--no-{opt.field.replace('_', '-')}"
+
+
+@needs_interpreter
+def test_dry_run_says_what_would_run_and_writes_nothing(tmp_path, capsys):
+    from qwen_image_fast.pipelines.qwen_image.optimizations import REGISTRY
+
+    out = tmp_path / "out"
+    assert main(["render", *TINY, "--out", str(out), "--no-cuda-graphs", "--cfg-fraction", "0.5", "--dry-run",
+                 "a cat", "a dog"]) == 0
+    text = capsys.readouterr().out
+    rows = {line.split()[0]: line for line in text.splitlines()[2:]}
+    assert sorted(rows) == sorted(opt.name for opt in REGISTRY)
+    assert " off " in rows["cuda_graphs"] and "cfg_fraction:0.5" in rows["cfg_fraction"]
+    assert "lossy" in rows["fp8"] and "rel-RMS vs stock <= 0.02" in rows["fp8"]
+    assert not out.exists()
+    assert main(["render", *BASELINE, "--out", str(out), "--dry-run", "a cat"]) == 0
+    assert "diffusers' own pipeline runs, untouched" in capsys.readouterr().out and not out.exists()
+
+
+def test_options_with_the_stock_preset_are_refused(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["render", *BASELINE, "--out", str(tmp_path / "out"), "--no-fp8", "a cat"])
+    assert exit_info.value.code == 2
+    assert "--preset baseline runs the stock diffusers pipeline, which takes none of our options; --no-fp8" in \
+        capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
+@needs_interpreter
+def test_options_are_recorded_and_resume_tells_them_apart(tmp_path):
+    out = tmp_path / "out"
+    command = ["render", *TINY, "--out", str(out), "--cfg", "1", "a cat"]
+    assert main([*command, "--no-fp8"]) == 0
+    line = manifest(out)[0]
+    assert line["options"] == {"fp8": False} and "fp8" not in line["applied"]
+    assert read_settings(out / line["file"])["options"] == {"fp8": False}
+    assert main([*command, "--no-fp8"]) == 0 and len(manifest(out)) == 1  # the same options: done
+    with pytest.raises(SystemExit) as exit_info:  # the same file, other options: refused, not overwritten
+        main(command)
+    assert exit_info.value.code == 2

@@ -1,0 +1,164 @@
+"""`qwen-image-fast render` resumes: what is missing is rendered, what is there is compared and kept; LoRAs and
+Lightning recorded; kill -9 and Ctrl-C lose no finished image."""
+
+import json
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from qwen_image_fast.cli import main
+from qwen_image_fast.cli.output import read_settings
+
+from cli_helpers import BASELINE, TINY, images, manifest, needs_interpreter, pixels, tiny_lora, write_lines
+
+
+# ---- resume
+
+
+@needs_interpreter
+def test_lora_is_fused_recorded_and_part_of_what_resume_compares(tmp_path, capsys):
+    """--lora with the fast preset (fused into the BF16 weights, then quantized): the image is the stock pipeline's
+    with the same LoRA within FP8 error, and far from the LoRA-free one; path, scale and sha256 are recorded; resume
+    skips the same LoRA content (even moved) and refuses another strength or no LoRA in the same folder."""
+    lora = tiny_lora(tmp_path / "style.safetensors")
+    common = [*TINY, "a cat"]
+    fast, stock, plain = tmp_path / "fast", tmp_path / "stock", tmp_path / "plain"
+    assert main(["render", *common, "--lora", f"{lora}:0.8", "--out", str(fast)]) == 0
+    assert main(["render", *common, "--preset", "baseline", "--lora", f"{lora}:0.8", "--out", str(stock)]) == 0
+    assert main(["render", *common, "--out", str(plain)]) == 0
+    line = manifest(fast)[0]
+    digest = __import__("hashlib").sha256(lora.read_bytes()).hexdigest()
+    assert line["loras"] == [{"path": f"{lora}", "scale": 0.8, "sha256": digest}]
+    assert read_settings(fast / line["file"])["loras"] == line["loras"]
+    image, same, without = (pixels(folder / line["file"]) for folder in (fast, stock, plain))
+    off, lora_effect = np.abs(image - same).mean(), np.abs(image - without).mean()
+    assert off < lora_effect / 4, (off, lora_effect)
+    capsys.readouterr()
+
+    moved = tmp_path / "moved.safetensors"
+    moved.write_bytes(lora.read_bytes())
+    assert main(["render", *common, "--lora", f"{moved}:0.8", "--out", str(fast)]) == 0
+    assert "0 written, 1 skipped" in capsys.readouterr().out
+    for other in (["--lora", f"{lora}:0.5"], []):
+        with pytest.raises(SystemExit) as exit_info:
+            main(["render", *common, *other, "--out", str(fast)])
+        assert exit_info.value.code == 2
+        assert "made with other settings (loras" in capsys.readouterr().err
+
+
+def test_lightning_flag_sets_the_few_step_sampler(tmp_path, capsys):
+    """--lightning: recorded as scheduler "lightning", no CFG by default, and the stock pipeline with
+    lightning_scheduler() gives the same image."""
+    import torch
+
+    from qwen_image_fast import lightning_scheduler
+    from qwen_image_fast.pipelines.tiny import tiny_pipeline
+
+    assert main(["render", *BASELINE, "--lightning", "--out", str(tmp_path), "a cat"]) == 0
+    line = manifest(tmp_path)[0]
+    assert (line["scheduler"], line["cfg"], line["negative_prompt"], line["steps"]) == ("lightning", 1.0, None, 2)
+    pipe = tiny_pipeline()
+    pipe.scheduler = lightning_scheduler()
+    ref = pipe("a cat", true_cfg_scale=1.0, width=32, height=32, num_inference_steps=2,
+               generator=torch.Generator("cpu").manual_seed(0)).images[0]
+    assert np.array_equal(pixels(tmp_path / line["file"]), np.asarray(ref).astype(np.int16))
+
+
+def test_resume_renders_only_what_is_missing(tmp_path, capsys):
+    args = ["render", *BASELINE, "--out", str(tmp_path), "a cat", "a dog", "a cow"]
+    assert main(args) == 0
+    kept = {name: (tmp_path / name).stat().st_mtime_ns for name in ("00000-0.png", "00002-2.png")}
+    # As after a kill: one image gone, its manifest line gone, a half-written line and a stale temporary file.
+    (tmp_path / "00001-1.png").unlink()
+    lines = (tmp_path / "manifest.jsonl").read_text().splitlines()
+    (tmp_path / "manifest.jsonl").write_text(lines[0] + "\n" + lines[2] + "\n" + lines[1][:40])
+    (tmp_path / ".tmp-00001-1.png").write_bytes(b"\x89PNG half")
+    capsys.readouterr()
+
+    assert main(args) == 0
+    assert "1 written, 2 skipped" in capsys.readouterr().out
+    assert {name: (tmp_path / name).stat().st_mtime_ns for name in kept} == kept
+    assert not list(tmp_path.glob(".tmp-*"))
+    assert [line["file"] for line in manifest(tmp_path)] == ["00000-0.png", "00001-1.png", "00002-2.png"]
+
+    before = {path.name: path.stat().st_mtime_ns for path in tmp_path.iterdir()}
+    with pytest.raises(SystemExit) as exit_info:  # other settings would overwrite the images: refused
+        main([*args, "--cfg", "3"])
+    assert exit_info.value.code == 2
+    assert "00000-0.png exists, made with other settings (cfg 4.0, now 3.0); rendering would overwrite it: use " \
+           "another --out, or --no-resume" in capsys.readouterr().err
+    assert {path.name: path.stat().st_mtime_ns for path in tmp_path.iterdir()} == before
+    assert main([*args, "--cfg", "3", "--no-resume"]) == 0  # on purpose
+    assert "3 written, 0 skipped" in capsys.readouterr().out
+    assert [line["cfg"] for line in manifest(tmp_path)] == [3.0, 3.0, 3.0]
+
+
+def test_a_file_not_made_by_this_tool_is_never_overwritten(tmp_path, capsys):
+    Image.new("RGB", (8, 8)).save(tmp_path / "00000-0.png")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["render", *BASELINE, "--out", str(tmp_path), "a cat"])
+    assert exit_info.value.code == 2
+    assert "00000-0.png exists and was not made by this tool" in capsys.readouterr().err
+    assert Image.open(tmp_path / "00000-0.png").size == (8, 8) and sorted(tmp_path.iterdir()) == [
+        tmp_path / "00000-0.png"]
+
+
+def test_kill_9_loses_no_finished_image_and_leaves_no_partial_file(tmp_path, capsys):
+    prompts = write_lines(tmp_path / "p.txt", [f"prompt number {i}" for i in range(8)])
+    out_dir = tmp_path / "out"
+    args = ["render", "--model", "tiny-random", "--device", "cpu", "--preset", "baseline", "--width", "64",
+            "--height", "64", "--steps", "20", "--prompts", str(prompts), "--out", str(out_dir)]
+    process = subprocess.Popen([sys.executable, "-m", "qwen_image_fast", *args], stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL)
+    manifest_path = out_dir / "manifest.jsonl"
+    deadline = time.monotonic() + 60
+    while not (manifest_path.exists() and manifest_path.read_text().count("\n") >= 2) and time.monotonic() < deadline:
+        assert process.poll() is None, f"the render exited (status {process.returncode}) before it could be killed"
+        time.sleep(0.01)
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+
+    listed = [json.loads(line)["file"] for line in manifest_path.read_text().splitlines() if line.endswith("}")]
+    assert len(listed) >= 2
+    for path in images(out_dir):  # every image in place is complete
+        Image.open(path).load()
+    assert main(args) == 0
+    summary = capsys.readouterr().out
+    written, skipped = (int(summary.split(" written")[0].split()[-1]), int(summary.split(" skipped")[0].split()[-1]))
+    assert skipped >= len(listed) and written + skipped == 8
+    assert len(manifest(out_dir)) == 8 and len(images(out_dir)) == 8
+    assert not list(out_dir.glob(".tmp-*"))
+
+
+def test_ctrl_c_exits_130_with_one_line_and_keeps_finished_images(tmp_path):
+    prompts = write_lines(tmp_path / "p.txt", [f"prompt number {i}" for i in range(6)])
+    out_dir = tmp_path / "out"
+    args = ["render", "--model", "tiny-random", "--device", "cpu", "--preset", "baseline", "--width", "64",
+            "--height", "64", "--steps", "20", "--prompts", str(prompts), "--out", str(out_dir)]
+    # SIGINT as a terminal sends it; a child of a non-interactive shell may inherit it ignored: restore the default.
+    process = subprocess.Popen([sys.executable, "-m", "qwen_image_fast", *args], stdout=subprocess.DEVNULL,
+                               stderr=subprocess.PIPE, text=True,
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    manifest_path = out_dir / "manifest.jsonl"
+    deadline = time.monotonic() + 60
+    while not (manifest_path.exists() and manifest_path.read_text().count("\n") >= 1) and time.monotonic() < deadline:
+        assert process.poll() is None, f"the render exited (status {process.returncode}) before it was interrupted"
+        time.sleep(0.01)
+    process.send_signal(signal.SIGINT)
+    err = process.communicate(timeout=60)[1]
+
+    assert process.returncode == 130 and "Traceback" not in err
+    last = err.splitlines()[-1]
+    assert last.startswith("interrupted; ") and last.endswith(f"kept in {out_dir} (the same command resumes)")
+    listed = [line["file"] for line in manifest(out_dir)]
+    assert f"; {len(listed)} image(s) finished by this run" in last and 1 <= len(listed) < 6
+    on_disk = {path.name for path in images(out_dir)}
+    assert set(listed) <= on_disk and len(on_disk - set(listed)) <= 1  # at most one between its save and its line
+    for name in on_disk:
+        Image.open(out_dir / name).load()
+    assert not list(out_dir.glob(".tmp-*"))
