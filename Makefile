@@ -13,8 +13,9 @@ $(VENV)/.installed: pyproject.toml tests/constraints.txt
 	touch $@
 
 test: install
-	# two workers on the 2-core CI machine, one thread each (tiny tensors: threads only contend)
-	OMP_NUM_THREADS=1 TRITON_INTERPRET=1 HF_HUB_OFFLINE=1 $(PY) -m pytest -q -ra -n 2 --durations=15 tests
+	# two workers on the 2-core CI machine, one thread each (tiny tensors: threads only contend); an idle worker
+	# takes queued tests from the busy one (worksteal), so the long end-to-end tests do not leave one core idle
+	OMP_NUM_THREADS=1 TRITON_INTERPRET=1 HF_HUB_OFFLINE=1 $(PY) -m pytest -q -ra -n 2 --dist worksteal --durations=15 tests
 
 # `make demo`: samples/prompts.txt -> samples/out/ with the real model if it is in the local Hugging Face cache and a
 # GPU is there, else the tiny random model (its images are noise). No GPU: Triton kernels run in its interpreter.

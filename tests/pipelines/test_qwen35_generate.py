@@ -32,27 +32,27 @@ def hf_greedy(hf, prompts, max_new_tokens):
 
 def test_greedy_matches_transformers_generate(models):
     hf, fast = models
-    assert generate(fast, PROMPTS, 12) == hf_greedy(hf, PROMPTS, 12)
+    assert generate(fast, PROMPTS, 8) == hf_greedy(hf, PROMPTS, 8)
 
 
 def test_stop_tokens_and_stream(models):
     _, fast = models
-    full = generate(fast, PROMPTS, 8)
+    full = generate(fast, PROMPTS, 5)
     stop = full[0][2]  # sequence 0 stops before its third token
     assert stop not in full[1], "pick prompts whose second sequence does not hit the stop token"
     calls = []
-    out = generate(fast, PROMPTS, 8, stop_token_ids=[stop], stream=lambda step, new: calls.append((step, new)))
+    out = generate(fast, PROMPTS, 5, stop_token_ids=[stop], stream=lambda step, new: calls.append((step, new)))
     assert out == [full[0][:2], full[1]]
-    assert [step for step, _ in calls] == list(range(8))
-    assert [new[0] for _, new in calls] == full[0][:2] + [None] * 6
+    assert [step for step, _ in calls] == list(range(5))
+    assert [new[0] for _, new in calls] == full[0][:2] + [None] * 3
     assert [new[1] for _, new in calls] == full[1]
 
 
 def test_all_stopped_ends_early(models):
     _, fast = models
-    full = generate(fast, PROMPTS, 6)
+    full = generate(fast, PROMPTS, 4)
     calls = []
-    out = generate(fast, PROMPTS, 6, stop_token_ids=[full[0][0], full[1][1]], stream=lambda *a: calls.append(a))
+    out = generate(fast, PROMPTS, 4, stop_token_ids=[full[0][0], full[1][1]], stream=lambda *a: calls.append(a))
     assert out == [[], full[1][:1]]
     assert len(calls) == 2  # step 1 finished both sequences
 
@@ -60,10 +60,10 @@ def test_all_stopped_ends_early(models):
 def test_seeded_sampling(models):
     _, fast = models
     kwargs = dict(temperature=1.5, top_k=50, top_p=0.95)
-    first = generate(fast, PROMPTS, 4, seed=3, **kwargs)
-    assert generate(fast, PROMPTS, 4, seed=3, **kwargs) == first
-    assert generate(fast, PROMPTS, 4, seed=4, **kwargs) != first
-    assert generate(fast, PROMPTS, 4, temperature=1.0, top_k=1, seed=5) == generate(fast, PROMPTS, 4)
+    first = generate(fast, PROMPTS, 3, seed=3, **kwargs)
+    assert generate(fast, PROMPTS, 3, seed=3, **kwargs) == first
+    assert generate(fast, PROMPTS, 3, seed=4, **kwargs) != first
+    assert generate(fast, PROMPTS, 3, temperature=1.0, top_k=1, seed=5) == generate(fast, PROMPTS, 3)
 
 
 def test_sample_top_k_top_p():
