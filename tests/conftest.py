@@ -35,3 +35,30 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture
+def stand_in_graphs(monkeypatch):
+    """CUDA graphs on the CPU: the registry lets them run, and a stand-in for the capture records it and replays
+    by running the captured function on the captured static inputs (the GPU tests of test_pipeline.py and
+    test_family.py replay real graphs). Returns the batch of each capture and of each replay, in order."""
+    from qwen_image_fast.pipelines.qwen_image import optimizations
+    from qwen_image_fast.pipelines.qwen_image.runtime.cuda_graph import Graphs
+
+    log = {"captures": [], "replays": []}
+
+    def capture(run, inputs):
+        static = {name: v.clone() for name, v in inputs.items() if isinstance(v, torch.Tensor)}
+        out = run(**inputs | static)
+        log["captures"].append(inputs["hidden_states"].shape[0])
+
+        class Graph:
+            def replay(self):
+                log["replays"].append(inputs["hidden_states"].shape[0])
+                out.copy_(run(**inputs | static))
+
+        return Graph(), static, out
+
+    monkeypatch.setattr(Graphs, "capture", staticmethod(capture))
+    monkeypatch.setattr(optimizations, "no_graphs_reason", lambda facts: None)
+    return log

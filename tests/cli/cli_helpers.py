@@ -6,6 +6,7 @@ the interpreter. Subprocesses (kill -9, several ranks) inherit the environment (
 
 import json
 import os
+import time
 
 import numpy as np
 import pytest
@@ -54,3 +55,11 @@ def tiny_lora(path, targets=("transformer_blocks.0.attn.to_q", "transformer_bloc
     save_file(sd, path)
     return path
 
+
+def wait_for_manifest_lines(process, manifest_path, n: int, then: str):
+    """Until the render running in `process` has listed n images in its manifest (60 s at most); it must not have
+    exited before it `then` (what the test does to it next)."""
+    deadline = time.monotonic() + 60
+    while not (manifest_path.exists() and manifest_path.read_text().count("\n") >= n) and time.monotonic() < deadline:
+        assert process.poll() is None, f"the render exited (status {process.returncode}) before it {then}"
+        time.sleep(0.01)

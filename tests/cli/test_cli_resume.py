@@ -5,7 +5,6 @@ import json
 import signal
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
@@ -14,7 +13,8 @@ from PIL import Image
 from qwen_image_fast.cli import main
 from qwen_image_fast.cli.output import read_settings
 
-from cli_helpers import BASELINE, TINY, images, manifest, needs_interpreter, pixels, tiny_lora, write_lines
+from cli_helpers import (BASELINE, TINY, images, manifest, needs_interpreter, pixels, tiny_lora, wait_for_manifest_lines,
+                         write_lines)
 
 
 # ---- resume
@@ -116,10 +116,7 @@ def test_kill_9_loses_no_finished_image_and_leaves_no_partial_file(tmp_path, cap
     process = subprocess.Popen([sys.executable, "-m", "qwen_image_fast", *args], stdout=subprocess.DEVNULL,
                                stderr=subprocess.DEVNULL)
     manifest_path = out_dir / "manifest.jsonl"
-    deadline = time.monotonic() + 60
-    while not (manifest_path.exists() and manifest_path.read_text().count("\n") >= 2) and time.monotonic() < deadline:
-        assert process.poll() is None, f"the render exited (status {process.returncode}) before it could be killed"
-        time.sleep(0.01)
+    wait_for_manifest_lines(process, manifest_path, 2, "could be killed")
     process.send_signal(signal.SIGKILL)
     process.wait()
 
@@ -145,10 +142,7 @@ def test_ctrl_c_exits_130_with_one_line_and_keeps_finished_images(tmp_path):
                                stderr=subprocess.PIPE, text=True,
                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     manifest_path = out_dir / "manifest.jsonl"
-    deadline = time.monotonic() + 60
-    while not (manifest_path.exists() and manifest_path.read_text().count("\n") >= 1) and time.monotonic() < deadline:
-        assert process.poll() is None, f"the render exited (status {process.returncode}) before it was interrupted"
-        time.sleep(0.01)
+    wait_for_manifest_lines(process, manifest_path, 1, "was interrupted")
     process.send_signal(signal.SIGINT)
     err = process.communicate(timeout=60)[1]
 

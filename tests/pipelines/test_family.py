@@ -19,7 +19,6 @@ from qwen_image_fast.pipelines.qwen_image.fast_pipeline import FastPipelineMixin
 from qwen_image_fast.kernels._utils import rel_rms_error
 from qwen_image_fast.pipelines.qwen_image import optimizations
 from qwen_image_fast.pipelines.qwen_image.optimizations import BY_NAME
-from qwen_image_fast.pipelines.qwen_image.runtime.cuda_graph import Graphs
 from qwen_image_fast.pipelines.tiny import tiny_components, tiny_pipeline
 
 
@@ -117,27 +116,12 @@ def test_unbatched_cfg_matches_stock_too():
 
 
 @pytest.mark.usefixtures("small_condition_images")
-def test_graphs_replay_from_a_signatures_second_forward_in_a_call(monkeypatch):
+def test_graphs_replay_from_a_signatures_second_forward_in_a_call(stand_in_graphs):
     """CallGraphs in diffusers' own loop, with a stand-in for the CUDA-graph capture so that it runs here (the
     stand-in's replay runs the captured function on the captured static inputs; test_graphs_on_gpu replays real
     graphs): the first forward of a signature in a call runs eagerly, the second captures (no warm-up), the others
     replay; the latents are those of the pipeline without graphs, bit for bit. ControlNet forwards never replay."""
-    captured, replays = [], []
-
-    def capture(run, kwargs):
-        static = {name: v.clone() for name, v in kwargs.items() if isinstance(v, torch.Tensor)}
-        out = run(**kwargs | static)
-        captured.append((kwargs["hidden_states"].shape[0], 0))
-
-        class Graph:
-            def replay(self):
-                replays.append(kwargs["hidden_states"].shape[0])
-                out.copy_(run(**kwargs | static))
-
-        return Graph(), static, out
-
-    monkeypatch.setattr(Graphs, "capture", staticmethod(capture))
-    monkeypatch.setattr(optimizations, "no_graphs_reason", lambda facts: None)
+    captured, replays = stand_in_graphs["captures"], stand_in_graphs["replays"]
     call = CASES["img2img"][2] | dict(num_inference_steps=3, strength=1.0)  # 3 steps (test_graphs_on_gpu: Edit-2511)
     eager = optimize(stock("img2img"), EXACT.replace(cuda_graphs=False, vae_2d_decode=False))
     graphed = optimize(stock("img2img"), EXACT.replace(text_bucket=1))  # unpadded text: bit for bit
@@ -146,13 +130,13 @@ def test_graphs_replay_from_a_signatures_second_forward_in_a_call(monkeypatch):
     assert eager.applied == ["fused_transformer", "attention:sdpa", "batched_cfg"]  # both options off: neither ran
     # steps 1 (unpaired cond, uncond) and 2 (the first paired forward) eager, 3 captures and replays
     assert torch.equal(final_latents(graphed, None, **call), ref)
-    assert captured == [(2, 0)] and replays == [2]
+    assert captured == [2] and replays == [2]
     assert graphed.applied == ["fused_transformer", "attention:sdpa", "batched_cfg", "cuda_graphs", "vae_2d_decode"]
     assert torch.equal(final_latents(graphed, None, **call), ref)  # the next call replays from its first pair
-    assert captured == [(2, 0)] and replays == [2] * 3
+    assert captured == [2] and replays == [2] * 3
     controlnet = optimize(stock("controlnet"), EXACT)
     final_latents(controlnet, "controlnet")
-    assert captured == [(2, 0)] and "cuda_graphs" not in controlnet.applied
+    assert captured == [2] and "cuda_graphs" not in controlnet.applied
 
 
 def test_cfg_pairing_returns_the_kept_half_only_for_the_inputs_it_was_computed_from():
