@@ -343,7 +343,7 @@ class QwenImageFastPipeline(FastPipelineMixin, QwenImagePipeline):
             self._current_timestep = None
 
             # 7. Decode
-            image = latents if output_type == "latent" else self._decode(latents, height, width, output_type)
+            image = latents if output_type == "latent" else self.decode_latents(latents, height, width, output_type)
         self.maybe_free_model_hooks()
         if not return_dict:
             return (image,)
@@ -368,9 +368,6 @@ class QwenImageFastPipeline(FastPipelineMixin, QwenImagePipeline):
 
     def decode_latents(self, latents, height, width, output_type):
         """Packed latents -> images, as the stock pipeline decodes them."""
-        return decode_latents(self, latents, height, width, output_type)
-
-    def _decode(self, latents, height, width, output_type):
         return decode_latents(self, latents, height, width, output_type)
 
 

@@ -7,11 +7,11 @@ torchrun) split the prompts by RANK and WORLD_SIZE; LOCAL_RANK picks the GPU.
 
 Here: main and the two commands, run_render (every check first, in order, then the rendering) and run_compare. Each
 step of `render` in its own file:
-    parser.py    the options, their types and help
+    parser.py    the options, their types and help; the command's FastConfig (--preset and the optimization
+                 options, made from the registry)
     jobs.py      prompts (arguments or --prompts FILE) -> jobs: defaults, seeds, sharding
     inputs.py    --image, --mask, --strength: input images read and hashed; what each pipeline class takes
-    models.py    --model, --enhance: checked, resolved, loaded; Labels (what produces the images); the command's
-                 FastConfig (--preset and the optimization options, which parser.py makes from the registry)
+    models.py    --model, --enhance: checked, resolved, loaded; Labels (what produces the images)
     plan.py      --dry-run: what would run
     loras.py     --lora: parsed, found, hashed
     devices.py   processes (RANK, WORLD_SIZE), --device, --max-memory, --parallel
@@ -25,18 +25,17 @@ torch, diffusers and the model code are imported inside functions in all of them
 import sys
 from pathlib import Path
 
-from ..pipelines.qwen_image.optimizations import REGISTRY
 from .devices import (cap_memory, check_cfg_parallel, check_triton_on_cpu, distributed_env, image_group_shape,
                       memory_setting, resolve_device, start_mesh)
 from .inputs import check_pipeline_inputs
 from .jobs import command_line_entries, make_jobs, read_prompt_file, render_defaults, shard
 from .loras import resolve_lora
 from .manifest import find_conflict
-from .models import (TINY_MODEL_ID, LoadError, check_enhancer, check_model, command_config, labels_for, load_pipeline,
-                     pipeline_class, resolve_model)
+from .models import (TINY_MODEL_ID, LoadError, check_enhancer, check_model, labels_for, load_pipeline, pipeline_class,
+                     resolve_model)
 from .plan import dry_run_report
 from .output import missing_folders, prepare_out_dir, remove_empty_folders
-from .parser import OWN_OPTIONS, build_parser
+from .parser import build_parser, command_config
 from .run import format_summary, render_jobs
 
 INTERRUPTED = 130  # 128 + SIGINT, as shells report it
@@ -61,8 +60,7 @@ def run_render(args) -> int:
         rank, world_size, local_rank = distributed_env()
         device = resolve_device(args.device, rank, local_rank)
         model, why = resolve_model(args.model, device)  # auto: tiny-random, or the real model when cached
-        config = command_config(args.preset, {opt.field: getattr(args, opt.field) for opt in REGISTRY
-                                              if opt.field not in OWN_OPTIONS})
+        config = command_config(args)
         pipeline = pipeline_class(model)
         shape = image_group_shape(args, model, pipeline, rank, world_size)
         if shape is not None:

@@ -141,27 +141,8 @@ def transformer_heads(model: str) -> int | None:
     return checkpoint_heads(model)
 
 
-def command_config(preset: str, options: dict) -> FastConfig:
-    """The command's one FastConfig: the preset's, with the optimization options given (None: not given).
-    ValueError for an option given with STOCK_PRESET, which runs diffusers' own pipeline (it would be ignored)."""
-    given = {name: value for name, value in options.items() if value is not None}
-    if preset == STOCK_PRESET and given:
-        flags = ", ".join(f"--{name.replace('_', '-')}" if value is not False else f"--no-{name.replace('_', '-')}"
-                          for name, value in given.items())
-        raise ValueError(f"--preset {STOCK_PRESET} runs the stock diffusers pipeline, which takes none of our options; "
-                         f"{flags} needs another preset")
-    return FastConfig.preset(preset).replace(**given)
-
-
-def check_scheduler(preset: str, scheduler: str):
-    if preset == STOCK_PRESET and scheduler != "euler":
-        raise ValueError(f"--preset {STOCK_PRESET} runs the stock diffusers pipeline, which samples with Euler only; "
-                         f"--scheduler {scheduler} needs another preset")
-
-
 def labels_for(model: str, preset: str, config: FastConfig, enhancer: str | None = None,
                loras: tuple[Lora, ...] = (), lightning: bool = False) -> Labels:
-    check_scheduler(preset, config.scheduler)
     if lightning and config.scheduler != "euler":
         raise ValueError(f"--lightning samples with the Euler schedule the Lightning LoRAs were distilled for; "
                          f"--scheduler {config.scheduler} cannot go with it")
@@ -224,7 +205,6 @@ def load_pipeline(model: str, preset: str, config: FastConfig, device, loras: tu
     from ..pipelines.qwen_image.loading import from_pretrained, optimize
     from ..pipelines.qwen_image.samplers import lightning_scheduler
 
-    check_scheduler(preset, config.scheduler)
     name = pipeline_class_name(model)
     if model == TINY_MODEL_ID:
         from ..pipelines.tiny import tiny_pipeline

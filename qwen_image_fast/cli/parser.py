@@ -84,6 +84,14 @@ VALUE_OPTIONS = {"attention": dict(choices=ATTENTION_BACKENDS), "scheduler": dic
                  "cfg_fraction": dict(type=fraction, metavar="F")}
 
 
+def option_of(opt) -> str:
+    """The command-line option of a registered optimization: one of its own, a value option, or --no-<field>."""
+    if opt.field in OWN_OPTIONS:
+        return OWN_OPTIONS[opt.field]
+    flag = opt.field.replace("_", "-")
+    return f"--{flag}" if opt.field in VALUE_OPTIONS else f"--no-{flag}"
+
+
 def add_optimization_options(add):
     """One option per registered optimization (optimizations.REGISTRY): --no-<field> for one on by default, a value
     for the others. Each stores into args.<field> (None: the preset's value)."""
@@ -91,15 +99,26 @@ def add_optimization_options(add):
     for opt in REGISTRY:
         if opt.field in OWN_OPTIONS:
             continue
-        flag, about = opt.field.replace("_", "-"), f"{opt.kind}: {opt.summary}"
-        if getattr(default, opt.field) is True:
-            add(f"--no-{flag}", dest=opt.field, action="store_false", default=None, help=f"turn {opt.name} off ({about})")
-        elif opt.field in VALUE_OPTIONS:
-            add(f"--{flag}", dest=opt.field, default=None, help=f"{about} (default: the preset's, "
+        about = f"{opt.kind}: {opt.summary}"
+        if opt.field in VALUE_OPTIONS:
+            add(option_of(opt), dest=opt.field, default=None, help=f"{about} (default: the preset's, "
                 f"{getattr(default, opt.field)})", **VALUE_OPTIONS[opt.field])
+        elif getattr(default, opt.field) is True:
+            add(option_of(opt), dest=opt.field, action="store_false", default=None,
+                help=f"turn {opt.name} off ({about})")
         else:
             raise TypeError(f"optimization {opt.name!r} (FastConfig.{opt.field}) has no command-line option: add it "
                             "to VALUE_OPTIONS or OWN_OPTIONS")
+
+
+def command_config(args) -> FastConfig:
+    """The command's one FastConfig: --preset's, with the optimization options given (None: not given).
+    ValueError for an option given with STOCK_PRESET, which runs diffusers' own pipeline (it would be ignored)."""
+    given = [opt for opt in REGISTRY if opt.field not in OWN_OPTIONS and getattr(args, opt.field) is not None]
+    if args.preset == STOCK_PRESET and given:
+        raise ValueError(f"--preset {STOCK_PRESET} runs the stock diffusers pipeline, which takes none of our options; "
+                         f"{', '.join(option_of(opt) for opt in given)} needs another preset")
+    return FastConfig.preset(args.preset).replace(**{opt.field: getattr(args, opt.field) for opt in given})
 
 
 def build_parser() -> argparse.ArgumentParser:

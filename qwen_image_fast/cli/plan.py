@@ -4,7 +4,7 @@ line says (the checkpoint's pipeline class, the device, the options), before any
 from ..pipelines.qwen_image.config import FastConfig
 from ..pipelines.qwen_image.optimizations import CFG_ONLY, Facts, plans
 from .models import STOCK_PRESET, TINY_MODEL_ID, Labels
-from .parser import OWN_OPTIONS, VALUE_OPTIONS
+from .parser import option_of
 
 
 def command_facts(config: FastConfig, labels: Labels, pipeline: str, device, shape) -> Facts:
@@ -22,13 +22,6 @@ def command_facts(config: FastConfig, labels: Labels, pipeline: str, device, sha
     return Facts(pipeline=pipeline, fused=fused, device=device.type, fp8=fp8, fast_accum=fp8 and config.fp8_fast_accum,
                  attention=resolve_backend(config.attention, device, dtype) if fused else None, offload_hooks=False,
                  vae_2d=None, enhancer=labels.enhancer is not None, parallel=parallel)
-
-
-def option_of(opt) -> str:
-    if opt.field in OWN_OPTIONS:
-        return OWN_OPTIONS[opt.field]
-    flag = opt.field.replace("_", "-")
-    return f"--{flag}" if opt.field in VALUE_OPTIONS else f"--no-{flag}"
 
 
 def dry_run_report(config: FastConfig, labels: Labels, pipeline: str, device, shape, jobs) -> str:

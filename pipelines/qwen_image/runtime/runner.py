@@ -67,11 +67,12 @@ class CallRun:
 
     def forward(self, context: str, **inputs) -> torch.Tensor:
         """One forward (the transformer's `forward` arguments, `modulation` too for the fused one) -> [B, L, C]."""
-        return self._forward(context, inputs, through_hooks=self.hooked)
+        return self._forward(context, inputs, onload=True)
 
-    def _forward(self, context: str, inputs: dict, through_hooks: bool) -> torch.Tensor:
-        """through_hooks: call the module (its offload hooks bring the weights in), which computes without coming
-        back here (run=None); False where the loop's own call of the module already went through them."""
+    def _forward(self, context: str, inputs: dict, onload: bool) -> torch.Tensor:
+        """onload: the forward has not been through the module's own call yet (the text-to-image loop's); where the
+        module has offload hooks, it goes through it then (the hooks bring the weights in), computing without
+        coming back here (run=None). False where a diffusers loop's call of the module brought it here."""
         if not self.fused:  # diffusers' model: its own forward, under the cache_context a diffusers loop sets
             if inputs.pop("modulation", None) is not None:
                 raise ValueError("modulation= is an argument of the fused transformer only")
@@ -79,7 +80,7 @@ class CallRun:
                 return self.transformer(**inputs, attention_kwargs=self.attention_kwargs, return_dict=False)[0]
         for name, value in self.transformer.running():
             self.record.add(name, value)
-        if through_hooks:  # no graphs under offload hooks (the registry's plan)
+        if onload and self.hooked:  # no graphs under offload hooks (the registry's plan)
             with forward_context(run=None, cache_name=context):
                 return self.transformer(**inputs, attention_kwargs={"scale": get_context().lora_scale},
                                         return_dict=False)[0]
@@ -105,12 +106,10 @@ class CallRun:
         return out
 
     def pair(self, inputs: dict, negative_embeds: torch.Tensor, negative_mask: torch.Tensor | None,
-             modulation: torch.Tensor | None = None, through_hooks: bool | None = None
-             ) -> tuple[torch.Tensor, torch.Tensor]:
+             modulation: torch.Tensor | None = None, onload: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """Batched CFG: (prompt half, negative half) of one forward of batch 2B."""
         batch = inputs["hidden_states"].shape[0]
-        out = self._forward("cond_uncond", paired_inputs(inputs, negative_embeds, negative_mask, modulation),
-                            self.hooked if through_hooks is None else through_hooks)
+        out = self._forward("cond_uncond", paired_inputs(inputs, negative_embeds, negative_mask, modulation), onload)
         self.record.add("batched_cfg")
         return out[:batch], out[batch:]
 
@@ -118,7 +117,7 @@ class CallRun:
         """A forward a diffusers loop made (under its cache_context), paired by speculation when batched CFG is on."""
         context = get_context().cache_name  # the loop's call of the module went through its offload hooks
         if self.speculation is None:
-            return self._forward(context, inputs, through_hooks=False)
-        return self.speculation(lambda inputs: self._forward(context, inputs, through_hooks=False),
-                                lambda inputs, embeds, mask: self.pair(inputs, embeds, mask, through_hooks=False),
+            return self._forward(context, inputs, onload=False)
+        return self.speculation(lambda inputs: self._forward(context, inputs, onload=False),
+                                lambda inputs, embeds, mask: self.pair(inputs, embeds, mask, onload=False),
                                 context, inputs, self.transformer.lora_key())
