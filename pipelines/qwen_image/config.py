@@ -23,6 +23,91 @@ PRESETS = ("fast", "baseline")
 PARALLEL_MODES = ("none", "cfg", "ulysses", "cfg,ulysses")
 MEMORY_MODES = ("fast", "low")
 
+
+
+@dataclass(frozen=True)
+class DBCache:
+    """The fast pipeline's step cache, cache-dit's DBCache (Dual Block Cache) with its names' meaning and its
+    Qwen-Image defaults (runtime/step_cache.py runs it; the README says where it differs from cache-dit):
+
+    Fn: the first Fn blocks run every step (cache-dit's Fn_compute_blocks); Bn: so do the last Bn
+        (Bn_compute_blocks); the middle blocks run or are replaced by their residual cached at the last step that ran
+        them, for the image and the text stream.
+    threshold: residual_diff_threshold: the middle runs unless mean|r - r_prev| / mean|r_prev| < threshold, r the
+        image stream's residual over the first Fn blocks and r_prev that of the last step that ran the middle.
+    warmup: max_warmup_steps: steps 0 .. warmup-1 of each CFG branch run every block.
+    max_cached: max_cached_steps, at most this many cached steps per branch (-1: no limit).
+    max_consecutive: max_continuous_cached_steps, at most this many cached steps in a row (-1: no limit).
+    every: 0: the threshold rule above. k >= 2: a fixed schedule instead (cache-dit's static
+        steps_computation_mask): after the warm-up the middle runs on one step in k and is reused on the k-1 others,
+        whatever the residuals.
+    Each CFG branch ("cond", "uncond") keeps its own state and decides for itself, paired in one forward or not."""
+
+    Fn: int = 8
+    Bn: int = 0
+    threshold: float = 0.08
+    warmup: int = 8
+    max_cached: int = -1
+    max_consecutive: int = -1
+    every: int = 0
+
+    def __post_init__(self):
+        for name in ("Fn", "Bn", "warmup", "max_cached", "max_consecutive", "every"):
+            if not isinstance(getattr(self, name), int) or isinstance(getattr(self, name), bool):
+                raise ValueError(f"DBCache {name}={getattr(self, name)!r}; allowed: an integer")
+        if self.Fn < 1 or self.Bn < 0:
+            raise ValueError(f"DBCache Fn={self.Fn}, Bn={self.Bn}; allowed: Fn >= 1, Bn >= 0 (and Fn + Bn below the "
+                             "number of blocks)")
+        if not self.threshold >= 0:
+            raise ValueError(f"DBCache threshold={self.threshold!r}; allowed: a number >= 0")
+        if self.warmup < 0 or self.max_cached < -1 or self.max_consecutive < -1:
+            raise ValueError(f"DBCache warmup={self.warmup}, max_cached={self.max_cached}, max_consecutive="
+                             f"{self.max_consecutive}; allowed: warmup >= 0, the others >= 0 or -1 (no limit)")
+        if self.every < 0 or self.every == 1:
+            raise ValueError(f"DBCache every={self.every}; allowed: 0 (threshold rule) or k >= 2 (the middle blocks "
+                             "run on one step in k)")
+
+    def label(self) -> str:
+        """As applied shows it: dbcache:F8B0:0.08 (threshold rule) or dbcache:F8B0:every2 (fixed schedule); the
+        warm-up and limits when not cache-dit's defaults."""
+        rule = f"every{self.every}" if self.every else f"{self.threshold:g}"
+        extra = [f"w{self.warmup}"] if self.warmup != 8 else []
+        extra += [f"mc{self.max_cached}"] if self.max_cached != -1 else []
+        extra += [f"mcc{self.max_consecutive}"] if self.max_consecutive != -1 else []
+        return ":".join([f"dbcache:F{self.Fn}B{self.Bn}", rule, *extra])
+
+    @classmethod
+    def parse(cls, text: str) -> "DBCache":
+        """The command line's grammar: "dbcache" (cache-dit's defaults), "dbcache:Fn,Bn,threshold" (any prefix of
+        them), "every:k" or "every:k,Fn,Bn" (a fixed schedule, no warm-up unless ",w=N"), each optionally followed
+        by ",warmup=N", ",max_cached=N", ",max_consecutive=N" (short: w=, mc=, mcc=)."""
+        kind, _, rest = text.partition(":")
+        if kind not in ("dbcache", "every"):
+            raise ValueError(f"cache {text!r}: allowed: dbcache[:Fn,Bn,threshold] or every:k[,Fn,Bn], then "
+                             "optionally ,w=N ,mc=N ,mcc=N")
+        names = {"w": "warmup", "warmup": "warmup", "mc": "max_cached", "max_cached": "max_cached",
+                 "mcc": "max_consecutive", "max_consecutive": "max_consecutive"}
+        positional = ("Fn", "Bn", "threshold") if kind == "dbcache" else ("every", "Fn", "Bn")
+        values: dict = {} if kind == "dbcache" else {"warmup": 0}
+        items = [item for item in rest.split(",") if item] if rest else []
+        if kind == "every" and not items:
+            raise ValueError(f"cache {text!r}: every:k needs k (the middle blocks run on one step in k)")
+        try:
+            for i, item in enumerate(items):
+                name, eq, value = item.partition("=")
+                if eq:
+                    if name not in names:
+                        raise ValueError(f"unknown setting {name!r}")
+                    values[names[name]] = int(value)
+                elif i < len(positional) and not any("=" in x for x in items[:i]):
+                    values[positional[i]] = float(item) if positional[i] == "threshold" else int(item)
+                else:
+                    raise ValueError(f"too many values ({item!r})")
+            return cls(**values)
+        except ValueError as e:
+            raise ValueError(f"cache {text!r}: {e}") from None
+
+
 BUILD = {"binds": "build"}
 CALL = {"binds": "call"}
 
@@ -102,6 +187,9 @@ class FastConfig(FastTransformerConfig):
     memory: "fast" (every weight on the GPU) | "low" (runtime/offload.py: the modulation weights stay on the host,
         where tables are built from; the text encoder and the transformer's block linears take turns on the GPU in
         one shared buffer). Needs modulation_table; not with parallel. Text-to-image only.
+    cache: None (every block every step) or a DBCache (above; or its command-line form, "dbcache:8,0,0.08"): lossy,
+        the middle blocks of a step replaced by their cached residual when the first blocks' residual barely
+        changed. Needs fused_transformer; not with parallel="ulysses" (runtime/step_cache.py).
     """
 
     fused_transformer: bool = field(default=True, metadata=BUILD)
@@ -115,9 +203,18 @@ class FastConfig(FastTransformerConfig):
     ulysses_degree: int = field(default=0, metadata=BUILD)
     modulation_table: bool = field(default=True, metadata=CALL)
     memory: str = field(default="fast", metadata=BUILD)
+    cache: DBCache | None = field(default=None, metadata=CALL)
 
     def __post_init__(self):
         super().__post_init__()
+        if isinstance(self.cache, str):
+            object.__setattr__(self, "cache", None if self.cache == "none" else DBCache.parse(self.cache))
+        if self.cache is not None and not isinstance(self.cache, DBCache):
+            raise ValueError(f"cache={self.cache!r}; allowed: None, a DBCache(...) or its command-line form "
+                             "(e.g. 'dbcache:8,0,0.08', 'every:2')")
+        if self.cache is not None and not self.fused_transformer:
+            raise ValueError("cache=DBCache(...) runs inside the fused transformer; keep fused_transformer=True (on "
+                             "the stock transformer use diffusers' transformer.enable_cache)")
         parallel = ",".join(sorted(self.parallel.split(","))) if isinstance(self.parallel, str) else self.parallel
         if parallel not in PARALLEL_MODES:
             raise ValueError(f"parallel={self.parallel!r}; allowed: {', '.join(PARALLEL_MODES)}")
@@ -193,6 +290,7 @@ class FastConfig(FastTransformerConfig):
         parts += ["graphs"] if self.cuda_graphs and self.fused_transformer else []
         parts += ["table"] if self.modulation_table and self.fused_transformer else []
         parts += ["lowmem"] if self.memory == "low" else []
+        parts += [self.cache.label().replace(":", "-")] if self.cache is not None else []
         parts += [self.scheduler.replace("+", "p")]
         parts += [f"cfg{self.cfg_fraction:g}"] if self.cfg_fraction < 1 else []
         parts += ["vae2d"] if self.vae_2d_decode else []

@@ -21,7 +21,7 @@ from diffusers import AutoencoderKLQwenImage
 from .config import FastConfig
 from .model.transformer import FastQwenImageTransformer
 from .model.vae import FastAutoencoderKLQwenImage, as_vae_class, why_not_2d
-from .optimizations import CallRecord, Facts, plans, planned_labels, refused_by_image_conditioned
+from .optimizations import CallRecord, Facts, planned_labels, plans, refused_by_image_conditioned, step_cache_conflict
 from .runtime.context import forward_context
 from .runtime.offload import has_offload_hooks
 from .runtime.runner import Runner
@@ -183,7 +183,8 @@ class FastPipelineMixin:
                      fast_accum=fp8 and transformer.fast_config.fp8_fast_accum,
                      attention=transformer.attention_backend if fused else None,
                      offload_hooks=transformer is not None and has_offload_hooks(transformer), vae_2d=why_not_2d(self.vae),
-                     enhancer=getattr(self, "prompt_enhancer", None) is not None, parallel=self._parallel_labels())
+                     enhancer=getattr(self, "prompt_enhancer", None) is not None, parallel=self._parallel_labels(),
+                     diffusers_cache=transformer.step_cache_name if fused else None)
 
     def _parallel_labels(self) -> tuple[str, ...]:
         return ()
@@ -206,10 +207,14 @@ class FastPipelineMixin:
         self.will_run()) and its record, which `applied` reads once the call has returned. context: more of the
         forward context (runtime/context.py)."""
         will_run = will_run or self.will_run()
+        conflict = step_cache_conflict(self.fast_config, self.facts())
+        if conflict:
+            raise ValueError(conflict)
         record = CallRecord()
         with self.runner.call(self.transformer, record, graphs=will_run["cuda_graphs"],
                               pair_cfg=will_run["batched_cfg"], bucket=self.fast_config.text_bucket,
-                              attention_kwargs=attention_kwargs) as run, forward_context(**context):
+                              attention_kwargs=attention_kwargs, step_cache=self.fast_config.cache) as run, \
+                forward_context(**context):
             yield run
         self._last_call = record
 

@@ -38,6 +38,13 @@ class Bound:
 FP8_BOUND = Bound(tiny=2e-2, full=0.1, full_psnr_db=38.0)
 
 
+# A step cache's error depends on its threshold or schedule and on the content: no bound holds for every setting.
+# What the tests hold it to instead: each diffusers cache config equals stock diffusers with the same config
+# (decisions and latents, EXACT_TOL), and FastConfig(cache=...) equals its plain-PyTorch reference of the rule
+# (tests/pipelines/test_step_caches.py); its error against the uncached image is the user's to measure (compare).
+STEP_CACHE_BOUND = None
+
+
 @dataclass(frozen=True)
 class Facts:
     """What decides whether an optimization can run, read off a built pipeline (FastPipelineMixin.facts) or, for
@@ -53,6 +60,7 @@ class Facts:
     vae_2d: str | None  # None: the VAE decodes an image as 2D convolutions; else why not
     enhancer: bool  # a prompt enhancer rewrites prompts
     parallel: tuple[str, ...] = ()  # the process mesh's labels: "cfg2", "ulysses4"
+    diffusers_cache: str | None = None  # the config class of a cache enabled by transformer.enable_cache(...)
 
     @property
     def text_to_image(self) -> bool:
@@ -104,6 +112,8 @@ def no_graphs_reason(facts: Facts) -> str | None:
         return f"needs a CUDA device (the transformer runs on {facts.device})"
     if facts.offload_hooks:
         return "offload hooks move the weights between forwards (a graph would read stale addresses)"
+    if facts.diffusers_cache:
+        return f"diffusers' {facts.diffusers_cache} decides on the host inside each forward"
     return None
 
 
@@ -136,6 +146,12 @@ def plan_attention(config: FastConfig, facts: Facts) -> Plan:
 def plan_batched_cfg(config: FastConfig, facts: Facts) -> Plan:
     if "cfg2" in facts.parallel:
         return plain(config.batched_cfg, "parallel='cfg' runs the negative prompt on another rank")
+    if facts.diffusers_cache:
+        return plain(config.batched_cfg, f"diffusers' {facts.diffusers_cache} keeps a state per cache_context: the "
+                                         "cond and uncond forwards run one by one")
+    if config.cache is not None and not facts.text_to_image:
+        return plain(config.batched_cfg, "the step cache's branches advance once per forward, which pairing by "
+                                         "speculation in diffusers' loop could not undo")
     return plain(config.batched_cfg, None if facts.text_to_image or facts.fused else
                  "the image-conditioned pipelines pair their CFG forwards inside the fused transformer")
 
@@ -178,6 +194,28 @@ def plan_cfg_fraction(config: FastConfig, facts: Facts) -> Plan:
     return Plan(why_not=why_not) if why_not else Plan(values=(f"{config.cfg_fraction:g}",))
 
 
+def step_cache_conflict(config: FastConfig, facts: Facts) -> str | None:
+    """Why the step caches asked for cannot run together or here (a call raises it)."""
+    if config.cache is not None and facts.diffusers_cache:
+        return (f"FastConfig(cache={config.cache.label()}) and diffusers' {facts.diffusers_cache} (enable_cache) are "
+                "two step caches: use one (transformer.disable_cache(), or fast_config.replace(cache=None))")
+    if (config.cache is not None or facts.diffusers_cache) and any(p.startswith("ulysses") for p in facts.parallel):
+        return ("a step cache with parallel='ulysses' would decide on each rank's rows alone; use parallel='cfg' "
+                "(each rank keeps its branch's cache) or no step cache")
+    if config.cache is not None and not facts.fused:
+        return "FastConfig(cache=...) needs fused_transformer"
+    return None
+
+
+def plan_step_cache(config: FastConfig, facts: Facts) -> Plan:
+    if config.cache is None and not facts.diffusers_cache:
+        return NOT_ASKED
+    why_not = step_cache_conflict(config, facts)
+    if why_not:
+        return Plan(why_not=why_not)
+    return Plan(values=(config.cache.label() if config.cache is not None else facts.diffusers_cache,))
+
+
 def plan_vae_2d_decode(config: FastConfig, facts: Facts) -> Plan:
     return plain(config.vae_2d_decode, facts.vae_2d)
 
@@ -208,6 +246,9 @@ REGISTRY: tuple[Optimization, ...] = (
                  plan_batched_cfg),
     Optimization("cuda_graphs", "cuda_graphs", "exact", "transformer forwards replayed from CUDA graphs",
                  plan_cuda_graphs, needs=("fused_transformer",)),
+    Optimization("step_cache", "cache", "lossy",
+                 "steps reuse the cached residual of blocks whose input barely changed: FastConfig(cache=DBCache(...))"
+                 " or diffusers' transformer.enable_cache(...)", plan_step_cache, bound=STEP_CACHE_BOUND),
     Optimization("scheduler", "scheduler", "choice", "DPM-Solver++ 2M or UniPC from the pipeline's scheduler",
                  plan_scheduler, text_to_image_only=True),
     Optimization("cfg_fraction", "cfg_fraction", "choice", "guidance on the first fraction of the steps only",
@@ -244,6 +285,17 @@ class CallRecord:
 
     def __init__(self):
         self.ran: dict[str, dict] = {}
+        self.blocks_run = self.blocks_total = 0  # transformer blocks x batch rows: run, and in the forwards
+
+    def count_blocks(self, run: int, total: int):
+        self.blocks_run += run
+        self.blocks_total += total
+
+    @property
+    def blocks_fraction(self) -> float | None:
+        """The fraction of the call's transformer blocks (times rows) that ran: 1.0 without a step cache; None
+        when no fused transformer forward ran."""
+        return self.blocks_run / self.blocks_total if self.blocks_total else None
 
     def add(self, name: str, value=True):
         if name not in BY_NAME:

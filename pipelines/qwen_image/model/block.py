@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from diffusers.hooks._helpers import TransformerBlockMetadata, TransformerBlockRegistry
+from diffusers.models.attention import AttentionModuleMixin
 
 from ....kernels.attn_split_fp8 import attn_split_fp8
 from ....kernels.fp8 import quantize_fp8_rowwise
@@ -26,6 +28,7 @@ from ....kernels.residual_gate import (
     residual_gate_layer_norm_modulate_fp8,
 )
 from ..config import FastTransformerConfig
+from ..runtime.context import count_blocks
 from ..runtime.parallel import Ulysses, UlyssesPlan
 from .attention import TextMask, joint_attention
 from .linear import FastLinear, Operand, as_fp8_operand, q_dtype_for
@@ -63,6 +66,17 @@ def split_attention(o: torch.Tensor, img_len: int, img_fp8: bool, txt_fp8: bool)
     parts = (o[:, :img_len].reshape(-1, o.shape[-1]), o[:, img_len:].reshape(-1, o.shape[-1]))
     return tuple(as_fp8_operand(*quantize_fp8_rowwise(p, q_dtype_for(o.device))) if fp8 else p
                  for p, fp8 in zip(parts, (img_fp8, txt_fp8)))
+
+
+def batch_first(x: Operand, batch: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A GEMM operand of rows [B * L, K] (or FP8 (q, scale)) as [B, L, K] and its scale (None)."""
+    q, scale = x if isinstance(x, tuple) else (x, None)
+    return q.view(batch, -1, q.shape[-1]), scale
+
+
+def as_operand(rows: torch.Tensor, scale: torch.Tensor | None) -> Operand:
+    flat = rows.reshape(-1, rows.shape[-1])
+    return flat if scale is None else (flat, scale)
 
 
 @dataclass
@@ -118,9 +132,38 @@ class JointInputs:
         return self.ulysses.to_rows(joint_attention(q, k, v, self.mask, self.backend), self.plan)
 
 
+class JointAttention(AttentionModuleMixin, nn.Module):
+    """A block's attention as diffusers' `attn` module of a QwenImageTransformerBlock computes it: from the two
+    streams' normalized, modulated rows to their attention outputs after the output projections. It holds no
+    weights (the block's linears are passed in, so state-dict keys stay the block's): it is a module only so that
+    diffusers' attention-level step caches (TaylorSeer, Pyramid Attention Broadcast) find and hook it at
+    `transformer_blocks.<i>.attn`, as on the stock model."""
+
+    def forward(self, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor, joint: "JointInputs",
+                block: "FastBlock", scales: tuple = (None, None), text_out: bool = True):
+        """hidden_states [B, L_img, D] / encoder_hidden_states [B, L_txt, D]: the rows the QKV GEMMs take, FP8 with
+        their row scales [B * L, 1] in `scales` (None: not FP8), batch-first as diffusers passes its attention the
+        normalized streams (its caches read the batch size off them). Returns (img [B, L_img, D], txt [B, L_txt, D]
+        or None when not text_out)."""
+        batch, img_len, dim = hidden_states.shape
+        txt_len = encoder_hidden_states.shape[1]
+        img_x, txt_x = as_operand(hidden_states, scales[0]), as_operand(encoder_hidden_states, scales[1])
+        fp8 = block.config.is_fp8
+        q, k, v = joint.qkv.unbind(0)
+        qkv_pack(block.img_qkv(img_x).view(batch, img_len, -1), block.norm_q, block.norm_k, joint.img_freqs,
+                 q, k, v, 0, eps=block.eps)
+        qkv_pack(block.txt_qkv(txt_x).view(batch, txt_len, -1), block.norm_added_q,
+                 block.norm_added_k, joint.txt_freqs, q, k, v, img_len, eps=block.eps)
+        o = joint.attention()  # [B, L_img + L_txt, H, D]
+        img_o, txt_o = split_attention(o, img_len, fp8("img_out"), fp8("txt_out"))
+        img = block.img_out(img_o).view(batch, img_len, dim)
+        return img, block.txt_out(txt_o).view(batch, txt_len, dim) if text_out else None
+
+
 class FastBlock(nn.Module):
     """One dual-stream block, fused: per stream one QKV linear [3*H*D, D], the output linear, the MLP's two; the
-    QK-norm weights [D_head]; img_mod / txt_mod as in diffusers (nn.Sequential(SiLU, Linear(D, 6D)))."""
+    QK-norm weights [D_head]; img_mod / txt_mod as in diffusers (nn.Sequential(SiLU, Linear(D, 6D))); `attn`, the
+    weightless JointAttention."""
 
     def __init__(self, dim: int, heads: int, head_dim: int, config: FastTransformerConfig, eps: float = 1e-6):
         super().__init__()
@@ -135,7 +178,7 @@ class FastBlock(nn.Module):
                                                              config.fp8_fast_accum))
         self.norm_q, self.norm_k = nn.Parameter(torch.empty(head_dim)), nn.Parameter(torch.empty(head_dim))
         self.norm_added_q, self.norm_added_k = nn.Parameter(torch.empty(head_dim)), nn.Parameter(torch.empty(head_dim))
-
+        self.attn = JointAttention()
     @classmethod
     def from_stock(cls, block, config: FastTransformerConfig, device, modulation_device) -> "FastBlock":
         """From a diffusers QwenImageTransformerBlock; its img_mod / txt_mod modules are shared (moved to
@@ -165,32 +208,43 @@ class FastBlock(nn.Module):
         """(img [G, 6D], txt [B, 6D]) from the forward's silu(temb) [G, D] and its timestep-t rows [B, D]."""
         return self.img_mod[1](silu_temb), self.txt_mod[1](silu_temb_t)
 
-    def forward(self, img: torch.Tensor, txt: torch.Tensor, img_tail: Tail | None, txt_tail: Tail | None,
-                joint: JointInputs, text_out: bool = True, mods: tuple[torch.Tensor, torch.Tensor] | None = None):
-        """img [B, L_img, D], txt [B, L_txt, D]: the residual streams before the previous block's tails are added.
-        Returns (img, txt, img_tail, txt_tail) in the same form. text_out=False (the last block) skips the text
-        stream's output projection and MLP, whose result diffusers discards. mods: this block's modulation from a
-        table (modulation.py); None: computed here."""
+    def forward(self, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor, joint: JointInputs,
+                mods: tuple[torch.Tensor, torch.Tensor] | None = None, tails: tuple = (None, None),
+                text_out: bool = True, defer: bool = False):
+        """hidden_states [B, L_img, D], encoder_hidden_states [B, L_txt, D]: the residual streams, before the tails
+        (img_tail, txt_tail) of the previous block are added when it deferred them. mods: this block's modulation
+        from a table (modulation.py); None: computed here.
+
+        defer=False: diffusers' block output, (encoder_hidden_states, hidden_states) with every residual added (the
+        form diffusers' block-level step caches read, registered below). defer=True: (txt, img, txt_tail, img_tail),
+        the last residual adds left to the next block's first kernel. text_out=False (the last block, deferred)
+        skips the text stream's output projection and MLP, whose result diffusers discards."""
+        img, txt = hidden_states, encoder_hidden_states
+        img_tail, txt_tail = tails
         batch, img_len, dim = img.shape
         txt_len, fp8 = txt.shape[1], self.config.is_fp8
         img_mods, txt_mods = mods if mods is not None else self.modulation(joint.silu_temb, joint.silu_temb_t)
         im, tm = StreamMods(img_mods), StreamMods(txt_mods)  # [G, 6D], [B, 6D]
         img, img_x = head(img, img_tail, im.shift1, im.scale1, joint.mod_row, fp8("img_qkv"))
         txt, txt_x = head(txt, txt_tail, tm.shift1, tm.scale1, None, fp8("txt_qkv"))
-        q, k, v = joint.qkv.unbind(0)
-        qkv_pack(self.img_qkv(img_x).view(batch, img_len, -1), self.norm_q, self.norm_k, joint.img_freqs, q, k, v, 0,
-                 eps=self.eps)
-        qkv_pack(self.txt_qkv(txt_x).view(batch, txt_len, -1), self.norm_added_q, self.norm_added_k,
-                 joint.txt_freqs, q, k, v, img_len, eps=self.eps)
-        o = joint.attention()  # [B, L_img + L_txt, H, D]
-        img_o, txt_o = split_attention(o, img_len, fp8("img_out"), fp8("txt_out"))
+        text_out = text_out or not defer
+        (img_rows, img_scale), (txt_rows, txt_scale) = batch_first(img_x, batch), batch_first(txt_x, batch)
+        img_attn, txt_attn = self.attn(img_rows, txt_rows, joint, self, (img_scale, txt_scale), text_out)
 
-        img, img_x = gate_norm_mod(img, self.img_out(img_o).view(batch, img_len, dim), im.gate1, im.shift2,
-                                   im.scale2, joint.mod_row, fp8("img_fc1"))
-        img_mlp = self.img_fc2(gelu(self.img_fc1(img_x), fp8("img_fc2"))).view(batch, img_len, dim)
-        if not text_out:
-            return img, txt, Tail(img_mlp, im.gate2), None
-        txt, txt_x = gate_norm_mod(txt, self.txt_out(txt_o).view(batch, txt_len, dim), tm.gate1, tm.shift2,
-                                   tm.scale2, None, fp8("txt_fc1"))
-        txt_mlp = self.txt_fc2(gelu(self.txt_fc1(txt_x), fp8("txt_fc2"))).view(batch, txt_len, dim)
-        return img, txt, Tail(img_mlp, im.gate2), Tail(txt_mlp, tm.gate2)
+        img, img_x = gate_norm_mod(img, img_attn, im.gate1, im.shift2, im.scale2, joint.mod_row, fp8("img_fc1"))
+        img_tail = Tail(self.img_fc2(gelu(self.img_fc1(img_x), fp8("img_fc2"))).view(batch, img_len, dim), im.gate2)
+        txt_tail = None
+        if text_out:
+            txt, txt_x = gate_norm_mod(txt, txt_attn, tm.gate1, tm.shift2, tm.scale2, None, fp8("txt_fc1"))
+            txt_tail = Tail(self.txt_fc2(gelu(self.txt_fc1(txt_x), fp8("txt_fc2"))).view(batch, txt_len, dim),
+                            tm.gate2)
+        if defer:
+            return txt, img, txt_tail, img_tail
+        count_blocks(batch)  # called by diffusers' way (a step cache's hooks let it run): the runner cannot count it
+        return add_tail(txt, txt_tail, None), add_tail(img, img_tail, joint.mod_row)
+
+
+# diffusers' block-level step caches (FirstBlockCache, MagCache, SeaCache, TaylorSeer's lite mode) find the streams
+# in a block's output by this metadata, as for the stock QwenImageTransformerBlock.
+TransformerBlockRegistry.register(FastBlock, TransformerBlockMetadata(return_hidden_states_index=1,
+                                                                     return_encoder_hidden_states_index=0))

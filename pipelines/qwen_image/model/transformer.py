@@ -17,6 +17,7 @@ sequence-parallel group, batched CFG and graphs) reaches it through the forward 
 
 import inspect
 import json
+from dataclasses import dataclass
 from math import prod
 
 import torch
@@ -42,11 +43,12 @@ from ..runtime.offload import has_offload_hooks, on_device, tensors_of
 from ..runtime.parallel import UlyssesPlan
 from .adapters import LoraAdapters, check_carriable, peft_lora_layers
 from .attention import TextMask, resolve_backend
-from .block import FastBlock, JointInputs, add_tail
+from .block import FastBlock, JointInputs, Tail, add_tail
 from .checkpoint import CheckpointWeights, load_weights, local_folder
 from .linear import FP8_TENSORS
 from .lora import LoraState
 from .modulation import ModulationLayout, ModulationTables, tensor_key
+from .step_caches import StepCaches
 from .unsupported import Unsupported
 
 logger = logging.get_logger(__name__)
@@ -82,7 +84,7 @@ def check_triton_runs_on(device: torch.device):
 
 
 
-class FastQwenImageTransformer(Unsupported, LoraAdapters, ModelMixin, ConfigMixin):
+class FastQwenImageTransformer(Unsupported, StepCaches, LoraAdapters, ModelMixin, ConfigMixin):
     """Drop-in for diffusers' QwenImageTransformer2DModel: same forward arguments and output, its config (plus
     "fast_config": how the block linears are stored and run), dtype, device, cache_context, and every weight
     registered, so `.to()`, `state_dict()`, `save_pretrained()` and offload hooks see them all.
@@ -245,11 +247,6 @@ class FastQwenImageTransformer(Unsupported, LoraAdapters, ModelMixin, ConfigMixi
     def attention_backend(self) -> str:
         """The attention that runs on the model's current device and dtype."""
         return resolve_backend(self.fast_config.attention, self.device, self.dtype)
-    def cache_context(self, name: str):
-        """Diffusers' pipelines mark the cond / uncond passes for step caches (there are none here: enable_cache
-        raises); the name reaches the runner through the forward context (it pairs the passes)."""
-        return forward_context(cache_name=name)
-
     def running(self) -> list[tuple[str, object]]:
         """What a forward runs, as optimizations.py names it (recorded in a call's CallRecord)."""
         fp8 = bool(self.fast_config.fp8_linears)
@@ -399,6 +396,41 @@ class FastQwenImageTransformer(Unsupported, LoraAdapters, ModelMixin, ConfigMixi
                 guidance, controlnet_block_samples, additional_t_cond, modulation=None) -> torch.Tensor:
         """One forward on the kernels: [B, L_img, p*p*C]. The LoRA scale, and under FastConfig(parallel="ulysses")
         the sequence-parallel group, come from the forward context."""
+        state = self.begin(hidden_states, encoder_hidden_states, encoder_hidden_states_mask, timestep, img_shapes,
+                           guidance, controlnet_block_samples, additional_t_cond, modulation)
+        self.run_blocks(state, 0, len(self.transformer_blocks))
+        return self.finish(state)
+
+    # The pieces a step cache runs (runtime/step_cache.py), each a function of forward's inputs and tensors, so that
+    # the runner can capture each in a CUDA graph. Each begins the forward anew (the embeddings are cheap) to have
+    # what the blocks share.
+
+    def front(self, stop: int, **inputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Blocks [0, stop): (img, txt, the image residual over them)."""
+        state = self.begin(**inputs)
+        embedded = state.img
+        self.run_blocks(state, 0, stop)
+        state.settle()
+        return state.img, state.txt, state.img - embedded
+
+    def middle(self, img: torch.Tensor, txt: torch.Tensor, start: int, stop: int, **inputs):
+        """Blocks [start, stop) on the streams (img, txt): the streams after them."""
+        state = self.begin(**inputs)
+        state.img, state.txt = img, txt
+        self.run_blocks(state, start, stop)
+        state.settle()
+        return state.img, state.txt
+
+    def back(self, img: torch.Tensor, txt: torch.Tensor, start: int, **inputs) -> torch.Tensor:
+        """Blocks [start, N) on the streams (img, txt), then norm_out and proj_out: the forward's output."""
+        state = self.begin(**inputs)
+        state.img, state.txt = img, txt
+        self.run_blocks(state, start, len(self.transformer_blocks))
+        return self.finish(state)
+
+    def begin(self, hidden_states, encoder_hidden_states, encoder_hidden_states_mask, timestep, img_shapes,
+              guidance, controlnet_block_samples, additional_t_cond, modulation=None) -> "ForwardState":
+        """A forward up to the first block: the embedded streams and what every block shares."""
         device = hidden_states.device
         check_triton_runs_on(device)
         batch, img_len, _ = hidden_states.shape
@@ -438,24 +470,62 @@ class FastQwenImageTransformer(Unsupported, LoraAdapters, ModelMixin, ConfigMixi
             mod_row=mod_row, backend=resolve_backend(self.fast_config.attention, device, hidden_states.dtype),
             qkv=hidden_states.new_empty(3, batch, rows, block0.heads, block0.head_dim), ulysses=ulysses, plan=plan,
         )
+        return ForwardState(hidden_states, encoder_hidden_states, None, None, joint, layout, modulation,
+                            controlnet_block_samples)
 
-        img, txt, img_tail, txt_tail = hidden_states, encoder_hidden_states, None, None
-        n_blocks = len(self.transformer_blocks)
-        for i, block in enumerate(self.transformer_blocks):
-            mods = None if modulation is None else layout.block(modulation, i)
-            img, txt, img_tail, txt_tail = block(img, txt, img_tail, txt_tail, joint, i < n_blocks - 1, mods)
-            if controlnet_block_samples is not None:  # added after the block's residual, as diffusers does
-                img = add_tail(img, img_tail, mod_row) + controlnet_block_samples[i // -(-n_blocks //
-                                                                                       len(controlnet_block_samples))]
-                img_tail = None
+    def run_blocks(self, state: "ForwardState", start: int, stop: int):
+        """Blocks start .. stop - 1 on `state`. Fused, each block leaves its last residual adds to the next one's
+        first kernel; with a diffusers step cache enabled (enable_cache) each is called as diffusers calls its
+        blocks (stock output, every residual added), so that the cache's hooks see what they see on the stock
+        model."""
+        n_blocks, samples = len(self.transformer_blocks), state.controlnet_block_samples
+        hooked = self.is_cache_enabled
+        for i in range(start, stop):
+            block = self.transformer_blocks[i]
+            mods = None if state.modulation is None else state.layout.block(state.modulation, i)
+            if hooked:
+                state.settle()
+                state.txt, state.img = block(hidden_states=state.img, encoder_hidden_states=state.txt,
+                                             joint=state.joint, mods=mods)
+            else:
+                state.txt, state.img, state.txt_tail, state.img_tail = block(
+                    state.img, state.txt, state.joint, mods, (state.img_tail, state.txt_tail), i < n_blocks - 1,
+                    defer=True)
+            if samples is not None:  # added after the block's residual, as diffusers does
+                state.img = add_tail(state.img, state.img_tail, state.joint.mod_row) + samples[
+                    i // -(-n_blocks // len(samples))]
+                state.img_tail = None
 
-        out_mod = self.norm_out.linear(silu_temb_t) if modulation is None else layout.out(modulation)
+    def finish(self, state: "ForwardState") -> torch.Tensor:
+        """norm_out and proj_out after the last block: [B, L_img, p*p*C]."""
+        joint, modulation = state.joint, state.modulation
+        mod_row, img, img_tail = joint.mod_row, state.img, state.img_tail
+        out_mod = self.norm_out.linear(joint.silu_temb_t) if modulation is None else state.layout.out(modulation)
         out_scale, out_shift = out_mod.chunk(2, dim=1)  # [B, D] each
         if img_tail is not None and mod_row is None:  # last residual fused with norm_out's LayerNorm + modulation
             img, img_x = residual_gate_layer_norm_modulate(img, img_tail.out, img_tail.gate, out_shift, out_scale)
         else:  # norm_out modulates per sample, a zero_cond_t gate per token
             img_x = layer_norm_modulate(add_tail(img, img_tail, mod_row), out_shift, out_scale)
         out = self.proj_out(img_x)  # [B, L_img, p*p*C]
-        return out if plan is None else ulysses.gather_image(out, plan)
+        return out if joint.plan is None else joint.ulysses.gather_image(out, joint.plan)
 
 
+@dataclass
+class ForwardState:
+    """A forward between blocks: the residual streams (img [B, L_img, D], txt [B, L_txt, D]) with the tails the last
+    block left to add (block.py), and what the blocks share."""
+
+    img: torch.Tensor
+    txt: torch.Tensor
+    img_tail: Tail | None
+    txt_tail: Tail | None
+    joint: JointInputs
+    layout: ModulationLayout
+    modulation: torch.Tensor | None
+    controlnet_block_samples: list | None
+
+    def settle(self):
+        """Add the pending tails: img and txt are then the streams as diffusers has them after the last block."""
+        self.img = add_tail(self.img, self.img_tail, self.joint.mod_row)
+        self.txt = add_tail(self.txt, self.txt_tail, None)
+        self.img_tail = self.txt_tail = None

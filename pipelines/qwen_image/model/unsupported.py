@@ -6,8 +6,6 @@ LORA_ADVICE = ("load the LoRA with pipe.load_lora_weights(...) (or transformer.l
                "pipeline, before or after optimize()")
 ATTENTION_ADVICE = ("the fast transformer runs its own fused attention; choose it with FastConfig(attention=...) "
                     "(auto, fa4, cudnn, sdpa), or " + BASELINE_ADVICE)
-CACHE_ADVICE = ("step caching (diffusers' enable_cache: FirstBlockCache, TaylorSeer, ...) is not supported on the fast "
-                "transformer; " + BASELINE_ADVICE)
 HOTSWAP_ADVICE = ("hotswapping is not needed here: load another adapter and set_adapters() switches without "
                   "recompiling (CUDA graphs are recaptured)")
 
@@ -80,12 +78,6 @@ class Unsupported:
     def dequantize(self, *args, **kwargs):
         refuse("dequantize", "rebuild it from the BF16 checkpoint instead: FastQwenImageTransformer.from_diffusers("
                              "QwenImageTransformer2DModel.from_pretrained(...), FastTransformerConfig(fp8=False))")
-
-    def enable_cache(self, *args, **kwargs):
-        refuse("enable_cache", CACHE_ADVICE)
-
-    def disable_cache(self, *args, **kwargs):
-        refuse("disable_cache", CACHE_ADVICE)
 
     def add_adapter(self, *args, **kwargs):
         refuse("add_adapter", "adding an untrained adapter (training) is not supported; " + LORA_ADVICE)

@@ -47,6 +47,13 @@ def forward_context(**changes):
         _CONTEXT.reset(token)
 
 
+def count_blocks(run: int, total: int = 0):
+    """Note in the running call's CallRecord that `run` block-rows ran (of `total` more in all)."""
+    call = _CONTEXT.get().record
+    if call is not None:
+        call.count_blocks(run, total)
+
+
 def record(name: str, value=True):
     """Note in the running call's CallRecord that optimization `name` ran (nothing outside a pipeline call)."""
     call = _CONTEXT.get().record

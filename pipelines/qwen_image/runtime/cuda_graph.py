@@ -64,7 +64,7 @@ class Graphs:
         for name, buf in static.items():
             buf.copy_(inputs[name])
         graph.replay()
-        return out.clone()
+        return tuple(t.clone() for t in out) if isinstance(out, tuple) else out.clone()
 
     @staticmethod
     def capture(run, inputs: dict) -> tuple:

@@ -28,12 +28,16 @@ import torch.nn as nn
 ALIGN = 256  # bytes: every view starts aligned for vectorized loads and cuBLAS
 
 
+# diffusers' group offloading hook names (diffusers/hooks/group_offloading.py); its step caches' hooks move nothing.
+GROUP_OFFLOAD_HOOKS = {"group_offloading", "layer_execution_tracker", "lazy_prefetch_group_offloading"}
+
+
 def has_offload_hooks(model: nn.Module) -> bool:
     """accelerate's (model / sequential CPU offload) or diffusers' (group offload) hooks: they move weights between
     forwards (a captured graph would read stale addresses), and group offload with streams keeps its own host copies."""
     for module in model.modules():
         registry = getattr(module, "_diffusers_hook", None)
-        if hasattr(module, "_hf_hook") or (registry is not None and registry.hooks):
+        if hasattr(module, "_hf_hook") or (registry is not None and set(registry.hooks) & GROUP_OFFLOAD_HOOKS):
             return True
     return False
 

@@ -16,6 +16,7 @@ What ran is recorded in the call's CallRecord (optimizations.py).
 """
 
 import contextlib
+import functools
 import logging
 
 import torch
@@ -24,10 +25,12 @@ from .cfg_pairing import Speculation, bucketed_text, paired_inputs
 from .context import forward_context, get_context
 from .cuda_graph import GraphCaptureError, Graphs, signature
 from .offload import has_offload_hooks
+from .step_cache import StepCacheRun
 
 logger = logging.getLogger(__name__)
 
-# Graphs a pipeline keeps: a paired CFG forward, or a cond and an uncond one, per output and condition size.
+# Graphs a pipeline keeps: a paired CFG forward, or a cond and an uncond one, per output and condition size (with a
+# step cache three pieces each).
 MAX_GRAPHS = 4
 
 
@@ -39,14 +42,18 @@ class Runner:
         self.graphs_failed: str | None = None  # a capture error: graphs stay off for this pipeline
 
     @contextlib.contextmanager
-    def call(self, transformer, record, *, graphs: bool, pair_cfg: bool, bucket: int, attention_kwargs=None):
+    def call(self, transformer, record, *, graphs: bool, pair_cfg: bool, bucket: int, attention_kwargs=None,
+             step_cache=None):
         """A CallRun for one pipeline call. graphs / pair_cfg: whether CUDA graphs and batched CFG may run (the
-        registry's plan); bucket: FastConfig.text_bucket; attention_kwargs: the call's, for a stock transformer."""
+        registry's plan); bucket: FastConfig.text_bucket; attention_kwargs: the call's, for a stock transformer;
+        step_cache: FastConfig.cache when it runs (a DBCache), else None."""
         graphs = graphs and self.graphs_failed is None
         if graphs:
             self.graphs.drop_if_weights_moved(transformer)
+            self.graphs.max_graphs = MAX_GRAPHS * (3 if step_cache else 1)
         run = CallRun(self, transformer, record, graphs=graphs, pair_cfg=pair_cfg, bucket=bucket,
-                      attention_kwargs=attention_kwargs or {})
+                      attention_kwargs=attention_kwargs or {},
+                      step_cache=step_cache and StepCacheRun(step_cache, len(transformer.transformer_blocks)))
         with forward_context(run=run, record=record):
             yield run
 
@@ -55,11 +62,13 @@ class CallRun:
     """The transformer forwards of one pipeline call (see the module docstring)."""
 
     def __init__(self, runner: Runner, transformer, record, *, graphs: bool, pair_cfg: bool, bucket: int,
-                 attention_kwargs: dict):
+                 attention_kwargs: dict, step_cache: StepCacheRun | None = None):
         self.runner, self.transformer, self.record = runner, transformer, record
         self.fused = hasattr(transformer, "compute")  # FastQwenImageTransformer; else a stock model
-        # offload hooks (model / group offload) wrap the module's forward: the weights come in through it
-        self.hooked = self.fused and has_offload_hooks(transformer)
+        # offload hooks (model / group offload) and diffusers' step caches wrap the module's forward (the weights
+        # come in through it; a cache's hooks on the transformer itself run there)
+        self.hooked = self.fused and (has_offload_hooks(transformer) or transformer.is_cache_enabled)
+        self.step_cache = step_cache
         self.graphs, self.pair_cfg, self.bucket = graphs and self.fused, pair_cfg, bucket
         self.attention_kwargs = attention_kwargs
         self.seen: set[tuple] = set()  # signatures run eagerly in this call
@@ -80,28 +89,52 @@ class CallRun:
                 return self.transformer(**inputs, attention_kwargs=self.attention_kwargs, return_dict=False)[0]
         for name, value in self.transformer.running():
             self.record.add(name, value)
-        if onload and self.hooked:  # no graphs under offload hooks (the registry's plan)
-            with forward_context(run=None, cache_name=context):
+        blocks, rows = len(self.transformer.transformer_blocks), inputs["hidden_states"].shape[0]
+        if self.transformer.is_cache_enabled:  # diffusers' hooks: each block the hooks let run counts itself
+            self.record.add("step_cache", self.transformer.step_cache_name)
+            self.record.count_blocks(0, blocks * rows)
+        if onload and self.hooked:  # no graphs under offload hooks or diffusers' caches (the registry's plan)
+            with forward_context(run=None), self.transformer.cache_context(context):
                 return self.transformer(**inputs, attention_kwargs={"scale": get_context().lora_scale},
                                         return_dict=False)[0]
         with forward_context(cache_name=context):
-            if not self.graphs or inputs["controlnet_block_samples"] is not None:
+            graphs = self.graphs and inputs["controlnet_block_samples"] is None
+            inputs = bucketed_text(inputs, self.bucket) if graphs else inputs
+            if self.step_cache is not None:
+                names = ["cond", "uncond"] if context == "cond_uncond" else [context or "cond"]
+                out, computes = self.step_cache.forward(functools.partial(self._piece, graphs), inputs, names)
+                config, per_row = self.step_cache.config, rows // len(names)
+                self.record.add("step_cache", config.label())
+                self.record.count_blocks(sum((blocks if c else config.Fn + config.Bn) * per_row for c in computes),
+                                         blocks * rows)
+                return out
+            if not self.transformer.is_cache_enabled:
+                self.record.count_blocks(blocks * rows, blocks * rows)
+            if not graphs:
                 return self.transformer.compute(**inputs)
-            return self._graphed(bucketed_text(inputs, self.bucket))
+            return self._graphed(inputs, self.transformer.compute)
 
-    def _graphed(self, inputs: dict) -> torch.Tensor:
-        key = (signature(inputs), self.transformer.lora_key())
+    def _piece(self, graphs: bool, name: str, inputs: dict, start: int = 0, stop: int = 0, **tensors):
+        """One piece of a step-cached forward (transformer.front / middle / back), graphed like a whole forward."""
+        piece = functools.partial(getattr(self.transformer, name), **({"start": start} if name != "front" else {}),
+                                  **({"stop": stop} if name != "back" else {}))
+        if not graphs:
+            return piece(**inputs, **tensors)
+        return self._graphed(inputs | tensors, piece, (name, start, stop))
+
+    def _graphed(self, inputs: dict, compute, piece: tuple = ()):
+        key = (signature(inputs), self.transformer.lora_key(), piece)
         if key not in self.runner.graphs and key not in self.seen:
             self.seen.add(key)
-            return self.transformer.compute(**inputs)
+            return compute(**inputs)
         try:
-            out = self.runner.graphs.replay(key, inputs, self.transformer.compute)
+            out = self.runner.graphs.replay(key, inputs, compute)
         except GraphCaptureError as e:
             logger.warning("CUDA graph capture failed, running the transformer eagerly from now on: %s",
                            e.__cause__ or e)
             self.runner.graphs_failed, self.graphs = str(e), False
             self.runner.graphs.graphs.clear()
-            return self.transformer.compute(**inputs)
+            return compute(**inputs)
         self.record.add("cuda_graphs")
         return out
 

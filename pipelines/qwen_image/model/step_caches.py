@@ -1,0 +1,63 @@
+"""diffusers' step caches (`transformer.enable_cache(config)`) on the fast transformer.
+
+The caches are diffusers' own hooks (diffusers/hooks/), applied by diffusers' CacheMixin to the fast transformer as
+to the stock one: each finds what it hooks by the same module names and classes, and sees what it sees there.
+- block-level (FirstBlockCache, MagCache, SeaCache, TaylorSeer's lite mode): `transformer_blocks.<i>`, FastBlocks
+  called with diffusers' block output while a cache is enabled (transformer.run_blocks), registered with the stock
+  block's metadata (block.py);
+- attention-level (TaylorSeer, PyramidAttentionBroadcast, FasterCache): `transformer_blocks.<i>.attn`, the
+  weightless JointAttention (block.py), which returns the stock `attn`'s outputs;
+- `proj_out` (TaylorSeer's lite mode) and the transformer's own forward (SeaCache, FasterCache) are the stock ones.
+So with the same config, inputs and seed the hooks make the decisions they make on the stock model, from the same
+values up to the kernels' rounding (tests/pipelines/test_step_caches.py compares the two).
+
+While a cache is enabled the forwards run eagerly and one by one under their cache_context (the hooks keep a state
+per context and decide on the host inside the forward): optimizations.py plans CUDA graphs and batched CFG off and
+says why. FastConfig(cache=...) is the fast pipeline's own step cache (runtime/step_cache.py), graphed.
+"""
+
+import contextlib
+
+from diffusers.hooks import FasterCacheConfig, TextKVCacheConfig
+from diffusers.models.cache_utils import CacheMixin
+
+from ..runtime.context import forward_context
+
+
+def refusal(config) -> str | None:
+    """Why a diffusers cache config cannot run on this model, as it cannot on the stock one; None if it can."""
+    if isinstance(config, TextKVCacheConfig):
+        return ("TextKVCacheConfig caches text keys and values that stay the same across steps, which only "
+                "NucleusMoE-Image's blocks have (diffusers hooks no other block): Qwen-Image's dual-stream blocks "
+                "modulate and update the text stream with the timestep in every block, so its keys and values change "
+                "every step and there is nothing exact to cache (on the stock transformer it runs nothing)")
+    if isinstance(config, FasterCacheConfig) and not config.is_guidance_distilled:
+        return ("FasterCacheConfig(is_guidance_distilled=False) reuses the unconditional half of a CFG batch, which "
+                "needs a pipeline that runs the conditional and unconditional inputs as one batch: the Qwen-Image "
+                "pipelines run them as two forwards, and on the stock transformer it fails at the first forward "
+                "(IndexError in diffusers/hooks/faster_cache.py); pass is_guidance_distilled=True (attention reuse "
+                "only), or use FirstBlockCacheConfig / TaylorSeerCacheConfig / FastConfig(cache=...)")
+    return None
+
+
+class StepCaches(CacheMixin):
+    """diffusers' CacheMixin (enable_cache, disable_cache, is_cache_enabled, cache_context), mixed into the fast
+    transformer; the configs it refuses raise ValueError with the reason."""
+
+    def enable_cache(self, config) -> None:
+        why_not = refusal(config)
+        if why_not:
+            raise ValueError(f"FastQwenImageTransformer.enable_cache: {why_not}")
+        super().enable_cache(config)
+
+    @property
+    def step_cache_name(self) -> str | None:
+        """The enabled diffusers cache's config class, e.g. "FirstBlockCacheConfig" (None: none enabled)."""
+        return None if self._cache_config is None else type(self._cache_config).__name__
+
+    @contextlib.contextmanager
+    def cache_context(self, name: str, **kwargs):
+        """diffusers' cache_context (the hooks' state for this pass: "cond" / "uncond"), and the name in the forward
+        context, where the runner reads which CFG pass a forward is."""
+        with super().cache_context(name, **kwargs), forward_context(cache_name=name):
+            yield

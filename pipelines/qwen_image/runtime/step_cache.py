@@ -1,0 +1,107 @@
+"""The fast pipeline's step cache: cache-dit's DBCache rule (config.DBCache) on the fused transformer.
+
+A forward runs in three pieces, each a CUDA graph when graphs are on (the runner captures and replays them like
+whole forwards, runner.py):
+    front:  the embeddings and blocks [0, Fn)            -> img, txt, r = img - img_in(hidden_states)
+    middle: blocks [Fn, N - Bn) on (img, txt)            -> mid_img, mid_txt   (only when a branch computes)
+    back:   blocks [N - Bn, N), norm_out and proj_out    -> the forward's output
+Between them, on the host: each CFG branch (the rows of "cond" and of "uncond" in a paired forward) decides from r
+whether its middle runs (one device-to-host read of its residual difference per step, none during the warm-up or on
+a fixed schedule); a branch that runs it stores its residuals (mid - front) and r; one that does not adds its stored
+residuals to the front's output instead. Each branch decides as it would in a forward of its own.
+"""
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..config import DBCache
+
+
+@dataclass
+class Branch:
+    """One CFG branch's cache across the steps of a call."""
+
+    step: int = 0  # forwards of this branch so far
+    ref: torch.Tensor | None = None  # r of the last step that ran the middle [B, L_img, D]
+    res_img: torch.Tensor | None = None  # that step's mid_img - img [B, L_img, D]
+    res_txt: torch.Tensor | None = None  # ... mid_txt - txt [B, L_txt, D] (L_txt of that forward)
+    cached: int = 0
+    consecutive: int = 0
+    decisions: list = field(default_factory=list)  # per step: (computed, relative difference or None)
+
+
+def relative_l1(r: torch.Tensor, ref: torch.Tensor) -> float:
+    """cache-dit's residual difference mean|ref - r| / mean|ref| (here in fp32)."""
+    ref, r = ref.float(), r.float()
+    return ((ref - r).abs().mean() / ref.abs().mean()).item()
+
+
+def decide(config: DBCache, branch: Branch, r: torch.Tensor) -> bool:
+    """Whether this step of `branch` runs the middle blocks, r its residual over the first Fn blocks; advances the
+    branch's counters and logs the decision."""
+    step, diff = branch.step, None
+    branch.step += 1
+    if step < config.warmup or branch.ref is None:
+        compute = True
+    elif config.every:
+        compute = (step - config.warmup) % config.every == 0
+    elif 0 <= config.max_cached <= branch.cached or 0 <= config.max_consecutive <= branch.consecutive:
+        compute = True
+    elif branch.ref.shape != r.shape:
+        compute = True
+    else:
+        diff = relative_l1(r, branch.ref)
+        compute = not diff < config.threshold
+    if compute:
+        branch.consecutive = 0
+    else:
+        branch.cached += 1
+        branch.consecutive += 1
+    branch.decisions.append((compute, diff))
+    return compute
+
+
+def fit(res: torch.Tensor, length: int) -> torch.Tensor:
+    """A stored text residual [B, L, D] for a forward of `length` text tokens: the rows past a prompt's own tokens
+    are masked padding (cfg_pairing.py), so it is cut or zero-padded there."""
+    if res.shape[1] >= length:
+        return res[:, :length]
+    return torch.cat([res, res.new_zeros(res.shape[0], length - res.shape[1], res.shape[2])], dim=1)
+
+
+class StepCacheRun:
+    """The DBCache of one pipeline call: its branches' states and how a forward runs with it."""
+
+    def __init__(self, config: DBCache, n_blocks: int):
+        if config.Fn + config.Bn >= n_blocks:
+            raise ValueError(f"DBCache Fn={config.Fn} + Bn={config.Bn} leaves no middle block to cache in a "
+                             f"transformer of {n_blocks} blocks; allowed: Fn + Bn < {n_blocks}")
+        self.config, self.n_blocks = config, n_blocks
+        self.branches: dict[str, Branch] = {}
+
+    def forward(self, piece, inputs: dict, names: list[str]) -> tuple[torch.Tensor, list[bool]]:
+        """One forward whose batch is `names`' branches in equal parts (["cond", "uncond"] for a paired one).
+        piece(name, inputs, **tensors) runs a piece (the runner: eager or graphed). Returns (output, per branch
+        whether its middle ran)."""
+        config, n = self.config, self.n_blocks
+        img, txt, r = piece("front", inputs, stop=config.Fn)
+        rows = img.shape[0] // len(names)
+        parts = [slice(k * rows, (k + 1) * rows) for k in range(len(names))]
+        branches = [self.branches.setdefault(name, Branch()) for name in names]
+        computes = [decide(config, b, r[p]) for b, p in zip(branches, parts)]
+        if any(computes):
+            mid_img, mid_txt = piece("middle", inputs, img=img, txt=txt, start=config.Fn, stop=n - config.Bn)
+        imgs, txts = [], []
+        for branch, p, compute in zip(branches, parts, computes):
+            if compute:
+                branch.res_img, branch.res_txt = mid_img[p] - img[p], mid_txt[p] - txt[p]
+                branch.ref = r[p]
+                imgs.append(mid_img[p])
+                txts.append(mid_txt[p])
+            else:
+                imgs.append(img[p] + branch.res_img)
+                txts.append(txt[p] + fit(branch.res_txt, txt.shape[1]))
+        img, txt = (imgs[0], txts[0]) if len(names) == 1 else (torch.cat(imgs), torch.cat(txts))
+        out = piece("back", inputs, img=img, txt=txt, start=n - config.Bn)
+        return out, computes
