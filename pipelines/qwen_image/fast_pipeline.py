@@ -107,6 +107,7 @@ class FastPipelineMixin:
     runner: Runner
     _fast_config: FastConfig
     _last_call: CallRecord | None = None  # what the last call ran (None before the first)
+    _last_step_cache = None  # the last call's runtime.step_cache.StepCacheRun (its branches' decisions), or None
 
     # ---- building
 
@@ -216,7 +217,7 @@ class FastPipelineMixin:
                               attention_kwargs=attention_kwargs, step_cache=self.fast_config.cache) as run, \
                 forward_context(**context):
             yield run
-        self._last_call = record
+        self._last_call, self._last_step_cache = record, run.step_cache
 
     # ---- LoRA: diffusers' pipeline methods that look for peft layers, answered by the fast transformer
 

@@ -1,0 +1,255 @@
+"""Step caches on the fast pipelines, against stock diffusers (fp32 tiny configs of 4 blocks, FP8 off):
+- each diffusers cache config through transformer.enable_cache: the same decisions (which blocks and attention
+  modules ran, in order, cond and uncond) and the same latents as the stock pipeline with the same config, for
+  text-to-image, Edit-2511 (two condition images, zero_cond_t) and img2img;
+- FastConfig(cache=DBCache(...)): the same decisions and latents as a plain-PyTorch reference of the rule run on the
+  stock transformer's own blocks, paired (batched CFG) and not, graphed (stand-in) and not;
+- disable_cache() gives back exactly the uncached output; what cannot run is refused with the reason."""
+
+import contextlib
+
+import diffusers
+import pytest
+import torch
+from diffusers import (
+    FasterCacheConfig,
+    FirstBlockCacheConfig,
+    MagCacheConfig,
+    PyramidAttentionBroadcastConfig,
+    SeaCacheConfig,
+    TaylorSeerCacheConfig,
+    TextKVCacheConfig,
+)
+from diffusers.models.attention_processor import Attention
+from diffusers.models.transformers.transformer_qwenimage import QwenImageTransformerBlock
+from helpers import assert_close
+from test_family import IMAGE, IMAGE_2
+from test_pipeline import EXACT
+
+from qwen_image_fast import FastConfig, optimize
+from qwen_image_fast.pipelines.qwen_image.config import DBCache
+from qwen_image_fast.pipelines.qwen_image.model.block import FastBlock, JointAttention
+from qwen_image_fast.pipelines.tiny import tiny_pipeline
+
+# Prompts of one length: PyramidAttentionBroadcast and FasterCache keep one state for cond and uncond in diffusers
+# (not one per cache_context), which fails on the stock model when the two texts differ in length.
+COMMON = dict(prompt="a cat on a mat", negative_prompt="a dog on a rug", true_cfg_scale=3.0, height=32, width=32)
+CASES = {  # id -> (pipeline, transformer config, call)
+    "text_to_image": ("QwenImagePipeline", {}, dict(num_inference_steps=6)),
+    "edit_2511": ("QwenImageEditPlusPipeline", dict(zero_cond_t=True),
+                  dict(image=[IMAGE, IMAGE_2], num_inference_steps=5)),
+    "img2img": ("QwenImageImg2ImgPipeline", {}, dict(image=IMAGE, strength=1.0, num_inference_steps=5)),
+}
+MAG_RATIOS = [1.0, 0.92, 1.04, 1.0, 1.09, 0.96]
+
+
+def diffusers_configs(pipe, steps: int) -> dict:
+    """Each diffusers cache with settings under which it skips work on these random tiny models (SeaCache runs
+    fail-open on Qwen-Image in diffusers 0.42: its pipelines pass no step index; it skips nothing, here as there)."""
+    now = lambda: pipe.current_timestep  # noqa: E731
+    return {
+        "FirstBlockCache": FirstBlockCacheConfig(threshold=0.4),
+        "TaylorSeer": TaylorSeerCacheConfig(cache_interval=2, disable_cache_before_step=1,
+                                            taylor_factors_dtype=torch.float32),
+        "TaylorSeer-lite": TaylorSeerCacheConfig(cache_interval=2, disable_cache_before_step=1, use_lite_mode=True,
+                                                 taylor_factors_dtype=torch.float32),
+        "MagCache": MagCacheConfig(mag_ratios=MAG_RATIOS, num_inference_steps=steps, threshold=0.02,
+                                   retention_ratio=0.2),
+        "PyramidAttentionBroadcast": PyramidAttentionBroadcastConfig(
+            spatial_attention_block_skip_range=2, spatial_attention_timestep_skip_range=(0, 1000),
+            current_timestep_callback=now),
+        "FasterCache": FasterCacheConfig(is_guidance_distilled=True, spatial_attention_block_skip_range=2,
+                                         spatial_attention_timestep_skip_range=(0, 1000), current_timestep_callback=now),
+        "SeaCache": SeaCacheConfig(),
+    }
+
+
+def stock(case_id: str):
+    name, transformer_config, _ = CASES[case_id]
+    return tiny_pipeline(getattr(diffusers, name), transformer_config=transformer_config | dict(num_layers=4))
+
+
+def run(pipe, case_id: str) -> torch.Tensor:
+    return pipe(**COMMON | CASES[case_id][2], output_type="latent", generator=torch.Generator().manual_seed(0)).images
+
+
+def decisions(monkeypatch, transformer, classes) -> list:
+    """The list, filled as they run, of the blocks and attention modules of `transformer` that run, by name, in
+    order. Patches the classes' forward before a cache hooks them (the hooks keep the forward they found, and put
+    it back on the instance when removed: one list for the test)."""
+    names = {id(m): name for name, m in transformer.named_modules() if isinstance(m, classes)}
+    ran = []
+    for cls in classes:
+        def forward(self, *args, _forward=cls.forward, **kwargs):
+            if id(self) in names:
+                ran.append(names[id(self)])
+            return _forward(self, *args, **kwargs)
+
+        monkeypatch.setattr(cls, "forward", forward)
+    return ran
+
+
+STOCK_CLASSES, FAST_CLASSES = (QwenImageTransformerBlock, Attention), (FastBlock, JointAttention)
+
+
+@pytest.mark.usefixtures("small_condition_images")
+@pytest.mark.parametrize("case_id", CASES)
+def test_diffusers_caches_decide_and_compute_as_on_stock(case_id, monkeypatch):
+    """Every config of diffusers_configs on both pipelines: the same modules run in the same order, the same
+    latents; and each but SeaCache skipped something."""
+    steps = CASES[case_id][2]["num_inference_steps"]
+    ref, fast = stock(case_id), optimize(stock(case_id), EXACT)
+    uncached = run(ref, case_id)
+    logs = decisions(monkeypatch, ref.transformer, STOCK_CLASSES), decisions(monkeypatch, fast.transformer, FAST_CLASSES)
+    for name in diffusers_configs(ref, steps):
+        seen = []
+        for pipe, ran in zip((ref, fast), logs):
+            ran.clear()
+            pipe.transformer.enable_cache(diffusers_configs(pipe, steps)[name])
+            seen.append((run(pipe, case_id), list(ran)))
+            pipe.transformer.disable_cache()
+        (ref_latents, ref_ran), (latents, ran) = seen
+        assert ran == ref_ran, (case_id, name, ref_ran, ran)
+        assert_close(latents, ref_latents, 1e-5, f"{case_id} {name}")
+        full = steps * 2 * 8  # forwards (CFG) x (4 blocks + 4 attention modules)
+        if name == "SeaCache":
+            assert len(ran) == full and torch.equal(ref_latents, uncached), (name, "fail-open: every block runs")
+        else:
+            assert len(ran) < full, (case_id, name, "skipped nothing: the test would not see a wrong decision")
+        assert f"step_cache:{type(diffusers_configs(fast, steps)[name]).__name__}" in fast.applied
+        blocks_ran = [module for module in ran if not module.endswith(".attn")]
+        assert fast._last_call.blocks_fraction == len(blocks_ran) / (steps * 2 * 4), (name, blocks_ran)
+    assert torch.equal(run(fast, case_id), optimize(stock(case_id), EXACT).__call__(
+        **COMMON | CASES[case_id][2], output_type="latent", generator=torch.Generator().manual_seed(0)).images), \
+        "disable_cache() gives back the uncached output exactly"
+
+
+def test_diffusers_caches_plan_graphs_and_pairing_off_and_refuse_what_cannot_run():
+    fast = optimize(stock("text_to_image"), EXACT)
+    assert "batched_cfg" in fast.applied
+    fast.transformer.enable_cache(FirstBlockCacheConfig(threshold=0.4))
+    plans = {opt.name: plan for opt, plan in fast_plans(fast)}
+    assert "FirstBlockCacheConfig keeps a state per cache_context" in plans["batched_cfg"].why_not
+    assert plans["step_cache"].values == ("FirstBlockCacheConfig",)
+    fast.fast_config = fast.fast_config.replace(cache=DBCache())
+    with pytest.raises(ValueError, match="two step caches"):
+        run(fast, "text_to_image")
+    fast.transformer.disable_cache()
+    for config, reason in ((TextKVCacheConfig(), "NucleusMoE-Image"),
+                           (FasterCacheConfig(current_timestep_callback=lambda: 0), "is_guidance_distilled=True")):
+        with pytest.raises(ValueError, match=reason):
+            fast.transformer.enable_cache(config)
+        assert not fast.transformer.is_cache_enabled
+
+
+def fast_plans(pipe):
+    from qwen_image_fast.pipelines.qwen_image.optimizations import plans
+
+    return plans(pipe.fast_config, pipe.facts())
+
+
+class ReferenceDBCache:
+    """config.DBCache's rule in plain PyTorch on the stock transformer's own blocks: each wrapped; the branch is the
+    cache_context the stock pipeline enters. log: per forward (branch, whether the middle ran)."""
+
+    def __init__(self, transformer, config: DBCache):
+        self.config, self.n = config, len(transformer.transformer_blocks)
+        self.branch, self.states, self.log = None, {}, []
+        enter = transformer.cache_context
+
+        @contextlib.contextmanager
+        def cache_context(name, **kwargs):
+            self.branch = name
+            with enter(name, **kwargs):
+                yield
+
+        transformer.cache_context = cache_context
+        transformer.transformer_blocks = torch.nn.ModuleList(
+            Wrapped(self, i, block) for i, block in enumerate(transformer.transformer_blocks))
+
+    def decide(self, r: torch.Tensor) -> bool:
+        c, s = self.config, self.states.setdefault(self.branch, dict(step=0, ref=None, cached=0, run=0))
+        step, s["step"] = s["step"], s["step"] + 1
+        if step < c.warmup or s["ref"] is None:
+            compute = True
+        elif c.every:
+            compute = (step - c.warmup) % c.every == 0
+        elif 0 <= c.max_cached <= s["cached"] or 0 <= c.max_consecutive <= s["run"]:
+            compute = True
+        else:
+            compute = not ((s["ref"] - r).abs().mean() / s["ref"].abs().mean()).item() < c.threshold
+        s["cached"], s["run"] = s["cached"] + (not compute), 0 if compute else s["run"] + 1
+        self.log.append((self.branch, compute))
+        return compute
+
+
+class Wrapped(torch.nn.Module):
+    def __init__(self, cache: ReferenceDBCache, index: int, block):
+        super().__init__()
+        self.cache, self.index, self.block = [cache], index, block
+
+    def forward(self, hidden_states, encoder_hidden_states, **kwargs):
+        cache, i = self.cache[0], self.index
+        c, last_middle = cache.config, cache.n - cache.config.Bn - 1
+        if i == 0:
+            cache.embedded = hidden_states
+        if c.Fn <= i <= last_middle and not cache.compute:
+            if i < last_middle:
+                return encoder_hidden_states, hidden_states
+            s = cache.states[cache.branch]
+            return cache.front[1] + s["res_txt"], cache.front[0] + s["res_img"]
+        txt, img = self.block(hidden_states=hidden_states, encoder_hidden_states=encoder_hidden_states, **kwargs)
+        if i == c.Fn - 1:
+            cache.front = (img, txt)
+            cache.r = img - cache.embedded
+            cache.compute = cache.decide(cache.r)
+        if i == last_middle and cache.compute:
+            s = cache.states[cache.branch]
+            s["res_img"], s["res_txt"], s["ref"] = img - cache.front[0], txt - cache.front[1], cache.r
+        return txt, img
+
+
+DBCACHES = {"threshold": DBCache(Fn=1, Bn=1, threshold=0.4, warmup=1, max_consecutive=2),
+            "every3": DBCache.parse("every:3,2,1")}
+
+
+@pytest.mark.usefixtures("small_condition_images")
+@pytest.mark.parametrize("case_id", CASES)
+@pytest.mark.parametrize("rule", DBCACHES)
+def test_dbcache_decides_and_computes_as_its_reference(case_id, rule):
+    config = DBCACHES[rule]
+    ref = stock(case_id)
+    reference = ReferenceDBCache(ref.transformer, config)
+    expected = run(ref, case_id)
+    assert any(not computed for _, computed in reference.log), "the rule skipped nothing here"
+    branches = {name: [computed for branch, computed in reference.log if branch == name] for name in ("cond", "uncond")}
+    for batched in (True, False) if case_id == "text_to_image" else (False,):
+        fast = optimize(stock(case_id), EXACT.replace(cache=config, batched_cfg=batched))
+        assert_close(run(fast, case_id), expected, 1e-5, f"{case_id} {rule} batched={batched}")
+        got = {name: [c for c, _ in branch.decisions] for name, branch in fast._last_step_cache.branches.items()}
+        assert got == branches, (got, branches)
+        blocks = len(fast.transformer.transformer_blocks)
+        ran = sum(blocks if c else config.Fn + config.Bn for name in got for c in got[name])
+        assert fast._last_call.blocks_fraction == ran / (blocks * len(reference.log))
+        assert f"step_cache:{config.label()}" in fast.applied and ("batched_cfg" in fast.applied) == batched
+
+
+def test_dbcache_pieces_replay_from_graphs(stand_in_graphs):
+    """Graphed (the stand-in for capture): front, middle and back captured at a signature's second use and
+    replayed after; the same latents as eager."""
+    config = DBCache.parse("every:2,1,1")
+    eager = run(optimize(stock("text_to_image"), EXACT.replace(cache=config, cuda_graphs=False)), "text_to_image")
+    fast = optimize(stock("text_to_image"), EXACT.replace(cache=config))
+    assert_close(run(fast, "text_to_image"), eager, 1e-6, "graphed pieces")
+    assert len(stand_in_graphs["captures"]) == 3 and stand_in_graphs["replays"], stand_in_graphs
+    assert "cuda_graphs" in fast.applied
+
+
+def test_dbcache_refusals():
+    with pytest.raises(ValueError, match="leaves no middle block"):
+        run(optimize(stock("text_to_image"), EXACT.replace(cache=DBCache(Fn=2, Bn=2))), "text_to_image")
+    with pytest.raises(ValueError, match="fused_transformer"):
+        FastConfig.preset("baseline").replace(cache="dbcache")
+    for bad in ("dbcache:x", "every:1", "fbcache:0.2", "dbcache:8,0,0.1,9"):
+        with pytest.raises(ValueError, match="cache"):
+            FastConfig(cache=bad)
