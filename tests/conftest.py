@@ -55,7 +55,9 @@ def stand_in_graphs(monkeypatch):
         class Graph:
             def replay(self):
                 log["replays"].append(inputs["hidden_states"].shape[0])
-                out.copy_(run(**inputs | static))
+                new = run(**inputs | static)
+                for into, value in zip(*((out, new) if isinstance(out, tuple) else ((out,), (new,)))):
+                    into.copy_(value)
 
         return Graph(), static, out
 

@@ -92,15 +92,21 @@ class DBCache:
         items = [item for item in rest.split(",") if item] if rest else []
         if kind == "every" and not items:
             raise ValueError(f"cache {text!r}: every:k needs k (the middle blocks run on one step in k)")
+        def number(text: str, kind: type):
+            try:
+                return kind(text)
+            except ValueError:
+                raise ValueError(f"{text!r} is not {'a number' if kind is float else 'an integer'}") from None
+
         try:
             for i, item in enumerate(items):
                 name, eq, value = item.partition("=")
                 if eq:
                     if name not in names:
-                        raise ValueError(f"unknown setting {name!r}")
-                    values[names[name]] = int(value)
+                        raise ValueError(f"unknown setting {name!r}; allowed: w, mc, mcc")
+                    values[names[name]] = number(value, int)
                 elif i < len(positional) and not any("=" in x for x in items[:i]):
-                    values[positional[i]] = float(item) if positional[i] == "threshold" else int(item)
+                    values[positional[i]] = number(item, float if positional[i] == "threshold" else int)
                 else:
                     raise ValueError(f"too many values ({item!r})")
             return cls(**values)

@@ -3,7 +3,7 @@
 import argparse
 import math
 
-from ..pipelines.qwen_image.config import ATTENTION_BACKENDS, PARALLEL_MODES, PRESETS, SCHEDULERS, FastConfig
+from ..pipelines.qwen_image.config import ATTENTION_BACKENDS, PARALLEL_MODES, PRESETS, SCHEDULERS, DBCache, FastConfig
 from ..pipelines.qwen_image.optimizations import REGISTRY
 from .devices import FAST_PIPELINE_GIB, LOW_MEMORY_GIB
 from .jobs import (ASPECTS, LIGHTNING_CFG, LIGHTNING_STEPS, MAX_SEED, MIN_STEPS, NEGATIVE_PROMPT, REAL_CFG, REAL_STEPS,
@@ -77,11 +77,22 @@ def fraction(text: str) -> float:
     return value
 
 
+def cache_argument(text: str) -> DBCache:
+    try:
+        return DBCache.parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
 # The registered optimizations whose option is not a plain switch or value: those have options of their own.
 OWN_OPTIONS = {"memory": "--max-memory", "parallel": "--parallel", None: "--enhance"}
 # How the value of a registered optimization that is not on/off is given.
 VALUE_OPTIONS = {"attention": dict(choices=ATTENTION_BACKENDS), "scheduler": dict(choices=SCHEDULERS),
-                 "cfg_fraction": dict(type=fraction, metavar="F")}
+                 "cfg_fraction": dict(type=fraction, metavar="F"),
+                 "cache": dict(type=cache_argument, metavar="RULE",
+                               help_extra="dbcache[:Fn,Bn,threshold] (cache-dit's DBCache; default 8,0,0.08 with 8 "
+                                          "warm-up steps) or every:k[,Fn,Bn] (the middle blocks run on one step in "
+                                          "k), then optionally ,w=N ,mc=N ,mcc=N (warm-up, max cached, max in a row)")}
 
 
 def option_of(opt) -> str:
@@ -101,8 +112,10 @@ def add_optimization_options(add):
             continue
         about = f"{opt.kind}: {opt.summary}"
         if opt.field in VALUE_OPTIONS:
+            spec = dict(VALUE_OPTIONS[opt.field])
+            extra = spec.pop("help_extra", None)
             add(option_of(opt), dest=opt.field, default=None, help=f"{about} (default: the preset's, "
-                f"{getattr(default, opt.field)})", **VALUE_OPTIONS[opt.field])
+                f"{getattr(default, opt.field)})" + (f"; {extra}" if extra else ""), **spec)
         elif getattr(default, opt.field) is True:
             add(option_of(opt), dest=opt.field, action="store_false", default=None,
                 help=f"turn {opt.name} off ({about})")

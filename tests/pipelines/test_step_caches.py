@@ -35,12 +35,12 @@ from qwen_image_fast.pipelines.tiny import tiny_pipeline
 # (not one per cache_context), which fails on the stock model when the two texts differ in length.
 COMMON = dict(prompt="a cat on a mat", negative_prompt="a dog on a rug", true_cfg_scale=3.0, height=32, width=32)
 CASES = {  # id -> (pipeline, transformer config, call)
-    "text_to_image": ("QwenImagePipeline", {}, dict(num_inference_steps=6)),
+    "text_to_image": ("QwenImagePipeline", {}, dict(num_inference_steps=4)),
     "edit_2511": ("QwenImageEditPlusPipeline", dict(zero_cond_t=True),
-                  dict(image=[IMAGE, IMAGE_2], num_inference_steps=5)),
-    "img2img": ("QwenImageImg2ImgPipeline", {}, dict(image=IMAGE, strength=1.0, num_inference_steps=5)),
+                  dict(image=[IMAGE, IMAGE_2], num_inference_steps=4)),
+    "img2img": ("QwenImageImg2ImgPipeline", {}, dict(image=IMAGE, strength=1.0, num_inference_steps=4)),
 }
-MAG_RATIOS = [1.0, 0.92, 1.04, 1.0, 1.09, 0.96]
+MAG_RATIOS = [1.0, 0.92, 1.04, 1.0]
 
 
 def diffusers_configs(pipe, steps: int) -> dict:
@@ -92,36 +92,41 @@ def decisions(monkeypatch, transformer, classes) -> list:
 STOCK_CLASSES, FAST_CLASSES = (QwenImageTransformerBlock, Attention), (FastBlock, JointAttention)
 
 
+# Every config on text-to-image; on Edit-2511 and img2img (the same hooks, other inputs: condition images, zero_cond_t's
+# per-token modulation, a strength schedule) the block-level FirstBlockCache, on img2img the attention-level
+# TaylorSeer too (Edit-2511's fused forward takes ~4 s a step in Triton's interpreter).
+PAIRS = [("text_to_image", name) for name in diffusers_configs(None, 4)] + [
+    ("edit_2511", "FirstBlockCache"), ("img2img", "FirstBlockCache"), ("img2img", "TaylorSeer")]
+
+
 @pytest.mark.usefixtures("small_condition_images")
-@pytest.mark.parametrize("case_id", CASES)
-def test_diffusers_caches_decide_and_compute_as_on_stock(case_id, monkeypatch):
-    """Every config of diffusers_configs on both pipelines: the same modules run in the same order, the same
-    latents; and each but SeaCache skipped something."""
+@pytest.mark.parametrize("case_id,name", PAIRS)
+def test_diffusers_cache_decides_and_computes_as_on_stock(case_id, name, monkeypatch):
+    """The same modules run in the same order on both pipelines, the same latents; each config but SeaCache
+    skipped something; (text-to-image) disable_cache() gives back the uncached output exactly."""
     steps = CASES[case_id][2]["num_inference_steps"]
     ref, fast = stock(case_id), optimize(stock(case_id), EXACT)
-    uncached = run(ref, case_id)
-    logs = decisions(monkeypatch, ref.transformer, STOCK_CLASSES), decisions(monkeypatch, fast.transformer, FAST_CLASSES)
-    for name in diffusers_configs(ref, steps):
-        seen = []
-        for pipe, ran in zip((ref, fast), logs):
-            ran.clear()
-            pipe.transformer.enable_cache(diffusers_configs(pipe, steps)[name])
-            seen.append((run(pipe, case_id), list(ran)))
-            pipe.transformer.disable_cache()
-        (ref_latents, ref_ran), (latents, ran) = seen
-        assert ran == ref_ran, (case_id, name, ref_ran, ran)
-        assert_close(latents, ref_latents, 1e-5, f"{case_id} {name}")
-        full = steps * 2 * 8  # forwards (CFG) x (4 blocks + 4 attention modules)
-        if name == "SeaCache":
-            assert len(ran) == full and torch.equal(ref_latents, uncached), (name, "fail-open: every block runs")
-        else:
-            assert len(ran) < full, (case_id, name, "skipped nothing: the test would not see a wrong decision")
-        assert f"step_cache:{type(diffusers_configs(fast, steps)[name]).__name__}" in fast.applied
-        blocks_ran = [module for module in ran if not module.endswith(".attn")]
-        assert fast._last_call.blocks_fraction == len(blocks_ran) / (steps * 2 * 4), (name, blocks_ran)
-    assert torch.equal(run(fast, case_id), optimize(stock(case_id), EXACT).__call__(
-        **COMMON | CASES[case_id][2], output_type="latent", generator=torch.Generator().manual_seed(0)).images), \
-        "disable_cache() gives back the uncached output exactly"
+    uncached = run(fast, case_id) if case_id == "text_to_image" else None
+    seen = []
+    for pipe, classes in ((ref, STOCK_CLASSES), (fast, FAST_CLASSES)):
+        ran = decisions(monkeypatch, pipe.transformer, classes)
+        pipe.transformer.enable_cache(diffusers_configs(pipe, steps)[name])
+        seen.append((run(pipe, case_id), ran))
+    (ref_latents, ref_ran), (latents, ran) = seen
+    assert ran == ref_ran, (case_id, name, ref_ran, ran)
+    assert_close(latents, ref_latents, 1e-5, f"{case_id} {name}")
+    full = steps * 2 * 8  # forwards (CFG) x (4 blocks + 4 attention modules)
+    if name == "SeaCache":  # (uncached ran paired: batched CFG, off under a diffusers cache)
+        assert len(ran) == full, (name, "fail-open: every block runs")
+        assert_close(latents, uncached, 1e-5, "SeaCache fail-open")
+    else:
+        assert len(ran) < full, (case_id, name, "skipped nothing: the test would not see a wrong decision")
+    assert f"step_cache:{type(diffusers_configs(fast, steps)[name]).__name__}" in fast.applied
+    blocks_ran = [module for module in ran if not module.endswith(".attn")]
+    assert fast._last_call.blocks_fraction == len(blocks_ran) / (steps * 2 * 4), (name, blocks_ran)
+    fast.transformer.disable_cache()
+    if uncached is not None:
+        assert torch.equal(run(fast, case_id), uncached), "disable_cache() gives back the uncached output exactly"
 
 
 def test_diffusers_caches_plan_graphs_and_pairing_off_and_refuse_what_cannot_run():
@@ -214,8 +219,8 @@ DBCACHES = {"threshold": DBCache(Fn=1, Bn=1, threshold=0.4, warmup=1, max_consec
 
 
 @pytest.mark.usefixtures("small_condition_images")
-@pytest.mark.parametrize("case_id", CASES)
-@pytest.mark.parametrize("rule", DBCACHES)
+@pytest.mark.parametrize("case_id,rule", [("text_to_image", "threshold"), ("text_to_image", "every3"),
+                                          ("edit_2511", "threshold"), ("img2img", "every3")])
 def test_dbcache_decides_and_computes_as_its_reference(case_id, rule):
     config = DBCACHES[rule]
     ref = stock(case_id)
