@@ -4,7 +4,8 @@
 (b) with it on, the output equals stock diffusers' at the same seed (EXACT_TOL, FP8 off), or, for a lossy one, stays
     inside its declared bound; a "choice" equals stock diffusers set up the same way independently of our code;
 (c) it has an effect a CPU test can see (a spy on what it replaces, or a stand-in for CUDA-graph capture).
-A registered optimization without a case here (or in ELSEWHERE: parallel, under torchrun in test_parallel.py) fails
+A registered optimization without a case here (or in ELSEWHERE: parallel, under torchrun in test_parallel.py; step_cache,
+lossy without a fixed bound, against stock with the same cache and a reference of its rule in test_step_caches.py) fails
 test_every_optimization_has_a_case."""
 
 import contextlib
@@ -285,7 +286,8 @@ def case_vae_2d_decode(stock_latents, monkeypatch):
 
 CASES = {name.removeprefix("case_"): function for name, function in globals().items() if name.startswith("case_")}
 # Optimizations whose a, b and c need more than one process: checked under torchrun (gloo) by these tests.
-ELSEWHERE = {"parallel": ("test_parallel", "test_parallel_against_stock")}
+ELSEWHERE = {"parallel": ("test_parallel", "test_parallel_against_stock"),
+             "step_cache": ("test_step_caches", "test_dbcache_decides_and_computes_as_its_reference")}
 
 
 def test_every_optimization_has_a_case():

@@ -237,6 +237,13 @@ def test_dbcache_decides_and_computes_as_its_reference(case_id, rule):
         ran = sum(blocks if c else config.Fn + config.Bn for name in got for c in got[name])
         assert fast._last_call.blocks_fraction == ran / (blocks * len(reference.log))
         assert f"step_cache:{config.label()}" in fast.applied and ("batched_cfg" in fast.applied) == batched
+        if batched:  # switched off: exactly its label goes, before a call and after one
+            on = fast.applied
+            fast.fast_config = fast.fast_config.replace(cache=None)
+            assert fast.applied == [label for label in on if not label.startswith("step_cache")]
+            run(fast, case_id)
+            assert fast.applied == [label for label in on if not label.startswith("step_cache")]
+            assert fast._last_call.blocks_fraction == 1.0
 
 
 def test_dbcache_pieces_replay_from_graphs(stand_in_graphs):

@@ -361,7 +361,7 @@ def test_cache_context_and_methods_it_cannot_honour():
     with fast.cache_context("cond"):  # diffusers pipelines wrap every forward in it
         pass
     calls = {
-        "enable_cache": ({},), "set_attention_backend": ("flash",), "enable_gradient_checkpointing": (),
+        "set_attention_backend": ("flash",), "enable_gradient_checkpointing": (),
         "compile_repeated_blocks": (), "fuse_qkv_projections": (), "enable_layerwise_casting": (),
         "add_adapter": (None,), "save_lora_adapter": ("x",), "enable_lora_hotswap": (),
         "enable_xformers_memory_efficient_attention": (),
