@@ -98,6 +98,7 @@ def main():
     parser.add_argument("--tiny", action="store_true", help="tiny random components on the CPU (logic check)")
     parser.add_argument("--sizes", default="1024,1328", help="square sizes; diffusers' configs at the first only")
     parser.add_argument("--tokenizer", type=Path, default=None, help="a Qwen2.5 BPE tokenizer folder")
+    parser.add_argument("--no-diffusers", action="store_true", help="skip diffusers' configs (rows of ours only)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     device = torch.device("cpu" if args.tiny else "cuda")
@@ -160,7 +161,7 @@ def main():
         if report("ours", "none", resolution, ours_uncached, ours_uncached,
                   check=(stock_uncached[:2], SAME_SAMPLER_GATE, "stock")) not in rows:
             continue
-        if resolution == sizes[0]:
+        if resolution == sizes[0] and not args.no_diffusers:
             same_length = None
             for name in diffusers_configs(stock):
                 negative, uncached = NEGATIVE, (stock_uncached, ours_uncached)
