@@ -28,17 +28,29 @@ import torch.nn as nn
 ALIGN = 256  # bytes: every view starts aligned for vectorized loads and cuBLAS
 
 
-# diffusers' group offloading hook names (diffusers/hooks/group_offloading.py); its step caches' hooks move nothing.
-GROUP_OFFLOAD_HOOKS = {"group_offloading", "layer_execution_tracker", "lazy_prefetch_group_offloading"}
+def step_cache_hook_names() -> set[str]:
+    """The names diffusers' step caches register their hooks under (diffusers/hooks/): they move no weights."""
+    from diffusers.hooks import faster_cache, first_block_cache, mag_cache, pyramid_attention_broadcast, sea_cache
+    from diffusers.hooks import taylorseer_cache
+
+    return {value for module in (faster_cache, first_block_cache, mag_cache, pyramid_attention_broadcast, sea_cache,
+                                 taylorseer_cache)
+            for name, value in vars(module).items() if name.endswith("_HOOK") and isinstance(value, str)}
 
 
 def has_offload_hooks(model: nn.Module) -> bool:
-    """accelerate's (model / sequential CPU offload) or diffusers' (group offload) hooks: they move weights between
-    forwards (a captured graph would read stale addresses), and group offload with streams keeps its own host copies."""
+    """accelerate's (model / sequential CPU offload) or diffusers' (group offload, or any other but its step caches')
+    hooks: they move weights between forwards (a captured graph would read stale addresses), and group offload with
+    streams keeps its own host copies."""
+    caches = None
     for module in model.modules():
         registry = getattr(module, "_diffusers_hook", None)
-        if hasattr(module, "_hf_hook") or (registry is not None and set(registry.hooks) & GROUP_OFFLOAD_HOOKS):
+        if hasattr(module, "_hf_hook"):
             return True
+        if registry is not None and registry.hooks:
+            caches = step_cache_hook_names() if caches is None else caches
+            if set(registry.hooks) - caches:
+                return True
     return False
 
 
