@@ -38,7 +38,7 @@ COMMON = dict(prompt="a cat on a mat", negative_prompt="a dog on a rug", true_cf
 CASES = {  # id -> (pipeline, transformer config, call)
     "text_to_image": ("QwenImagePipeline", {}, dict(num_inference_steps=4)),
     "edit_2511": ("QwenImageEditPlusPipeline", dict(zero_cond_t=True),
-                  dict(image=[IMAGE, IMAGE_2], num_inference_steps=4)),
+                  dict(image=[IMAGE, IMAGE_2], num_inference_steps=3)),
     "img2img": ("QwenImageImg2ImgPipeline", {}, dict(image=IMAGE, strength=1.0, num_inference_steps=4)),
 }
 MAG_RATIOS = [1.0, 0.92, 1.04, 1.0]
