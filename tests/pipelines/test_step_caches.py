@@ -267,3 +267,24 @@ def test_dbcache_refusals():
     for bad in ("dbcache:x", "every:1", "fbcache:0.2", "dbcache:8,0,0.1,9"):
         with pytest.raises(ValueError, match="cache"):
             FastConfig(cache=bad)
+
+
+def test_dbcache_compares_with_the_last_step_that_ran_the_middle():
+    """Residuals drifting by 10% a step (r_t = (1 + t/10) r_0): against the last step that ran the middle (cache-dit's
+    rule) the drift adds up until the middle runs again (relative differences 0.1, 0.2, 0.3 -> runs); against the
+    previous step it would stay at ~0.1 and never run. Fake pieces: the middle adds 1 to both streams."""
+    from qwen_image_fast.pipelines.qwen_image.runtime.step_cache import StepCacheRun
+
+    cache = StepCacheRun(DBCache(Fn=1, Bn=0, threshold=0.25, warmup=1), n_blocks=3)
+    base = torch.ones(2, 4, 8)
+
+    def piece(name, inputs, img=None, txt=None, **blocks):
+        if name == "front":
+            r = base * (1 + inputs["step"] / 10)
+            return r.clone(), torch.zeros(2, 3, 8), r
+        return (img + 1, txt + 1) if name == "middle" else img
+
+    outputs = [cache.forward(piece, {"step": step}, ["cond"]) for step in range(8)]
+    assert [computes[0] for _, computes in outputs] == [True, False, False, True, False, False, False, True]
+    assert all(torch.equal(out, base * (1 + step / 10) + 1) for step, (out, _) in enumerate(outputs)), \
+        "a cached step adds the middle's residual of the last step that ran it"
