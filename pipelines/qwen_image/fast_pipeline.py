@@ -190,9 +190,10 @@ class FastPipelineMixin:
     def _parallel_labels(self) -> tuple[str, ...]:
         return ()
 
-    def will_run(self) -> dict[str, bool]:
-        """Optimization name -> whether the next call runs it (when the call allows: CFG for batched_cfg)."""
-        return {opt.name: bool(plan.values) for opt, plan in plans(self.fast_config, self.facts())}
+    def will_run(self, facts: Facts | None = None) -> dict[str, bool]:
+        """Optimization name -> whether the next call runs it (when the call allows: CFG for batched_cfg); facts:
+        self.facts() if the caller has them."""
+        return {opt.name: bool(plan.values) for opt, plan in plans(self.fast_config, facts or self.facts())}
 
     @property
     def applied(self) -> list[str]:
@@ -207,8 +208,9 @@ class FastPipelineMixin:
         """The runner of one call (CUDA graphs and batched CFG as the registry plans them: will_run, default
         self.will_run()) and its record, which `applied` reads once the call has returned. context: more of the
         forward context (runtime/context.py)."""
-        will_run = will_run or self.will_run()
-        conflict = step_cache_conflict(self.fast_config, self.facts())
+        facts = self.facts()
+        will_run = will_run or self.will_run(facts)
+        conflict = step_cache_conflict(self.fast_config, facts)
         if conflict:
             raise ValueError(conflict)
         record = CallRecord()

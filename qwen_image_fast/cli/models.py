@@ -51,8 +51,8 @@ class Labels:
         """The options the command changed from its preset, recorded with each image (resume compares them);
         scheduler is recorded on its own, and memory / parallel give the same images bit for bit."""
         changed = self.config.differences(FastConfig.preset(self.preset))
-        if "cache" in changed:  # as applied labels it
-            changed["cache"] = None if self.config.cache is None else self.config.cache.label()
+        if "cache" in changed:  # as applied labels it (no preset has one)
+            changed["cache"] = self.config.cache.label()
         return {name: value for name, value in changed.items()
                 if name not in ("scheduler", "memory", "parallel", "ulysses_degree")}
 

@@ -88,11 +88,11 @@ def cache_argument(text: str) -> DBCache:
 OWN_OPTIONS = {"memory": "--max-memory", "parallel": "--parallel", None: "--enhance"}
 # How the value of a registered optimization that is not on/off is given.
 VALUE_OPTIONS = {"attention": dict(choices=ATTENTION_BACKENDS), "scheduler": dict(choices=SCHEDULERS),
-                 "cfg_fraction": dict(type=fraction, metavar="F"),
-                 "cache": dict(type=cache_argument, metavar="RULE",
-                               help_extra="dbcache[:Fn,Bn,threshold] (cache-dit's DBCache; default 8,0,0.08 with 8 "
-                                          "warm-up steps) or every:k[,Fn,Bn] (the middle blocks run on one step in "
-                                          "k), then optionally ,w=N ,mc=N ,mcc=N (warm-up, max cached, max in a row)")}
+                 "cfg_fraction": dict(type=fraction, metavar="F"), "cache": dict(type=cache_argument, metavar="RULE")}
+# What a value option's help adds about how its value is written.
+VALUE_GRAMMAR = {"cache": "dbcache[:Fn,Bn,threshold] (cache-dit's DBCache; default 8,0,0.08 with 8 warm-up steps) or "
+                          "every:k[,Fn,Bn] (the middle blocks run on one step in k), then optionally ,w=N ,mc=N ,mcc=N "
+                          "(warm-up, max cached, max in a row)"}
 
 
 def option_of(opt) -> str:
@@ -112,10 +112,9 @@ def add_optimization_options(add):
             continue
         about = f"{opt.kind}: {opt.summary}"
         if opt.field in VALUE_OPTIONS:
-            spec = dict(VALUE_OPTIONS[opt.field])
-            extra = spec.pop("help_extra", None)
+            grammar = f"; {VALUE_GRAMMAR[opt.field]}" if opt.field in VALUE_GRAMMAR else ""
             add(option_of(opt), dest=opt.field, default=None, help=f"{about} (default: the preset's, "
-                f"{getattr(default, opt.field)})" + (f"; {extra}" if extra else ""), **spec)
+                f"{getattr(default, opt.field)}){grammar}", **VALUE_OPTIONS[opt.field])
         elif getattr(default, opt.field) is True:
             add(option_of(opt), dest=opt.field, action="store_false", default=None,
                 help=f"turn {opt.name} off ({about})")

@@ -179,6 +179,7 @@ class FastBlock(nn.Module):
         self.norm_q, self.norm_k = nn.Parameter(torch.empty(head_dim)), nn.Parameter(torch.empty(head_dim))
         self.norm_added_q, self.norm_added_k = nn.Parameter(torch.empty(head_dim)), nn.Parameter(torch.empty(head_dim))
         self.attn = JointAttention()
+
     @classmethod
     def from_stock(cls, block, config: FastTransformerConfig, device, modulation_device) -> "FastBlock":
         """From a diffusers QwenImageTransformerBlock; its img_mod / txt_mod modules are shared (moved to

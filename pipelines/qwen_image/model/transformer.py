@@ -402,8 +402,8 @@ class FastQwenImageTransformer(Unsupported, StepCaches, LoraAdapters, ModelMixin
         return self.finish(state)
 
     # The pieces a step cache runs (runtime/step_cache.py), each a function of forward's inputs and tensors, so that
-    # the runner can capture each in a CUDA graph. Each begins the forward anew (the embeddings are cheap) to have
-    # what the blocks share.
+    # the runner can capture each in a CUDA graph. Each begins the forward anew to have what the blocks share (rotary
+    # tables, mask, timestep embedding); middle and back take the streams as they are, without the embedders.
 
     def front(self, stop: int, **inputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Blocks [0, stop): (img, txt, the image residual over them)."""
@@ -415,22 +415,22 @@ class FastQwenImageTransformer(Unsupported, StepCaches, LoraAdapters, ModelMixin
 
     def middle(self, img: torch.Tensor, txt: torch.Tensor, start: int, stop: int, **inputs):
         """Blocks [start, stop) on the streams (img, txt): the streams after them."""
-        state = self.begin(**inputs)
-        state.img, state.txt = img, txt
+        state = self.begin(**inputs, streams=(img, txt))
         self.run_blocks(state, start, stop)
         state.settle()
         return state.img, state.txt
 
     def back(self, img: torch.Tensor, txt: torch.Tensor, start: int, **inputs) -> torch.Tensor:
         """Blocks [start, N) on the streams (img, txt), then norm_out and proj_out: the forward's output."""
-        state = self.begin(**inputs)
-        state.img, state.txt = img, txt
+        state = self.begin(**inputs, streams=(img, txt))
         self.run_blocks(state, start, len(self.transformer_blocks))
         return self.finish(state)
 
     def begin(self, hidden_states, encoder_hidden_states, encoder_hidden_states_mask, timestep, img_shapes,
-              guidance, controlnet_block_samples, additional_t_cond, modulation=None) -> "ForwardState":
-        """A forward up to the first block: the embedded streams and what every block shares."""
+              guidance, controlnet_block_samples, additional_t_cond, modulation=None,
+              streams: tuple[torch.Tensor, torch.Tensor] | None = None) -> "ForwardState":
+        """A forward up to the first block: the embedded streams and what every block shares. streams: (img, txt) of a
+        forward past its first blocks (a step cache's piece), taken instead of embedding the inputs again."""
         device = hidden_states.device
         check_triton_runs_on(device)
         batch, img_len, _ = hidden_states.shape
@@ -445,9 +445,12 @@ class FastQwenImageTransformer(Unsupported, StepCaches, LoraAdapters, ModelMixin
             hidden_states, encoder_hidden_states = hidden_states[:, plan.img], encoder_hidden_states[:, plan.txt]
             if controlnet_block_samples is not None:
                 controlnet_block_samples = [sample[:, plan.img] for sample in controlnet_block_samples]
-        hidden_states = self.img_in(hidden_states)  # [B, L_img, D]
+        if streams is None:
+            hidden_states = self.img_in(hidden_states)  # [B, L_img, D]
+            encoder_hidden_states = self.txt_in(self.txt_norm(encoder_hidden_states))  # [B, L_txt, D]
+        else:
+            hidden_states, encoder_hidden_states = streams
         mod_row = self._mod_row(img_shapes, batch, device, plan) if self.zero_cond_t else None
-        encoder_hidden_states = self.txt_in(self.txt_norm(encoder_hidden_states))  # [B, L_txt, D]
 
         layout = self.modulation_layout(batch)
         self._check_weights_on(device, modulation=modulation is None, take_turns=context.weights_take_turns)

@@ -21,6 +21,7 @@ a time (on_device).
 """
 
 import contextlib
+import functools
 
 import torch
 import torch.nn as nn
@@ -28,29 +29,25 @@ import torch.nn as nn
 ALIGN = 256  # bytes: every view starts aligned for vectorized loads and cuBLAS
 
 
-def step_cache_hook_names() -> set[str]:
+@functools.cache
+def step_cache_hook_names() -> frozenset[str]:
     """The names diffusers' step caches register their hooks under (diffusers/hooks/): they move no weights."""
     from diffusers.hooks import faster_cache, first_block_cache, mag_cache, pyramid_attention_broadcast, sea_cache
     from diffusers.hooks import taylorseer_cache
 
-    return {value for module in (faster_cache, first_block_cache, mag_cache, pyramid_attention_broadcast, sea_cache,
-                                 taylorseer_cache)
-            for name, value in vars(module).items() if name.endswith("_HOOK") and isinstance(value, str)}
+    return frozenset(value for module in (faster_cache, first_block_cache, mag_cache, pyramid_attention_broadcast,
+                                          sea_cache, taylorseer_cache)
+                     for name, value in vars(module).items() if name.endswith("_HOOK") and isinstance(value, str))
 
 
 def has_offload_hooks(model: nn.Module) -> bool:
     """accelerate's (model / sequential CPU offload) or diffusers' (group offload, or any other but its step caches')
     hooks: they move weights between forwards (a captured graph would read stale addresses), and group offload with
     streams keeps its own host copies."""
-    caches = None
     for module in model.modules():
         registry = getattr(module, "_diffusers_hook", None)
-        if hasattr(module, "_hf_hook"):
+        if hasattr(module, "_hf_hook") or (registry is not None and set(registry.hooks) - step_cache_hook_names()):
             return True
-        if registry is not None and registry.hooks:
-            caches = step_cache_hook_names() if caches is None else caches
-            if set(registry.hooks) - caches:
-                return True
     return False
 
 
