@@ -30,15 +30,23 @@ def test_dry_run_says_what_would_run_and_writes_nothing(tmp_path, capsys):
 
     out = tmp_path / "out"
     assert main(["render", *TINY, "--out", str(out), "--no-cuda-graphs", "--cfg-fraction", "0.5", "--dry-run",
-                 "a cat", "a dog"]) == 0
+                 "--cache", "every:2,1,0", "a cat", "a dog"]) == 0
     text = capsys.readouterr().out
     rows = {line.split()[0]: line for line in text.splitlines()[2:]}
     assert sorted(rows) == sorted(opt.name for opt in REGISTRY)
     assert " off " in rows["cuda_graphs"] and "cfg_fraction:0.5" in rows["cfg_fraction"]
+    assert "step_cache:dbcache:F1B0:every2:w0" in rows["step_cache"] and "lossy" in rows["step_cache"]
     assert "lossy" in rows["fp8"] and "rel-RMS vs stock <= 0.02" in rows["fp8"]
     assert not out.exists()
     assert main(["render", *BASELINE, "--out", str(out), "--dry-run", "a cat"]) == 0
     assert "diffusers' own pipeline runs, untouched" in capsys.readouterr().out and not out.exists()
+
+
+def test_cache_is_recorded_as_applied_labels_it():
+    from qwen_image_fast.cli.models import Labels
+
+    labels = Labels(model="tiny-random", preset="fast", config=FastConfig(cache="every:2,1,0"), note=None)
+    assert labels.options == {"cache": "dbcache:F1B0:every2:w0"}
 
 
 def test_options_with_the_stock_preset_are_refused(tmp_path, capsys):

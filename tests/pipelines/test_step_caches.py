@@ -264,27 +264,40 @@ def test_dbcache_refusals():
         run(optimize(stock("text_to_image"), EXACT.replace(cache=DBCache(Fn=2, Bn=2))), "text_to_image")
     with pytest.raises(ValueError, match="fused_transformer"):
         FastConfig.preset("baseline").replace(cache="dbcache")
-    for bad in ("dbcache:x", "every:1", "fbcache:0.2", "dbcache:8,0,0.1,9"):
+    for bad in ("dbcache:x", "every:1", "fbcache:0.2", "dbcache:8,0,0.1,9", "dbcache:8,w=2,0"):
         with pytest.raises(ValueError, match="cache"):
             FastConfig(cache=bad)
+    for text, parsed in (("dbcache", DBCache()), ("dbcache:1,2", DBCache(Fn=1, Bn=2)),
+                         ("dbcache:8,0,0.12,w=4,mc=10,mcc=3", DBCache(threshold=0.12, warmup=4, max_cached=10,
+                                                                      max_consecutive=3)),
+                         ("every:3,1,1", DBCache(every=3, Fn=1, Bn=1, warmup=0)),
+                         ("every:2,warmup=2", DBCache(every=2, warmup=2))):
+        assert FastConfig(cache=text).cache == parsed, text
 
 
 def test_dbcache_compares_with_the_last_step_that_ran_the_middle():
-    """Residuals drifting by 10% a step (r_t = (1 + t/10) r_0): against the last step that ran the middle (cache-dit's
-    rule) the drift adds up until the middle runs again (relative differences 0.1, 0.2, 0.3 -> runs); against the
-    previous step it would stay at ~0.1 and never run. Fake pieces: the middle adds 1 to both streams."""
+    """Residuals drifting by 1/8 a step (r_t = (1 + t/8) r_0, exact in binary): against the last step that ran the
+    middle (cache-dit's rule) the drift adds up until the middle runs again (relative differences 0.125, 0.25,
+    0.375 -> runs); against the previous step it would stay under 0.125 and never run. Fake pieces: the middle adds
+    1 to both streams."""
     from qwen_image_fast.pipelines.qwen_image.runtime.step_cache import StepCacheRun
 
-    cache = StepCacheRun(DBCache(Fn=1, Bn=0, threshold=0.25, warmup=1), n_blocks=3)
     base = torch.ones(2, 4, 8)
 
     def piece(name, inputs, img=None, txt=None, **blocks):
         if name == "front":
-            r = base * (1 + inputs["step"] / 10)
+            r = base * (1 + inputs["step"] / 8)
             return r.clone(), torch.zeros(2, 3, 8), r
         return (img + 1, txt + 1) if name == "middle" else img
 
-    outputs = [cache.forward(piece, {"step": step}, ["cond"]) for step in range(8)]
-    assert [computes[0] for _, computes in outputs] == [True, False, False, True, False, False, False, True]
-    assert all(torch.equal(out, base * (1 + step / 10) + 1) for step, (out, _) in enumerate(outputs)), \
-        "a cached step adds the middle's residual of the last step that ran it"
+    def decisions(**config):
+        cache = StepCacheRun(DBCache(Fn=1, Bn=0, warmup=1, **config), n_blocks=3)
+        outputs = [cache.forward(piece, {"step": step}, ["cond"]) for step in range(8)]
+        assert all(torch.equal(out, base * (1 + step / 8) + 1) for step, (out, _) in enumerate(outputs)), \
+            "a cached step adds the middle's residual of the last step that ran it"
+        return "".join("C" if computes[0] else "-" for _, computes in outputs)
+
+    assert decisions(threshold=0.3) == "C--C---C"
+    # the limits, with a threshold every difference here is under: max_cached in all, max_consecutive in a row
+    assert decisions(threshold=1.0, max_cached=3) == "C---CCCC"
+    assert decisions(threshold=1.0, max_consecutive=2) == "C--C--C-"
