@@ -1,6 +1,7 @@
 """Image editing and img2img end to end (GPU): stock diffusers vs optimize() on the same pipeline, same inputs and seed.
 
     python3 benchmarks/bench_edit.py --tokenizer DIR [--rows edit1,img2img,graphs] [--out DIR]   # full size, a GPU
+    python3 benchmarks/bench_edit.py --tokenizer DIR --rows edit2 --cache every:2,8,0              # + a step cache
     python3 benchmarks/bench_edit.py --tiny                                                     # CPU logic check
 
 Components: the full-size transformer (Edit-2511's config: zero_cond_t) and VAE with random weights; the text
@@ -17,6 +18,8 @@ Rows (all true_cfg_scale=4 with a negative prompt, B=1):
            zero_cond_t computes what a model without it does)
   graphs   the fast transformer alone at edit1's shapes: eager vs CUDA-graph replay, B=1 vs cond+uncond batched
            (B=2), per image-forward: what a rewrite of the pipelines' loops could gain
+With --cache RULE (FastConfig.cache, as `render --cache` takes it), each pipeline row adds ours with that step cache,
+against ours uncached (latent rel-RMS, image PSNR; the fraction of block forwards run and each branch's decisions).
 Per pipeline row: seconds per image (the call: text + VL encoding, VAE encode, denoising, VAE decode), the text
 encoding, VAE encode and decode times within it, ms per step (the rest over the steps), and ours against stock:
 latent rel-RMS (the latents after the last step) and image PSNR. One timed call each after a 3-step warm-up call
@@ -154,6 +157,29 @@ def call(pipe, kwargs: dict, steps: int, device) -> tuple[float, dict, torch.Ten
     return seconds, timings.seconds, seen["latents"], out.images[0]
 
 
+def cached_row(pipe, kwargs: dict, steps: int, run_steps: int, uncached: tuple, rule: str, device) -> dict:
+    """Ours with FastConfig(cache=rule) against ours uncached (`uncached`: call()'s result), after a 3-step warm-up
+    call; the pipeline's config is put back."""
+    config = pipe.fast_config
+    pipe.fast_config = config.replace(cache=rule)
+    try:
+        call(pipe, kwargs, 3, device)
+        seconds, parts, latents, image = call(pipe, kwargs, steps, device)
+        decisions = {name: "".join("C" if c else "-" for c, _ in branch.decisions)
+                     for name, branch in pipe._last_step_cache.branches.items()}
+        line = dict(impl="ours", cache=pipe.fast_config.cache.label(), steps=steps, steps_run=run_steps,
+                    s_per_image=seconds, ms_per_step=1000 * (seconds - sum(parts.values())) / run_steps,
+                    rel_rms_vs_uncached=rel_rms_error(latents, uncached[2]), psnr_vs_uncached=psnr(image, uncached[3]),
+                    speedup_vs_uncached=uncached[0] / seconds, blocks_run=pipe._last_call.blocks_fraction,
+                    decisions=decisions, applied=pipe.applied, **parts)
+    finally:
+        pipe.fast_config = config
+    print(f"  cache {line['cache']}: {seconds:7.2f} s  {line['ms_per_step']:7.1f} ms/step  "
+          f"x{line['speedup_vs_uncached']:.2f} vs uncached  blocks run {line['blocks_run']:.3f}  rel-RMS "
+          f"{line['rel_rms_vs_uncached']:.3f}  PSNR {line['psnr_vs_uncached']:.1f} dB  {decisions}", flush=True)
+    return line
+
+
 def graph_rows(fast, size: int, device) -> list[dict]:
     """The fast transformer at edit1's shapes, eager vs graphed (the runner's policy: the second forward of a
     signature captured), B=1 vs B=2 (cond + uncond, the shorter text padded and masked), ms per image-forward."""
@@ -194,6 +220,7 @@ def main():
     parser.add_argument("--tiny", action="store_true", help="tiny random components on the CPU (logic check)")
     parser.add_argument("--rows", default="edit1,img2img,graphs", help="edit1, edit2, img2img, graphs")
     parser.add_argument("--tokenizer", type=Path, default=None, help="a Qwen2.5 BPE tokenizer folder")
+    parser.add_argument("--cache", default=None, help="a step-cache rule (FastConfig.cache) to add rows of ours with")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     from diffusers import QwenImageEditPlusPipeline, QwenImageImg2ImgPipeline
@@ -248,6 +275,9 @@ def main():
                 line["speedup_vs_stock"] = results["stock"][0] / seconds
                 print(f"{row}: {line['speedup_vs_stock']:.2f}x end to end", flush=True)
             rows.append(line)
+        if args.cache and "speedup_vs_stock" in rows[-1]:
+            rows.append(cached_row(fast_pipe, kwargs, steps, run_steps, results["ours"], args.cache, device)
+                        | dict(row=row, size=size, condition_images=rows[-1]["condition_images"]))
     if "graphs" in rows_wanted and not args.tiny:
         for line in graph_rows(fast, size, device):
             print(f"graphs B={line['batch']} {line['mode']:5s} {line['ms_per_image_forward']:7.1f} ms per image-forward",

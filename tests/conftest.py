@@ -45,11 +45,16 @@ def stand_in_graphs(monkeypatch):
     from qwen_image_fast.pipelines.qwen_image import optimizations
     from qwen_image_fast.pipelines.qwen_image.runtime.cuda_graph import Graphs
 
-    log = {"captures": [], "replays": []}
+    log = {"captures": [], "replays": [], "capturing": False}
 
-    def capture(run, inputs):
-        static = {name: v.clone() for name, v in inputs.items() if isinstance(v, torch.Tensor)}
-        out = run(**inputs | static)
+    def capture(run, inputs, static=None, pool=None):
+        if static is None:
+            static = {name: v.clone() for name, v in inputs.items() if isinstance(v, torch.Tensor)}
+        log["capturing"] = True  # what runs now is the capture, not a forward (a real capture launches nothing)
+        try:
+            out = run(**inputs | static)
+        finally:
+            log["capturing"] = False
         log["captures"].append(inputs["hidden_states"].shape[0])
 
         class Graph:
@@ -57,10 +62,12 @@ def stand_in_graphs(monkeypatch):
                 log["replays"].append(inputs["hidden_states"].shape[0])
                 new = run(**inputs | static)
                 for into, value in zip(*((out, new) if isinstance(out, tuple) else ((out,), (new,)))):
-                    into.copy_(value)
+                    if into is not None:
+                        into.copy_(value)
 
         return Graph(), static, out
 
     monkeypatch.setattr(Graphs, "capture", staticmethod(capture))
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
     monkeypatch.setattr(optimizations, "no_graphs_reason", lambda facts: None)
     return log

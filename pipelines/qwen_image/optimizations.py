@@ -112,8 +112,6 @@ def no_graphs_reason(facts: Facts) -> str | None:
         return f"needs a CUDA device (the transformer runs on {facts.device})"
     if facts.offload_hooks:
         return "offload hooks move the weights between forwards (a graph would read stale addresses)"
-    if facts.diffusers_cache:
-        return f"diffusers' {facts.diffusers_cache} decides on the host inside each forward"
     return None
 
 
@@ -157,7 +155,10 @@ def plan_batched_cfg(config: FastConfig, facts: Facts) -> Plan:
 
 
 def plan_cuda_graphs(config: FastConfig, facts: Facts) -> Plan:
-    return plain(config.cuda_graphs and config.fused_transformer, no_graphs_reason(facts))
+    """Under diffusers' step caches, whose hooks decide on the host around the blocks inside each forward, each
+    block replays from its own graphs ("blocks"; runtime/runner.py)."""
+    plan = plain(config.cuda_graphs and config.fused_transformer, no_graphs_reason(facts))
+    return Plan(values=("blocks",)) if plan.values and facts.diffusers_cache else plan
 
 
 def plan_modulation_table(config: FastConfig, facts: Facts) -> Plan:

@@ -74,15 +74,16 @@ def run(pipe, case_id: str) -> torch.Tensor:
     return pipe(**COMMON | CASES[case_id][2], output_type="latent", generator=torch.Generator().manual_seed(0)).images
 
 
-def decisions(monkeypatch, transformer, classes) -> list:
+def decisions(monkeypatch, transformer, classes, graphs=None) -> list:
     """The list, filled as they run, of the blocks and attention modules of `transformer` that run, by name, in
     order. Patches the classes' forward before a cache hooks them (the hooks keep the forward they found, and put
-    it back on the instance when removed: one list for the test)."""
+    it back on the instance when removed: one list for the test). graphs: stand_in_graphs' log (its captures run
+    nothing that a real one would)."""
     names = {id(m): name for name, m in transformer.named_modules() if isinstance(m, classes)}
     ran = []
     for cls in classes:
         def forward(self, *args, _forward=cls.forward, **kwargs):
-            if id(self) in names:
+            if id(self) in names and not (graphs and graphs["capturing"]):
                 ran.append(names[id(self)])
             return _forward(self, *args, **kwargs)
 
@@ -102,15 +103,18 @@ PAIRS = [("text_to_image", name) for name in diffusers_configs(None, 4)] + [
 
 @pytest.mark.usefixtures("small_condition_images")
 @pytest.mark.parametrize("case_id,name", PAIRS)
-def test_diffusers_cache_decides_and_computes_as_on_stock(case_id, name, monkeypatch):
+def test_diffusers_cache_decides_and_computes_as_on_stock(case_id, name, monkeypatch, request):
     """The same modules run in the same order on both pipelines, the same latents; each config but SeaCache
-    skipped something; (text-to-image, FirstBlockCache) disable_cache() gives back the uncached output exactly."""
+    skipped something. The fast pipeline runs its blocks from graphs (stand-in), but with (text-to-image,
+    FirstBlockCache), where it runs them eagerly and disable_cache() gives back the uncached output exactly."""
     steps = CASES[case_id][2]["num_inference_steps"]
+    eager = (case_id, name) == ("text_to_image", "FirstBlockCache")
+    graphs = None if eager else request.getfixturevalue("stand_in_graphs")
     ref, fast = stock(case_id), optimize(stock(case_id), EXACT)
     uncached = run(fast, case_id) if (case_id, name) == ("text_to_image", "FirstBlockCache") else None
     seen = []
     for pipe, classes in ((ref, STOCK_CLASSES), (fast, FAST_CLASSES)):
-        ran = decisions(monkeypatch, pipe.transformer, classes)
+        ran = decisions(monkeypatch, pipe.transformer, classes, graphs)
         pipe.transformer.enable_cache(diffusers_configs(pipe, steps)[name])
         seen.append((run(pipe, case_id), ran))
     (ref_latents, ref_ran), (latents, ran) = seen
@@ -124,6 +128,11 @@ def test_diffusers_cache_decides_and_computes_as_on_stock(case_id, name, monkeyp
     else:
         assert len(ran) < full, (case_id, name, "skipped nothing: the test would not see a wrong decision")
     assert f"step_cache:{type(diffusers_configs(fast, steps)[name]).__name__}" in fast.applied
+    if graphs is not None:  # blocks (or their pieces around a hooked attention) captured once each, then replayed
+        assert "cuda_graphs:blocks" in fast.applied and graphs["replays"], graphs
+        pieces = 1 if name in ("FirstBlockCache", "MagCache", "SeaCache", "TaylorSeer-lite") else 3
+        # cond and uncond of one shape (the prompts' lengths are equal) share them
+        assert len(graphs["captures"]) == 4 * pieces, (name, len(graphs["captures"]))
     blocks_ran = [module for module in ran if not module.endswith(".attn")]
     assert fast._last_call.blocks_fraction == len(blocks_ran) / (steps * 2 * 4), (name, blocks_ran)
     fast.transformer.disable_cache()
@@ -301,3 +310,48 @@ def test_dbcache_compares_with_the_last_step_that_ran_the_middle():
     # the limits, with a threshold every difference here is under: max_cached in all, max_consecutive in a row
     assert decisions(threshold=1.0, max_cached=3) == "C---CCCC"
     assert decisions(threshold=1.0, max_consecutive=2) == "C--C--C-"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8", [False, True])
+def test_diffusers_caches_on_gpu_replay_blocks_from_graphs(fp8, monkeypatch, capsys):
+    """On a GPU, at the real block width (24 heads x 128, 4 blocks, random weights), 512^2: each diffusers config
+    (the CPU test's settings) on the fast pipeline, its blocks replaying from real CUDA graphs, against stock with the
+    same config. fp32, FP8 off: the same decisions and latents to 1e-5. bf16, FP8 on: the same latents within the FP8
+    bound where the decisions are the same; where FP8 moved a residual across a threshold, the test says so and
+    prints both decision sequences (per forward, the blocks and attention modules that ran)."""
+    from qwen_image_fast.pipelines.qwen_image.optimizations import FP8_BOUND
+    from helpers import rel_rms_error
+
+    dtype = torch.bfloat16 if fp8 else torch.float32
+    layers = dict(num_layers=4, attention_head_dim=128, num_attention_heads=24)
+    call = dict(COMMON, height=512, width=512, num_inference_steps=4, output_type="latent")
+
+    def latents(pipe):
+        return pipe(**call, generator=torch.Generator("cuda").manual_seed(0)).images.float()
+
+    flips = []
+    for name in diffusers_configs(None, 4):
+        seen = []
+        for fast in (False, True):
+            pipe = tiny_pipeline(diffusers.QwenImagePipeline, transformer_config=layers).to("cuda", dtype)
+            if fast:
+                pipe = optimize(pipe, FastConfig(fp8=fp8))
+            ran = decisions(monkeypatch, pipe.transformer, FAST_CLASSES if fast else STOCK_CLASSES)
+            pipe.transformer.enable_cache(diffusers_configs(pipe, 4)[name])
+            seen.append((latents(pipe), ran))
+            if fast:
+                assert "cuda_graphs:blocks" in pipe.applied, (name, pipe.applied)
+            monkeypatch.undo()
+        (ref, ref_ran), (out, ran) = seen
+        if ran != ref_ran:
+            assert fp8, (name, "decisions differ in fp32", ref_ran, ran)
+            flips.append(f"{name}: FP8 moved a threshold decision:\n  stock {ref_ran}\n  ours  {ran}")
+            continue
+        if fp8:
+            assert rel_rms_error(out, ref) < FP8_BOUND.full, (name, rel_rms_error(out, ref))
+        else:
+            assert_close(out, ref, 1e-5, name)
+    with capsys.disabled():
+        print("\n".join(flips) or f"fp8={fp8}: every config made stock's decisions")
+    assert len(flips) < len(diffusers_configs(None, 4)), "every config's decisions moved: nothing compared"

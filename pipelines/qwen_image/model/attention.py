@@ -65,6 +65,13 @@ class TextMask:
         ones = torch.ones(mask.shape[0], img_len, dtype=torch.bool, device=mask.device)
         self.key_mask = torch.cat([ones, mask], dim=1)[:, None, None, :]
 
+    @classmethod
+    def of(cls, seqused_k: torch.Tensor, key_mask: torch.Tensor) -> "TextMask":
+        """A TextMask of these tensors (the buffers that block graphs read, JointInputs.on_buffers)."""
+        mask = cls.__new__(cls)
+        mask.seqused_k, mask.key_mask = seqused_k, key_mask
+        return mask
+
 
 def joint_attention(q, k, v, mask: TextMask | None, backend: str) -> torch.Tensor:
     """q, k, v: [B, S, H, D] -> [B, S, H, D] contiguous, softmax scale 1/sqrt(D), non-causal."""

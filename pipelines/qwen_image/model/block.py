@@ -9,7 +9,7 @@ Per block and stream (image tokens L_img, text tokens L_txt):
        last block)
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn as nn
@@ -28,7 +28,7 @@ from ....kernels.residual_gate import (
     residual_gate_layer_norm_modulate_fp8,
 )
 from ..config import FastTransformerConfig
-from ..runtime.context import count_blocks
+from ..runtime.context import count_blocks, get_context
 from ..runtime.parallel import Ulysses, UlyssesPlan
 from .attention import TextMask, joint_attention
 from .linear import FastLinear, Operand, as_fp8_operand, q_dtype_for
@@ -123,6 +123,22 @@ class JointInputs:
     qkv: torch.Tensor
     ulysses: Ulysses | None = None
     plan: UlyssesPlan | None = None
+    graph_key: tuple = ()  # on_buffers: the signature of the buffers, which the block graphs reading them are keyed by
+
+    def on_buffers(self, graphs) -> "JointInputs":
+        """These inputs copied into the buffers that block graphs read (graphs: runner.CallRun.block_buffers), the
+        Q/K/V buffer one of them (scratch): what every block of a forward shares, filled once per forward."""
+        tensors = dict(img_freqs=self.img_freqs, txt_freqs=self.txt_freqs, silu_temb=self.silu_temb,
+                       silu_temb_t=self.silu_temb_t, mod_row=self.mod_row)
+        if self.mask is not None:
+            tensors.update(seqused_k=self.mask.seqused_k, key_mask=self.mask.key_mask)
+        tensors = {name: t for name, t in tensors.items() if t is not None}
+        shared = graphs.block_buffers("joint", tensors)
+        qkv = graphs.block_buffers("qkv", {"qkv": self.qkv}, fill=False)["qkv"]
+        mask = None if self.mask is None else TextMask.of(shared["seqused_k"], shared["key_mask"])
+        return replace(self, mask=mask, qkv=qkv, graph_key=(id(shared), id(qkv)),
+                       **{name: shared.get(name) for name in ("img_freqs", "txt_freqs", "silu_temb", "silu_temb_t",
+                                                             "mod_row")})
 
     def attention(self) -> torch.Tensor:
         """Attention over the joint sequence of the rows in `qkv`: [B, rows, H, D]."""
@@ -144,7 +160,18 @@ class JointAttention(AttentionModuleMixin, nn.Module):
         """hidden_states [B, L_img, D] / encoder_hidden_states [B, L_txt, D]: the rows the QKV GEMMs take, FP8 with
         their row scales [B * L, 1] in `scales` (None: not FP8), batch-first as diffusers passes its attention the
         normalized streams (its caches read the batch size off them). Returns (img [B, L_img, D], txt [B, L_txt, D]
-        or None when not text_out)."""
+        or None when not text_out). Called by a step cache's hook with block graphs on, it replays from its own."""
+        graphs = get_context().block_graphs
+        if graphs is None:
+            return self.attend(hidden_states, encoder_hidden_states, joint, block, scales, text_out)
+        inputs = dict(hidden_states=hidden_states, encoder_hidden_states=encoder_hidden_states, img_scale=scales[0],
+                      txt_scale=scales[1])
+        return graphs.graphed_block(self, "attn", inputs, lambda hidden_states, encoder_hidden_states, img_scale,
+                                    txt_scale: self.attend(hidden_states, encoder_hidden_states, joint, block,
+                                                           (img_scale, txt_scale), text_out), joint.graph_key)
+
+    def attend(self, hidden_states, encoder_hidden_states, joint: "JointInputs", block: "FastBlock", scales: tuple,
+               text_out: bool):
         batch, img_len, dim = hidden_states.shape
         txt_len = encoder_hidden_states.shape[1]
         img_x, txt_x = as_operand(hidden_states, scales[0]), as_operand(encoder_hidden_states, scales[1])
@@ -216,33 +243,94 @@ class FastBlock(nn.Module):
         (img_tail, txt_tail) of the previous block are added when it deferred them. mods: this block's modulation
         from a table (modulation.py); None: computed here.
 
-        defer=False: diffusers' block output, (encoder_hidden_states, hidden_states) with every residual added (the
-        form diffusers' block-level step caches read, registered below). defer=True: (txt, img, txt_tail, img_tail),
-        the last residual adds left to the next block's first kernel. text_out=False (the last block, deferred)
-        skips the text stream's output projection and MLP, whose result diffusers discards."""
-        img, txt = hidden_states, encoder_hidden_states
-        img_tail, txt_tail = tails
-        batch, img_len, dim = img.shape
-        txt_len, fp8 = txt.shape[1], self.config.is_fp8
+        defer=True: (txt, img, txt_tail, img_tail), the last residual adds left to the next block's first kernel.
+        text_out=False (the last block) skips the text stream's output projection and MLP, whose result diffusers
+        discards. defer=False: diffusers' block output (stock_forward)."""
+        if not defer:
+            return self.stock_forward(hidden_states, encoder_hidden_states, joint, mods)
         img_mods, txt_mods = mods if mods is not None else self.modulation(joint.silu_temb, joint.silu_temb_t)
+        img, txt, img_x, txt_x = self.pre(hidden_states, encoder_hidden_states, joint, img_mods, txt_mods, *tails)
+        batch = img.shape[0]
+        (img_rows, img_scale), (txt_rows, txt_scale) = batch_first(img_x, batch), batch_first(txt_x, batch)
+        img_attn, txt_attn = self.attn(img_rows, txt_rows, joint, self, (img_scale, txt_scale), text_out)
+        img, txt, img_tail, txt_tail = self.post(img, txt, img_attn, txt_attn, joint, img_mods, txt_mods, text_out)
+        return txt, img, txt_tail, img_tail
+
+    def pre(self, img, txt, joint: JointInputs, img_mods, txt_mods, img_tail: Tail | None = None,
+            txt_tail: Tail | None = None) -> tuple[torch.Tensor, torch.Tensor, Operand, Operand]:
+        """Up to attention: (img, txt with the previous block's tails added, the QKV GEMMs' operands)."""
+        fp8 = self.config.is_fp8
         im, tm = StreamMods(img_mods), StreamMods(txt_mods)  # [G, 6D], [B, 6D]
         img, img_x = head(img, img_tail, im.shift1, im.scale1, joint.mod_row, fp8("img_qkv"))
         txt, txt_x = head(txt, txt_tail, tm.shift1, tm.scale1, None, fp8("txt_qkv"))
-        text_out = text_out or not defer
-        (img_rows, img_scale), (txt_rows, txt_scale) = batch_first(img_x, batch), batch_first(txt_x, batch)
-        img_attn, txt_attn = self.attn(img_rows, txt_rows, joint, self, (img_scale, txt_scale), text_out)
+        return img, txt, img_x, txt_x
 
+    def post(self, img, txt, img_attn, txt_attn, joint: JointInputs, img_mods, txt_mods, text_out: bool = True):
+        """From the attention outputs [B, L, D]: (img, txt, img_tail, txt_tail), the MLPs' gated residual adds left
+        to the caller (txt_tail None when not text_out)."""
+        batch, img_len, dim = img.shape
+        fp8 = self.config.is_fp8
+        im, tm = StreamMods(img_mods), StreamMods(txt_mods)
         img, img_x = gate_norm_mod(img, img_attn, im.gate1, im.shift2, im.scale2, joint.mod_row, fp8("img_fc1"))
         img_tail = Tail(self.img_fc2(gelu(self.img_fc1(img_x), fp8("img_fc2"))).view(batch, img_len, dim), im.gate2)
         txt_tail = None
         if text_out:
             txt, txt_x = gate_norm_mod(txt, txt_attn, tm.gate1, tm.shift2, tm.scale2, None, fp8("txt_fc1"))
-            txt_tail = Tail(self.txt_fc2(gelu(self.txt_fc1(txt_x), fp8("txt_fc2"))).view(batch, txt_len, dim),
+            txt_tail = Tail(self.txt_fc2(gelu(self.txt_fc1(txt_x), fp8("txt_fc2"))).view(batch, txt.shape[1], dim),
                             tm.gate2)
-        if defer:
-            return txt, img, txt_tail, img_tail
-        count_blocks(batch)  # called by diffusers' way (a step cache's hooks let it run): the runner cannot count it
+        return img, txt, img_tail, txt_tail
+
+    def stock_forward(self, hidden_states, encoder_hidden_states, joint: JointInputs, mods=None):
+        """diffusers' block output, (encoder_hidden_states, hidden_states) with every residual added: how the block
+        runs under diffusers' step caches (registered below: their block-level hooks read this output). With block
+        graphs on (runner.CallRun.graphed_block) the block replays from its graph, or, when a hook sits on its
+        attention module, the pieces before and after it do; a hook on anything else inside keeps it eager."""
+        count_blocks(hidden_states.shape[0])  # the hooks let it run: the runner cannot count it
+        graphs = get_context().block_graphs
+        inside = hooked_inside(self)
+        if graphs is None or inside - {"attn"}:
+            return self._stock_forward(hidden_states, encoder_hidden_states, joint, mods)
+        inputs = dict(hidden_states=hidden_states, encoder_hidden_states=encoder_hidden_states)
+        inputs |= {} if mods is None else dict(img_mods=mods[0], txt_mods=mods[1])
+        if not inside:
+            return graphs.graphed_block(self, "block", inputs, lambda hidden_states, encoder_hidden_states, **mods:
+                                        self._stock_forward(hidden_states, encoder_hidden_states, joint,
+                                                            (mods["img_mods"], mods["txt_mods"]) if mods else None),
+                                        joint.graph_key)
+
+        def before(hidden_states, encoder_hidden_states, img_mods=None, txt_mods=None):
+            if img_mods is None:
+                img_mods, txt_mods = self.modulation(joint.silu_temb, joint.silu_temb_t)
+            _, _, img_x, txt_x = self.pre(hidden_states, encoder_hidden_states, joint, img_mods, txt_mods)
+            batch = hidden_states.shape[0]
+            return img_mods, txt_mods, *batch_first(img_x, batch), *batch_first(txt_x, batch)
+
+        def after(hidden_states, encoder_hidden_states, img_attn, txt_attn, img_mods, txt_mods):
+            img, txt, img_tail, txt_tail = self.post(hidden_states, encoder_hidden_states, img_attn, txt_attn,
+                                                     joint, img_mods, txt_mods)
+            return add_tail(txt, txt_tail, None), add_tail(img, img_tail, joint.mod_row)
+
+        img_mods, txt_mods, img_rows, img_scale, txt_rows, txt_scale = graphs.graphed_block(
+            self, "pre", inputs, before, joint.graph_key)
+        img_attn, txt_attn = self.attn(img_rows, txt_rows, joint, self, (img_scale, txt_scale))
+        return graphs.graphed_block(self, "post", dict(
+            hidden_states=hidden_states, encoder_hidden_states=encoder_hidden_states, img_attn=img_attn,
+            txt_attn=txt_attn, img_mods=img_mods, txt_mods=txt_mods), after, joint.graph_key)
+
+    def _stock_forward(self, img, txt, joint: JointInputs, mods=None):
+        img_mods, txt_mods = mods if mods is not None else self.modulation(joint.silu_temb, joint.silu_temb_t)
+        _, _, img_x, txt_x = self.pre(img, txt, joint, img_mods, txt_mods)
+        batch = img.shape[0]
+        (img_rows, img_scale), (txt_rows, txt_scale) = batch_first(img_x, batch), batch_first(txt_x, batch)
+        img_attn, txt_attn = self.attn(img_rows, txt_rows, joint, self, (img_scale, txt_scale))
+        img, txt, img_tail, txt_tail = self.post(img, txt, img_attn, txt_attn, joint, img_mods, txt_mods)
         return add_tail(txt, txt_tail, None), add_tail(img, img_tail, joint.mod_row)
+
+
+def hooked_inside(block: nn.Module) -> set[str]:
+    """The names of the modules inside `block` (not itself) that carry diffusers hooks."""
+    return {name for name, module in block.named_modules() if name and getattr(
+        getattr(module, "_diffusers_hook", None), "hooks", None)}
 
 
 # diffusers' block-level step caches (FirstBlockCache, MagCache, SeaCache, TaylorSeer's lite mode) find the streams

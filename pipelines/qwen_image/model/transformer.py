@@ -473,6 +473,8 @@ class FastQwenImageTransformer(Unsupported, StepCaches, LoraAdapters, ModelMixin
             mod_row=mod_row, backend=resolve_backend(self.fast_config.attention, device, hidden_states.dtype),
             qkv=hidden_states.new_empty(3, batch, rows, block0.heads, block0.head_dim), ulysses=ulysses, plan=plan,
         )
+        if context.block_graphs is not None:  # blocks replaying from graphs read what they share from its buffers
+            joint = joint.on_buffers(context.block_graphs)
         return ForwardState(hidden_states, encoder_hidden_states, None, None, joint, layout, modulation,
                             controlnet_block_samples)
 

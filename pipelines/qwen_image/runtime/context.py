@@ -9,6 +9,8 @@ nested calls each see their own:
   them);
 - run: the call's CallRun (runtime/runner.py) when a diffusers loop calls the transformer: its forwards go through
   it (batched CFG, CUDA graphs);
+- block_graphs: the call's CallRun when blocks replay from graphs under diffusers' step-cache hooks (its
+  graphed_block and block_buffers);
 - ulysses: the sequence-parallel group of a FastConfig(parallel="ulysses") call (runtime/parallel.py);
 - weights_take_turns: memory="low" (runtime/offload.py): the forward checks that the block linears are on its device;
 - record: the call's CallRecord (optimizations.py): what ran, for `applied`.
@@ -25,6 +27,7 @@ class ForwardContext:
     lora_scale: float = 1.0
     cache_name: str | None = None
     run: Any = None  # runner.CallRun
+    block_graphs: Any = None  # runner.CallRun
     ulysses: Any = None  # parallel.Ulysses
     weights_take_turns: bool = False
     record: Any = None  # optimizations.CallRecord

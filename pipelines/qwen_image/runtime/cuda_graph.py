@@ -7,6 +7,11 @@ non-tensor arguments such as img_shapes) and what else the forward reads that it
 scale and adapters' version): a new resolution, batch or text length captures a new graph. Inputs are copied into
 the graph's static buffers before each replay; the output is copied out, so it stays valid after the next replay.
 When to capture is the runner's policy (runner.py); this file only captures and replays.
+
+Pieces of a forward between which Python runs (a block under diffusers' step-cache hooks, runner.py) are captured
+into one shared memory pool: a piece's intermediates are dead once it returns, and its output is copied out right
+after its replay, so any replay order is safe; the input buffers of one piece kind and signature are shared by the
+pieces of every block (each is filled just before its replay).
 """
 
 from collections import OrderedDict
@@ -28,10 +33,16 @@ def signature(inputs: dict) -> tuple:
 class Graphs:
     """Captured graphs by key, at most max_graphs (the least recently replayed dropped first)."""
 
-    def __init__(self, max_graphs: int = 4):
-        self.max_graphs = max_graphs
+    def __init__(self, max_graphs: int = 4, shared: bool = False):
+        self.max_graphs, self.shared = max_graphs, shared
         self.graphs: OrderedDict[tuple, tuple] = OrderedDict()  # key -> (graph, static inputs, output)
         self.weights_at: tuple = ()
+        self.pool = None  # shared: the memory pool of every capture
+        self.inputs: dict[tuple, dict] = {}  # shared: (input kind, signature) -> static input buffers
+
+    def clear(self):
+        self.graphs.clear()
+        self.inputs.clear()
 
     def __contains__(self, key: tuple) -> bool:
         return key in self.graphs
@@ -46,15 +57,34 @@ class Graphs:
         lora = getattr(model, "lora_state", None)
         addresses += (lora.version,) if lora is not None else ()
         if addresses != self.weights_at:
-            self.graphs.clear()
+            self.clear()
             self.weights_at = addresses
 
-    def replay(self, key: tuple, inputs: dict, run) -> torch.Tensor:
+    def filled(self, kind: str, tensors: dict, fill: bool = True) -> dict:
+        """The shared buffers of `kind` and the tensors' signature (created as copies the first time), holding
+        `tensors` when fill."""
+        key = (kind, signature(tensors))
+        if key not in self.inputs:
+            self.inputs[key] = {name: v.clone() for name, v in tensors.items()}
+        elif fill:
+            for name, buf in self.inputs[key].items():
+                buf.copy_(tensors[name])
+        return self.inputs[key]
+
+    def replay(self, key: tuple, inputs: dict, run, kind: str = ""):
         """run(**inputs) from the graph of `key`, captured first if there is none (no warm-up runs: the caller ran
-        this signature eagerly before, which compiled the kernels and filled the model's caches)."""
+        this signature eagerly before, which compiled the kernels and filled the model's caches). kind: which
+        input buffers a shared store gives the graph (those of every graph of this kind and signature). The output
+        (a tensor, or a tuple of tensors and Nones) is a copy."""
         if key not in self.graphs:
+            static = None
+            if self.shared:
+                static = self.inputs.setdefault((kind, signature(inputs)), {
+                    name: v.clone() for name, v in inputs.items() if isinstance(v, torch.Tensor)})
+                if self.pool is None:
+                    self.pool = torch.cuda.graph_pool_handle()
             try:
-                self.graphs[key] = self.capture(run, inputs)
+                self.graphs[key] = self.capture(run, inputs, static, self.pool)
             except Exception as e:
                 raise GraphCaptureError(f"{type(e).__name__}: {e}") from e
             if len(self.graphs) > self.max_graphs:
@@ -64,13 +94,17 @@ class Graphs:
         for name, buf in static.items():
             buf.copy_(inputs[name])
         graph.replay()
-        return tuple(t.clone() for t in out) if isinstance(out, tuple) else out.clone()
+        if isinstance(out, tuple):
+            return tuple(None if t is None else t.clone() for t in out)
+        return out.clone()
 
     @staticmethod
-    def capture(run, inputs: dict) -> tuple:
-        """(graph, static input buffers by name, static output) of run(**inputs) on the current stream."""
-        static = {name: v.clone() for name, v in inputs.items() if isinstance(v, torch.Tensor)}
+    def capture(run, inputs: dict, static: dict | None = None, pool=None) -> tuple:
+        """(graph, static input buffers by name, static output) of run(**inputs) on the current stream; static: the
+        input buffers to capture it on (None: new copies of the inputs); pool: a shared memory pool."""
+        if static is None:
+            static = {name: v.clone() for name, v in inputs.items() if isinstance(v, torch.Tensor)}
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        with torch.cuda.graph(graph, pool=pool):
             out = run(**{**inputs, **static})
         return graph, static, out

@@ -12,6 +12,10 @@ A pipeline owns one Runner (its graphs live across calls); each call opens a Cal
   2B (cfg_pairing.paired_inputs); the text-to-image loop calls it.
 - `diffusers_forward(inputs)`: what the fast transformer's forward does inside a diffusers loop's call: pairs the
   "cond" and "uncond" forwards by speculation (cfg_pairing.Speculation) when batched CFG is on.
+Under diffusers' step caches (transformer.enable_cache) a forward runs eagerly, its hooks deciding on the host around
+the blocks (and their attention modules); with graphs each block replays from its own graphs instead
+(`graphed_block`: the whole block, or three pieces around a hooked attention module), captured on a block's second
+forward of a signature like a whole forward.
 What ran is recorded in the call's CallRecord (optimizations.py).
 """
 
@@ -32,6 +36,9 @@ logger = logging.getLogger(__name__)
 # Graphs a pipeline keeps: a paired CFG forward, or a cond and an uncond one, per output and condition size (with a
 # step cache three pieces each).
 MAX_GRAPHS = 4
+# Block graphs under diffusers' step caches, per block: three pieces (around a hooked attention module) for a cond
+# and an uncond forward of one size.
+BLOCK_GRAPHS_PER_BLOCK = 6
 
 
 class Runner:
@@ -39,6 +46,7 @@ class Runner:
 
     def __init__(self, max_graphs: int = MAX_GRAPHS):
         self.graphs = Graphs(max_graphs)
+        self.block_graphs = Graphs(shared=True)  # under diffusers' step caches (graphed_block)
         self.graphs_failed: str | None = None  # a capture error: graphs stay off for this pipeline
 
     @contextlib.contextmanager
@@ -51,6 +59,9 @@ class Runner:
         if graphs:
             self.graphs.drop_if_weights_moved(transformer)
             self.graphs.max_graphs = MAX_GRAPHS * (3 if step_cache else 1)
+            if transformer.is_cache_enabled:
+                self.block_graphs.drop_if_weights_moved(transformer)
+                self.block_graphs.max_graphs = BLOCK_GRAPHS_PER_BLOCK * len(transformer.transformer_blocks)
         run = CallRun(self, transformer, record, graphs=graphs, pair_cfg=pair_cfg, bucket=bucket,
                       attention_kwargs=attention_kwargs or {},
                       step_cache=step_cache and StepCacheRun(step_cache, len(transformer.transformer_blocks)))
@@ -93,12 +104,14 @@ class CallRun:
         if self.transformer.is_cache_enabled:  # diffusers' hooks: each block the hooks let run counts itself
             self.record.add("step_cache", self.transformer.step_cache_name)
             self.record.count_blocks(0, blocks * rows)
-        if onload and self.hooked:  # no graphs under offload hooks or diffusers' caches (the registry's plan)
-            with forward_context(run=None), self.transformer.cache_context(context):
+        # under a diffusers cache, blocks replay from graphs (graphed_block); no graph of a whole forward
+        blocks_graphed = self if self.graphs and self.transformer.is_cache_enabled else None
+        if onload and self.hooked:  # no graphs under offload hooks (the registry's plan)
+            with forward_context(run=None, block_graphs=blocks_graphed), self.transformer.cache_context(context):
                 return self.transformer(**inputs, attention_kwargs={"scale": get_context().lora_scale},
                                         return_dict=False)[0]
-        with forward_context(cache_name=context):
-            graphs = self.graphs and inputs["controlnet_block_samples"] is None
+        with forward_context(cache_name=context, block_graphs=blocks_graphed):
+            graphs = self.graphs and not blocks_graphed and inputs["controlnet_block_samples"] is None
             inputs = bucketed_text(inputs, self.bucket) if graphs else inputs
             if self.step_cache is not None:
                 names = ["cond", "uncond"] if context == "cond_uncond" else [context or "cond"]
@@ -122,21 +135,42 @@ class CallRun:
             return piece(**inputs, **tensors)
         return self._graphed(inputs | tensors, piece, (name, start, stop))
 
-    def _graphed(self, inputs: dict, compute, piece: tuple = ()):
+    def _graphed(self, inputs: dict, compute, piece: tuple = (), blocks: bool = False):
+        """compute(**inputs), from a graph of the runner's (of its block graphs if `blocks`) from the second time
+        its key runs."""
+        store = self.runner.block_graphs if blocks else self.runner.graphs
         key = (signature(inputs), self.transformer.lora_key(), piece)
-        if key not in self.runner.graphs and key not in self.seen:
+        if key not in store and key not in self.seen:
             self.seen.add(key)
             return compute(**inputs)
         try:
-            out = self.runner.graphs.replay(key, inputs, compute)
+            out = store.replay(key, inputs, compute, kind=piece[1] if blocks else "")
         except GraphCaptureError as e:
             logger.warning("CUDA graph capture failed, running the transformer eagerly from now on: %s",
                            e.__cause__ or e)
             self.runner.graphs_failed, self.graphs = str(e), False
-            self.runner.graphs.graphs.clear()
+            self.runner.graphs.clear()
+            self.runner.block_graphs.clear()
             return compute(**inputs)
-        self.record.add("cuda_graphs")
+        self.record.add("cuda_graphs", "blocks" if blocks else True)
         return out
+
+    def graphed_block(self, module, piece: str, inputs: dict, compute, joint_key: tuple):
+        """compute(**inputs): `piece` ("block", or "pre" / "attn" / "post" around a hooked attention module) of
+        one block of a forward under diffusers' step-cache hooks, from a graph per (module, piece, signature). It
+        reads the forward's shared tensors from the buffers block_buffers filled (joint_key: their signature)."""
+        def run(**tensors):
+            with forward_context(block_graphs=None):  # nothing inside a piece is graphed apart
+                return compute(**tensors)
+
+        if not self.graphs:  # a capture failed in this call
+            return run(**inputs)
+        return self._graphed(inputs, run, (id(module), piece, joint_key), blocks=True)
+
+    def block_buffers(self, kind: str, tensors: dict, fill: bool = True) -> dict:
+        """The buffers the block graphs read for `kind` and the tensors' signature, holding `tensors` (fill: copied
+        in; else scratch, the buffers as they are)."""
+        return self.runner.block_graphs.filled(kind, tensors, fill)
 
     def pair(self, inputs: dict, negative_embeds: torch.Tensor, negative_mask: torch.Tensor | None,
              modulation: torch.Tensor | None = None, onload: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
