@@ -146,6 +146,8 @@ def main():
                 return row
         skipped = "skipped nothing" if name != "none" and fraction is not None and fraction >= 1 else ""
         rows.append(row)
+        if not args.tiny:  # as it comes: a run cut short keeps its rows
+            append_results("cache", [row], args.out)
         print(f"{impl:9} {name:26} {row['resolution']} {seconds:7.2f} s  blocks run {fraction or 0:.3f}  "
               f"x{row['speedup_vs_uncached']:.2f} vs uncached  rel-RMS {row['rel_rms_vs_uncached']:.3e}  "
               f"PSNR {row['psnr_vs_uncached']:.1f} dB {skipped} "
@@ -192,8 +194,6 @@ def main():
             print(f"  {name}: middle blocks run (C) or reused (-) per step: {decisions}", flush=True)
             report("ours", name, resolution, result, ours_uncached, check=check, extra=dict(decisions=decisions))
         fast.fast_config = base
-    if not args.tiny:
-        append_results("cache", rows, args.out)
 
 
 if __name__ == "__main__":

@@ -324,7 +324,7 @@ def test_diffusers_caches_on_gpu_replay_blocks_from_graphs(fp8, monkeypatch, cap
     from helpers import rel_rms_error
 
     dtype = torch.bfloat16 if fp8 else torch.float32
-    layers = dict(num_layers=4, attention_head_dim=128, num_attention_heads=24)
+    layers = dict(num_layers=4, attention_head_dim=128, num_attention_heads=24, axes_dims_rope=(16, 56, 56))
     call = dict(COMMON, height=512, width=512, num_inference_steps=4, output_type="latent")
 
     def latents(pipe):
