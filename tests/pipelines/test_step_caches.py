@@ -319,7 +319,9 @@ def test_diffusers_caches_on_gpu_replay_blocks_from_graphs(fp8, monkeypatch, cap
     (the CPU test's settings) on the fast pipeline, its blocks replaying from real CUDA graphs, against stock with the
     same config. fp32, FP8 off: the same decisions and latents to 1e-5. bf16, FP8 on: the same latents within the FP8
     bound where the decisions are the same; where FP8 moved a residual across a threshold, the test says so and
-    prints both decision sequences (per forward, the blocks and attention modules that ran)."""
+    prints both decision sequences (per forward, the blocks and attention modules that ran). A block replayed whole
+    from its graph runs its attention module's Python not: under the block-level caches, which hook no attention
+    module, only the blocks are compared."""
     from qwen_image_fast.pipelines.qwen_image.optimizations import FP8_BOUND
     from helpers import rel_rms_error
 
@@ -344,6 +346,9 @@ def test_diffusers_caches_on_gpu_replay_blocks_from_graphs(fp8, monkeypatch, cap
                 assert "cuda_graphs:blocks" in pipe.applied, (name, pipe.applied)
             monkeypatch.undo()
         (ref, ref_ran), (out, ran) = seen
+        if not any(getattr(getattr(module, "_diffusers_hook", None), "hooks", None)
+                   for module in pipe.transformer.modules() if isinstance(module, JointAttention)):
+            ref_ran, ran = ([m for m in names if not m.endswith(".attn")] for names in (ref_ran, ran))
         if ran != ref_ran:
             assert fp8, (name, "decisions differ in fp32", ref_ran, ran)
             flips.append(f"{name}: FP8 moved a threshold decision:\n  stock {ref_ran}\n  ours  {ran}")
