@@ -360,3 +360,33 @@ def test_diffusers_caches_on_gpu_replay_blocks_from_graphs(fp8, monkeypatch, cap
     with capsys.disabled():
         print("\n".join(flips) or f"fp8={fp8}: every config made stock's decisions")
     assert len(flips) < len(diffusers_configs(None, 4)), "every config's decisions moved: nothing compared"
+
+
+def test_step_caches_with_a_lora_and_weights_taking_turns(request):
+    """A LoRA (unfused, scale 0.7): FastConfig(cache=...) equals its reference on stock with the same LoRA, and with
+    memory="low" (weights taking turns) equals itself without; diffusers' FirstBlockCache with the LoRA equals stock
+    with both, its blocks replaying from graphs (stand-in)."""
+    from test_lora import LORA_A, LORA_B, lightning_format
+
+    def with_lora(pipe):
+        pipe.load_lora_weights(lightning_format(LORA_A + LORA_B), adapter_name="a")
+        pipe.set_adapters(["a"], [0.7])
+        return pipe
+
+    config = DBCache.parse("every:2,1,1")
+    ref = with_lora(stock("text_to_image"))
+    ReferenceDBCache(ref.transformer, config)
+    expected = run(ref, "text_to_image")
+    fast = with_lora(optimize(stock("text_to_image"), EXACT.replace(cache=config)))
+    assert_close(run(fast, "text_to_image"), expected, 1e-5, "DBCache with a LoRA")
+    low = with_lora(optimize(stock("text_to_image"), EXACT.replace(cache=config, memory="low")))
+    assert_close(run(low, "text_to_image"), expected, 1e-5, "DBCache with a LoRA, memory='low'")
+    assert "memory:low" in low.applied and f"step_cache:{config.label()}" in low.applied
+
+    graphs = request.getfixturevalue("stand_in_graphs")
+    ref = with_lora(stock("text_to_image"))
+    ref.transformer.enable_cache(FirstBlockCacheConfig(threshold=0.6))
+    fast.fast_config = fast.fast_config.replace(cache=None)
+    fast.transformer.enable_cache(FirstBlockCacheConfig(threshold=0.6))
+    assert_close(run(fast, "text_to_image"), run(ref, "text_to_image"), 1e-5, "FirstBlockCache with a LoRA")
+    assert "cuda_graphs:blocks" in fast.applied and graphs["replays"]
