@@ -9,6 +9,7 @@ Per block and stream (image tokens L_img, text tokens L_txt):
        last block)
 """
 
+import functools
 from dataclasses import dataclass, replace
 
 import torch
@@ -288,43 +289,41 @@ class FastBlock(nn.Module):
         count_blocks(hidden_states.shape[0])  # the hooks let it run: the runner cannot count it
         graphs = get_context().block_graphs
         inside = hooked_inside(self)
+        streams = dict(hidden_states=hidden_states, encoder_hidden_states=encoder_hidden_states)
+        mods = {} if mods is None else dict(img_mods=mods[0], txt_mods=mods[1])
         if graphs is None or inside - {"attn"}:
-            return self._stock_forward(hidden_states, encoder_hidden_states, joint, mods)
-        inputs = dict(hidden_states=hidden_states, encoder_hidden_states=encoder_hidden_states)
-        inputs |= {} if mods is None else dict(img_mods=mods[0], txt_mods=mods[1])
+            return self._stock_forward(joint, **streams, **mods)
         if not inside:
-            return graphs.graphed_block(self, "block", inputs, lambda hidden_states, encoder_hidden_states, **mods:
-                                        self._stock_forward(hidden_states, encoder_hidden_states, joint,
-                                                            (mods["img_mods"], mods["txt_mods"]) if mods else None),
+            return graphs.graphed_block(self, "block", streams | mods, functools.partial(self._stock_forward, joint),
                                         joint.graph_key)
-
-        def before(hidden_states, encoder_hidden_states, img_mods=None, txt_mods=None):
-            if img_mods is None:
-                img_mods, txt_mods = self.modulation(joint.silu_temb, joint.silu_temb_t)
-            _, _, img_x, txt_x = self.pre(hidden_states, encoder_hidden_states, joint, img_mods, txt_mods)
-            batch = hidden_states.shape[0]
-            return img_mods, txt_mods, *batch_first(img_x, batch), *batch_first(txt_x, batch)
-
-        def after(hidden_states, encoder_hidden_states, img_attn, txt_attn, img_mods, txt_mods):
-            img, txt, img_tail, txt_tail = self.post(hidden_states, encoder_hidden_states, img_attn, txt_attn,
-                                                     joint, img_mods, txt_mods)
-            return add_tail(txt, txt_tail, None), add_tail(img, img_tail, joint.mod_row)
-
         img_mods, txt_mods, img_rows, img_scale, txt_rows, txt_scale = graphs.graphed_block(
-            self, "pre", inputs, before, joint.graph_key)
+            self, "pre", streams | mods, functools.partial(self.stock_pre, joint), joint.graph_key)
         img_attn, txt_attn = self.attn(img_rows, txt_rows, joint, self, (img_scale, txt_scale))
-        return graphs.graphed_block(self, "post", dict(
-            hidden_states=hidden_states, encoder_hidden_states=encoder_hidden_states, img_attn=img_attn,
-            txt_attn=txt_attn, img_mods=img_mods, txt_mods=txt_mods), after, joint.graph_key)
+        return graphs.graphed_block(
+            self, "post", streams | dict(img_attn=img_attn, txt_attn=txt_attn, img_mods=img_mods, txt_mods=txt_mods),
+            functools.partial(self.stock_post, joint), joint.graph_key)
 
-    def _stock_forward(self, img, txt, joint: JointInputs, mods=None):
-        img_mods, txt_mods = mods if mods is not None else self.modulation(joint.silu_temb, joint.silu_temb_t)
-        _, _, img_x, txt_x = self.pre(img, txt, joint, img_mods, txt_mods)
-        batch = img.shape[0]
-        (img_rows, img_scale), (txt_rows, txt_scale) = batch_first(img_x, batch), batch_first(txt_x, batch)
-        img_attn, txt_attn = self.attn(img_rows, txt_rows, joint, self, (img_scale, txt_scale))
-        img, txt, img_tail, txt_tail = self.post(img, txt, img_attn, txt_attn, joint, img_mods, txt_mods)
+    def stock_pre(self, joint: JointInputs, hidden_states, encoder_hidden_states, img_mods=None, txt_mods=None):
+        """diffusers' block up to its attention module: (img_mods, txt_mods, then the image and text rows the QKV
+        GEMMs take, batch-first, each with its FP8 row scales or None). Modulation from a table, or computed here."""
+        if img_mods is None:
+            img_mods, txt_mods = self.modulation(joint.silu_temb, joint.silu_temb_t)
+        _, _, img_x, txt_x = self.pre(hidden_states, encoder_hidden_states, joint, img_mods, txt_mods)
+        batch = hidden_states.shape[0]
+        return img_mods, txt_mods, *batch_first(img_x, batch), *batch_first(txt_x, batch)
+
+    def stock_post(self, joint: JointInputs, hidden_states, encoder_hidden_states, img_attn, txt_attn, img_mods,
+                   txt_mods):
+        """diffusers' block after its attention module: (encoder_hidden_states, hidden_states), residuals added."""
+        img, txt, img_tail, txt_tail = self.post(hidden_states, encoder_hidden_states, img_attn, txt_attn, joint,
+                                                 img_mods, txt_mods)
         return add_tail(txt, txt_tail, None), add_tail(img, img_tail, joint.mod_row)
+
+    def _stock_forward(self, joint: JointInputs, hidden_states, encoder_hidden_states, img_mods=None, txt_mods=None):
+        img_mods, txt_mods, img_rows, img_scale, txt_rows, txt_scale = self.stock_pre(
+            joint, hidden_states, encoder_hidden_states, img_mods, txt_mods)
+        img_attn, txt_attn = self.attn(img_rows, txt_rows, joint, self, (img_scale, txt_scale))
+        return self.stock_post(joint, hidden_states, encoder_hidden_states, img_attn, txt_attn, img_mods, txt_mods)
 
 
 def hooked_inside(block: nn.Module) -> set[str]:

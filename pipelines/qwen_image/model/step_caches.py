@@ -11,9 +11,10 @@ to the stock one: each finds what it hooks by the same module names and classes,
 So with the same config, inputs and seed the hooks make the decisions they make on the stock model, from the same
 values up to the kernels' rounding (tests/pipelines/test_step_caches.py compares the two).
 
-While a cache is enabled the forwards run eagerly and one by one under their cache_context (the hooks keep a state
-per context and decide on the host inside the forward): optimizations.py plans CUDA graphs and batched CFG off and
-says why. FastConfig(cache=...) is the fast pipeline's own step cache (runtime/step_cache.py), graphed.
+While a cache is enabled the forwards run one by one under their cache_context (the hooks keep a state per context
+and decide on the host inside the forward): optimizations.py plans batched CFG off and says why, and CUDA graphs per
+block (runtime/runner.py, graphed_block). FastConfig(cache=...) is the fast pipeline's own step cache
+(runtime/step_cache.py), graphed per piece of a forward.
 """
 
 import contextlib

@@ -79,8 +79,8 @@ class Graphs:
         if key not in self.graphs:
             static = None
             if self.shared:
-                static = self.inputs.setdefault((kind, signature(inputs)), {
-                    name: v.clone() for name, v in inputs.items() if isinstance(v, torch.Tensor)})
+                static = self.filled(kind, {name: v for name, v in inputs.items() if isinstance(v, torch.Tensor)},
+                                     fill=False)
                 if self.pool is None:
                     self.pool = torch.cuda.graph_pool_handle()
             try:
