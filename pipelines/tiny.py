@@ -9,6 +9,8 @@ prompt of QwenImagePipeline's template, so that, as with the real tokenizer, the
 (`prompt_template_encode_start_idx`) and the prompt's own tokens start right after it.
 """
 
+import contextlib
+import importlib
 import inspect
 
 import torch
@@ -97,6 +99,26 @@ LAYERED_VAE = dict(input_channels=4, z_dim=8, latents_mean=[0.0] * 8, latents_st
 
 
 TINY_HEADS = 3  # the tiny transformer's attention heads (24 in the real model)
+# The tiny transformer's and VAE's constructor arguments (the real values in the comments).
+TINY_TRANSFORMER = {
+    "patch_size": 2,
+    "in_channels": 16,  # 64
+    "out_channels": 4,  # 16
+    "num_layers": 2,  # 60
+    "attention_head_dim": 16,  # 128
+    "num_attention_heads": TINY_HEADS,  # 24
+    "joint_attention_dim": 16,  # 3584
+    "axes_dims_rope": (8, 4, 4),  # (16, 56, 56)
+}
+TINY_VAE = {
+    "base_dim": 24,  # 96
+    "z_dim": 4,  # 16
+    "dim_mult": [1, 2, 4],  # [1, 2, 4, 4]
+    "num_res_blocks": 1,  # 2
+    "temperal_downsample": [False, True],  # [False, True, True]
+    "latents_mean": [0.0] * 4,
+    "latents_std": [1.0] * 4,
+}
 
 
 def tiny_components(seed: int = 0, vision: bool = False, transformer_config: dict | None = None,
@@ -105,28 +127,9 @@ def tiny_components(seed: int = 0, vision: bool = False, transformer_config: dic
     (tiny_vl_processor) and a text encoder that reads images. transformer_config / vae_config: constructor overrides
     (e.g. zero_cond_t=True for Edit-2511, LAYERED_TRANSFORMER)."""
     torch.manual_seed(seed)
-    transformer = QwenImageTransformer2DModel(**{
-        "patch_size": 2,
-        "in_channels": 16,  # 64
-        "out_channels": 4,  # 16
-        "num_layers": 2,  # 60
-        "attention_head_dim": 16,  # 128
-        "num_attention_heads": TINY_HEADS,  # 24
-        "joint_attention_dim": 16,  # 3584
-        "axes_dims_rope": (8, 4, 4),  # (16, 56, 56)
-        **(transformer_config or {}),
-    })
+    transformer = QwenImageTransformer2DModel(**{**TINY_TRANSFORMER, **(transformer_config or {})})
     torch.manual_seed(seed)
-    vae = AutoencoderKLQwenImage(**{
-        "base_dim": 24,  # 96
-        "z_dim": 4,  # 16
-        "dim_mult": [1, 2, 4],  # [1, 2, 4, 4]
-        "num_res_blocks": 1,  # 2
-        "temperal_downsample": [False, True],  # [False, True, True]
-        "latents_mean": [0.0] * 4,
-        "latents_std": [1.0] * 4,
-        **(vae_config or {}),
-    })
+    vae = AutoencoderKLQwenImage(**{**TINY_VAE, **(vae_config or {})})
     torch.manual_seed(seed)
     tokenizer = tiny_tokenizer(vision)
     config = Qwen2_5_VLConfig(
@@ -156,6 +159,29 @@ def tiny_components(seed: int = 0, vision: bool = False, transformer_config: dic
     components = dict(transformer=transformer, vae=vae, scheduler=scheduler, text_encoder=text_encoder,
                       tokenizer=tokenizer)
     return components | (dict(processor=tiny_vl_processor(tokenizer)) if vision else {})
+
+
+# The edit and layered pipelines resize their input images to a fixed area (1024x1024 for the VAE, 384x384 for the VL;
+# 640x640 or 1024x1024 for layered): 4096 condition tokens take minutes in Triton's interpreter with a test model.
+CONDITION_AREA_DIVISOR = 256
+CONDITION_IMAGE_PIPELINES = ("edit", "edit_plus", "edit_inpaint", "layered")
+
+
+@contextlib.contextmanager
+def small_condition_images(divisor: int = CONDITION_AREA_DIVISOR):
+    """Inside: diffusers' edit and layered pipelines (stock and fast alike) resize their input images, and size an
+    output sized from them, to 1/divisor of the area they use (1024x1024 -> 64x64). For test-size models only: it
+    changes what the pipelines compute, so the command line records it with each image."""
+    modules = [importlib.import_module(f"diffusers.pipelines.qwenimage.pipeline_qwenimage_{name}")
+               for name in CONDITION_IMAGE_PIPELINES]
+    originals = [module.calculate_dimensions for module in modules]
+    for module, dims in zip(modules, originals):
+        module.calculate_dimensions = lambda area, ratio, dims=dims: dims(area / divisor, ratio)
+    try:
+        yield
+    finally:
+        for module, dims in zip(modules, originals):
+            module.calculate_dimensions = dims
 
 
 def tiny_pipeline(pipeline_class=QwenImagePipeline, seed: int = 0, transformer_config: dict | None = None,

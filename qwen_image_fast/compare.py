@@ -1,49 +1,155 @@
-"""Compare two folders of images paired by file name: PSNR, SSIM and max |A-B| per pair, labeled side-by-side grids
-(A | B | amplified difference, JPEG) and an index.html report with relative paths.
+"""Compare two folders of images: pair what is the same image in both (the prompt, seed, size and input images that
+a render recorded), then PSNR, SSIM and max |A-B| per pair, labeled side-by-side grids (A | B | amplified
+difference, JPEG) and an index.html report with relative paths and both sides' settings.
+
+Pairing. Each image's settings are its manifest.jsonl line, else the settings embedded in the file (cli/output.py).
+Two images pair when they agree on IDENTITY, whatever their file names and formats (a PNG folder pairs with a WebP
+one); everything else (steps, cfg, preset, options, applied, ...) may differ, and the report shows what does. An
+image left over pairs by file stem only when the two agree on IDENTITY after all (else the pair is refused and the
+report names the differing fields) or, for images that record no settings (not rendered by this tool), with
+by_name=True (--by-name). Nothing is ever paired by its name alone without --by-name.
 
 PSNR = 10 log10(255^2 / MSE) over all pixels and RGB channels (inf for identical images). SSIM is scikit-image's
 (7x7 window, per channel, averaged); it is imported only here, so the rest of the CLI works without it.
 
-A comparison fails (Report.failures) when nothing pairs, when a pair cannot be measured (a file unreadable, the
-sizes differ), or when a pair is below min_psnr.
+A comparison fails (Report.failures) when a pair is refused, when a pair cannot be measured (a file unreadable, the
+sizes differ), or when a pair is below min_psnr. When nothing pairs at all it writes no report (`no_pairs_reason`).
 """
 
 import html
+import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import quote
 
 import numpy as np
 from PIL import Image, ImageDraw, ImageFont
 
+from .cli.manifest import read_records
 from .cli.output import read_settings
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp")
+# What an image is: two images are comparable only when they agree on these (input images and masks by content).
+IDENTITY = ("prompt", "seed", "width", "height", "images", "mask")
+# Recorded per image but not a setting of it: never shown as a difference.
+NOT_SETTINGS = ("file", "id", "index", "time", "rank", "seconds", "enhance_seconds", "note", "enhancer_note")
 DIFF_GAIN = 8  # the difference panel shows |A-B| x 8, clipped to 255
 PANEL_MIN, PANEL_MAX = 256, 768  # long side of a grid panel in pixels: small images scaled up, large ones down
 HEADER, GAP = 26, 6
 
 
 @dataclass
+class ImageFile:
+    """One image file of a folder and its settings ({} when it records none)."""
+
+    path: Path
+    settings: dict
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    @property
+    def stem(self) -> str:
+        return self.path.stem
+
+
+def comparable_value(key: str, value):
+    """A setting as compared: input images, masks and LoRAs by content (sha256), not by where their files were."""
+    if key == "images" and isinstance(value, list):
+        return [r.get("sha256") if isinstance(r, dict) else r for r in value]
+    if key == "mask" and isinstance(value, dict):
+        return value.get("sha256")
+    if key == "loras" and isinstance(value, list):
+        return [(r.get("sha256"), r.get("scale")) if isinstance(r, dict) else r for r in value]
+    return value
+
+
+def identity(settings: dict) -> str:
+    return json.dumps([comparable_value(key, settings.get(key)) for key in IDENTITY], sort_keys=True)
+
+
+def differing(a: dict, b: dict, keys) -> list[str]:
+    return [key for key in keys if comparable_value(key, a.get(key)) != comparable_value(key, b.get(key))]
+
+
+def shown(key: str, value, limit: int = 40) -> str:
+    """A setting as a difference shows it: input images, masks and LoRAs by content (sha256, its first 12 digits),
+    cut to `limit` characters."""
+    def abbreviate(v):
+        if isinstance(v, (list, tuple)):
+            return [abbreviate(x) for x in v]
+        return v[:12] if isinstance(v, str) and len(v) == 64 else v
+
+    text = repr(abbreviate(comparable_value(key, value)) if key in ("images", "mask", "loras") else value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+@dataclass
 class Pair:
-    name: str
-    psnr: float | None  # dB; inf when identical; None when the sizes differ or a file is unreadable
-    ssim: float | None  # None as psnr, or when an image is under 7 pixels a side
-    max_abs_diff: int | None
-    grid: str | None  # path relative to the report folder
-    prompt: str | None  # from the settings embedded in A's image, if any
-    model_note: str | None  # e.g. that tiny-random images are noise, from the embedded settings
+    a: ImageFile
+    b: ImageFile
+    how: str  # "settings": they agree on IDENTITY; "name": --by-name, settings missing on a side
+    psnr: float | None = None  # dB; inf when identical; None when the sizes differ or a file is unreadable
+    ssim: float | None = None  # None as psnr, or when an image is under 7 pixels a side
+    max_abs_diff: int | None = None
+    grid: str | None = None  # path relative to the report folder
     note: str = ""
+
+    @property
+    def name(self) -> str:
+        return self.a.name if self.a.name == self.b.name else f"{self.a.name} = {self.b.name}"
+
+    @property
+    def differences(self) -> list[str]:
+        """The settings the two sides differ in (IDENTITY agrees), e.g. "steps 50 | 8"."""
+        keys = [k for k in {**self.a.settings, **self.b.settings} if k not in NOT_SETTINGS]
+        return [f"{key} {shown(key, self.a.settings.get(key))} | {shown(key, self.b.settings.get(key))}"
+                for key in differing(self.a.settings, self.b.settings, keys)]
+
+    @property
+    def model_note(self) -> str | None:
+        return self.a.settings.get("note") or self.b.settings.get("note")
+
+
+@dataclass
+class Refused:
+    """Two images of the same file stem that are not the same image (or record no settings, without --by-name)."""
+
+    a: ImageFile
+    b: ImageFile
+    why: str
+
+
+@dataclass
+class Pairing:
+    pairs: list[Pair]
+    refused: list[Refused]
+    only_a: list[str]
+    only_b: list[str]
+
+    def no_pairs_reason(self) -> str | None:
+        """One line when nothing is comparable (no report is written then), else None."""
+        if self.pairs:
+            return None
+        if self.refused:
+            return (f"no comparable pair: {len(self.refused)} image(s) of the same name are not the same image "
+                    f"({self.refused[0].a.name}: {self.refused[0].why})")
+        return ("no comparable pair: no image of A has the same prompt, seed, size and input images as one of B "
+                "(nor the same file name)")
 
 
 @dataclass
 class Report:
     pairs: list[Pair]
+    refused: list[Refused]
     only_a: list[str]
     only_b: list[str]
     min_psnr: float | None
     report_dir: Path
+    a_dir: Path = field(default=Path("A"))
+    b_dir: Path = field(default=Path("B"))
 
     def unmeasured(self) -> list[Pair]:
         """Pairs without a PSNR: a file unreadable, or the sizes differ."""
@@ -61,7 +167,10 @@ class Report:
 
     def failures(self) -> list[str]:
         """Why the comparison fails, one reason a line; [] when it passes."""
-        reasons = [] if self.pairs else ["no pair: no file name is in both folders"]
+        reasons = [] if self.pairs else ["no comparable pair"]
+        if self.refused:
+            reasons.append(f"{len(self.refused)} pair(s) refused (not the same image): "
+                           + ", ".join(f"{r.a.name} ({r.why})" for r in self.refused))
         if self.unmeasured():
             reasons.append(f"{len(self.unmeasured())} pair(s) not measured (unreadable, or the sizes differ): "
                            + ", ".join(p.name for p in self.unmeasured()))
@@ -90,10 +199,68 @@ def structural_similarity_function():
     return structural_similarity
 
 
-def images_in(folder: Path) -> dict[str, Path]:
-    """Image files by name; hidden files (a render's .tmp-* files) are left out."""
-    return {p.name: p for p in sorted(folder.iterdir())
-            if p.is_file() and p.suffix.lower() in IMAGE_SUFFIXES and not p.name.startswith(".")}
+def images_in(folder: Path) -> list[ImageFile]:
+    """The folder's image files with their settings (manifest line, else embedded; {} when neither or the file
+    cannot be read: measuring it says why). Hidden files (a render's .tmp-* files) are left out."""
+    records = read_records(folder)
+    found = []
+    for path in sorted(folder.iterdir()):
+        if not path.is_file() or path.suffix.lower() not in IMAGE_SUFFIXES or path.name.startswith("."):
+            continue
+        settings = records.get(path.name)
+        if settings is None:
+            try:
+                settings = read_settings(path)
+            except (OSError, SyntaxError, ValueError):
+                settings = {}
+        found.append(ImageFile(path, settings))
+    return found
+
+
+def match(left: list[ImageFile], right: list[ImageFile], same) -> list[tuple[ImageFile, ImageFile]]:
+    """Pairs (l, r) with same(l, r), each image in at most one, in order; the matched images leave the lists."""
+    matched = []
+    for l_image in list(left):
+        r_image = next((r for r in right if same(l_image, r)), None)
+        if r_image is not None:
+            matched.append((l_image, r_image))
+            left.remove(l_image), right.remove(r_image)
+    return matched
+
+
+def pair_images(a_images: list[ImageFile], b_images: list[ImageFile], by_name: bool = False) -> Pairing:
+    """The module docstring's pairing: by IDENTITY (several images of one identity on a side: by file name, then
+    by stem, among them), then the rest by file stem, refused unless they agree or --by-name pairs images that
+    record no settings."""
+    left = [image for image in a_images if image.settings]
+    right = [image for image in b_images if image.settings]
+    by_identity = []
+    for key in dict.fromkeys(identity(image.settings) for image in left):
+        l_group = [image for image in left if identity(image.settings) == key]
+        r_group = [image for image in right if identity(image.settings) == key]
+        if len(l_group) == 1 and len(r_group) == 1:
+            by_identity.append((l_group[0], r_group[0]))
+        else:
+            by_identity += match(l_group, r_group, lambda l, r: l.name == r.name)
+            by_identity += match(l_group, r_group, lambda l, r: l.stem == r.stem)
+    paired = {id(image) for pair in by_identity for image in pair}
+    rest_a = [image for image in a_images if id(image) not in paired]
+    rest_b = [image for image in b_images if id(image) not in paired]
+    same_name = match(rest_a, rest_b, lambda l, r: l.name == r.name) + match(rest_a, rest_b,
+                                                                             lambda l, r: l.stem == r.stem)
+    pairs, refused = [Pair(l, r, "settings") for l, r in by_identity], []
+    for l, r in same_name:
+        if l.settings and r.settings:
+            fields = differing(l.settings, r.settings, IDENTITY)
+            refused.append(Refused(l, r, "; ".join(f"{key} {shown(key, l.settings.get(key))} vs "
+                                                  f"{shown(key, r.settings.get(key))}" for key in fields)))
+        elif by_name:
+            pairs.append(Pair(l, r, "name"))
+        else:
+            sides = " and ".join(side for side, image in (("A", l), ("B", r)) if not image.settings)
+            refused.append(Refused(l, r, f"no settings recorded in {sides} (not rendered by qwen-image-fast, or "
+                                         "unreadable): --by-name pairs such images by file name"))
+    return Pairing(sorted(pairs, key=lambda p: p.a.name), refused, [i.name for i in rest_a], [i.name for i in rest_b])
 
 
 def load_rgb(path: Path) -> np.ndarray:
@@ -139,20 +306,21 @@ def make_grid(a: np.ndarray, b: np.ndarray, titles: tuple[str, str, str]) -> Ima
     return grid
 
 
-def compare_pair(name: str, a_path: Path, b_path: Path, report_dir: Path, titles: tuple[str, str]) -> Pair:
+def measure(pair: Pair, report_dir: Path, titles: tuple[str, str]):
+    """PSNR, SSIM, max |A-B| and the grid of one pair, or a note saying why it cannot be measured."""
     try:
-        a, b = load_rgb(a_path), load_rgb(b_path)
-        a_settings, b_settings = read_settings(a_path), read_settings(b_path)
+        a, b = load_rgb(pair.a.path), load_rgb(pair.b.path)
     except (OSError, SyntaxError, ValueError) as e:  # not an image after all, truncated, a broken chunk
-        return Pair(name, None, None, None, None, None, None, f"unreadable: {e}")
-    prompt, model_note = a_settings.get("prompt"), a_settings.get("note") or b_settings.get("note")
+        pair.note = f"unreadable: {e}"
+        return
     if a.shape != b.shape:
-        note = f"sizes differ: {a.shape[1]}x{a.shape[0]} vs {b.shape[1]}x{b.shape[0]}"
-        return Pair(name, None, None, None, None, prompt, model_note, note)
-    max_abs_diff = int(np.abs(a.astype(np.int16) - b.astype(np.int16)).max())
-    grid = f"grids/{name}.jpg"
-    make_grid(a, b, (*titles, f"|A-B| x{DIFF_GAIN} (max {max_abs_diff})")).save(report_dir / grid, quality=90)
-    return Pair(name, psnr(a, b), ssim(a, b), max_abs_diff, grid, prompt, model_note)
+        pair.note = f"sizes differ: {a.shape[1]}x{a.shape[0]} vs {b.shape[1]}x{b.shape[0]}"
+        return
+    pair.max_abs_diff = int(np.abs(a.astype(np.int16) - b.astype(np.int16)).max())
+    pair.psnr, pair.ssim = psnr(a, b), ssim(a, b)
+    pair.grid = f"grids/{pair.a.name}.jpg"
+    make_grid(a, b, (*titles, f"|A-B| x{DIFF_GAIN} (max {pair.max_abs_diff})")).save(report_dir / pair.grid,
+                                                                                      quality=90)
 
 
 def prepare_report_dir(out: str | Path) -> Path:
@@ -164,37 +332,57 @@ def prepare_report_dir(out: str | Path) -> Path:
     return report_dir
 
 
-def compare_folders(a_dir: str | Path, b_dir: str | Path, report_dir: Path, min_psnr: float | None = None) -> Report:
-    """Pair a_dir's and b_dir's images by file name, write grids and index.html into report_dir."""
+def compare_pairs(pairing: Pairing, a_dir: str | Path, b_dir: str | Path, report_dir: Path,
+                  min_psnr: float | None = None) -> Report:
+    """Measure the pairs of pair_images(a_dir, b_dir), write their grids and index.html into report_dir."""
     a_dir, b_dir = Path(a_dir), Path(b_dir)
-    a_images, b_images = images_in(a_dir), images_in(b_dir)
     titles = (f"A: {a_dir.resolve().name}", f"B: {b_dir.resolve().name}")
-    pairs = [compare_pair(name, a_images[name], b_images[name], report_dir, titles)
-             for name in sorted(a_images.keys() & b_images.keys())]
-    report = Report(pairs, sorted(a_images.keys() - b_images.keys()), sorted(b_images.keys() - a_images.keys()),
-                    min_psnr, report_dir)
-    write_html(report, a_dir, b_dir)
+    for pair in pairing.pairs:
+        measure(pair, report_dir, titles)
+    report = Report(pairing.pairs, pairing.refused, pairing.only_a, pairing.only_b, min_psnr, report_dir, a_dir,
+                    b_dir)
+    write_html(report)
     return report
+
+
+def compare_folders(a_dir: str | Path, b_dir: str | Path, report_dir: Path, min_psnr: float | None = None,
+                    by_name: bool = False) -> Report:
+    pairing = pair_images(images_in(Path(a_dir)), images_in(Path(b_dir)), by_name)
+    return compare_pairs(pairing, a_dir, b_dir, report_dir, min_psnr)
 
 
 def format_number(value: float | None, digits: int) -> str:
     return "-" if value is None else "inf" if math.isinf(value) else f"{value:.{digits}f}"
 
 
-def write_html(report: Report, a_dir: Path, b_dir: Path):
+def settings_table(pair: Pair) -> str:
+    """Both sides' settings, one row each, the differing rows marked."""
+    keys = [k for k in {**pair.a.settings, **pair.b.settings} if k not in NOT_SETTINGS]
+    differ = set(differing(pair.a.settings, pair.b.settings, keys))
+    rows = "".join(f'<tr class="{"differs" if key in differ else ""}"><td>{html.escape(key)}</td>'
+                   f"<td>{html.escape(str(pair.a.settings.get(key, '-')))}</td>"
+                   f"<td>{html.escape(str(pair.b.settings.get(key, '-')))}</td></tr>" for key in keys)
+    return f"<table><tr><th>setting</th><th>A</th><th>B</th></tr>{rows}</table>" if keys else ""
+
+
+def write_html(report: Report):
     failing = {p.name for p in report.below() + report.unmeasured()}
-    title = f"{html.escape(str(a_dir))} (A) vs {html.escape(str(b_dir))} (B)"
+    title = f"{html.escape(str(report.a_dir))} (A) vs {html.escape(str(report.b_dir))} (B)"
     rows = "\n".join(
         f'<tr class="{"fail" if p.name in failing else ""}"><td><a href="#{quote(p.name)}">{html.escape(p.name)}</a>'
         f"</td><td>{format_number(p.psnr, 2)}</td><td>{format_number(p.ssim, 4)}</td>"
         f"<td>{'-' if p.max_abs_diff is None else p.max_abs_diff}</td>"
-        f"<td>{html.escape(p.note or p.prompt or '')}</td></tr>"
+        f"<td>{html.escape(p.note or str(p.a.settings.get('prompt', '')))}</td>"
+        f"<td>{html.escape('; '.join(p.differences))}</td></tr>"
         for p in report.pairs)
     grids = "\n".join(
         f'<h3 id="{quote(p.name)}">{html.escape(p.name)}: PSNR {format_number(p.psnr, 2)} dB</h3>'
-        f'<img src="{quote(p.grid)}" alt="{html.escape(p.name)}: A, B, difference">'
-        for p in report.pairs if p.grid)
-    unpaired = "".join(f"<li>only in A: {html.escape(n)}</li>" for n in report.only_a)
+        + (f'<img src="{quote(p.grid)}" alt="{html.escape(p.name)}: A, B, difference">' if p.grid else "")
+        + settings_table(p)
+        for p in report.pairs)
+    unpaired = "".join(f"<li>refused: {html.escape(r.a.name)} and {html.escape(r.b.name)}: {html.escape(r.why)}</li>"
+                       for r in report.refused)
+    unpaired += "".join(f"<li>only in A: {html.escape(n)}</li>" for n in report.only_a)
     unpaired += "".join(f"<li>only in B: {html.escape(n)}</li>" for n in report.only_b)
     verdict = f"<p><b>{html.escape(report.verdict())}</b></p>"
     notes = "".join(f"<p><b>Note: these images are {html.escape(note)}.</b></p>" for note in report.model_notes)
@@ -202,13 +390,14 @@ def write_html(report: Report, a_dir: Path, b_dir: Path):
 <html><head><meta charset="utf-8"><title>{title}</title>
 <style>body{{font-family:sans-serif;margin:2em}} table{{border-collapse:collapse}}
 td,th{{border:1px solid #ccc;padding:4px 8px;text-align:left}} tr.fail{{background:#fdd}}
-img{{max-width:100%}}</style></head>
+tr.differs{{background:#ffd}} img{{max-width:100%}}</style></head>
 <body><h1>{title}</h1>
-<p>{len(report.pairs)} pair(s) by file name. Grids: A | B | |A-B| x{DIFF_GAIN}.</p>{verdict}{notes}
-<table><tr><th>image</th><th>PSNR (dB)</th><th>SSIM</th><th>max |A-B|</th><th>prompt</th></tr>
+<p>{len(report.pairs)} pair(s) of the same image (prompt, seed, size, input images). Grids: A | B | |A-B|
+x{DIFF_GAIN}; under each, both sides' settings (differences highlighted).</p>{verdict}{notes}
+<table><tr><th>image</th><th>PSNR (dB)</th><th>SSIM</th><th>max |A-B|</th><th>prompt</th><th>A | B differ in</th></tr>
 {rows}
 </table>
-{f"<h2>Unpaired</h2><ul>{unpaired}</ul>" if unpaired else ""}
+{f"<h2>Not paired</h2><ul>{unpaired}</ul>" if unpaired else ""}
 {grids}
 </body></html>
 """, encoding="utf-8")
@@ -220,12 +409,15 @@ def format_table(report: Report) -> str:
     for p in report.pairs:
         lines.append(f"{p.name:<{width}}  {format_number(p.psnr, 2):>8}  {format_number(p.ssim, 4):>6}  "
                      f"{'-' if p.max_abs_diff is None else p.max_abs_diff:>8}  {p.note}".rstrip())
+        if p.differences:
+            lines.append(f"{'':<{width}}  A | B: " + "; ".join(p.differences))
+        if p.how == "name":
+            lines.append(f"{'':<{width}}  paired by file name (--by-name): a side records no settings")
     measured = [p for p in report.pairs if p.psnr is not None]
     if measured:
         lines.append(f"{len(report.pairs)} pair(s): worst PSNR {format_number(min(p.psnr for p in measured), 2)} dB, "
                      f"worst max|A-B| {max(p.max_abs_diff for p in measured)}")
-    else:
-        lines.append("no pair of images with the same name and size")
+    lines += [f"refused: {r.a.name} and {r.b.name}: {r.why}" for r in report.refused]
     lines += [f"only in A: {name}" for name in report.only_a] + [f"only in B: {name}" for name in report.only_b]
     lines += [f"note: these images are {note}" for note in report.model_notes]
     lines.append(report.verdict())

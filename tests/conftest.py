@@ -12,20 +12,17 @@ os.environ["QWEN_IMAGE_FAST_POISON"] = "1"
 # No hub access here or in CI; without this each missing hub file costs ~30 s of retries.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import importlib  # noqa: E402
-
 import pytest  # noqa: E402
 
 
 @pytest.fixture
-def small_condition_images(monkeypatch):
-    """The edit and layered pipelines resize their input images to a fixed area (1024x1024 for the VAE, 384x384 for
-    the VL; 640x640 or 1024x1024 for layered): 1/256 of it here, the same for stock and fast (4096 condition
-    tokens would take minutes in Triton's interpreter)."""
-    for name in ("edit", "edit_plus", "edit_inpaint", "layered"):
-        module = importlib.import_module(f"diffusers.pipelines.qwenimage.pipeline_qwenimage_{name}")
-        monkeypatch.setattr(module, "calculate_dimensions",
-                            lambda area, ratio, dims=module.calculate_dimensions: dims(area / 256, ratio))
+def small_condition_images():
+    """The edit and layered pipelines' input images at 1/256 of their area, the same for stock and fast (what the
+    command line does for test-size models: pipelines/tiny.py)."""
+    from qwen_image_fast.pipelines.tiny import small_condition_images
+
+    with small_condition_images():
+        yield
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,5 +1,7 @@
 """Helpers shared by the tests (tests/ is on sys.path through pytest's rootdir conftest)."""
 
+import contextlib
+import logging
 import math
 import os
 
@@ -23,6 +25,24 @@ DEVICES = [
                                                  reason="Triton interpreter off (GPU machine)")),
     pytest.param("cuda", marks=pytest.mark.gpu),
 ]
+
+
+@contextlib.contextmanager
+def diffusers_warnings():
+    """The messages diffusers logs at WARNING and above inside the block (its loggers do not propagate to the root
+    logger, so caplog does not see them)."""
+    messages = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            messages.append(record.getMessage())
+
+    library, handler = logging.getLogger("diffusers"), Keep(logging.WARNING)
+    library.addHandler(handler)
+    try:
+        yield messages
+    finally:
+        library.removeHandler(handler)
 
 
 def assert_close(out: torch.Tensor, ref: torch.Tensor, tol: float, what: str = ""):

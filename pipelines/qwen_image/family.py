@@ -21,6 +21,7 @@ import diffusers
 
 from .config import FastConfig
 from .fast_pipeline import FastPipelineMixin
+from .samplers import one_step_refusal
 
 
 def fast_init(stock_init):
@@ -40,8 +41,16 @@ def fast_init(stock_init):
 def fast_call(stock_call):
     """The __call__ of a fast class: the stock one (its signature), inside the pipeline's runner for the call."""
 
+    signature = inspect.signature(stock_call)
+
     @functools.wraps(stock_call)
     def __call__(self, *args, **kwargs):
+        bound = signature.bind(self, *args, **kwargs)
+        bound.apply_defaults()
+        refusal = one_step_refusal(self.scheduler, bound.arguments.get("num_inference_steps"),
+                                   bound.arguments.get("sigmas"))
+        if refusal:
+            raise ValueError(refusal)
         with self._fast_call(kwargs.get("attention_kwargs")):
             return stock_call(self, *args, **kwargs)
 

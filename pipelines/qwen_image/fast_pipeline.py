@@ -72,7 +72,24 @@ def load_stock(pipeline_class: type, path_or_id, *args, **kwargs):
         from .vl_processor import load_processor_without_torchvision
 
         kwargs["processor"] = load_processor_without_torchvision(local_folder(path_or_id, "processor"))
-    return pipeline_class.from_pretrained(path_or_id, *args, **kwargs)
+    if not isinstance(kwargs.get("transformer"), FastQwenImageTransformer):
+        return pipeline_class.from_pretrained(path_or_id, *args, **kwargs)
+    # a fast checkpoint's transformer, handed to the stock class: its type check would warn that it is not the
+    # stock transformer class (the fast class wraps it on purpose)
+    type_check = logging.getLogger("diffusers.pipelines.pipeline_utils")
+    expected = ExpectedTransformerType()
+    type_check.addFilter(expected)
+    try:
+        return pipeline_class.from_pretrained(path_or_id, *args, **kwargs)
+    finally:
+        type_check.removeFilter(expected)
+
+
+class ExpectedTransformerType(logging.Filter):
+    """Drops diffusers' "Expected types for transformer" warning (load_stock with the fast transformer)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Expected types for transformer:")
 
 
 def model_index(path_or_id) -> dict:

@@ -29,11 +29,10 @@ from diffusers.pipelines.qwenimage.pipeline_output import QwenImagePipelineOutpu
 from ..qwen35.enhance import resolve_enhancer
 from .config import FastConfig
 from .fast_pipeline import FastPipelineMixin
-from .model.transformer import FastQwenImageTransformer
 from .runtime.memory import place_low_memory
 from .runtime.offload import TakingTurns
 from .runtime.parallel import MeshShape, ParallelMesh
-from .samplers import dynamic_shift, make_scheduler, set_timesteps
+from .samplers import dynamic_shift, make_scheduler, one_step_refusal, set_timesteps
 
 logger = logging.getLogger(__name__)
 
@@ -204,6 +203,9 @@ class QwenImageFastPipeline(FastPipelineMixin, QwenImagePipeline):
 
         # 1. Check inputs. Raise error if not correct
         self._check_fast_inputs(prompt, negative_prompt, num_inference_steps, num_images_per_prompt)
+        refusal = one_step_refusal(self.scheduler, num_inference_steps, sigmas)
+        if refusal:
+            raise ValueError(refusal)
         self.check_inputs(
             prompt, height, width, negative_prompt=negative_prompt, prompt_embeds=prompt_embeds,
             negative_prompt_embeds=negative_prompt_embeds, prompt_embeds_mask=prompt_embeds_mask,

@@ -22,29 +22,49 @@ step of `render` in its own file:
 torch, diffusers and the model code are imported inside functions in all of them, so that `--help` answers at once.
 """
 
+import contextlib
+import signal
 import sys
+import threading
 from pathlib import Path
 
 from .devices import (cap_memory, check_cfg_parallel, check_triton_on_cpu, distributed_env, image_group_shape,
                       memory_setting, resolve_device, start_mesh)
-from .inputs import check_pipeline_inputs
-from .jobs import command_line_entries, make_jobs, read_prompt_file, render_defaults, shard
+from .inputs import check_pipeline_inputs, sizes_from_image
+from .jobs import TINY_SIZE, TINY_STEPS, command_line_entries, make_jobs, read_prompt_file, render_defaults, shard
 from .loras import resolve_lora
 from .manifest import find_conflict
-from .models import (TINY_MODEL_ID, LoadError, check_enhancer, check_model, labels_for, load_pipeline, pipeline_class,
+from .models import (LoadError, check_enhancer, check_model, labels_for, load_pipeline, pipeline_class,
                      resolve_model)
 from .plan import dry_run_report
 from .output import missing_folders, prepare_out_dir, remove_empty_folders
 from .parser import build_parser, command_config
-from .run import format_summary, render_jobs
+from .sizes import SHRINKS_INPUTS, ModelShape, check_sizes, cpu_time_warning
+from .run import Terminated, format_summary, render_jobs
 
 INTERRUPTED = 130  # 128 + SIGINT, as shells report it
+TERMINATED = 143  # 128 + SIGTERM
 
 
 def one_line(text: str, limit: int = 400) -> str:
     """An error message from a library as one line (they can span many)."""
     text = " ".join(str(text).split())
     return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def condition_area_divisor() -> int:
+    from ..pipelines.tiny import CONDITION_AREA_DIVISOR
+
+    return CONDITION_AREA_DIVISOR
+
+
+def shrunk_inputs(divisor: int | None):
+    """The edit pipelines' input images shrunk by `divisor` (a test-size model), or nothing changed."""
+    if divisor is None:
+        return contextlib.nullcontext()
+    from ..pipelines.tiny import small_condition_images
+
+    return small_condition_images(divisor)
 
 
 def run_render(args) -> int:
@@ -67,15 +87,23 @@ def run_render(args) -> int:
             config = config.replace(parallel=args.parallel, ulysses_degree=args.ulysses)
         config = config.replace(memory=memory_setting(args.max_memory, args.preset, pipeline, args.parallel))
         loras = tuple(resolve_lora(source, scale) for source, scale in args.lora)
-        labels = labels_for(model, args.preset, config, enhancer=args.enhance, loras=loras, lightning=args.lightning)
+        model_shape = ModelShape.of(model)
+        test_size = model_shape is not None and model_shape.test_size
+        shrunk = condition_area_divisor() if test_size and pipeline in SHRINKS_INPUTS else None
+        labels = labels_for(model, args.preset, config, enhancer=args.enhance, loras=loras, lightning=args.lightning,
+                            test_width=model_shape.width if test_size else None, shrunk_inputs=shrunk)
         check_triton_on_cpu(device, labels, args.enhance)
-        jobs = make_jobs(entries, render_defaults(args, tiny=model == TINY_MODEL_ID, pipeline=pipeline))
+        jobs = make_jobs(entries, render_defaults(args, tiny=test_size, pipeline=pipeline))
         check_pipeline_inputs(jobs, pipeline, model, size_given=bool(args.aspect or args.width))
+        check_sizes(jobs, model_shape, model, device, args.max_memory)
+        warning = cpu_time_warning(jobs, model_shape, args.preset) if device.type == "cpu" else None
         if args.enhance is not None and pipeline != "QwenImagePipeline":
             raise ValueError(f"--enhance rewrites text-to-image prompts; {pipeline} ({model}) takes instructions "
                              "about an input image: leave --enhance out")
         if shape is not None:
             check_cfg_parallel(args.parallel, jobs)
+        if warning and rank == 0:
+            print(warning, file=sys.stderr, flush=True)
         if args.dry_run:
             print(dry_run_report(config, labels, pipeline, device, shape, jobs))
             return 0
@@ -95,8 +123,11 @@ def run_render(args) -> int:
     enhancer = f", prompts rewritten by {args.enhance}" if args.enhance else ""
     lora_list = "".join(f", LoRA {lora.source} x{lora.scale:g}" for lora in labels.loras)
     lightning = ", Lightning sampler" if args.lightning else ""
-    print(f"{prefix}model {model} ({why}, {pipeline}), preset {args.preset}, device {device}{lora_list}{lightning}{enhancer}; "
-          f"{len(mine)} of {len(jobs)} prompts -> {out_dir}", flush=True)
+    tiny_size = "" if sizes_from_image(pipeline) else f"{TINY_SIZE}x{TINY_SIZE} and "
+    tiny = (f", a test-size model: {tiny_size}{TINY_STEPS} steps unless given"
+            + (f", input images at 1/{shrunk} of diffusers' area" if shrunk else "")) if test_size else ""
+    print(f"{prefix}model {model} ({why}, {pipeline}{tiny}), preset {args.preset}, device {device}{lora_list}"
+          f"{lightning}{enhancer}; {len(mine)} of {len(jobs)} prompts -> {out_dir}", flush=True)
 
     def load_pipe():
         cap_memory(args.max_memory, device)
@@ -117,18 +148,23 @@ def run_render(args) -> int:
 
     mesh = start_mesh(device, shape) if shape is not None else None
     try:
-        summary = render_jobs(load_pipe, mine, out_dir, labels, fmt=args.format, resume=args.resume,
-                              batch_size=args.batch_size, rank=group_index, world_size=groups,
-                              load_enhancer=load_enhancer if args.enhance else None, group=mesh)
+        with shrunk_inputs(shrunk):
+            summary = render_jobs(load_pipe, mine, out_dir, labels, fmt=args.format, resume=args.resume,
+                                  batch_size=args.batch_size, rank=group_index, world_size=groups,
+                                  load_enhancer=load_enhancer if args.enhance else None, group=mesh)
     except LoadError as e:
         remove_empty_folders(created)
         args.parser.error(one_line(e))
     except KeyboardInterrupt as e:
         remove_empty_folders(created)
-        written = getattr(e, "written", 0)
-        print(f"{prefix}interrupted; {written} image(s) finished by this run are kept in {out_dir} (the same command "
-              "resumes)", file=sys.stderr, flush=True)
-        return INTERRUPTED
+        written, terminated = getattr(e, "written", 0), isinstance(e, Terminated) or getattr(e, "terminated", False)
+        what = "terminated (SIGTERM)" if terminated else "interrupted"
+        if not out_dir.exists():
+            kept = f"nothing was written (the empty folder {out_dir} is removed)"
+        else:
+            kept = f"{written} image(s) finished by this run are kept in {out_dir} (the same command resumes)"
+        print(f"{prefix}{what}; {kept}", file=sys.stderr, flush=True)
+        return TERMINATED if terminated else INTERRUPTED
     if mesh is None or mesh.is_image_leader:
         print(format_summary(summary, labels, out_dir, group_index, groups), flush=True)
     return 1 if summary.failed else 0
@@ -142,18 +178,38 @@ def run_compare(args) -> int:
             args.parser.error(f"{folder}: not a folder")
     try:
         compare.structural_similarity_function()
+    except ValueError as e:
+        args.parser.error(one_line(e))
+    pairing = compare.pair_images(compare.images_in(Path(args.a_dir)), compare.images_in(Path(args.b_dir)),
+                                  by_name=args.by_name)
+    if pairing.no_pairs_reason():  # one line, and no report that could be read as a pass
+        print(f"FAIL: {pairing.no_pairs_reason()}", flush=True)
+        return 1
+    try:
         report_dir = compare.prepare_report_dir(args.out)
     except ValueError as e:
         args.parser.error(one_line(e))
-    report = compare.compare_folders(args.a_dir, args.b_dir, report_dir, min_psnr=args.min_psnr)
+    report = compare.compare_pairs(pairing, args.a_dir, args.b_dir, report_dir, min_psnr=args.min_psnr)
     print(compare.format_table(report))
     return 0 if report.passed else 1
 
 
+def raise_terminated(signum, frame):
+    raise Terminated()
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    # SIGTERM handled as Ctrl-C (its handler can only be set in the main thread; restored when done)
+    previous = (signal.signal(signal.SIGTERM, raise_terminated)
+                if threading.current_thread() is threading.main_thread() else None)
     try:
         return {"render": run_render, "compare": run_compare}[args.command](args)
-    except KeyboardInterrupt:
-        print(f"qwen-image-fast {args.command}: interrupted", file=sys.stderr, flush=True)
-        return INTERRUPTED
+    except KeyboardInterrupt as e:
+        terminated = isinstance(e, Terminated)
+        print(f"qwen-image-fast {args.command}: {'terminated (SIGTERM)' if terminated else 'interrupted'}",
+              file=sys.stderr, flush=True)
+        return TERMINATED if terminated else INTERRUPTED
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)

@@ -197,15 +197,22 @@ def make_jobs(entries: list[dict], defaults: Defaults) -> list[Job]:
     return jobs
 
 
+def tiny_aspect(width: int, height: int) -> tuple[int, int]:
+    """An official size scaled to a test model's: the same aspect at about TINY_SIZE² pixels, multiples of 16."""
+    real = ASPECTS["1:1"][0]
+    return tuple(max(16, 16 * round(side * TINY_SIZE / real / 16)) for side in (width, height))
+
+
 def render_defaults(args, tiny: bool, pipeline: str = "QwenImagePipeline") -> Defaults:
     """pipeline: the class the checkpoint names; an edit pipeline sizes its output from the input image unless
-    --aspect / --width / --height say otherwise."""
+    --aspect / --width / --height say otherwise. tiny: a test-size model (cli/sizes.py), whose defaults are
+    TINY_SIZE and TINY_STEPS and whose --aspect sizes are scaled down to about TINY_SIZE²."""
     if args.aspect and (args.width or args.height):
         raise ValueError("give --aspect or --width/--height, not both")
     if (args.width is None) != (args.height is None):
         raise ValueError("give --width and --height together")
     if args.aspect:
-        width, height = ASPECTS[args.aspect]
+        width, height = tiny_aspect(*ASPECTS[args.aspect]) if tiny else ASPECTS[args.aspect]
     elif args.width:
         width, height = args.width, args.height
     elif sizes_from_image(pipeline):

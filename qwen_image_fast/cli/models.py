@@ -19,6 +19,9 @@ DEFAULT_ENHANCER_ID = "Qwen/Qwen3.5-4B"
 # "baseline" renders with diffusers' own QwenImagePipeline, untouched; every other preset with QwenImageFastPipeline.
 STOCK_PRESET = "baseline"
 TINY_NOTE = "noise from random weights (tiny-random test model), not a rendering of the prompt"
+TEST_SIZE_NOTE = "from a test-size model (transformer width {width}), not a full-size rendering of the prompt"
+# With a test-size model the edit pipelines' input images are shrunk (pipelines/tiny.py small_condition_images).
+SHRUNK_INPUTS_NOTE = "; its input images resized to 1/{divisor} of the area diffusers resizes them to"
 TINY_ENHANCER_NOTE = "gibberish from random weights (tiny-random Qwen3.5), not a rewriting of the prompt"
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
@@ -144,11 +147,18 @@ def transformer_heads(model: str) -> int | None:
 
 
 def labels_for(model: str, preset: str, config: FastConfig, enhancer: str | None = None,
-               loras: tuple[Lora, ...] = (), lightning: bool = False) -> Labels:
+               loras: tuple[Lora, ...] = (), lightning: bool = False, test_width: int | None = None,
+               shrunk_inputs: int | None = None) -> Labels:
+    """test_width: the transformer width of a test-size checkpoint (cli/sizes.py), None for a full-size one;
+    shrunk_inputs: the divisor of the input images' area when they are shrunk (a test-size edit model)."""
+    note = TINY_NOTE if model == TINY_MODEL_ID else None if test_width is None else TEST_SIZE_NOTE.format(
+        width=test_width)
+    if note is not None and shrunk_inputs:
+        note += SHRUNK_INPUTS_NOTE.format(divisor=shrunk_inputs)
     if lightning and config.scheduler != "euler":
         raise ValueError(f"--lightning samples with the Euler schedule the Lightning LoRAs were distilled for; "
                          f"--scheduler {config.scheduler} cannot go with it")
-    return Labels(model=model, preset=preset, config=config, note=TINY_NOTE if model == TINY_MODEL_ID else None,
+    return Labels(model=model, preset=preset, config=config, note=note,
                   enhancer=enhancer, enhancer_note=TINY_ENHANCER_NOTE if enhancer == TINY_ENHANCER_ID else None,
                   loras=tuple(loras), lightning=lightning)
 

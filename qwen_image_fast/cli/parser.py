@@ -23,13 +23,20 @@ def multiple_of_16(text: str) -> int:
     return value
 
 
+def folder_argument(text: str) -> str:
+    """A folder path: an empty one would mean the current folder without saying so."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"must name a folder, got {text!r} (for the current folder write .)")
+    return text
+
+
 def positive_float(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    if not math.isfinite(value) or not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}")
     return value
 
 
@@ -182,7 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"rewrite each prompt into a detailed one with a local Qwen3.5 before rendering it, stored as "
              f"enhanced_prompt (no value: {DEFAULT_ENHANCER_ID}; or a hub id or local folder; {TINY_ENHANCER_ID}: a "
              f"tiny random model, its rewrites are gibberish). Put it after the prompts, or write --enhance=ID")
-    add("--out", default="out", help="output folder (default ./out)")
+    add("--out", type=folder_argument, default="out", help="output folder (default ./out)")
     add("--format", choices=tuple(FORMATS), default="png")
     add("--device", help="cpu, cuda or cuda:N; default: cuda (cuda:LOCAL_RANK with several processes) if "
         "available, else cpu")
@@ -208,13 +215,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     compare_parser = commands.add_parser(
         "compare", help="compare two folders of images", usage="%(prog)s [options] A_DIR B_DIR --out REPORT",
-        description="Pair images by file name; PSNR, SSIM, max |A-B|; side-by-side grids and an index.html report. "
-                    "Exits 1 when nothing pairs, a pair cannot be measured (unreadable, sizes differ) or is below "
-                    "--min-psnr.")
+        description="Pair the same images of two folders (the prompt, seed, size and input images each render "
+                    "recorded; file names and formats may differ); PSNR, SSIM, max |A-B|; side-by-side grids and an "
+                    "index.html report with both sides' settings. Exits 1, writing no report, when nothing pairs; "
+                    "exits 1 when a pair is refused (the same file name, another image), cannot be measured "
+                    "(unreadable, sizes differ) or is below --min-psnr.")
     add = compare_parser.add_argument
     add("a_dir", help="folder A (e.g. the baseline's images)")
     add("b_dir", help="folder B")
-    add("--out", required=True, help="report folder")
+    add("--out", type=folder_argument, required=True, help="report folder")
+    add("--by-name", action="store_true",
+        help="pair images that record no settings (not rendered by qwen-image-fast) by file name")
     add("--min-psnr", type=finite_float(minimum=0.0), metavar="DB",
         help="exit 1 if a pair is below this PSNR (dB, finite, >= 0)")
     compare_parser.set_defaults(parser=compare_parser)

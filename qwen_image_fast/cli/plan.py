@@ -26,8 +26,10 @@ def command_facts(config: FastConfig, labels: Labels, pipeline: str, device, sha
 
 def dry_run_report(config: FastConfig, labels: Labels, pipeline: str, device, shape, jobs) -> str:
     with_cfg = sum(job.cfg > 1 and job.negative_prompt is not None for job in jobs)
+    sizes = ", ".join(dict.fromkeys(("sized from the input image" if job.width is None else
+                                     f"{job.width}x{job.height}") + f" in {job.steps} steps" for job in jobs))
     lines = [f"dry run: model {labels.model} ({pipeline}), preset {labels.preset}, device {device}; {len(jobs)} "
-             f"image(s), {with_cfg} with CFG; nothing loaded or written"]
+             f"image(s) ({sizes}), {with_cfg} with CFG; nothing loaded or written"]
     if labels.preset == STOCK_PRESET:
         return "\n".join(lines + ["diffusers' own pipeline runs, untouched: none of the optimizations below"])
     rows = [("optimization", "option", "runs", "kind", "bound, or why it does not run")]

@@ -21,12 +21,17 @@ from .models import Labels
 from .output import image_settings, remove_stale_temp_files, save_image, settings_of
 
 
-class Interrupted(KeyboardInterrupt):
-    """Ctrl-C during render_jobs, after `written` images of this run were finished (they are kept)."""
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (what `timeout` and job schedulers send), raised by the command line's handler: handled as Ctrl-C."""
 
-    def __init__(self, written: int):
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C or SIGTERM (terminated) during render_jobs, after `written` images of this run were finished (they
+    are kept)."""
+
+    def __init__(self, written: int, terminated: bool = False):
         super().__init__(written)
-        self.written = written
+        self.written, self.terminated = written, terminated
 
 
 @dataclass
@@ -64,6 +69,16 @@ ENCODE_AHEAD_IMAGES = 16  # memory="low": images whose prompts one text-encoder 
 # ~2 MB each, wait on the GPU until rendered)
 
 
+def encoded_with_mask(pipe, batch: list[Job], field: str):
+    """encode_prompt of the batch's prompts (field: "prompt" or "negative_prompt") -> (embeds, mask). encode_prompt
+    returns no mask when it is all ones; passed back as None, diffusers' check_inputs would warn that the tokens are
+    taken as valid (which they are): an all-ones mask says so, and the pipeline drops it again."""
+    import torch
+
+    embeds, mask = pipe.encode_prompt([getattr(job, field) for job in batch], device=pipe._execution_device)
+    return embeds, torch.ones(embeds.shape[:2], dtype=torch.long, device=embeds.device) if mask is None else mask
+
+
 def encode_ahead(pipe, batches: list[list[Job]], first: int) -> tuple[dict[int, dict], int]:
     """FastConfig.memory="low": the prompts and negative prompts of the text-to-image batches from `first` on,
     ENCODE_AHEAD_IMAGES images' worth, encoded before they are rendered (one text-encoder turn on the GPU for all of
@@ -77,12 +92,10 @@ def encode_ahead(pipe, batches: list[list[Job]], first: int) -> tuple[dict[int, 
         if batch[0].images:
             continue
         try:
-            embeds, mask = pipe.encode_prompt([job.prompt for job in batch], device=pipe._execution_device)
-            text = dict(prompt_embeds=embeds, prompt_embeds_mask=mask)
+            text = dict(zip(("prompt_embeds", "prompt_embeds_mask"), encoded_with_mask(pipe, batch, "prompt")))
             if batch[0].negative_prompt is not None:
-                embeds, mask = pipe.encode_prompt([job.negative_prompt for job in batch],
-                                                  device=pipe._execution_device)
-                text |= dict(negative_prompt_embeds=embeds, negative_prompt_embeds_mask=mask)
+                text |= dict(zip(("negative_prompt_embeds", "negative_prompt_embeds_mask"),
+                                 encoded_with_mask(pipe, batch, "negative_prompt")))
         except Exception:
             continue
         encoded[i - 1] = text
@@ -196,10 +209,10 @@ def render_jobs(load_pipe: Callable, jobs: list[Job], out_dir: Path, labels: Lab
                     images_bar.update()
                 summary.enhance_seconds += enhance_seconds
                 summary.seconds += time.perf_counter() - start
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
         if summary.written:
             merge_manifests(out_dir)
-        raise Interrupted(summary.written) from None
+        raise Interrupted(summary.written, terminated=isinstance(e, Terminated)) from None
     if leader:
         merge_manifests(out_dir)
     return summary

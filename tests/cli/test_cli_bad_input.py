@@ -150,7 +150,14 @@ BAD_INPUT = {
     "max-memory-too-small": (lambda tmp: ["--preset", "fast", "--max-memory", "12", "a cat"],
                              "--max-memory 12: the pipeline needs at least 22 GiB"),
     "max-memory-not-a-number": (lambda tmp: ["--max-memory", "lots", "a cat"], "must be a number, got 'lots'"),
-    "max-memory-negative": (lambda tmp: ["--max-memory", "-4", "a cat"], "must be > 0, got -4"),
+    "max-memory-negative": (lambda tmp: ["--max-memory", "-4", "a cat"], "must be a finite number > 0, got '-4'"),
+    "max-memory-inf": (lambda tmp: ["--max-memory", "inf", "a cat"], "must be a finite number > 0, got 'inf'"),
+    "out-empty": (lambda tmp: ["--out", "", "a cat"], "argument --out: must name a folder, got '' (for the current"),
+    "size-beyond-the-rotary-table": (lambda tmp: ["--width", "100000", "--height", "64", "a cat"],
+                                     "prompt 1: 100000x64: tiny-random's rotary position table reaches 49152 pixels"),
+    "size-beyond-memory": (lambda tmp: ["--width", "40000", "--height", "40000", "--max-memory", "100", "a cat"],
+                           "prompt 1: 40000x40000: needs at least 286.1 GiB (tiny-random's VAE decode and "
+                           "transformer at this size), cpu has 100.0 GiB"),
     "max-memory-stock": (lambda tmp: ["--max-memory", "24", "a cat"],
                          "needs memory='low', which runs in the fast text-to-image pipeline alone; --preset baseline"),
 }

@@ -71,18 +71,24 @@ def test_bad_image_input_exits_2_with_one_line_and_leaves_no_folder(make_args, m
 
 
 @needs_interpreter
-@pytest.mark.usefixtures("small_condition_images")
 def test_edit_renders_records_its_inputs_resumes_and_compares(checkpoints, tmp_path, capsys):
     """The class comes from model_index.json; both presets render the same edit; the inputs' paths and hashes are
-    recorded; resume skips a finished image and refuses one whose input image changed; compare pairs them."""
+    recorded; resume skips a finished image and refuses one whose input image changed; compare pairs them. A
+    test-size checkpoint: 2 steps by default, its input images shrunk (diffusers' 1024x1024 area / 256), and so
+    said, on the command line and with each image."""
     from qwen_image_fast.cli import main as cli
 
-    edit = ["--model", str(checkpoints / "edit"), "--device", "cpu", "--steps", "2", "--image",
-            str(checkpoints / "a.png"), "--image", str(checkpoints / "b.png"), "make it blue"]
+    edit = ["--model", str(checkpoints / "edit"), "--device", "cpu", "--image", str(checkpoints / "a.png"),
+            "--image", str(checkpoints / "b.png"), "make it blue"]
     for preset in ("baseline", "fast"):
         assert cli(["render", *edit, "--preset", preset, "--out", str(tmp_path / preset)]) == 0
-    assert "QwenImageEditPlusPipeline" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert ("QwenImageEditPlusPipeline, a test-size model: 2 steps unless given, input images at 1/256 of "
+            "diffusers' area)") in out
     (line,) = manifest(tmp_path / "fast")
+    assert line["steps"] == 2 and line["note"] == (
+        "from a test-size model (transformer width 48), not a full-size rendering of the prompt; its input images "
+        "resized to 1/256 of the area diffusers resizes them to")
     digest = __import__("hashlib").sha256((checkpoints / "a.png").read_bytes()).hexdigest()
     assert line["images"][0] == {"path": str(checkpoints / "a.png"), "sha256": digest}
     assert line["mask"] is None and line["strength"] is None and len(line["images"]) == 2

@@ -132,23 +132,31 @@ def test_kill_9_loses_no_finished_image_and_leaves_no_partial_file(tmp_path, cap
     assert not list(out_dir.glob(".tmp-*"))
 
 
-def test_ctrl_c_exits_130_with_one_line_and_keeps_finished_images(tmp_path):
+SIGNALS = {"ctrl-c": (signal.SIGINT, 130, "interrupted"), "sigterm": (signal.SIGTERM, 143, "terminated (SIGTERM)")}
+
+
+def start_render(args, **popen):
+    """The command line in a child process; SIGINT as a terminal sends it (a child of a non-interactive shell may
+    inherit it ignored: restored to the default)."""
+    return subprocess.Popen([sys.executable, "-m", "qwen_image_fast", *args], stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL), **popen)
+
+
+@pytest.mark.parametrize("sent, status, said", SIGNALS.values(), ids=SIGNALS.keys())
+def test_ctrl_c_and_sigterm_exit_with_one_line_and_keep_finished_images(tmp_path, sent, status, said):
     prompts = write_lines(tmp_path / "p.txt", [f"prompt number {i}" for i in range(6)])
     out_dir = tmp_path / "out"
     args = ["render", "--model", "tiny-random", "--device", "cpu", "--preset", "baseline", "--width", "64",
             "--height", "64", "--steps", "20", "--prompts", str(prompts), "--out", str(out_dir)]
-    # SIGINT as a terminal sends it; a child of a non-interactive shell may inherit it ignored: restore the default.
-    process = subprocess.Popen([sys.executable, "-m", "qwen_image_fast", *args], stdout=subprocess.DEVNULL,
-                               stderr=subprocess.PIPE, text=True,
-                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    process = start_render(args, stdout=subprocess.DEVNULL)
     manifest_path = out_dir / "manifest.jsonl"
     wait_for_manifest_lines(process, manifest_path, 1, "was interrupted")
-    process.send_signal(signal.SIGINT)
+    process.send_signal(sent)
     err = process.communicate(timeout=60)[1]
 
-    assert process.returncode == 130 and "Traceback" not in err
+    assert process.returncode == status and "Traceback" not in err
     last = err.splitlines()[-1]
-    assert last.startswith("interrupted; ") and last.endswith(f"kept in {out_dir} (the same command resumes)")
+    assert last.startswith(f"{said}; ") and last.endswith(f"kept in {out_dir} (the same command resumes)")
     listed = [line["file"] for line in manifest(out_dir)]
     assert f"; {len(listed)} image(s) finished by this run" in last and 1 <= len(listed) < 6
     on_disk = {path.name for path in images(out_dir)}
@@ -156,3 +164,19 @@ def test_ctrl_c_exits_130_with_one_line_and_keeps_finished_images(tmp_path):
     for name in on_disk:
         Image.open(out_dir / name).load()
     assert not list(out_dir.glob(".tmp-*"))
+
+
+@pytest.mark.parametrize("sent, status, said", SIGNALS.values(), ids=SIGNALS.keys())
+def test_a_signal_before_the_first_image_removes_the_new_folder_and_says_so(tmp_path, sent, status, said):
+    """Sent once the command has said what it renders (the model loading, or its first steps): the folder it
+    created is removed, and the message does not say images are kept in it."""
+    out_dir = tmp_path / "new" / "out"
+    args = ["render", "--model", "tiny-random", "--device", "cpu", "--preset", "baseline", "--width", "64",
+            "--height", "64", "--steps", "50", "--out", str(out_dir), "a cat"]
+    process = start_render(args, stdout=subprocess.PIPE)
+    assert "-> " in process.stdout.readline()  # the start line, printed before the model loads
+    process.send_signal(sent)
+    err = process.communicate(timeout=60)[1]
+    assert process.returncode == status and "Traceback" not in err
+    assert err.splitlines()[-1] == f"{said}; nothing was written (the empty folder {out_dir} is removed)"
+    assert not (tmp_path / "new").exists()

@@ -107,6 +107,15 @@ def test_optimize_matches_the_stock_pipeline(case_id):
 
 
 @pytest.mark.usefixtures("small_condition_images")
+def test_one_step_gives_nan_on_stock_and_is_refused_here():
+    """As in the text-to-image pipeline (test_pipeline.py): stock's one step is NaN, ours refuses it, naming why."""
+    latents, _ = run_case(stock("img2img"), None, **CASES["img2img"][2], num_inference_steps=1)
+    assert torch.isnan(latents).all()
+    with pytest.raises(ValueError, match="num_inference_steps=1: .* returns a black image; use 2 or more steps"):
+        run_case(optimize(stock("edit"), EXACT), None, num_inference_steps=1, image=IMAGE)
+
+
+@pytest.mark.usefixtures("small_condition_images")
 def test_unbatched_cfg_matches_stock_too():
     ref = final_latents(stock("edit_plus_2511"), "edit_plus_2511")
     fast = optimize(stock("edit_plus_2511"), EXACT.replace(batched_cfg=False))

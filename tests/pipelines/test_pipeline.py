@@ -167,6 +167,18 @@ def test_bad_input_names_the_value():
         optimize(pipe)
 
 
+def test_one_step_gives_nan_on_stock_and_is_refused_here():
+    """Stock diffusers turns one step into NaN latents (a black image); ours says why instead of running it. If a
+    diffusers release fixes its scheduler, the first assertion fails: then ours should run one step as stock does."""
+    assert torch.isnan(run(stock_pipeline(), prompt="a cat", num_inference_steps=1)).all()
+    with pytest.raises(ValueError, match=r"num_inference_steps=1: FlowMatchEulerDiscreteScheduler's shift_terminal="
+                                         r"0.02 .* stock diffusers denoises with NaN and returns a black image; use 2"):
+        run(fast_pipeline(), prompt="a cat", num_inference_steps=1)
+    with pytest.raises(ValueError, match=r"sigmas=\[1.0\]: .* returns a black image"):
+        run(fast_pipeline(), prompt="a cat", num_inference_steps=1, sigmas=[1.0])
+    run(fast_pipeline(), prompt="a cat", num_inference_steps=1, sigmas=[0.5])  # a last sigma below 1 runs
+
+
 def test_size_not_multiple_of_16_is_rounded_like_diffusers(caplog):
     # The real VAE downsamples 8x, so sizes round to multiples of 16; the tiny VAE 4x, so multiples of 8 here.
     pipe = fast_pipeline()
