@@ -119,16 +119,6 @@ def run_render(args) -> int:
     except ValueError as e:
         args.parser.error(one_line(e))
 
-    prefix = f"rank {rank}/{world_size}: " if world_size > 1 else ""
-    enhancer = f", prompts rewritten by {args.enhance}" if args.enhance else ""
-    lora_list = "".join(f", LoRA {lora.source} x{lora.scale:g}" for lora in labels.loras)
-    lightning = ", Lightning sampler" if args.lightning else ""
-    tiny_size = "" if sizes_from_image(pipeline) else f"{TINY_SIZE}x{TINY_SIZE} and "
-    tiny = (f", a test-size model: {tiny_size}{TINY_STEPS} steps unless given"
-            + (f", input images at 1/{shrunk} of diffusers' area" if shrunk else "")) if test_size else ""
-    print(f"{prefix}model {model} ({why}, {pipeline}{tiny}), preset {args.preset}, device {device}{lora_list}"
-          f"{lightning}{enhancer}; {len(mine)} of {len(jobs)} prompts -> {out_dir}", flush=True)
-
     def load_pipe():
         cap_memory(args.max_memory, device)
         try:
@@ -147,7 +137,16 @@ def run_render(args) -> int:
             raise LoadError(f"--enhance {args.enhance}: cannot load it ({type(e).__name__}: {e})") from e
 
     mesh = start_mesh(device, shape) if shape is not None else None
-    try:
+    prefix = f"rank {rank}/{world_size}: " if world_size > 1 else ""
+    try:  # from here on a signal removes the folders this run created, if they are still empty
+        enhancer = f", prompts rewritten by {args.enhance}" if args.enhance else ""
+        lora_list = "".join(f", LoRA {lora.source} x{lora.scale:g}" for lora in labels.loras)
+        lightning = ", Lightning sampler" if args.lightning else ""
+        tiny_size = "" if sizes_from_image(pipeline) else f"{TINY_SIZE}x{TINY_SIZE} and "
+        tiny = (f", a test-size model: {tiny_size}{TINY_STEPS} steps unless given"
+                + (f", input images at 1/{shrunk} of diffusers' area" if shrunk else "")) if test_size else ""
+        print(f"{prefix}model {model} ({why}, {pipeline}{tiny}), preset {args.preset}, device {device}{lora_list}"
+              f"{lightning}{enhancer}; {len(mine)} of {len(jobs)} prompts -> {out_dir}", flush=True)
         with shrunk_inputs(shrunk):
             summary = render_jobs(load_pipe, mine, out_dir, labels, fmt=args.format, resume=args.resume,
                                   batch_size=args.batch_size, rank=group_index, world_size=groups,

@@ -120,11 +120,15 @@ def test_inpainting_from_jsonl_with_images_mask_and_strength(checkpoints, tmp_pa
 def test_encode_ahead_covers_a_window_of_images_and_skips_image_inputs():
     from types import SimpleNamespace
 
-    calls = []
+    import torch
+
+    calls, negative_mask = [], torch.tensor([[1, 1, 0], [1, 0, 0]])
 
     def encode_prompt(prompts, device):
+        """[B, 3, 4] embeds; the prompts' mask all ones (so None, as diffusers returns it), the negatives' padded."""
         calls.append(prompts)
-        return f"embeds of {prompts}", None
+        embeds = torch.full((len(prompts), 3, 4), float(len(calls)))
+        return embeds, negative_mask if prompts[0] == "bad" else None
 
     pipe = SimpleNamespace(_execution_device="cpu", encode_prompt=encode_prompt)
 
@@ -136,8 +140,12 @@ def test_encode_ahead_covers_a_window_of_images_and_skips_image_inputs():
     encoded, until = encode_ahead(pipe, batches, 0)
     assert ENCODE_AHEAD_IMAGES == 16 and until == 9  # 2 + 1 + 2 x 7 = 17 images: the window is full
     assert sorted(encoded) == [0, 2, 3, 4, 5, 6, 7, 8]
-    assert encoded[0] == dict(prompt_embeds="embeds of ['p0', 'q0']", prompt_embeds_mask=None,
-                              negative_prompt_embeds="embeds of ['bad', 'bad']", negative_prompt_embeds_mask=None)
-    assert len(calls) == 16
+    assert calls[:2] == [["p0", "q0"], ["bad", "bad"]] and len(calls) == 16
+    first = encoded[0]
+    assert torch.equal(first["prompt_embeds"], torch.full((2, 3, 4), 1.0))
+    # no mask (all ones) goes back in as an all-ones mask: diffusers' check_inputs warns about a missing one
+    assert torch.equal(first["prompt_embeds_mask"], torch.ones(2, 3, dtype=torch.long))
+    assert torch.equal(first["negative_prompt_embeds"], torch.full((2, 3, 4), 2.0))
+    assert first["negative_prompt_embeds_mask"] is negative_mask
     encoded, until = encode_ahead(pipe, batches, until)
     assert sorted(encoded) == [9] and until == 10
