@@ -167,6 +167,7 @@ def test_bad_input_names_the_value():
         optimize(pipe)
 
 
+@pytest.mark.filterwarnings("ignore:invalid value encountered in divide:RuntimeWarning")  # stock's 0/0
 def test_one_step_gives_nan_on_stock_and_is_refused_here():
     """Stock diffusers turns one step into NaN latents (a black image); ours says why instead of running it. If a
     diffusers release fixes its scheduler, the first assertion fails: then ours should run one step as stock does."""
