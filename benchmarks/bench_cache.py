@@ -124,7 +124,7 @@ def main():
         if pipe is stock:
             fraction = count.n / (n_blocks * 2 * steps)
         else:
-            fraction = pipe._last_call.blocks_fraction
+            fraction = pipe.blocks_computed
         return latents, images, seconds + vae_s, fraction
 
     def report(impl, name, resolution, result, uncached, check=None, extra=None):

@@ -170,7 +170,7 @@ def cached_row(pipe, kwargs: dict, steps: int, run_steps: int, uncached: tuple, 
         line = dict(impl="ours", cache=pipe.fast_config.cache.label(), steps=steps, steps_run=run_steps,
                     s_per_image=seconds, ms_per_step=1000 * (seconds - sum(parts.values())) / run_steps,
                     rel_rms_vs_uncached=rel_rms_error(latents, uncached[2]), psnr_vs_uncached=psnr(image, uncached[3]),
-                    speedup_vs_uncached=uncached[0] / seconds, blocks_run=pipe._last_call.blocks_fraction,
+                    speedup_vs_uncached=uncached[0] / seconds, blocks_run=pipe.blocks_computed,
                     decisions=decisions, applied=pipe.applied, **parts)
     finally:
         pipe.fast_config = config

@@ -33,7 +33,8 @@ IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp")
 # What an image is: two images are comparable only when they agree on these (input images and masks by content).
 IDENTITY = ("prompt", "seed", "width", "height", "images", "mask")
 # Recorded per image but not a setting of it: never shown as a difference.
-NOT_SETTINGS = ("file", "id", "index", "time", "rank", "seconds", "enhance_seconds", "note", "enhancer_note")
+NOT_SETTINGS = ("file", "id", "index", "time", "rank", "seconds", "enhance_seconds", "note", "enhancer_note",
+                "blocks_computed")
 DIFF_GAIN = 8  # the difference panel shows |A-B| x 8, clipped to 255
 PANEL_MIN, PANEL_MAX = 256, 768  # long side of a grid panel in pixels: small images scaled up, large ones down
 HEADER, GAP = 26, 6
@@ -105,8 +106,22 @@ class Pair:
     def differences(self) -> list[str]:
         """The settings the two sides differ in (IDENTITY agrees), e.g. "steps 50 | 8"."""
         keys = [k for k in {**self.a.settings, **self.b.settings} if k not in NOT_SETTINGS]
-        return [f"{key} {shown(key, self.a.settings.get(key))} | {shown(key, self.b.settings.get(key))}"
-                for key in differing(self.a.settings, self.b.settings, keys)]
+        a, b = self.a.settings, self.b.settings
+        return [f"applied {[x for x in a.get(key, []) if x not in b.get(key, [])]} | "  # what ran on one side only
+                f"{[x for x in b.get(key, []) if x not in a.get(key, [])]}" if key == "applied" else
+                f"{key} {shown(key, a.get(key))} | {shown(key, b.get(key))}" for key in differing(a, b, keys)]
+
+    @property
+    def computed(self) -> str:
+        """With a step cache on a side: the fraction of the transformer's blocks each side's call computed."""
+        fractions = [image.settings.get("blocks_computed") for image in (self.a, self.b)]
+        if fractions == [None, None]:
+            return ""
+        def shown(image, fraction):  # an image rendered without a step cache computed every block
+            cached = any(label.startswith("step_cache") for label in image.settings.get("applied", []))
+            return f"{100 * fraction:.0f}%" if fraction is not None else "-" if cached else "100%"
+
+        return "blocks computed " + " | ".join(shown(image, f) for image, f in zip((self.a, self.b), fractions))
 
     @property
     def model_note(self) -> str | None:
@@ -373,7 +388,7 @@ def write_html(report: Report):
         f"</td><td>{format_number(p.psnr, 2)}</td><td>{format_number(p.ssim, 4)}</td>"
         f"<td>{'-' if p.max_abs_diff is None else p.max_abs_diff}</td>"
         f"<td>{html.escape(p.note or str(p.a.settings.get('prompt', '')))}</td>"
-        f"<td>{html.escape('; '.join(p.differences))}</td></tr>"
+        f"<td>{html.escape('; '.join(p.differences + ([p.computed] if p.computed else [])))}</td></tr>"
         for p in report.pairs)
     grids = "\n".join(
         f'<h3 id="{quote(p.name)}">{html.escape(p.name)}: PSNR {format_number(p.psnr, 2)} dB</h3>'
@@ -411,6 +426,8 @@ def format_table(report: Report) -> str:
                      f"{'-' if p.max_abs_diff is None else p.max_abs_diff:>8}  {p.note}".rstrip())
         if p.differences:
             lines.append(f"{'':<{width}}  A | B: " + "; ".join(p.differences))
+        if p.computed:
+            lines.append(f"{'':<{width}}  A | B: {p.computed}")
         if p.how == "name":
             lines.append(f"{'':<{width}}  paired by file name (--by-name): a side records no settings")
     measured = [p for p in report.pairs if p.psnr is not None]

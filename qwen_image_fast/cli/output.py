@@ -44,12 +44,15 @@ def settings_of(job: Job, labels: Labels) -> dict:
             | ({"enhancer_note": labels.enhancer_note} if labels.enhancer_note else {}))
 
 
-def image_settings(settings: dict, enhanced: str | None, applied: list[str]) -> dict:
-    """What an image records: settings, enhanced_prompt right after prompt (when there is one), and applied."""
+def image_settings(settings: dict, enhanced: str | None, applied: list[str],
+                   blocks_computed: float | None = None) -> dict:
+    """What an image records: settings, enhanced_prompt right after prompt (when there is one), applied, and with a
+    step cache the fraction of the transformer's blocks its call computed (pipe.blocks_computed)."""
     if enhanced is not None:
         settings = {"prompt": settings["prompt"], "enhanced_prompt": enhanced,
                     **{k: v for k, v in settings.items() if k != "prompt"}}
-    return {**settings, "applied": list(applied)}
+    cached = {} if blocks_computed is None else {"blocks_computed": round(blocks_computed, 4)}
+    return {**settings, "applied": list(applied), **cached}
 
 
 def to_json(value, ensure_ascii: bool = False) -> str:

@@ -193,6 +193,7 @@ def render_jobs(load_pipe: Callable, jobs: list[Job], out_dir: Path, labels: Lab
                     tqdm.write(f"{prefix}failed: {', '.join(job.stem for job in batch)}: {type(e).__name__}: {e}")
                     continue
                 summary.applied = tuple(getattr(pipe, "applied", ()))  # what this call ran
+                computed = getattr(pipe, "blocks_computed", None) if labels.config.cache is not None else None
                 seconds = (time.perf_counter() - start) / len(batch)
                 timing = {"seconds": round(seconds, 3)}
                 if enhancer is not None:
@@ -201,7 +202,7 @@ def render_jobs(load_pipe: Callable, jobs: list[Job], out_dir: Path, labels: Lab
                     if not leader:
                         continue
                     name = f"{job.stem}.{fmt}"
-                    settings = image_settings(settings_of(job, labels), rewrite, summary.applied)
+                    settings = image_settings(settings_of(job, labels), rewrite, summary.applied, computed)
                     save_image(image, out_dir / name, fmt, settings)
                     append_line(shard_path, dict(file=name, id=job.id, index=job.index, **settings, **timing,
                                                  rank=rank, time=time.time()))

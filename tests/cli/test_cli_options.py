@@ -42,6 +42,25 @@ def test_dry_run_says_what_would_run_and_writes_nothing(tmp_path, capsys):
     assert "diffusers' own pipeline runs, untouched" in capsys.readouterr().out and not out.exists()
 
 
+@needs_interpreter
+def test_cached_against_uncached_compare_shows_the_cache_and_the_blocks_computed(tmp_path, capsys):
+    """The same prompts and seeds with and without a step cache: compare pairs them, says which side had the cache
+    and what fraction of the transformer's blocks each computed (every:2,1,0 on the tiny model's 2 blocks, 2 steps:
+    step 2 runs block 1 only, 3 of 4)."""
+    common = ["render", *TINY, "--preset", "fast", "a cat"]
+    assert main([*common, "--out", str(tmp_path / "uncached")]) == 0
+    assert main([*common, "--cache", "every:2,1,0", "--out", str(tmp_path / "cached")]) == 0
+    [line] = manifest(tmp_path / "cached")
+    assert line["blocks_computed"] == 0.75 and "blocks_computed" not in manifest(tmp_path / "uncached")[0]
+    assert read_settings(tmp_path / "cached" / line["file"])["blocks_computed"] == 0.75
+    capsys.readouterr()
+    assert main(["compare", str(tmp_path / "uncached"), str(tmp_path / "cached"), "--out", str(tmp_path / "r")]) == 0
+    out = capsys.readouterr().out
+    assert ("A | B: applied [] | ['step_cache:dbcache:F1B0:every2:w0']; options None | {'cache': "
+            "'dbcache:F1B0:every2:w0'}") in out
+    assert "A | B: blocks computed 100% | 75%" in out
+
+
 def test_cache_is_recorded_as_applied_labels_it():
     from qwen_image_fast.cli.models import Labels
 

@@ -135,7 +135,7 @@ def test_diffusers_cache_decides_and_computes_as_on_stock(case_id, name, monkeyp
         # cond and uncond of one shape (the prompts' lengths are equal) share them
         assert len(graphs["captures"]) == BLOCKS * pieces, (name, len(graphs["captures"]))
     blocks_ran = [module for module in ran if not module.endswith(".attn")]
-    assert fast._last_call.blocks_fraction == len(blocks_ran) / (steps * 2 * BLOCKS), (name, blocks_ran)
+    assert fast.blocks_computed == len(blocks_ran) / (steps * 2 * BLOCKS), (name, blocks_ran)
     fast.transformer.disable_cache()
     if uncached is not None:
         assert torch.equal(run(fast, case_id), uncached), "disable_cache() gives back the uncached output exactly"
@@ -247,7 +247,7 @@ def test_dbcache_decides_and_computes_as_its_reference(case_id, rule):
         assert got == branches, (got, branches)
         blocks = len(fast.transformer.transformer_blocks)
         ran = sum(blocks if c else config.Fn + config.Bn for name in got for c in got[name])
-        assert fast._last_call.blocks_fraction == ran / (blocks * len(reference.log))
+        assert fast.blocks_computed == ran / (blocks * len(reference.log))
         assert f"step_cache:{config.label()}" in fast.applied and ("batched_cfg" in fast.applied) == batched
         if batched:  # switched off: exactly its label goes, from the plan and from what a call ran
             ran, planned = fast.applied, planned_labels(fast.fast_config, fast.facts())
@@ -255,7 +255,7 @@ def test_dbcache_decides_and_computes_as_its_reference(case_id, rule):
             assert planned_labels(fast.fast_config, fast.facts()) == [x for x in planned if x.split(":")[0] != "step_cache"]
             run(fast, case_id)
             assert fast.applied == [x for x in ran if x.split(":")[0] != "step_cache"]
-            assert fast._last_call.blocks_fraction == 1.0
+            assert fast.blocks_computed == 1.0
 
 
 def test_dbcache_refusals():
