@@ -23,6 +23,7 @@ torch, diffusers and the model code are imported inside functions in all of them
 """
 
 import contextlib
+import dataclasses
 import signal
 import sys
 import threading
@@ -43,6 +44,7 @@ from .sizes import SHRINKS_INPUTS, ModelShape, check_sizes, cpu_time_warning
 from .run import Terminated, format_summary, render_jobs
 
 INTERRUPTED = 130  # 128 + SIGINT, as shells report it
+COMPARE_UNCACHED = "compare-uncached"  # --compare-uncached's report, a folder in --out
 TERMINATED = 143  # 128 + SIGTERM
 
 
@@ -102,6 +104,7 @@ def run_render(args) -> int:
                              "about an input image: leave --enhance out")
         if shape is not None:
             check_cfg_parallel(args.parallel, jobs)
+        uncached = uncached_labels(args, config, labels, world_size)
         if warning and rank == 0:
             print(warning, file=sys.stderr, flush=True)
         if args.dry_run:
@@ -114,19 +117,35 @@ def run_render(args) -> int:
         if conflict:
             raise ValueError(f"{conflict}; rendering would overwrite it: use another --out, or --no-resume to "
                              "overwrite")
+        if uncached is not None:
+            conflict = find_conflict(mine, Path(args.compare_uncached), args.format, uncached) if args.resume else None
+            if conflict:
+                raise ValueError(f"--compare-uncached: {conflict}; rendering would overwrite it")
         created = missing_folders(args.out)
         out_dir = prepare_out_dir(args.out)
+        if uncached is not None:
+            created += missing_folders(args.compare_uncached)
+            uncached_dir = prepare_out_dir(args.compare_uncached)
     except ValueError as e:
         args.parser.error(one_line(e))
+    loaded = []  # the pipeline, loaded once: --compare-uncached renders with it again, its step cache off
 
     def load_pipe():
+        if loaded:
+            return loaded[0]
         cap_memory(args.max_memory, device)
         try:
-            return load_pipeline(model, labels.preset, labels.config, device, labels.loras, labels.lightning)
+            loaded.append(load_pipeline(model, labels.preset, labels.config, device, labels.loras, labels.lightning))
         except LoadError:  # a LoRA that cannot be loaded: the error names it
             raise
         except Exception as e:  # e.g. not a complete checkpoint: a one-line error, not a traceback
             raise LoadError(f"--model {model}: cannot load it ({type(e).__name__}: {e})") from e
+        return loaded[0]
+
+    def load_uncached():
+        pipe = load_pipe()
+        pipe.fast_config = pipe.fast_config.replace(cache=None)
+        return pipe
 
     def load_enhancer():
         from ..pipelines.qwen35.enhance import resolve_enhancer
@@ -151,6 +170,11 @@ def run_render(args) -> int:
             summary = render_jobs(load_pipe, mine, out_dir, labels, fmt=args.format, resume=args.resume,
                                   batch_size=args.batch_size, rank=group_index, world_size=groups,
                                   load_enhancer=load_enhancer if args.enhance else None, group=mesh)
+            if uncached is not None:
+                print(format_summary(summary, labels, out_dir), flush=True)
+                print(f"the same without the step cache -> {uncached_dir}", flush=True)
+                summary_uncached = render_jobs(load_uncached, mine, uncached_dir, uncached, fmt=args.format,
+                                               resume=args.resume, batch_size=args.batch_size)
     except LoadError as e:
         remove_empty_folders(created)
         args.parser.error(one_line(e))
@@ -164,9 +188,41 @@ def run_render(args) -> int:
             kept = f"{written} image(s) finished by this run are kept in {out_dir} (the same command resumes)"
         print(f"{prefix}{what}; {kept}", file=sys.stderr, flush=True)
         return TERMINATED if terminated else INTERRUPTED
+    if uncached is not None:
+        print(format_summary(summary_uncached, uncached, uncached_dir), flush=True)
+        return compare_with_uncached(uncached_dir, out_dir) or int(bool(summary.failed or summary_uncached.failed))
     if mesh is None or mesh.is_image_leader:
         print(format_summary(summary, labels, out_dir, group_index, groups), flush=True)
     return 1 if summary.failed else 0
+
+
+def uncached_labels(args, config, labels, world_size: int):
+    """--compare-uncached: the labels of the same render without the step cache (None without the option)."""
+    if args.compare_uncached is None:
+        return None
+    if config.cache is None:
+        raise ValueError("--compare-uncached renders the same images without the step cache and compares: give "
+                         "--cache RULE")
+    if world_size > 1:
+        raise ValueError("--compare-uncached runs in one process; render each folder with several, then compare")
+    if Path(args.compare_uncached).resolve() == Path(args.out).resolve():
+        raise ValueError(f"--compare-uncached {args.compare_uncached} is --out: give the uncached images their own "
+                         "folder")
+    return dataclasses.replace(labels, config=config.replace(cache=None))
+
+
+def compare_with_uncached(uncached_dir: Path, out_dir: Path) -> int:
+    """compare's table for uncached (A) against cached (B), report in out_dir/COMPARE_UNCACHED; its exit status."""
+    from .. import compare
+
+    pairing = compare.pair_images(compare.images_in(uncached_dir), compare.images_in(out_dir))
+    if pairing.no_pairs_reason():
+        print(f"FAIL: {pairing.no_pairs_reason()}", flush=True)
+        return 1
+    report = compare.compare_pairs(pairing, uncached_dir, out_dir, compare.prepare_report_dir(out_dir /
+                                                                                              COMPARE_UNCACHED))
+    print(compare.format_table(report), flush=True)
+    return 0 if report.passed else 1
 
 
 def run_compare(args) -> int:

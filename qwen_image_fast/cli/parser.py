@@ -190,6 +190,10 @@ def build_parser() -> argparse.ArgumentParser:
              f"enhanced_prompt (no value: {DEFAULT_ENHANCER_ID}; or a hub id or local folder; {TINY_ENHANCER_ID}: a "
              f"tiny random model, its rewrites are gibberish). Put it after the prompts, or write --enhance=ID")
     add("--out", type=folder_argument, default="out", help="output folder (default ./out)")
+    add("--compare-uncached", type=folder_argument, metavar="DIR",
+        help="with --cache: render the same images without the step cache into DIR too (resuming: those already "
+             "there are kept), then compare them with the cached ones: PSNR, SSIM, the blocks each computed; the "
+             "report in OUT/compare-uncached/")
     add("--format", choices=tuple(FORMATS), default="png")
     add("--device", help="cpu, cuda or cuda:N; default: cuda (cuda:LOCAL_RANK with several processes) if "
         "available, else cpu")

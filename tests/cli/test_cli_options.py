@@ -43,22 +43,36 @@ def test_dry_run_says_what_would_run_and_writes_nothing(tmp_path, capsys):
 
 
 @needs_interpreter
-def test_cached_against_uncached_compare_shows_the_cache_and_the_blocks_computed(tmp_path, capsys):
-    """The same prompts and seeds with and without a step cache: compare pairs them, says which side had the cache
-    and what fraction of the transformer's blocks each computed (every:2,1,0 on the tiny model's 2 blocks, 2 steps:
-    step 2 runs block 1 only, 3 of 4)."""
-    common = ["render", *TINY, "--preset", "fast", "a cat"]
-    assert main([*common, "--out", str(tmp_path / "uncached")]) == 0
-    assert main([*common, "--cache", "every:2,1,0", "--out", str(tmp_path / "cached")]) == 0
-    [line] = manifest(tmp_path / "cached")
-    assert line["blocks_computed"] == 0.75 and "blocks_computed" not in manifest(tmp_path / "uncached")[0]
-    assert read_settings(tmp_path / "cached" / line["file"])["blocks_computed"] == 0.75
-    capsys.readouterr()
-    assert main(["compare", str(tmp_path / "uncached"), str(tmp_path / "cached"), "--out", str(tmp_path / "r")]) == 0
+def test_compare_uncached_renders_both_and_compares_in_one_command(tmp_path, capsys):
+    """--cache with --compare-uncached: the same prompts and seeds rendered with and without the step cache (one
+    model load), then compare's table: which side had the cache, the fraction of the transformer's blocks each
+    computed (every:2,1,0 on the tiny model's 2 blocks, 2 steps: step 2 runs block 1 only, 3 of 4), the report."""
+    cached, uncached = tmp_path / "cached", tmp_path / "uncached"
+    assert main(["render", *TINY, "--preset", "fast", "--cache", "every:2,1,0", "--out", str(cached),
+                 "--compare-uncached", str(uncached), "a cat"]) == 0
     out = capsys.readouterr().out
+    [line], [plain] = manifest(cached), manifest(uncached)
+    assert line["blocks_computed"] == 0.75 and "blocks_computed" not in plain and "options" not in plain
+    assert read_settings(cached / line["file"])["blocks_computed"] == 0.75
     assert ("A | B: applied [] | ['step_cache:dbcache:F1B0:every2:w0']; options None | {'cache': "
             "'dbcache:F1B0:every2:w0'}") in out
-    assert "A | B: blocks computed 100% | 75%" in out
+    assert "A | B: blocks computed 100% | 75%" in out and "pass: 1 pair(s) measured" in out
+    assert (cached / "compare-uncached" / "index.html").exists()
+    assert main(["render", *TINY, "--preset", "fast", "--cache", "every:2,1,0", "--out", str(cached),
+                 "--compare-uncached", str(uncached), "a cat"]) == 0  # both resume: nothing rendered again
+    assert capsys.readouterr().out.count("0 written, 1 skipped") == 2
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--compare-uncached", "u", "a cat"], "--compare-uncached renders the same images without the step cache"),
+    (["--cache", "every:2", "--compare-uncached", "OUT", "a cat"], "is --out: give the uncached images their own"),
+])
+def test_compare_uncached_needs_a_cache_and_its_own_folder(args, message, tmp_path, capsys):
+    out = str(tmp_path / "out")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["render", *TINY, "--preset", "fast", "--out", out, *[out if a == "OUT" else a for a in args]])
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
 
 
 def test_cache_is_recorded_as_applied_labels_it():
