@@ -42,6 +42,13 @@ def check_tensor(name: str, t: torch.Tensor, *, dtypes=None, ndim=None, shape=No
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
+# Elements of a program's tile in the row kernels: ~2048 keeps a Hopper program in registers. Triton's interpreter runs
+# each program as NumPy operations over its whole tile at a fixed cost per operation, so there a program takes 32x
+# more rows (the same kernel code and masks, fewer and larger programs: the CPU tests' time).
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+TILE_ELEMENTS = 2048 * (32 if INTERPRETED else 1)
+
+
 def row_launch(n_cols: int) -> dict:
     """Block width and warps for kernels that keep one row of `n_cols` in registers."""
     block = triton.next_power_of_2(n_cols)
@@ -51,9 +58,9 @@ def row_launch(n_cols: int) -> dict:
 
 def rows_launch(n_rows: int, n_cols: int) -> tuple[tuple[int], dict]:
     """Grid and settings for kernels that hold a [BLOCK_M, BLOCK_N] tile of whole rows in registers: one row per
-    program at the real widths (>= 2048), several narrow rows per program (~2048 elements a tile)."""
+    program at the real widths (>= 2048), several narrow rows per program (~TILE_ELEMENTS a tile)."""
     settings = row_launch(n_cols)
-    block_m = max(1, 2048 // settings["BLOCK_N"])
+    block_m = max(1, TILE_ELEMENTS // settings["BLOCK_N"])
     return (triton.cdiv(n_rows, block_m),), dict(settings, BLOCK_M=block_m)
 
 

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import FLOAT_DTYPES, check_tensor, head_block, round_to
+from ._utils import FLOAT_DTYPES, TILE_ELEMENTS, check_tensor, head_block, round_to
 from .rms_norm import rms_norm_ref, rms_norm_tile, row_rstd
 from .rope import rope_interleaved_tile, rope_qwen_image_ref
 
@@ -100,7 +100,7 @@ def qkv_pack(
     if b * n_tok * h == 0:
         return
     block_h, block_d = head_block(h), triton.next_power_of_2(d)
-    block_t = max(1, 1024 // (block_h * block_d))  # real shapes (8 heads x 128): one token a program
+    block_t = max(1, TILE_ELEMENTS // 2 // (block_h * block_d))  # real shapes (8 heads x 128): a token a program
     _qkv_pack_kernel[(triton.cdiv(b * n_tok, block_t), triton.cdiv(h, block_h))](
         QKV=qkv, WQ=norm_q_weight, WK=norm_k_weight, F=freqs, Q=q_out, K=k_out, V=v_out,
         L=n_tok, H=h, n_tok=b * n_tok, seq_offset=seq_offset, eps=eps,

@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import FLOAT_DTYPES, check_tensor, new_output, round_to
+from ._utils import FLOAT_DTYPES, TILE_ELEMENTS, check_tensor, new_output, round_to
 
 
 @triton.jit
@@ -47,7 +47,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     y = new_output((m, n), gate_up.dtype, gate_up.device)
     if m and n:
         block_n = min(triton.next_power_of_2(n), 1024)
-        block_m = max(1, min(2048 // block_n, triton.next_power_of_2(m)))
+        block_m = max(1, min(TILE_ELEMENTS // block_n, triton.next_power_of_2(m)))
         _silu_mul_kernel[(triton.cdiv(m, block_m), triton.cdiv(n, block_n))](
             GU=gu, Y=y, stride_gu=gu.stride(0), M=m, N=n, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4,
         )

@@ -14,10 +14,10 @@ TEST_SIZE_WIDTH = 512
 # diffusers' QwenEmbedRope tables 4096 positions each way; with scale_rope an image of h x w patches uses
 # h/2 and w/2 of them, and the text's positions follow the image's (up to 1024 text tokens).
 ROPE_POSITIONS, TEXT_POSITIONS = 4096, 1024
-# Seconds per step on a CPU, measured with the tiny model at 64², 128² and 256², 2 cores, CFG on:
-# fast presets (Triton's interpreter) ~1.6 s + 11.8 ms a token; the stock pipeline ~0.25 s + 1.3 ms a token.
-CPU_STEP_SECONDS = {"fast": (1.6, 11.8e-3), "baseline": (0.25, 1.3e-3)}
-SLOW_STEP_SECONDS = 30  # a CPU step estimated above this: warn before rendering
+# Seconds per step on a CPU, measured with the tiny model, 2 cores, CFG on: fast presets (Triton's interpreter) at
+# 256², 512² and 1664x928 ~0.3 s + 0.85 ms a token; the stock pipeline at 128² and 256² ~0.25 s + 1.3 ms a token.
+CPU_STEP_SECONDS = {"fast": (0.3, 0.85e-3), "baseline": (0.25, 1.3e-3)}
+SLOW_STEP_SECONDS = 10  # a CPU step estimated above this: warn before rendering
 # The pipeline classes that resize their input images to a fixed area (shrunk for a test-size model).
 SHRINKS_INPUTS = ("QwenImageEditPipeline", "QwenImageEditPlusPipeline", "QwenImageEditInpaintPipeline")
 
@@ -132,8 +132,8 @@ def cpu_time_warning(jobs, shape: ModelShape | None, preset: str) -> str | None:
         return None
     hint = "; a test-size model renders 64x64 unless told otherwise" if shape.test_size else ""
     return (f"warning: {job.width}x{job.height} on the CPU: about {format_duration(seconds)} a step, "
-            f"{format_duration(seconds * job.steps)} an image (measured on 2 cores with the tiny model, scaled by "
-            f"size){hint}")
+            f"{format_duration(seconds * job.steps)} for {job.steps} steps before the VAE decode (measured on 2 "
+            f"cores with the tiny model, scaled by size){hint}")
 
 
 def format_duration(seconds: float) -> str:

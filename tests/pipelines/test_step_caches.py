@@ -353,8 +353,8 @@ def test_diffusers_caches_on_gpu_replay_blocks_from_graphs(fp8, monkeypatch, cap
 
 
 def test_step_caches_graphed_with_a_lora_and_weights_taking_turns(stand_in_graphs):
-    """A LoRA (unfused, scale 0.7), CUDA graphs (the stand-in for capture): FastConfig(cache=...) equals its
-    reference on stock with the same LoRA, its three pieces (first blocks, middle, last blocks and output) captured
+    """A LoRA (unfused, scale 0.7, then fused), CUDA graphs (the stand-in for capture): FastConfig(cache=...) equals
+    its reference on stock with the same LoRA, its three pieces (first blocks, middle, last blocks and output) captured
     at a signature's second use and replayed after; so does it with memory="low" (weights taking turns); diffusers'
     FirstBlockCache with the LoRA equals stock with both, its blocks replaying from graphs."""
     from test_lora import LORA_A, LORA_B, lightning_format
@@ -372,6 +372,8 @@ def test_step_caches_graphed_with_a_lora_and_weights_taking_turns(stand_in_graph
     assert_close(run(fast, "text_to_image"), expected, 1e-5, "DBCache with a LoRA")
     assert len(stand_in_graphs["captures"]) == 3 and stand_in_graphs["replays"], stand_in_graphs
     assert "cuda_graphs" in fast.applied
+    fast.fuse_lora()  # merged into the weights: the same rule, the same result
+    assert_close(run(fast, "text_to_image"), expected, 1e-5, "DBCache with a fused LoRA")
     low = with_lora(optimize(stock("text_to_image"), EXACT.replace(cache=config, memory="low")))
     assert_close(run(low, "text_to_image"), expected, 1e-5, "DBCache with a LoRA, memory='low'")
     assert "memory:low" in low.applied and f"step_cache:{config.label()}" in low.applied
