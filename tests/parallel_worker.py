@@ -1,5 +1,5 @@
 """One rank of a parallel render of the tiny pipeline: `torchrun --nproc_per_node N tests/parallel_worker.py OUT
-PARALLEL [ULYSSES_DEGREE]` (gloo on the CPU). Each image group's first rank saves every case's latents and what ran
+PARALLEL [ULYSSES_DEGREE [CACHE]]` (gloo on the CPU; CACHE: a FastConfig.cache rule). Each image group's first rank saves every case's latents and what ran
 to OUT/rank<R>.pt; test_parallel.py compares them with the single-process fast pipeline."""
 
 import os
@@ -37,9 +37,10 @@ def render(pipe, case: dict, seed: int) -> torch.Tensor:
 def main():
     out, parallel = sys.argv[1], sys.argv[2]
     ulysses = int(sys.argv[3]) if len(sys.argv) > 3 else 0
+    cache = sys.argv[4] if len(sys.argv) > 4 else None
     dist.init_process_group("gloo")
     pipe = optimize(tiny_pipeline(QwenImagePipeline, 0, TRANSFORMER),
-                    FastConfig(fp8=False, cuda_graphs=False, parallel=parallel, ulysses_degree=ulysses))
+                    FastConfig(fp8=False, cuda_graphs=False, parallel=parallel, ulysses_degree=ulysses, cache=cache))
     pipe.set_progress_bar_config(disable=True)
     forwards, img_in = [], pipe.transformer.img_in.forward  # the rows this rank computes: batch, image tokens
 

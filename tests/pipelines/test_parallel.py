@@ -50,10 +50,10 @@ def image_tokens(height: int, width: int) -> int:
     return (height // scale) * (width // scale)
 
 
-def launch(tmp_path, nproc: int, parallel: str, ulysses: int = 0) -> dict[int, dict]:
+def launch(tmp_path, nproc: int, parallel: str, ulysses: int = 0, cache: str | None = None) -> dict[int, dict]:
     """torchrun the worker; {rank: what that image group leader saved}."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-               str(WORKER), str(tmp_path), parallel, str(ulysses)]
+               str(WORKER), str(tmp_path), parallel, str(ulysses), *([cache] if cache else [])]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -85,6 +85,28 @@ def test_parallel_against_stock(tmp_path, stock_latents, single_process_applied,
         assert batch == (1 if "cfg" in parallel else 2) and tokens == even_sizes(image_tokens(40, 24), 2)[0], (
             batch, tokens)
     assert [results["dp_rank"] for results in saved.values()] == list(range(len(leaders)))
+
+
+@pytest.mark.parametrize("cache", ["every:2,1,0", "dbcache:1,0,0.71,w=0"])
+def test_cfg_parallel_with_a_step_cache_equals_one_process(tmp_path, cache):
+    """CFG-parallel (2 ranks: the prompt on one, the negative prompt on the other) with FastConfig.cache: each rank
+    keeps its branch's cache state and decides as the single-process run decides for that branch; the same latents.
+    The threshold 0.71 sits between the first case's branches (second-step differences 0.699 and 0.721 here): one
+    branch reuses its middle blocks, the other computes them."""
+    one = optimize(tiny_pipeline(QwenImagePipeline, 0, TRANSFORMER), FastConfig(fp8=False, cuda_graphs=False,
+                                                                               cache=cache))
+    one.set_progress_bar_config(disable=True)
+    expected, decisions = [], []
+    for seed, case in enumerate(CASES):
+        expected.append(render(one, case, seed))
+        decisions.append({b: [c for c, _ in branch.decisions] for b, branch in one._last_step_cache.branches.items()})
+    [results] = launch(tmp_path, 2, "cfg", 0, cache).values()
+    for case, got, want in zip(CASES, results["latents"], expected):
+        assert_close(got, want, EXACT_TOL, f"{cache}, {case}")
+    assert all(f"step_cache:{FastConfig(cache=cache).cache.label()}" in applied for applied in results["applied"])
+    assert all("parallel:cfg2" in applied for applied in results["applied"])
+    if cache.startswith("dbcache"):
+        assert decisions[0] == {"cond": [True, False], "uncond": [True, True]}, decisions[0]
 
 
 def test_ulysses_plan_splits_without_padding_and_restores_the_order():
