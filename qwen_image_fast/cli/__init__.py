@@ -2,8 +2,8 @@
 
 Bad input exits with status 2, argparse's usage line and one line saying what is wrong, before any model is loaded
 and before the output folder is created; a model that then fails to load exits the same way and leaves no folder
-behind. Ctrl-C exits with 130 and one line; finished images are kept. Several processes (accelerate launch /
-torchrun) split the prompts by RANK and WORLD_SIZE; LOCAL_RANK picks the GPU.
+behind. Ctrl-C exits with 130 and SIGTERM with 143, with one line; finished images are kept. Several processes
+(accelerate launch / torchrun) split the prompts by RANK and WORLD_SIZE; LOCAL_RANK picks the GPU.
 
 Here: main and the two commands, run_render (every check first, in order, then the rendering) and run_compare. Each
 step of `render` in its own file:
@@ -12,6 +12,7 @@ step of `render` in its own file:
     jobs.py      prompts (arguments or --prompts FILE) -> jobs: defaults, seeds, sharding
     inputs.py    --image, --mask, --strength: input images read and hashed; what each pipeline class takes
     models.py    --model, --enhance: checked, resolved, loaded; Labels (what produces the images)
+    sizes.py     what the checkpoint can render: test-size models' defaults, sizes refused, CPU time estimate
     plan.py      --dry-run: what would run
     loras.py     --lora: parsed, found, hashed
     devices.py   processes (RANK, WORLD_SIZE), --device, --max-memory, --parallel
