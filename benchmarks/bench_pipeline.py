@@ -18,7 +18,6 @@ Appends to results/pipeline.jsonl.
 """
 
 import argparse
-import copy
 import gc
 import sys
 import time
