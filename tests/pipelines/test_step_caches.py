@@ -23,14 +23,15 @@ from diffusers import (
 from diffusers.models.attention_processor import Attention
 from diffusers.models.transformers.transformer_qwenimage import QwenImageTransformerBlock
 from helpers import assert_close
-from test_family import IMAGE, IMAGE_2
-from test_pipeline import EXACT
+from test_family import IMAGE, IMAGE_2, MASK, RGBA
+from test_pipeline import EXACT, FIXTURE_TOKENIZER, tiny_controlnet
+from transformers import Qwen2Tokenizer
 
 from qwen_image_fast import FastConfig, optimize
 from qwen_image_fast.pipelines.qwen_image.config import DBCache
 from qwen_image_fast.pipelines.qwen_image.model.block import FastBlock, JointAttention
 from qwen_image_fast.pipelines.qwen_image.optimizations import planned_labels
-from qwen_image_fast.pipelines.tiny import tiny_pipeline
+from qwen_image_fast.pipelines.tiny import tiny_components, tiny_pipeline
 
 # Prompts of one length: PyramidAttentionBroadcast and FasterCache keep one state for cond and uncond in diffusers
 # (not one per cache_context), which fails on the stock model when the two texts differ in length.
@@ -40,6 +41,11 @@ CASES = {  # id -> (pipeline, transformer config, call)
     "edit_2511": ("QwenImageEditPlusPipeline", dict(zero_cond_t=True),
                   dict(image=[IMAGE, IMAGE_2], num_inference_steps=2)),
     "img2img": ("QwenImageImg2ImgPipeline", {}, dict(image=IMAGE, strength=1.0, num_inference_steps=3)),
+    "inpaint": ("QwenImageInpaintPipeline", {}, dict(image=IMAGE, mask_image=MASK, strength=1.0, num_inference_steps=3)),
+    "controlnet": ("QwenImageControlNetPipeline", {}, dict(control_image=IMAGE, controlnet_conditioning_scale=0.8,
+                                                           num_inference_steps=3)),
+    "layered": ("QwenImageLayeredPipeline", {}, dict(image=RGBA, layers=2, height=None, width=None,
+                                                     num_inference_steps=3)),
 }
 MAG_RATIOS = [1.0, 0.92, 1.04]
 BLOCKS = 4
@@ -68,11 +74,20 @@ def diffusers_configs(pipe, steps: int) -> dict:
 
 def stock(case_id: str):
     name, transformer_config, _ = CASES[case_id]
-    return tiny_pipeline(getattr(diffusers, name), transformer_config=transformer_config | dict(num_layers=BLOCKS))
+    transformer_config = transformer_config | dict(num_layers=BLOCKS)
+    if "ControlNet" not in name:
+        return tiny_pipeline(getattr(diffusers, name), transformer_config=transformer_config)
+    components = tiny_components(0, transformer_config=transformer_config)  # as test_family's ControlNet cases
+    components["tokenizer"] = Qwen2Tokenizer.from_pretrained(FIXTURE_TOKENIZER)
+    return getattr(diffusers, name)(**components, controlnet=tiny_controlnet(components["transformer"]))
 
 
 def run(pipe, case_id: str) -> torch.Tensor:
-    return pipe(**COMMON | CASES[case_id][2], output_type="latent", generator=torch.Generator().manual_seed(0)).images
+    """The final latents (the layered pipeline has no output_type="latent": its decoded layers)."""
+    call = {k: v for k, v in (COMMON | CASES[case_id][2]).items() if v is not None}
+    output_type = "pt" if case_id == "layered" else "latent"
+    images = pipe(**call, output_type=output_type, generator=torch.Generator().manual_seed(0)).images
+    return torch.stack(list(images)) if isinstance(images, list) else images
 
 
 def decisions(monkeypatch, transformer, classes, graphs=None) -> list:
@@ -95,11 +110,14 @@ def decisions(monkeypatch, transformer, classes, graphs=None) -> list:
 STOCK_CLASSES, FAST_CLASSES = (QwenImageTransformerBlock, Attention), (FastBlock, JointAttention)
 
 
-# Every config on text-to-image; on Edit-2511 and img2img (the same hooks, other inputs: condition images, zero_cond_t's
-# per-token modulation, a strength schedule) the block-level FirstBlockCache, on img2img the attention-level
-# TaylorSeer too (Edit-2511's fused forward takes ~4 s a step in Triton's interpreter).
+# Every config on text-to-image; on every diffusers-loop pipeline (the same hooks, other inputs: condition images,
+# zero_cond_t's per-token modulation, a strength schedule, a mask, ControlNet residuals added between blocks, the
+# layered model's extra timestep condition) the block-level FirstBlockCache, on img2img and ControlNet the
+# attention-level TaylorSeer too.
 PAIRS = [("text_to_image", name) for name in diffusers_configs(None, 4)] + [
-    ("edit_2511", "FirstBlockCache"), ("img2img", "FirstBlockCache"), ("img2img", "TaylorSeer")]
+    ("edit_2511", "FirstBlockCache"), ("img2img", "FirstBlockCache"), ("img2img", "TaylorSeer"),
+    ("inpaint", "FirstBlockCache"), ("controlnet", "FirstBlockCache"), ("controlnet", "TaylorSeer"),
+    ("layered", "FirstBlockCache")]
 
 
 @pytest.mark.usefixtures("small_condition_images")
