@@ -26,8 +26,7 @@ from urllib.parse import quote
 import numpy as np
 from PIL import Image, ImageDraw, ImageFont
 
-from .cli.manifest import read_records
-from .cli.output import read_settings
+from .cli.manifest import content_identity, read_records, recorded_settings
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp")
 # What an image is: two images are comparable only when they agree on these (input images and masks by content).
@@ -56,23 +55,12 @@ class ImageFile:
         return self.path.stem
 
 
-def comparable_value(key: str, value):
-    """A setting as compared: input images, masks and LoRAs by content (sha256), not by where their files were."""
-    if key == "images" and isinstance(value, list):
-        return [r.get("sha256") if isinstance(r, dict) else r for r in value]
-    if key == "mask" and isinstance(value, dict):
-        return value.get("sha256")
-    if key == "loras" and isinstance(value, list):
-        return [(r.get("sha256"), r.get("scale")) if isinstance(r, dict) else r for r in value]
-    return value
-
-
 def identity(settings: dict) -> str:
-    return json.dumps([comparable_value(key, settings.get(key)) for key in IDENTITY], sort_keys=True)
+    return json.dumps([content_identity(key, settings.get(key)) for key in IDENTITY], sort_keys=True)
 
 
 def differing(a: dict, b: dict, keys) -> list[str]:
-    return [key for key in keys if comparable_value(key, a.get(key)) != comparable_value(key, b.get(key))]
+    return [key for key in keys if content_identity(key, a.get(key)) != content_identity(key, b.get(key))]
 
 
 def shown(key: str, value, limit: int = 40) -> str:
@@ -83,7 +71,7 @@ def shown(key: str, value, limit: int = 40) -> str:
             return [abbreviate(x) for x in v]
         return v[:12] if isinstance(v, str) and len(v) == 64 else v
 
-    text = repr(abbreviate(comparable_value(key, value)) if key in ("images", "mask", "loras") else value)
+    text = repr(abbreviate(content_identity(key, value)) if key in ("images", "mask", "loras") else value)
     return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
@@ -117,11 +105,12 @@ class Pair:
         fractions = [image.settings.get("blocks_computed") for image in (self.a, self.b)]
         if fractions == [None, None]:
             return ""
-        def shown(image, fraction):  # an image rendered without a step cache computed every block
+
+        def percent(image, fraction):  # an image rendered without a step cache computed every block
             cached = any(label.startswith("step_cache") for label in image.settings.get("applied", []))
             return f"{100 * fraction:.0f}%" if fraction is not None else "-" if cached else "100%"
 
-        return "blocks computed " + " | ".join(shown(image, f) for image, f in zip((self.a, self.b), fractions))
+        return "blocks computed " + " | ".join(percent(image, f) for image, f in zip((self.a, self.b), fractions))
 
     @property
     def model_note(self) -> str | None:
@@ -218,18 +207,8 @@ def images_in(folder: Path) -> list[ImageFile]:
     """The folder's image files with their settings (manifest line, else embedded; {} when neither or the file
     cannot be read: measuring it says why). Hidden files (a render's .tmp-* files) are left out."""
     records = read_records(folder)
-    found = []
-    for path in sorted(folder.iterdir()):
-        if not path.is_file() or path.suffix.lower() not in IMAGE_SUFFIXES or path.name.startswith("."):
-            continue
-        settings = records.get(path.name)
-        if settings is None:
-            try:
-                settings = read_settings(path)
-            except (OSError, SyntaxError, ValueError):
-                settings = {}
-        found.append(ImageFile(path, settings))
-    return found
+    return [ImageFile(path, recorded_settings(path, records)) for path in sorted(folder.iterdir())
+            if path.is_file() and path.suffix.lower() in IMAGE_SUFFIXES and not path.name.startswith(".")]
 
 
 def match(left: list[ImageFile], right: list[ImageFile], same) -> list[tuple[ImageFile, ImageFile]]:

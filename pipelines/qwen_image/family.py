@@ -21,7 +21,7 @@ import diffusers
 
 from .config import FastConfig
 from .fast_pipeline import FastPipelineMixin
-from .samplers import one_step_refusal
+from .samplers import check_not_one_step
 
 
 def fast_init(stock_init):
@@ -47,10 +47,7 @@ def fast_call(stock_call):
     def __call__(self, *args, **kwargs):
         bound = signature.bind(self, *args, **kwargs)
         bound.apply_defaults()
-        refusal = one_step_refusal(self.scheduler, bound.arguments.get("num_inference_steps"),
-                                   bound.arguments.get("sigmas"))
-        if refusal:
-            raise ValueError(refusal)
+        check_not_one_step(self.scheduler, bound.arguments.get("num_inference_steps"), bound.arguments.get("sigmas"))
         with self._fast_call(kwargs.get("attention_kwargs")):
             return stock_call(self, *args, **kwargs)
 

@@ -58,18 +58,19 @@ def dynamic_shift(scheduler_config, image_seq_len: int) -> float:
                            scheduler_config.get("max_shift", 1.15))
 
 
-def one_step_refusal(scheduler, num_inference_steps, sigmas=None) -> str | None:
-    """Why a call cannot be run as asked, or None. Qwen-Image's scheduler config (shift_terminal 0.02) stretches
-    1 - sigma by its last value; the stock pipelines' sigmas linspace(1, 1/N, N) end at 1 when N = 1, so the
-    stretch divides 0 by 0 and stock diffusers denoises with NaN: a black image. Ours refuses that call."""
+def check_not_one_step(scheduler, num_inference_steps, sigmas=None):
+    """ValueError for a call whose sigmas end at 1 with Qwen-Image's scheduler config (shift_terminal 0.02): it
+    stretches 1 - sigma by its last value; the stock pipelines' sigmas linspace(1, 1/N, N) end at 1 when N = 1, so
+    the stretch divides 0 by 0 and stock diffusers denoises with NaN, a black image. Ours refuses that call."""
     shift_terminal = getattr(scheduler.config, "shift_terminal", None)
     last = sigmas[-1] if sigmas is not None and len(sigmas) else 1 / num_inference_steps if num_inference_steps else 0
     if not shift_terminal or last != 1:
-        return None
-    return (f"num_inference_steps={num_inference_steps}{'' if sigmas is None else f', sigmas={list(sigmas)}'}: "
-            f"{type(scheduler).__name__}'s shift_terminal={shift_terminal} stretches 1 - sigma by its last value, "
-            "0 here (the last sigma is 1), so stock diffusers denoises with NaN and returns a black image; use 2 or "
-            "more steps (a 1-step distilled sampler needs a scheduler without shift_terminal)")
+        return
+    raise ValueError(
+        f"num_inference_steps={num_inference_steps}{'' if sigmas is None else f', sigmas={list(sigmas)}'}: "
+        f"{type(scheduler).__name__}'s shift_terminal={shift_terminal} stretches 1 - sigma by its last value, 0 here "
+        "(the last sigma is 1), so stock diffusers denoises with NaN and returns a black image; use 2 or more steps "
+        "(a 1-step distilled sampler needs a scheduler without shift_terminal)")
 
 
 def set_timesteps(sampler, name: str, num_inference_steps: int, sigmas, mu: float, device):

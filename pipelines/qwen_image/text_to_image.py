@@ -32,7 +32,7 @@ from .fast_pipeline import FastPipelineMixin
 from .runtime.memory import place_low_memory
 from .runtime.offload import TakingTurns
 from .runtime.parallel import MeshShape, ParallelMesh
-from .samplers import dynamic_shift, make_scheduler, one_step_refusal, set_timesteps
+from .samplers import check_not_one_step, dynamic_shift, make_scheduler, set_timesteps
 
 logger = logging.getLogger(__name__)
 
@@ -203,9 +203,7 @@ class QwenImageFastPipeline(FastPipelineMixin, QwenImagePipeline):
 
         # 1. Check inputs. Raise error if not correct
         self._check_fast_inputs(prompt, negative_prompt, num_inference_steps, num_images_per_prompt)
-        refusal = one_step_refusal(self.scheduler, num_inference_steps, sigmas)
-        if refusal:
-            raise ValueError(refusal)
+        check_not_one_step(self.scheduler, num_inference_steps, sigmas)
         self.check_inputs(
             prompt, height, width, negative_prompt=negative_prompt, prompt_embeds=prompt_embeds,
             negative_prompt_embeds=negative_prompt_embeds, prompt_embeds_mask=prompt_embeds_mask,

@@ -212,18 +212,27 @@ def uncached_labels(args, config, labels, world_size: int):
     return dataclasses.replace(labels, config=config.replace(cache=None))
 
 
-def compare_with_uncached(uncached_dir: Path, out_dir: Path) -> int:
-    """compare's table for uncached (A) against cached (B), report in out_dir/COMPARE_UNCACHED; its exit status."""
+def report_comparison(a_dir: Path, b_dir: Path, report_dir, by_name: bool = False,
+                      min_psnr: float | None = None) -> int:
+    """compare's pairing, table and report of a_dir (A) against b_dir (B); its exit status. When nothing pairs: one
+    line and no report that could be read as a pass (report_dir() makes the report's folder only when there is
+    something to report)."""
     from .. import compare
 
-    pairing = compare.pair_images(compare.images_in(uncached_dir), compare.images_in(out_dir))
+    pairing = compare.pair_images(compare.images_in(a_dir), compare.images_in(b_dir), by_name=by_name)
     if pairing.no_pairs_reason():
         print(f"FAIL: {pairing.no_pairs_reason()}", flush=True)
         return 1
-    report = compare.compare_pairs(pairing, uncached_dir, out_dir, compare.prepare_report_dir(out_dir /
-                                                                                              COMPARE_UNCACHED))
+    report = compare.compare_pairs(pairing, a_dir, b_dir, report_dir(), min_psnr=min_psnr)
     print(compare.format_table(report), flush=True)
     return 0 if report.passed else 1
+
+
+def compare_with_uncached(uncached_dir: Path, out_dir: Path) -> int:
+    """--compare-uncached: uncached (A) against cached (B), the report in out_dir/COMPARE_UNCACHED."""
+    from .. import compare
+
+    return report_comparison(uncached_dir, out_dir, lambda: compare.prepare_report_dir(out_dir / COMPARE_UNCACHED))
 
 
 def run_compare(args) -> int:
@@ -236,18 +245,15 @@ def run_compare(args) -> int:
         compare.structural_similarity_function()
     except ValueError as e:
         args.parser.error(one_line(e))
-    pairing = compare.pair_images(compare.images_in(Path(args.a_dir)), compare.images_in(Path(args.b_dir)),
-                                  by_name=args.by_name)
-    if pairing.no_pairs_reason():  # one line, and no report that could be read as a pass
-        print(f"FAIL: {pairing.no_pairs_reason()}", flush=True)
-        return 1
-    try:
-        report_dir = compare.prepare_report_dir(args.out)
-    except ValueError as e:
-        args.parser.error(one_line(e))
-    report = compare.compare_pairs(pairing, args.a_dir, args.b_dir, report_dir, min_psnr=args.min_psnr)
-    print(compare.format_table(report))
-    return 0 if report.passed else 1
+
+    def report_dir() -> Path:
+        try:
+            return compare.prepare_report_dir(args.out)
+        except ValueError as e:
+            args.parser.error(one_line(e))
+
+    return report_comparison(Path(args.a_dir), Path(args.b_dir), report_dir, by_name=args.by_name,
+                           min_psnr=args.min_psnr)
 
 
 def raise_terminated(signum, frame):

@@ -70,9 +70,22 @@ def merge_manifests(out_dir: Path):
         write_atomic(out_dir / MANIFEST, lambda f: f.write(text.encode("utf-8")))
 
 
-def lora_identity(records) -> list | None:
-    """What makes two LoRA sets the same work: each file's content and scale, in order (not where the file is)."""
-    return None if not records else [(r.get("sha256"), r.get("scale")) for r in records]
+# The settings compared by what they are rather than as written: files by content, an empty set as none.
+BY_CONTENT = ("images", "mask", "loras", "options")
+
+
+def content_identity(key: str, value):
+    """A setting as resume and compare compare it: input images and masks by content (sha256), LoRAs by content and
+    scale (not where their files are), no LoRAs or options as None; any other setting as it is."""
+    if key == "images" and isinstance(value, list):
+        return [r.get("sha256") if isinstance(r, dict) else r for r in value]
+    if key == "mask" and isinstance(value, dict):
+        return value.get("sha256")
+    if key == "loras":
+        return [(r.get("sha256"), r.get("scale")) if isinstance(r, dict) else r for r in value] if value else None
+    if key == "options":
+        return value or None
+    return value
 
 
 def differing_settings(job: Job, recorded: dict, labels: Labels) -> list[str]:
@@ -80,12 +93,9 @@ def differing_settings(job: Job, recorded: dict, labels: Labels) -> list[str]:
     `options` are compared whenever either side has them (images made without, or before the setting existed,
     record none); LoRAs, input images and masks by content (sha256), not by where their files are."""
     wanted = settings_of(job, labels)
-    by_content = {"images": lambda records: None if records is None else [r.get("sha256") for r in records],
-                  "mask": lambda record: None if record is None else record.get("sha256"), "loras": lora_identity,
-                  "options": lambda options: options or None}
-    differing = [key for key, value in wanted.items() if key not in by_content and recorded.get(key) != value]
-    differing += [key for key, identity in by_content.items() if (key in wanted or key in ("loras", "options"))
-                  and identity(wanted.get(key)) != identity(recorded.get(key))]
+    differing = [key for key, value in wanted.items() if key not in BY_CONTENT and recorded.get(key) != value]
+    differing += [key for key in BY_CONTENT if (key in wanted or key in ("loras", "options"))
+                  and content_identity(key, wanted.get(key)) != content_identity(key, recorded.get(key))]
     return differing
 
 
@@ -93,6 +103,17 @@ def is_done(job: Job, records: dict[str, dict], out_dir: Path, fmt: str, labels:
     name = f"{job.stem}.{fmt}"
     record = records.get(name)
     return record is not None and (out_dir / name).exists() and not differing_settings(job, record, labels)
+
+
+def recorded_settings(path: Path, records: dict[str, dict]) -> dict:
+    """An image's settings: its manifest line (records: read_records of its folder), else those embedded in the
+    file; {} when it has neither or cannot be read."""
+    if path.name in records:
+        return records[path.name]
+    try:
+        return read_settings(path)
+    except (OSError, SyntaxError, ValueError):
+        return {}
 
 
 def find_conflict(jobs: list[Job], out_dir: Path, fmt: str, labels: Labels) -> str | None:
@@ -106,12 +127,7 @@ def find_conflict(jobs: list[Job], out_dir: Path, fmt: str, labels: Labels) -> s
         path = out_dir / f"{job.stem}.{fmt}"
         if not path.exists():
             continue
-        recorded = records.get(path.name)
-        if recorded is None:
-            try:
-                recorded = read_settings(path)
-            except (OSError, SyntaxError, ValueError):
-                recorded = {}
+        recorded = recorded_settings(path, records)
         differing = differing_settings(job, recorded, labels)
         if differing and not recorded:
             return f"{path} exists and was not made by this tool (no settings in it)"

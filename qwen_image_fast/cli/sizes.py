@@ -102,12 +102,11 @@ def check_sizes(jobs, shape: ModelShape | None, model: str, device, max_memory_g
     there is (a lower bound): before any folder or file is written."""
     if shape is None:
         return
-    available = memory_available(device, max_memory_gib)
+    available, side = memory_available(device, max_memory_gib), shape.largest_side()
     for job in jobs:
         if job.width is None:  # sized by the pipeline from its input image
             continue
         where = f"prompt {job.index + 1}: {job.width}x{job.height}"
-        side = shape.largest_side()
         if max(job.width, job.height) > side:
             raise ValueError(f"{where}: {model}'s rotary position table reaches {side} pixels a side "
                              f"({ROPE_POSITIONS} positions, {shape.pixels_per_token} pixels a token, room for "

@@ -1,13 +1,14 @@
 """`qwen-image-fast render`'s per-optimization options (from the registry), recorded with each image; --dry-run."""
 
 
+import numpy as np
 import pytest
 
 from qwen_image_fast.cli import main
 from qwen_image_fast.cli.output import read_settings
 from qwen_image_fast.pipelines.qwen_image.config import FastConfig
 
-from cli_helpers import BASELINE, TINY, manifest, needs_interpreter
+from cli_helpers import BASELINE, TINY, manifest, needs_interpreter, pixels
 
 
 # ---- the registry's options: one per optimization, recorded with the images; --dry-run
@@ -61,6 +62,9 @@ def test_compare_uncached_renders_both_and_compares_in_one_command(tmp_path, cap
     assert main(["render", *TINY, "--preset", "fast", "--cache", "every:2,1,0", "--out", str(cached),
                  "--compare-uncached", str(uncached), "a cat"]) == 0  # both resume: nothing rendered again
     assert capsys.readouterr().out.count("0 written, 1 skipped") == 2
+    # the uncached pass, with the pipeline the cached one used, renders what a render without --cache renders
+    assert main(["render", *TINY, "--preset", "fast", "--out", str(tmp_path / "plain"), "a cat"]) == 0
+    assert np.array_equal(pixels(uncached / plain["file"]), pixels(tmp_path / "plain" / plain["file"]))
 
 
 @pytest.mark.parametrize("args, message", [

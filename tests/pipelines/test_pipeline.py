@@ -177,7 +177,8 @@ def test_one_step_gives_nan_on_stock_and_is_refused_here():
         run(fast_pipeline(), prompt="a cat", num_inference_steps=1)
     with pytest.raises(ValueError, match=r"sigmas=\[1.0\]: .* returns a black image"):
         run(fast_pipeline(), prompt="a cat", num_inference_steps=1, sigmas=[1.0])
-    run(fast_pipeline(), prompt="a cat", num_inference_steps=1, sigmas=[0.5])  # a last sigma below 1 runs
+    one_sigma = dict(prompt="a cat", num_inference_steps=1, sigmas=[0.5])  # a last sigma below 1 runs, as on stock
+    assert_close(run(fast_pipeline(), **one_sigma), run(stock_pipeline(), **one_sigma), 1e-5, "sigmas=[0.5]")
 
 
 def test_size_not_multiple_of_16_is_rounded_like_diffusers(caplog):
