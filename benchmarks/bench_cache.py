@@ -7,7 +7,9 @@ Components as bench_pipeline.py (full-size transformer and VAE with random weigh
 real 3584-wide output). 50 Euler steps, true_cfg_scale=4 with a negative prompt. Rows:
 - uncached: stock diffusers, ours (FP8, graphs, batched CFG);
 - at the first size, each diffusers config at its documented default (MagCache is left out: it has no default, its
-  ratios must be calibrated per checkpoint), enabled by transformer.enable_cache on both pipelines in turn;
+  ratios must be calibrated per checkpoint), enabled by transformer.enable_cache on both pipelines in turn; and
+  FirstBlockCache at the median of the differences ours saw at its default, a threshold at which random weights skip
+  (our FirstBlockCache runs as the step cache's rule: its decisions and differences are printed);
 - ours with FastConfig(cache=...): cache-dit's Qwen defaults (dbcache: F8B0, 0.08, 8 warm-up steps) and fixed
   schedules every:2,8 / every:2,1 / every:3,1 (the middle blocks of 1 step in 2, or in 3, with Fn = 8 or 1).
 Per row: seconds per image (text encoding, 50 steps, VAE decode), the fraction of block forwards that ran, latent
@@ -94,11 +96,16 @@ class BlockCount:
 
 
 def main():
+    from diffusers import FirstBlockCacheConfig
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tiny", action="store_true", help="tiny random components on the CPU (logic check)")
     parser.add_argument("--sizes", default="1024,1328", help="square sizes; diffusers' configs at the first only")
     parser.add_argument("--tokenizer", type=Path, default=None, help="a Qwen2.5 BPE tokenizer folder")
     parser.add_argument("--no-diffusers", action="store_true", help="skip diffusers' configs (rows of ours only)")
+    parser.add_argument("--configs", default=None,
+                        help="comma-separated names of diffusers' configs to run (default: all), e.g. FirstBlockCache")
+    parser.add_argument("--no-dbcache", action="store_true", help="skip the FastConfig(cache=...) rows")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     device = torch.device("cpu" if args.tiny else "cuda")
@@ -164,24 +171,42 @@ def main():
                   check=(stock_uncached[:2], SAME_SAMPLER_GATE, "stock")) not in rows:
             continue
         if resolution == sizes[0] and not args.no_diffusers:
-            same_length = None
-            for name in diffusers_configs(stock):
+            same_length, configs, median_difference = None, diffusers_configs(stock), None
+            names = list(configs) if args.configs is None else args.configs.split(",")
+            unknown = set(names) - set(configs)
+            if unknown:
+                raise SystemExit(f"--configs {sorted(unknown)}: allowed {sorted(configs)}")
+            for name in names + (["FirstBlockCache(median)"] if "FirstBlockCache" in names else []):
                 negative, uncached = NEGATIVE, (stock_uncached, ours_uncached)
                 if name in ONE_STATE:
                     negative = SAME_LENGTH_NEGATIVE
                     same_length = same_length or (run(stock, resolution, negative), run(fast, resolution, negative))
                     uncached = same_length
                 results = {}
-                for impl, pipe in (("diffusers", stock), ("ours", fast)):
-                    pipe.transformer.enable_cache(diffusers_configs(pipe)[name])
+                for impl, pipe in (("ours", fast), ("diffusers", stock)):
+                    pipe.transformer.enable_cache(diffusers_configs(pipe)[name] if name in configs else
+                                                  FirstBlockCacheConfig(threshold=median_difference))
                     results[impl] = run(pipe, resolution, negative)
                     pipe.transformer.disable_cache()
+                    if impl == "ours" and name.startswith("FirstBlockCache"):  # the step cache ran its rule
+                        branches = fast._last_step_cache.branches.values()
+                        print(f"  {name}: " + "; ".join("".join("C" if c else "-" for c, _ in b.decisions) + " "
+                              + " ".join(f"{d:.3f}" for _, d in b.decisions if d is not None) for b in branches),
+                              flush=True)
+                        if name == "FirstBlockCache":  # a threshold random weights skip at: their median
+                            # difference, halfway between two (at one, rounding would decide)
+                            differences = sorted(d for b in branches for _, d in b.decisions if d is not None)
+                            half = len(differences) // 2
+                            median_difference = (differences[half - 1] + differences[half]) / 2
                 same = results["ours"][3] == results["diffusers"][3]
                 stock_row = report("diffusers", name, resolution, results["diffusers"], uncached[0])
+                extra = dict(decisions_as_stock=same, stock_speedup_vs_uncached=stock_row["speedup_vs_uncached"])
+                if name == "FirstBlockCache(median)":
+                    extra["threshold"] = median_difference
                 report("ours", name, resolution, results["ours"], uncached[1],
                        check=(results["diffusers"][:2], SAME_SAMPLER_GATE if same else None, "stock-cached"),
-                       extra=dict(decisions_as_stock=same, stock_speedup_vs_uncached=stock_row["speedup_vs_uncached"]))
-        for name in DBCACHE_ROWS:
+                       extra=extra)
+        for name in () if args.no_dbcache else DBCACHE_ROWS:
             config = base.replace(cache=name)
             check = None
             if name == DBCACHE_ROWS[1]:  # the graphed pieces against the same rule run eagerly

@@ -21,7 +21,8 @@ from diffusers import AutoencoderKLQwenImage
 from .config import FastConfig
 from .model.transformer import FastQwenImageTransformer
 from .model.vae import FastAutoencoderKLQwenImage, as_vae_class, why_not_2d
-from .optimizations import CallRecord, Facts, planned_labels, plans, refused_by_image_conditioned, step_cache_conflict
+from .optimizations import (CallRecord, Facts, planned_labels, plans, refused_by_image_conditioned, runs_cache_rule,
+                            step_cache_conflict)
 from .runtime.context import forward_context
 from .runtime.offload import has_offload_hooks
 from .runtime.runner import Runner
@@ -202,7 +203,8 @@ class FastPipelineMixin:
                      attention=transformer.attention_backend if fused else None,
                      offload_hooks=transformer is not None and has_offload_hooks(transformer), vae_2d=why_not_2d(self.vae),
                      enhancer=getattr(self, "prompt_enhancer", None) is not None, parallel=self._parallel_labels(),
-                     diffusers_cache=transformer.step_cache_name if fused else None)
+                     diffusers_cache=transformer.step_cache_name if fused else None,
+                     cache_rule=fused and transformer.native_step_cache is not None)
 
     def _parallel_labels(self) -> tuple[str, ...]:
         return ()
@@ -239,7 +241,8 @@ class FastPipelineMixin:
         record = CallRecord()
         with self.runner.call(self.transformer, record, graphs=will_run["cuda_graphs"],
                               pair_cfg=will_run["batched_cfg"], bucket=self.fast_config.text_bucket,
-                              attention_kwargs=attention_kwargs, step_cache=self.fast_config.cache) as run, \
+                              attention_kwargs=attention_kwargs, step_cache=self.fast_config.cache or (
+                                  self.transformer.native_step_cache if runs_cache_rule(facts) else None)) as run, \
                 forward_context(**context):
             yield run
         self._last_call, self._last_step_cache = record, run.step_cache

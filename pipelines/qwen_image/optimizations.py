@@ -61,6 +61,7 @@ class Facts:
     enhancer: bool  # a prompt enhancer rewrites prompts
     parallel: tuple[str, ...] = ()  # the process mesh's labels: "cfg2", "ulysses4"
     diffusers_cache: str | None = None  # the config class of a cache enabled by transformer.enable_cache(...)
+    cache_rule: bool = False  # ... whose decisions the step cache makes (model/step_caches.native_rule)
 
     @property
     def text_to_image(self) -> bool:
@@ -115,6 +116,13 @@ def no_graphs_reason(facts: Facts) -> str | None:
     return None
 
 
+def runs_cache_rule(facts: Facts) -> bool:
+    """Whether the step cache runs the enabled diffusers cache's rule in this pipeline's calls (batched CFG and
+    whole-forward graphs as for FastConfig(cache=...)) instead of its hooks (model/step_caches.py says why not under
+    offload hooks or in the ControlNet pipelines)."""
+    return facts.cache_rule and facts.fused and not facts.offload_hooks and "ControlNet" not in facts.pipeline
+
+
 def text_to_image_reason(facts: Facts) -> str | None:
     return None if facts.text_to_image else f"{facts.pipeline} runs diffusers' own loop"
 
@@ -144,10 +152,10 @@ def plan_attention(config: FastConfig, facts: Facts) -> Plan:
 def plan_batched_cfg(config: FastConfig, facts: Facts) -> Plan:
     if "cfg2" in facts.parallel:
         return plain(config.batched_cfg, "parallel='cfg' runs the negative prompt on another rank")
-    if facts.diffusers_cache:
+    if facts.diffusers_cache and not runs_cache_rule(facts):
         return plain(config.batched_cfg, f"diffusers' {facts.diffusers_cache} keeps a state per cache_context: the "
                                          "cond and uncond forwards run one by one")
-    if config.cache is not None and not facts.text_to_image:
+    if (config.cache is not None or facts.diffusers_cache) and not facts.text_to_image:
         return plain(config.batched_cfg, "the step cache's branches advance once per forward, which pairing by "
                                          "speculation in diffusers' loop could not undo")
     return plain(config.batched_cfg, None if facts.text_to_image or facts.fused else
@@ -155,10 +163,10 @@ def plan_batched_cfg(config: FastConfig, facts: Facts) -> Plan:
 
 
 def plan_cuda_graphs(config: FastConfig, facts: Facts) -> Plan:
-    """Under diffusers' step caches, whose hooks decide on the host around the blocks inside each forward, each
-    block replays from its own graphs ("blocks"; runtime/runner.py)."""
+    """Under diffusers' step caches whose hooks decide on the host around the blocks inside each forward, each block
+    replays from its own graphs ("blocks"; runtime/runner.py)."""
     plan = plain(config.cuda_graphs and config.fused_transformer, no_graphs_reason(facts))
-    return Plan(values=("blocks",)) if plan.values and facts.diffusers_cache else plan
+    return Plan(values=("blocks",)) if plan.values and facts.diffusers_cache and not runs_cache_rule(facts) else plan
 
 
 def plan_modulation_table(config: FastConfig, facts: Facts) -> Plan:

@@ -120,14 +120,29 @@ PAIRS = [("text_to_image", name) for name in diffusers_configs(None, 4)] + [
     ("layered", "FirstBlockCache")]
 
 
+def first_block_decisions(ran: list) -> dict:
+    """Per CFG branch, whether each forward ran the blocks after the first, from the modules a stock pipeline ran
+    (a forward begins at block 0; "cond" then "uncond" each step)."""
+    forwards = []
+    for module in ran:
+        if module == "transformer_blocks.0":
+            forwards.append(False)
+        elif module == "transformer_blocks.1":
+            forwards[-1] = True
+    return {"cond": forwards[0::2], "uncond": forwards[1::2]}
+
+
 @pytest.mark.usefixtures("small_condition_images")
 @pytest.mark.parametrize("case_id,name", PAIRS)
 def test_diffusers_cache_decides_and_computes_as_on_stock(case_id, name, monkeypatch, request):
     """The same modules run in the same order on both pipelines, the same latents; each config but SeaCache
     skipped something. The fast pipeline runs its blocks from graphs (stand-in), but with (text-to-image,
-    FirstBlockCache), where it runs them eagerly and disable_cache() gives back the uncached output exactly."""
+    FirstBlockCache), where it runs them eagerly and disable_cache() gives back the uncached output exactly.
+    FirstBlockCache but in the ControlNet pipeline runs as the step cache's rule (model/step_caches.py): the same
+    decisions per branch, its forwards in graphed pieces, CFG batched in text-to-image."""
     steps = CASES[case_id][2]["num_inference_steps"]
     eager = (case_id, name) == ("text_to_image", "FirstBlockCache")
+    rule = name == "FirstBlockCache" and case_id != "controlnet"
     graphs = None if eager else request.getfixturevalue("stand_in_graphs")
     ref, fast = stock(case_id), optimize(stock(case_id), EXACT)
     uncached = run(fast, case_id) if (case_id, name) == ("text_to_image", "FirstBlockCache") else None
@@ -137,7 +152,13 @@ def test_diffusers_cache_decides_and_computes_as_on_stock(case_id, name, monkeyp
         pipe.transformer.enable_cache(diffusers_configs(pipe, steps)[name])
         seen.append((run(pipe, case_id), ran))
     (ref_latents, ref_ran), (latents, ran) = seen
-    assert ran == ref_ran, (case_id, name, ref_ran, ran)
+    if rule:
+        got = {b: [c for c, _ in branch.decisions] for b, branch in fast._last_step_cache.branches.items()}
+        assert got == first_block_decisions(ref_ran), (case_id, got, ref_ran)
+        assert ("batched_cfg" in fast.applied) == (case_id == "text_to_image"), fast.applied
+        ran = ref_ran  # the blocks ran per branch, as counted on stock (blocks_computed below)
+    else:
+        assert ran == ref_ran, (case_id, name, ref_ran, ran)
     assert_close(latents, ref_latents, 1e-5, f"{case_id} {name}")
     full = steps * 2 * 2 * BLOCKS  # forwards (CFG) x (blocks + attention modules)
     if name == "SeaCache":
@@ -147,7 +168,10 @@ def test_diffusers_cache_decides_and_computes_as_on_stock(case_id, name, monkeyp
     else:
         assert len(ran) < full, (case_id, name, "skipped nothing: the test would not see a wrong decision")
     assert f"step_cache:{type(diffusers_configs(fast, steps)[name]).__name__}" in fast.applied
-    if graphs is not None:  # blocks (or their pieces around a hooked attention) captured once each, then replayed
+    if graphs is not None and rule:  # the step cache's three pieces, captured once each (cond and uncond share)
+        assert "cuda_graphs" in fast.applied and graphs["replays"], graphs
+        assert len(graphs["captures"]) == 3, graphs
+    elif graphs is not None:  # blocks (or their pieces around a hooked attention) captured once each, then replayed
         assert "cuda_graphs:blocks" in fast.applied and graphs["replays"], graphs
         pieces = 1 if name in ("FirstBlockCache", "MagCache", "SeaCache", "TaylorSeer-lite") else 3
         # cond and uncond of one shape (the prompts' lengths are equal) share them
@@ -159,13 +183,17 @@ def test_diffusers_cache_decides_and_computes_as_on_stock(case_id, name, monkeyp
         assert torch.equal(run(fast, case_id), uncached), "disable_cache() gives back the uncached output exactly"
 
 
-def test_diffusers_caches_plan_graphs_and_pairing_off_and_refuse_what_cannot_run():
+def test_diffusers_caches_plan_pairing_and_refuse_what_cannot_run():
     fast = optimize(stock("text_to_image"), EXACT)
     assert "batched_cfg" in fast.applied
-    fast.transformer.enable_cache(FirstBlockCacheConfig(threshold=0.4))
+    fast.transformer.enable_cache(diffusers_configs(None, 3)["TaylorSeer"])
     plans = {opt.name: plan for opt, plan in fast_plans(fast)}
-    assert "FirstBlockCacheConfig keeps a state per cache_context" in plans["batched_cfg"].why_not
-    assert plans["step_cache"].values == ("FirstBlockCacheConfig",)
+    assert "TaylorSeerCacheConfig keeps a state per cache_context" in plans["batched_cfg"].why_not
+    assert plans["step_cache"].values == ("TaylorSeerCacheConfig",)
+    fast.transformer.disable_cache()
+    fast.transformer.enable_cache(FirstBlockCacheConfig(threshold=0.4))  # the step cache runs its rule: paired
+    plans = {opt.name: plan for opt, plan in fast_plans(fast)}
+    assert plans["batched_cfg"].values == (True,) and plans["step_cache"].values == ("FirstBlockCacheConfig",)
     fast.fast_config = fast.fast_config.replace(cache=DBCache())
     with pytest.raises(ValueError, match="two step caches"):
         run(fast, "text_to_image")
@@ -318,16 +346,50 @@ def test_dbcache_compares_with_the_last_step_that_ran_the_middle():
     # the limits, with a threshold every difference here is under: max_cached in all, max_consecutive in a row
     assert decisions(threshold=1.0, max_cached=3) == "C---CCCC"
     assert decisions(threshold=1.0, max_consecutive=2) == "C--C--C-"
+    # step 2's difference equals the threshold (0.25 exactly): cache-dit's rule runs the middle (FirstBlockCache
+    # would reuse it: the next test)
+    assert decisions(threshold=0.25) == "C-C--C--"
+
+
+def test_first_block_rule_decides_as_diffusers_hook():
+    """FirstBlockRule against diffusers' FBCHeadBlockHook on the residuals above (r_t = (1 + t/8) r_0): the same
+    decisions at thresholds the differences fall on exactly (it reuses at equality) and between them; the hook keeps
+    the residual of the steps that ran the rest, as its new_forward does."""
+    from diffusers.hooks.first_block_cache import FBCHeadBlockHook, FBCSharedBlockState
+    from diffusers.hooks.hooks import CacheContext, StateManager
+
+    from qwen_image_fast.pipelines.qwen_image.runtime.step_cache import FirstBlockRule, StepCacheRun
+
+    residuals = [torch.ones(2, 4, 8) * (1 + t / 8) for t in range(8)]
+    for threshold in (0.125, 0.25, 0.3, 0.5):
+        manager = StateManager(FBCSharedBlockState)
+        manager.set_context(CacheContext("cond"))
+        hook, expected = FBCHeadBlockHook(manager, threshold), []
+        for r in residuals:
+            expected.append(hook._should_compute_remaining_blocks(r))
+            if expected[-1]:
+                manager.get_state().head_block_residual = r
+
+        def piece(name, inputs, img=None, txt=None, **blocks):
+            if name == "front":
+                return residuals[inputs["step"]].clone(), torch.zeros(2, 3, 8), residuals[inputs["step"]]
+            return (img + 1, txt + 1) if name == "middle" else img
+
+        cache = StepCacheRun(FirstBlockRule(threshold), n_blocks=3)
+        got = [cache.forward(piece, {"step": step}, ["cond"])[1][0] for step in range(8)]
+        assert got == expected, (threshold, got, expected)
+        assert not all(expected), threshold
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fp8", [False, True])
 def test_diffusers_caches_on_gpu_replay_blocks_from_graphs(fp8, monkeypatch, capsys):
     """On a GPU, at the real block width (24 heads x 128, 4 blocks, random weights), 512^2: each diffusers config
-    (the CPU test's settings) on the fast pipeline, its blocks replaying from real CUDA graphs, against stock with the
-    same config. fp32, FP8 off: the same decisions and latents to 1e-5. bf16, FP8 on: the same latents within the FP8
+    (the CPU test's settings) on the fast pipeline, its blocks replaying from real CUDA graphs (FirstBlockCache: the
+    step cache's graphed pieces, CFG batched), against stock with the same config. fp32, FP8 off: the same decisions and latents to 1e-5. bf16, FP8 on: the same latents within the FP8
     bound where the decisions are the same; where FP8 moved a residual across a threshold, the test says so and
-    prints both decision sequences (per forward, the blocks and attention modules that ran). A block replayed whole
+    prints both decision sequences (per forward, the blocks and attention modules that ran; FirstBlockCache: per
+    branch, whether the blocks after the first ran). A block replayed whole
     from its graph runs its attention module's Python not: under the block-level caches, which hook no attention
     module, only the blocks are compared."""
     from qwen_image_fast.pipelines.qwen_image.optimizations import FP8_BOUND
@@ -350,11 +412,17 @@ def test_diffusers_caches_on_gpu_replay_blocks_from_graphs(fp8, monkeypatch, cap
             ran = decisions(monkeypatch, pipe.transformer, FAST_CLASSES if fast else STOCK_CLASSES)
             pipe.transformer.enable_cache(diffusers_configs(pipe, 3)[name])
             seen.append((latents(pipe), ran))
-            if fast:
+            if fast and name == "FirstBlockCache":  # the step cache's rule: whole pieces graphed, CFG batched
+                assert {"cuda_graphs", "batched_cfg"} <= set(pipe.applied), (name, pipe.applied)
+                seen[-1] = (seen[-1][0], {b: [c for c, _ in branch.decisions]
+                                          for b, branch in pipe._last_step_cache.branches.items()})
+            elif fast:
                 assert "cuda_graphs:blocks" in pipe.applied, (name, pipe.applied)
             monkeypatch.undo()
         (ref, ref_ran), (out, ran) = seen
-        if not any(getattr(getattr(module, "_diffusers_hook", None), "hooks", None)
+        if name == "FirstBlockCache":
+            ref_ran = first_block_decisions(ref_ran)
+        elif not any(getattr(getattr(module, "_diffusers_hook", None), "hooks", None)
                    for module in pipe.transformer.modules() if isinstance(module, JointAttention)):
             ref_ran, ran = ([m for m in names if not m.endswith(".attn")] for names in (ref_ran, ran))
         if ran != ref_ran:
@@ -374,7 +442,8 @@ def test_step_caches_graphed_with_a_lora_and_weights_taking_turns(stand_in_graph
     """A LoRA (unfused, scale 0.7, then fused), CUDA graphs (the stand-in for capture): FastConfig(cache=...) equals
     its reference on stock with the same LoRA, its three pieces (first blocks, middle, last blocks and output) captured
     at a signature's second use and replayed after; so does it with memory="low" (weights taking turns); diffusers'
-    FirstBlockCache with the LoRA equals stock with both, its blocks replaying from graphs."""
+    FirstBlockCache (the step cache's rule, its pieces graphed) and TaylorSeer (its hooks, the blocks replaying from
+    graphs) with the LoRA equal stock with both."""
     from test_lora import LORA_A, LORA_B, lightning_format
 
     def with_lora(pipe):
@@ -396,10 +465,13 @@ def test_step_caches_graphed_with_a_lora_and_weights_taking_turns(stand_in_graph
     assert_close(run(low, "text_to_image"), expected, 1e-5, "DBCache with a LoRA, memory='low'")
     assert "memory:low" in low.applied and f"step_cache:{config.label()}" in low.applied
 
-    replays = len(stand_in_graphs["replays"])
-    ref = with_lora(stock("text_to_image"))
-    ref.transformer.enable_cache(FirstBlockCacheConfig(threshold=0.6))
     fast.fast_config = fast.fast_config.replace(cache=None)
-    fast.transformer.enable_cache(FirstBlockCacheConfig(threshold=0.6))
-    assert_close(run(fast, "text_to_image"), run(ref, "text_to_image"), 1e-5, "FirstBlockCache with a LoRA")
-    assert "cuda_graphs:blocks" in fast.applied and len(stand_in_graphs["replays"]) > replays
+    for config, graphed in ((FirstBlockCacheConfig(threshold=0.6), "cuda_graphs"),
+                            (diffusers_configs(None, 3)["TaylorSeer"], "cuda_graphs:blocks")):
+        replays = len(stand_in_graphs["replays"])
+        ref = with_lora(stock("text_to_image"))
+        ref.transformer.enable_cache(config)
+        fast.transformer.enable_cache(config)
+        assert_close(run(fast, "text_to_image"), run(ref, "text_to_image"), 1e-5, f"{config} with a LoRA")
+        assert graphed in fast.applied and len(stand_in_graphs["replays"]) > replays, fast.applied
+        fast.transformer.disable_cache()

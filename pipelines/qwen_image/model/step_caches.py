@@ -15,6 +15,14 @@ While a cache is enabled the forwards run one by one under their cache_context (
 and decide on the host inside the forward): optimizations.py plans batched CFG off and says why, and CUDA graphs per
 block (runtime/runner.py, graphed_block). FastConfig(cache=...) is the fast pipeline's own step cache
 (runtime/step_cache.py), graphed per piece of a forward.
+
+FirstBlockCacheConfig is the exception inside a fast pipeline's call (native_rule): its rule is the step cache's
+with Fn=1, Bn=0 (runtime/step_cache.FirstBlockRule: the same decisions from the same residuals), so the call runs it
+there, each forward in three graphed pieces, CFG batched in the text-to-image pipeline, each branch deciding for
+itself, instead of the hooks' Python around 60 block graphs per branch. The hooks stay registered and run where that
+cannot: a forward outside a fast pipeline's call, under offload hooks (weights arrive inside the module's call), in
+the ControlNet pipelines (the residuals added between blocks pass through the hooks' cached path as diffusers adds
+them, which the pieces do not reproduce). In the pieces the blocks are called past those hooks (past_hooks).
 """
 
 import contextlib
@@ -22,7 +30,21 @@ import contextlib
 from diffusers.hooks import FasterCacheConfig, TextKVCacheConfig
 from diffusers.models.cache_utils import CacheMixin
 
+from diffusers.hooks import FirstBlockCacheConfig
+
 from ..runtime.context import forward_context
+from ..runtime.step_cache import FirstBlockRule
+
+
+def native_rule(config) -> FirstBlockRule | None:
+    """The step cache's rule making the decisions of diffusers' cache `config`, where there is one, else None."""
+    return FirstBlockRule(config.threshold) if isinstance(config, FirstBlockCacheConfig) else None
+
+
+def past_hooks(block):
+    """The block's own forward, past the diffusers hooks registered on the instance (register_hook sets
+    `module.forward`): how a native rule's pieces call the blocks those hooks would otherwise intercept."""
+    return type(block).forward.__get__(block)
 
 
 def refusal(config) -> str | None:
@@ -55,6 +77,11 @@ class StepCaches(CacheMixin):
     def step_cache_name(self) -> str | None:
         """The enabled diffusers cache's config class, e.g. "FirstBlockCacheConfig" (None: none enabled)."""
         return None if self._cache_config is None else type(self._cache_config).__name__
+
+    @property
+    def native_step_cache(self) -> FirstBlockRule | None:
+        """The step cache's rule for the enabled diffusers cache (native_rule), None if none or it has none."""
+        return None if self._cache_config is None else native_rule(self._cache_config)
 
     @contextlib.contextmanager
     def cache_context(self, name: str, **kwargs):

@@ -48,7 +48,7 @@ from .checkpoint import CheckpointWeights, load_weights, local_folder
 from .linear import FP8_TENSORS
 from .lora import LoraState
 from .modulation import ModulationLayout, ModulationTables, tensor_key
-from .step_caches import StepCaches
+from .step_caches import StepCaches, past_hooks
 from .unsupported import Unsupported
 
 logger = logging.get_logger(__name__)
@@ -484,7 +484,8 @@ class FastQwenImageTransformer(Unsupported, StepCaches, LoraAdapters, ModelMixin
         blocks (stock output, every residual added), so that the cache's hooks see what they see on the stock
         model."""
         n_blocks, samples = len(self.transformer_blocks), state.controlnet_block_samples
-        hooked = self.is_cache_enabled
+        past = self.is_cache_enabled and get_context().past_hooks  # a native rule runs the cache (step_caches.py)
+        hooked = self.is_cache_enabled and not past
         for i in range(start, stop):
             block = self.transformer_blocks[i]
             mods = None if state.modulation is None else state.layout.block(state.modulation, i)
@@ -493,7 +494,7 @@ class FastQwenImageTransformer(Unsupported, StepCaches, LoraAdapters, ModelMixin
                 state.txt, state.img = block(hidden_states=state.img, encoder_hidden_states=state.txt,
                                              joint=state.joint, mods=mods)
             else:
-                state.txt, state.img, state.txt_tail, state.img_tail = block(
+                state.txt, state.img, state.txt_tail, state.img_tail = (past_hooks(block) if past else block)(
                     state.img, state.txt, state.joint, mods, (state.img_tail, state.txt_tail), i < n_blocks - 1,
                     defer=True)
             if samples is not None:  # added after the block's residual, as diffusers does

@@ -11,6 +11,8 @@ nested calls each see their own:
   it (batched CFG, CUDA graphs);
 - block_graphs: the call's CallRun when blocks replay from graphs under diffusers' step-cache hooks (its
   graphed_block and block_buffers);
+- past_hooks: a step cache run by the runner (runtime/step_cache.py) for an enabled diffusers cache whose decisions
+  it makes (model/step_caches.native_rule): the blocks are called past that cache's hooks;
 - ulysses: the sequence-parallel group of a FastConfig(parallel="ulysses") call (runtime/parallel.py);
 - weights_take_turns: memory="low" (runtime/offload.py): the forward checks that the block linears are on its device;
 - record: the call's CallRecord (optimizations.py): what ran, for `applied`.
@@ -28,6 +30,7 @@ class ForwardContext:
     cache_name: str | None = None
     run: Any = None  # runner.CallRun
     block_graphs: Any = None  # runner.CallRun
+    past_hooks: bool = False
     ulysses: Any = None  # parallel.Ulysses
     weights_take_turns: bool = False
     record: Any = None  # optimizations.CallRecord

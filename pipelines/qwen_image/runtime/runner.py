@@ -13,7 +13,8 @@ A pipeline owns one Runner (its graphs live across calls); each call opens a Cal
 - `diffusers_forward(inputs)`: what the fast transformer's forward does inside a diffusers loop's call: pairs the
   "cond" and "uncond" forwards by speculation (cfg_pairing.Speculation) when batched CFG is on.
 Under diffusers' step caches (transformer.enable_cache) a forward runs eagerly, its hooks deciding on the host around
-the blocks (and their attention modules); with graphs each block replays from its own graphs instead
+the blocks (and their attention modules), unless the step cache runs it (a native rule, model/step_caches.py); with
+graphs each block replays from its own graphs instead
 (`graphed_block`: the whole block, or three pieces around a hooked attention module), captured on a block's second
 forward of a signature like a whole forward.
 What ran is recorded in the call's CallRecord (optimizations.py).
@@ -54,12 +55,13 @@ class Runner:
              step_cache=None):
         """A CallRun for one pipeline call. graphs / pair_cfg: whether CUDA graphs and batched CFG may run (the
         registry's plan); bucket: FastConfig.text_bucket; attention_kwargs: the call's, for a stock transformer;
-        step_cache: FastConfig.cache when it runs (a DBCache), else None."""
+        step_cache: the step cache's rule when one runs (FastConfig.cache, a DBCache, or the native rule of an
+        enabled diffusers cache: model/step_caches.py), else None."""
         graphs = graphs and self.graphs_failed is None
         if graphs:
             self.graphs.drop_if_weights_moved(transformer)
             self.graphs.max_graphs = MAX_GRAPHS * (3 if step_cache else 1)
-            if transformer.is_cache_enabled:
+            if transformer.is_cache_enabled and step_cache is None:
                 self.block_graphs.drop_if_weights_moved(transformer)
                 self.block_graphs.max_graphs = BLOCK_GRAPHS_PER_BLOCK * len(transformer.transformer_blocks)
         run = CallRun(self, transformer, record, graphs=graphs, pair_cfg=pair_cfg, bucket=bucket,
@@ -76,9 +78,11 @@ class CallRun:
                  attention_kwargs: dict, step_cache: StepCacheRun | None = None):
         self.runner, self.transformer, self.record = runner, transformer, record
         self.fused = hasattr(transformer, "compute")  # FastQwenImageTransformer; else a stock model
+        # a diffusers cache whose decisions the step cache makes runs as one (model/step_caches.py, native_rule)
+        self.diffusers_hooks = self.fused and transformer.is_cache_enabled and step_cache is None
         # offload hooks (model / group offload) and diffusers' step caches wrap the module's forward (the weights
         # come in through it; a cache's hooks on the transformer itself run there)
-        self.hooked = self.fused and (has_offload_hooks(transformer) or transformer.is_cache_enabled)
+        self.hooked = self.fused and (has_offload_hooks(transformer) or self.diffusers_hooks)
         self.step_cache = step_cache
         self.graphs, self.pair_cfg, self.bucket = graphs and self.fused, pair_cfg, bucket
         self.attention_kwargs = attention_kwargs
@@ -101,11 +105,11 @@ class CallRun:
         for name, value in self.transformer.running():
             self.record.add(name, value)
         blocks, rows = len(self.transformer.transformer_blocks), inputs["hidden_states"].shape[0]
-        if self.transformer.is_cache_enabled:  # diffusers' hooks: each block the hooks let run counts itself
+        if self.diffusers_hooks:  # each block the hooks let run counts itself
             self.record.add("step_cache", self.transformer.step_cache_name)
             self.record.count_blocks(0, blocks * rows)
-        # under a diffusers cache, blocks replay from graphs (graphed_block); no graph of a whole forward
-        blocks_graphed = self if self.graphs and self.transformer.is_cache_enabled else None
+        # under a diffusers cache's hooks, blocks replay from graphs (graphed_block); no graph of a whole forward
+        blocks_graphed = self if self.graphs and self.diffusers_hooks else None
         if onload and self.hooked:  # no graphs under offload hooks (the registry's plan)
             with forward_context(run=None, block_graphs=blocks_graphed), self.transformer.cache_context(context):
                 return self.transformer(**inputs, attention_kwargs={"scale": get_context().lora_scale},
@@ -115,13 +119,14 @@ class CallRun:
             inputs = bucketed_text(inputs, self.bucket) if graphs else inputs
             if self.step_cache is not None:
                 names = ["cond", "uncond"] if context == "cond_uncond" else [context or "cond"]
-                out, computes = self.step_cache.forward(functools.partial(self._piece, graphs), inputs, names)
+                with forward_context(past_hooks=self.transformer.is_cache_enabled):
+                    out, computes = self.step_cache.forward(functools.partial(self._piece, graphs), inputs, names)
                 config, per_row = self.step_cache.config, rows // len(names)
                 self.record.add("step_cache", config.label())
                 self.record.count_blocks(sum((blocks if c else config.Fn + config.Bn) * per_row for c in computes),
                                          blocks * rows)
                 return out
-            if not self.transformer.is_cache_enabled:
+            if not self.diffusers_hooks:
                 self.record.count_blocks(blocks * rows, blocks * rows)
             if not graphs:
                 return self.transformer.compute(**inputs)

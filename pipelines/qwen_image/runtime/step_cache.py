@@ -1,4 +1,5 @@
-"""The fast pipeline's step cache: cache-dit's DBCache rule (config.DBCache) on the fused transformer.
+"""The fast pipeline's step cache: cache-dit's DBCache rule (config.DBCache) on the fused transformer, and diffusers'
+FirstBlockCacheConfig run the same way (FirstBlockRule: its decisions, our pieces; model/step_caches.py says when).
 
 A forward runs in three pieces, each a CUDA graph when graphs are on (the runner captures and replays them like
 whole forwards, runner.py):
@@ -37,12 +38,34 @@ def relative_l1(r: torch.Tensor, ref: torch.Tensor) -> float:
     return ((ref - r).abs().mean() / ref.abs().mean()).item()
 
 
-def decide(config: DBCache, branch: Branch, r: torch.Tensor) -> bool:
+@dataclass(frozen=True)
+class FirstBlockRule:
+    """diffusers' FirstBlockCacheConfig(threshold) as diffusers/hooks/first_block_cache.py decides it, in this
+    module's terms: Fn=1, Bn=0, no warm-up or limits; the rest of the blocks run unless
+    mean|r - r_prev| / mean|r_prev| <= threshold (strictly greater runs, where DBCache runs from equal), computed in
+    r's dtype as its FBCHeadBlockHook does; r_prev that of the last step that ran them."""
+
+    threshold: float
+    Fn: int = 1
+    Bn: int = 0
+
+    def label(self) -> str:
+        return "FirstBlockCacheConfig"
+
+
+def first_block_difference(r: torch.Tensor, ref: torch.Tensor) -> float:
+    """FBCHeadBlockHook's difference: its operations in its order, in r's dtype."""
+    return ((r - ref).abs().mean() / ref.abs().mean()).item()
+
+
+def decide(config: DBCache | FirstBlockRule, branch: Branch, r: torch.Tensor) -> bool:
     """Whether this step of `branch` runs the middle blocks, r its residual over the first Fn blocks; advances the
     branch's counters and logs the decision."""
     step, diff = branch.step, None
     branch.step += 1
-    if step < config.warmup or branch.ref is None:
+    if isinstance(config, FirstBlockRule):
+        compute = branch.ref is None or (diff := first_block_difference(r, branch.ref)) > config.threshold
+    elif step < config.warmup or branch.ref is None:
         compute = True
     elif config.every:
         compute = (step - config.warmup) % config.every == 0
@@ -73,7 +96,7 @@ def fit(res: torch.Tensor, length: int) -> torch.Tensor:
 class StepCacheRun:
     """The DBCache of one pipeline call: its branches' states and how a forward runs with it."""
 
-    def __init__(self, config: DBCache, n_blocks: int):
+    def __init__(self, config: DBCache | FirstBlockRule, n_blocks: int):
         if config.Fn + config.Bn >= n_blocks:
             raise ValueError(f"DBCache Fn={config.Fn} + Bn={config.Bn} leaves no middle block to cache in a "
                              f"transformer of {n_blocks} blocks; allowed: Fn + Bn < {n_blocks}")
