@@ -204,7 +204,7 @@ class FastPipelineMixin:
                      offload_hooks=transformer is not None and has_offload_hooks(transformer), vae_2d=why_not_2d(self.vae),
                      enhancer=getattr(self, "prompt_enhancer", None) is not None, parallel=self._parallel_labels(),
                      diffusers_cache=transformer.step_cache_name if fused else None,
-                     cache_rule=fused and transformer.native_step_cache is not None)
+                     cache_rule=getattr(transformer.native_step_cache, "kind", None) if fused else None)
 
     def _parallel_labels(self) -> tuple[str, ...]:
         return ()
@@ -239,10 +239,10 @@ class FastPipelineMixin:
         if conflict:
             raise ValueError(conflict)
         record = CallRecord()
+        rule = self.transformer.native_step_cache if runs_cache_rule(self.fast_config, facts) else None
         with self.runner.call(self.transformer, record, graphs=will_run["cuda_graphs"],
                               pair_cfg=will_run["batched_cfg"], bucket=self.fast_config.text_bucket,
-                              attention_kwargs=attention_kwargs, step_cache=self.fast_config.cache or (
-                                  self.transformer.native_step_cache if runs_cache_rule(facts) else None)) as run, \
+                              attention_kwargs=attention_kwargs, step_cache=self.fast_config.cache or rule) as run, \
                 forward_context(**context):
             yield run
         self._last_call, self._last_step_cache = record, run.step_cache

@@ -61,7 +61,7 @@ class Facts:
     enhancer: bool  # a prompt enhancer rewrites prompts
     parallel: tuple[str, ...] = ()  # the process mesh's labels: "cfg2", "ulysses4"
     diffusers_cache: str | None = None  # the config class of a cache enabled by transformer.enable_cache(...)
-    cache_rule: bool = False  # ... whose decisions the step cache makes (model/step_caches.native_rule)
+    cache_rule: str | None = None  # ... the rule making its decisions: "first_block" / "taylorseer" (native_rule)
 
     @property
     def text_to_image(self) -> bool:
@@ -116,11 +116,16 @@ def no_graphs_reason(facts: Facts) -> str | None:
     return None
 
 
-def runs_cache_rule(facts: Facts) -> bool:
-    """Whether the step cache runs the enabled diffusers cache's rule in this pipeline's calls (batched CFG and
-    whole-forward graphs as for FastConfig(cache=...)) instead of its hooks (model/step_caches.py says why not under
-    offload hooks or in the ControlNet pipelines)."""
-    return facts.cache_rule and facts.fused and not facts.offload_hooks and "ControlNet" not in facts.pipeline
+def runs_cache_rule(config: FastConfig, facts: Facts) -> bool:
+    """Whether the runner makes the enabled diffusers cache's decisions by its rule in this pipeline's calls (batched
+    CFG and whole-forward graphs as for FastConfig(cache=...)) instead of running its hooks (model/step_caches.py
+    says why not under offload hooks, nor FirstBlockCache in the ControlNet pipelines, nor TaylorSeer with
+    cfg_fraction < 1)."""
+    if not facts.cache_rule or not facts.fused or facts.offload_hooks:
+        return False
+    if facts.cache_rule == "first_block":
+        return "ControlNet" not in facts.pipeline
+    return config.cfg_fraction == 1
 
 
 def text_to_image_reason(facts: Facts) -> str | None:
@@ -152,7 +157,7 @@ def plan_attention(config: FastConfig, facts: Facts) -> Plan:
 def plan_batched_cfg(config: FastConfig, facts: Facts) -> Plan:
     if "cfg2" in facts.parallel:
         return plain(config.batched_cfg, "parallel='cfg' runs the negative prompt on another rank")
-    if facts.diffusers_cache and not runs_cache_rule(facts):
+    if facts.diffusers_cache and not runs_cache_rule(config, facts):
         return plain(config.batched_cfg, f"diffusers' {facts.diffusers_cache} keeps a state per cache_context: the "
                                          "cond and uncond forwards run one by one")
     if (config.cache is not None or facts.diffusers_cache) and not facts.text_to_image:
@@ -166,7 +171,8 @@ def plan_cuda_graphs(config: FastConfig, facts: Facts) -> Plan:
     """Under diffusers' step caches whose hooks decide on the host around the blocks inside each forward, each block
     replays from its own graphs ("blocks"; runtime/runner.py)."""
     plan = plain(config.cuda_graphs and config.fused_transformer, no_graphs_reason(facts))
-    return Plan(values=("blocks",)) if plan.values and facts.diffusers_cache and not runs_cache_rule(facts) else plan
+    hooks = facts.diffusers_cache and not runs_cache_rule(config, facts)
+    return Plan(values=("blocks",)) if plan.values and hooks else plan
 
 
 def plan_modulation_table(config: FastConfig, facts: Facts) -> Plan:

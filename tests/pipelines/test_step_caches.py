@@ -112,24 +112,36 @@ STOCK_CLASSES, FAST_CLASSES = (QwenImageTransformerBlock, Attention), (FastBlock
 
 # Every config on text-to-image; on every diffusers-loop pipeline (the same hooks, other inputs: condition images,
 # zero_cond_t's per-token modulation, a strength schedule, a mask, ControlNet residuals added between blocks, the
-# layered model's extra timestep condition) the block-level FirstBlockCache, on img2img and ControlNet the
-# attention-level TaylorSeer too.
+# layered model's extra timestep condition) the block-level FirstBlockCache, on Edit-2511, img2img and ControlNet
+# the attention-level TaylorSeer too.
 PAIRS = [("text_to_image", name) for name in diffusers_configs(None, 4)] + [
-    ("edit_2511", "FirstBlockCache"), ("img2img", "FirstBlockCache"), ("img2img", "TaylorSeer"),
+    ("edit_2511", "FirstBlockCache"), ("edit_2511", "TaylorSeer"), ("img2img", "FirstBlockCache"),
+    ("img2img", "TaylorSeer"),
     ("inpaint", "FirstBlockCache"), ("controlnet", "FirstBlockCache"), ("controlnet", "TaylorSeer"),
     ("layered", "FirstBlockCache")]
 
 
-def first_block_decisions(ran: list) -> dict:
-    """Per CFG branch, whether each forward ran the blocks after the first, from the modules a stock pipeline ran
-    (a forward begins at block 0; "cond" then "uncond" each step)."""
+# The module whose running says that a forward computed, per config the runner makes the decisions of by its rule
+# (model/step_caches.native_rule): FirstBlockCache the blocks after the first, TaylorSeer the attention modules.
+COMPUTED_WHEN_RAN = {"FirstBlockCache": "transformer_blocks.1", "TaylorSeer": "transformer_blocks.0.attn"}
+
+
+def stock_decisions(ran: list, name: str) -> dict:
+    """Per CFG branch, whether each forward computed, from the modules a stock pipeline ran (a forward begins at
+    block 0; "cond" then "uncond" each step)."""
     forwards = []
     for module in ran:
         if module == "transformer_blocks.0":
             forwards.append(False)
-        elif module == "transformer_blocks.1":
+        elif module == COMPUTED_WHEN_RAN[name]:
             forwards[-1] = True
     return {"cond": forwards[0::2], "uncond": forwards[1::2]}
+
+
+def rule_decisions(pipe) -> dict:
+    """Per CFG branch, whether each forward of the last call computed, as the runner's rule decided."""
+    return {b: [c if isinstance(c, bool) else c[0] for c in branch.decisions]
+            for b, branch in pipe._last_step_cache.branches.items()}
 
 
 @pytest.mark.usefixtures("small_condition_images")
@@ -138,11 +150,12 @@ def test_diffusers_cache_decides_and_computes_as_on_stock(case_id, name, monkeyp
     """The same modules run in the same order on both pipelines, the same latents; each config but SeaCache
     skipped something. The fast pipeline runs its blocks from graphs (stand-in), but with (text-to-image,
     FirstBlockCache), where it runs them eagerly and disable_cache() gives back the uncached output exactly.
-    FirstBlockCache but in the ControlNet pipeline runs as the step cache's rule (model/step_caches.py): the same
-    decisions per branch, its forwards in graphed pieces, CFG batched in text-to-image."""
+    FirstBlockCache (but in the ControlNet pipeline) and TaylorSeer run by the runner's rule
+    (model/step_caches.py): the same decisions per branch, its forwards graphed (FirstBlockCache in three pieces,
+    TaylorSeer whole, per variant), CFG batched in text-to-image."""
     steps = CASES[case_id][2]["num_inference_steps"]
     eager = (case_id, name) == ("text_to_image", "FirstBlockCache")
-    rule = name == "FirstBlockCache" and case_id != "controlnet"
+    rule = (name, case_id) != ("FirstBlockCache", "controlnet") and name in COMPUTED_WHEN_RAN
     graphs = None if eager else request.getfixturevalue("stand_in_graphs")
     ref, fast = stock(case_id), optimize(stock(case_id), EXACT)
     uncached = run(fast, case_id) if (case_id, name) == ("text_to_image", "FirstBlockCache") else None
@@ -153,8 +166,7 @@ def test_diffusers_cache_decides_and_computes_as_on_stock(case_id, name, monkeyp
         seen.append((run(pipe, case_id), ran))
     (ref_latents, ref_ran), (latents, ran) = seen
     if rule:
-        got = {b: [c for c, _ in branch.decisions] for b, branch in fast._last_step_cache.branches.items()}
-        assert got == first_block_decisions(ref_ran), (case_id, got, ref_ran)
+        assert rule_decisions(fast) == stock_decisions(ref_ran, name), (case_id, rule_decisions(fast), ref_ran)
         assert ("batched_cfg" in fast.applied) == (case_id == "text_to_image"), fast.applied
         ran = ref_ran  # the blocks ran per branch, as counted on stock (blocks_computed below)
     else:
@@ -168,10 +180,10 @@ def test_diffusers_cache_decides_and_computes_as_on_stock(case_id, name, monkeyp
     else:
         assert len(ran) < full, (case_id, name, "skipped nothing: the test would not see a wrong decision")
     assert f"step_cache:{type(diffusers_configs(fast, steps)[name]).__name__}" in fast.applied
-    if graphs is not None and rule:  # the step cache's three pieces, captured once each (cond and uncond share)
+    if graphs is not None and rule and name == "FirstBlockCache":  # three pieces, once each (cond, uncond share)
         assert "cuda_graphs" in fast.applied and graphs["replays"], graphs
         assert len(graphs["captures"]) == 3, graphs
-    elif graphs is not None:  # blocks (or their pieces around a hooked attention) captured once each, then replayed
+    elif graphs is not None and not rule:  # blocks (or their pieces around a hooked attention) captured once each
         assert "cuda_graphs:blocks" in fast.applied and graphs["replays"], graphs
         pieces = 1 if name in ("FirstBlockCache", "MagCache", "SeaCache", "TaylorSeer-lite") else 3
         # cond and uncond of one shape (the prompts' lengths are equal) share them
@@ -183,17 +195,69 @@ def test_diffusers_cache_decides_and_computes_as_on_stock(case_id, name, monkeyp
         assert torch.equal(run(fast, case_id), uncached), "disable_cache() gives back the uncached output exactly"
 
 
+@pytest.mark.parametrize("batched,max_order", [(True, 1), (False, 1), (True, 2)])
+def test_taylorseer_rule_graphed_across_calls(batched, max_order, stand_in_graphs, monkeypatch):
+    """TaylorSeer by the runner's rule over 6 steps (update, predict with 1 and 2 factors...), CFG batched or not
+    (then graphs per branch): the variants used twice in a call are captured at their second use and replayed, in
+    the next call from its start; both calls equal stock with the same config (the graphs write and read the factor buffers the runner keeps).
+    The stand-in capture runs what it captures, where a real one launches nothing: the factors are put back after
+    it, as a real capture leaves them. max_order=2: the factors grow to three, each variant once a call (eager)."""
+    from qwen_image_fast.pipelines.qwen_image.runtime.cuda_graph import Graphs
+
+    config = TaylorSeerCacheConfig(cache_interval=2, disable_cache_before_step=1, taylor_factors_dtype=torch.float32,
+                                   max_order=max_order)
+    call = dict(COMMON, num_inference_steps=6, output_type="latent")
+    ref, fast = stock("text_to_image"), optimize(stock("text_to_image"), EXACT.replace(batched_cfg=batched))
+    stand_in = Graphs.capture
+
+    def capture(*args, **kwargs):
+        factors = [t for f in fast.runner.taylor_factors.values() for ts in f.tensors.values() for t in ts]
+        kept = [t.clone() for t in factors]
+        result = stand_in(*args, **kwargs)
+        for t, value in zip(factors, kept):
+            t.copy_(value)
+        return result
+
+    monkeypatch.setattr(Graphs, "capture", staticmethod(capture))
+    for pipe in (ref, fast):
+        pipe.transformer.enable_cache(config)
+    expected = ref(**call, generator=torch.Generator().manual_seed(0)).images
+    for n in range(2):
+        captures = len(stand_in_graphs["captures"])
+        latents = fast(**call, generator=torch.Generator().manual_seed(0)).images
+        assert_close(latents, expected, 1e-5, f"call {n}")
+        assert rule_decisions(fast) == {b: [True, False, True, False, True, False] for b in ("cond", "uncond")}
+        assert "step_cache:TaylorSeerCacheConfig" in fast.applied and ("batched_cfg" in fast.applied) == batched
+        if max_order == 2:
+            # 4 blocks x 2 streams but the last block's text (discarded, not computed)
+            assert [len(f) for f in next(iter(fast.runner.taylor_factors.values())).tensors.values()] == [3] * 7
+            continue
+        assert "cuda_graphs" in fast.applied
+        kinds = 1 if batched else 2  # forwards of a step
+        assert len(stand_in_graphs["captures"]) - captures == (2 * kinds if n == 0 else 0), stand_in_graphs
+    if max_order == 1:  # call 1: the second uses; call 2: both uses
+        assert len(stand_in_graphs["replays"]) == (2 + 4) * kinds, stand_in_graphs
+
+
 def test_diffusers_caches_plan_pairing_and_refuse_what_cannot_run():
     fast = optimize(stock("text_to_image"), EXACT)
     assert "batched_cfg" in fast.applied
-    fast.transformer.enable_cache(diffusers_configs(None, 3)["TaylorSeer"])
-    plans = {opt.name: plan for opt, plan in fast_plans(fast)}
-    assert "TaylorSeerCacheConfig keeps a state per cache_context" in plans["batched_cfg"].why_not
-    assert plans["step_cache"].values == ("TaylorSeerCacheConfig",)
-    fast.transformer.disable_cache()
-    fast.transformer.enable_cache(FirstBlockCacheConfig(threshold=0.4))  # the step cache runs its rule: paired
-    plans = {opt.name: plan for opt, plan in fast_plans(fast)}
-    assert plans["batched_cfg"].values == (True,) and plans["step_cache"].values == ("FirstBlockCacheConfig",)
+    configs = diffusers_configs(None, 3)
+    # hooks: TaylorSeer's lite mode; TaylorSeer's default pattern with cfg_fraction < 1 (its forwards change branches)
+    for config, fraction in ((configs["TaylorSeer-lite"], 1.0), (configs["TaylorSeer"], 0.5)):
+        fast.fast_config = fast.fast_config.replace(cfg_fraction=fraction)
+        fast.transformer.enable_cache(config)
+        plans = {opt.name: plan for opt, plan in fast_plans(fast)}
+        assert "TaylorSeerCacheConfig keeps a state per cache_context" in plans["batched_cfg"].why_not
+        assert plans["step_cache"].values == ("TaylorSeerCacheConfig",)
+        fast.transformer.disable_cache()
+    fast.fast_config = fast.fast_config.replace(cfg_fraction=1.0)
+    for config in (FirstBlockCacheConfig(threshold=0.4), configs["TaylorSeer"]):  # the runner's rule: paired
+        fast.transformer.enable_cache(config)
+        plans = {opt.name: plan for opt, plan in fast_plans(fast)}
+        assert plans["batched_cfg"].values == (True,) and plans["step_cache"].values == (type(config).__name__,)
+        fast.transformer.disable_cache()
+    fast.transformer.enable_cache(FirstBlockCacheConfig(threshold=0.4))
     fast.fast_config = fast.fast_config.replace(cache=DBCache())
     with pytest.raises(ValueError, match="two step caches"):
         run(fast, "text_to_image")
@@ -385,11 +449,11 @@ def test_first_block_rule_decides_as_diffusers_hook():
 @pytest.mark.parametrize("fp8", [False, True])
 def test_diffusers_caches_on_gpu_replay_blocks_from_graphs(fp8, monkeypatch, capsys):
     """On a GPU, at the real block width (24 heads x 128, 4 blocks, random weights), 512^2: each diffusers config
-    (the CPU test's settings) on the fast pipeline, its blocks replaying from real CUDA graphs (FirstBlockCache: the
-    step cache's graphed pieces, CFG batched), against stock with the same config. fp32, FP8 off: the same decisions and latents to 1e-5. bf16, FP8 on: the same latents within the FP8
+    (the CPU test's settings) on the fast pipeline, its blocks replaying from real CUDA graphs (FirstBlockCache and
+    TaylorSeer: the runner's rule, graphed forwards, CFG batched), against stock with the same config. fp32, FP8 off: the same decisions and latents to 1e-5. bf16, FP8 on: the same latents within the FP8
     bound where the decisions are the same; where FP8 moved a residual across a threshold, the test says so and
-    prints both decision sequences (per forward, the blocks and attention modules that ran; FirstBlockCache: per
-    branch, whether the blocks after the first ran). A block replayed whole
+    prints both decision sequences (per forward, the blocks and attention modules that ran; under a rule: per
+    branch, whether each forward computed). A block replayed whole
     from its graph runs its attention module's Python not: under the block-level caches, which hook no attention
     module, only the blocks are compared."""
     from qwen_image_fast.pipelines.qwen_image.optimizations import FP8_BOUND
@@ -412,16 +476,17 @@ def test_diffusers_caches_on_gpu_replay_blocks_from_graphs(fp8, monkeypatch, cap
             ran = decisions(monkeypatch, pipe.transformer, FAST_CLASSES if fast else STOCK_CLASSES)
             pipe.transformer.enable_cache(diffusers_configs(pipe, 3)[name])
             seen.append((latents(pipe), ran))
-            if fast and name == "FirstBlockCache":  # the step cache's rule: whole pieces graphed, CFG batched
-                assert {"cuda_graphs", "batched_cfg"} <= set(pipe.applied), (name, pipe.applied)
-                seen[-1] = (seen[-1][0], {b: [c for c, _ in branch.decisions]
-                                          for b, branch in pipe._last_step_cache.branches.items()})
+            if fast and name in COMPUTED_WHEN_RAN:  # the runner's rule, CFG batched: FirstBlockCache's pieces graphed
+                # (TaylorSeer's variants each run once in 3 steps: eager; bench_cache.py replays them at 50)
+                assert "batched_cfg" in pipe.applied and ("cuda_graphs" in pipe.applied) == (name == "FirstBlockCache"), (
+                    name, pipe.applied)
+                seen[-1] = (seen[-1][0], rule_decisions(pipe))
             elif fast:
                 assert "cuda_graphs:blocks" in pipe.applied, (name, pipe.applied)
             monkeypatch.undo()
         (ref, ref_ran), (out, ran) = seen
-        if name == "FirstBlockCache":
-            ref_ran = first_block_decisions(ref_ran)
+        if name in COMPUTED_WHEN_RAN:
+            ref_ran = stock_decisions(ref_ran, name)
         elif not any(getattr(getattr(module, "_diffusers_hook", None), "hooks", None)
                    for module in pipe.transformer.modules() if isinstance(module, JointAttention)):
             ref_ran, ran = ([m for m in names if not m.endswith(".attn")] for names in (ref_ran, ran))
@@ -442,8 +507,8 @@ def test_step_caches_graphed_with_a_lora_and_weights_taking_turns(stand_in_graph
     """A LoRA (unfused, scale 0.7, then fused), CUDA graphs (the stand-in for capture): FastConfig(cache=...) equals
     its reference on stock with the same LoRA, its three pieces (first blocks, middle, last blocks and output) captured
     at a signature's second use and replayed after; so does it with memory="low" (weights taking turns); diffusers'
-    FirstBlockCache (the step cache's rule, its pieces graphed) and TaylorSeer (its hooks, the blocks replaying from
-    graphs) with the LoRA equal stock with both."""
+    FirstBlockCache (the step cache's rule, its pieces graphed) and TaylorSeer's lite mode (its hooks, the blocks
+    replaying from graphs) with the LoRA equal stock with both."""
     from test_lora import LORA_A, LORA_B, lightning_format
 
     def with_lora(pipe):
@@ -467,7 +532,7 @@ def test_step_caches_graphed_with_a_lora_and_weights_taking_turns(stand_in_graph
 
     fast.fast_config = fast.fast_config.replace(cache=None)
     for config, graphed in ((FirstBlockCacheConfig(threshold=0.6), "cuda_graphs"),
-                            (diffusers_configs(None, 3)["TaylorSeer"], "cuda_graphs:blocks")):
+                            (diffusers_configs(None, 3)["TaylorSeer-lite"], "cuda_graphs:blocks")):
         replays = len(stand_in_graphs["replays"])
         ref = with_lora(stock("text_to_image"))
         ref.transformer.enable_cache(config)

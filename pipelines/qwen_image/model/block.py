@@ -33,6 +33,7 @@ from ..runtime.context import count_blocks, get_context
 from ..runtime.parallel import Ulysses, UlyssesPlan
 from .attention import TextMask, joint_attention
 from .linear import FastLinear, Operand, as_fp8_operand, q_dtype_for
+from .step_caches import past_hooks
 
 # Producers of the next GEMM's operand: FP8 (q, scale) rows when that linear runs in FP8, else plain rows [M, D].
 
@@ -239,21 +240,31 @@ class FastBlock(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, encoder_hidden_states: torch.Tensor, joint: JointInputs,
                 mods: tuple[torch.Tensor, torch.Tensor] | None = None, tails: tuple = (None, None),
-                text_out: bool = True, defer: bool = False):
+                text_out: bool = True, defer: bool = False, attention_cache=None):
         """hidden_states [B, L_img, D], encoder_hidden_states [B, L_txt, D]: the residual streams, before the tails
         (img_tail, txt_tail) of the previous block are added when it deferred them. mods: this block's modulation
         from a table (modulation.py); None: computed here.
 
         defer=True: (txt, img, txt_tail, img_tail), the last residual adds left to the next block's first kernel.
         text_out=False (the last block) skips the text stream's output projection and MLP, whose result diffusers
-        discards. defer=False: diffusers' block output (stock_forward)."""
+        discards. attention_cache: a TaylorSeer step's (runtime/taylorseer.BlockCache): the attention outputs
+        predicted (the tails added, nothing that only attention reads is run) or computed and stored.
+        defer=False: diffusers' block output (stock_forward)."""
         if not defer:
             return self.stock_forward(hidden_states, encoder_hidden_states, joint, mods)
         img_mods, txt_mods = mods if mods is not None else self.modulation(joint.silu_temb, joint.silu_temb_t)
-        img, txt, img_x, txt_x = self.pre(hidden_states, encoder_hidden_states, joint, img_mods, txt_mods, *tails)
-        batch = img.shape[0]
-        (img_rows, img_scale), (txt_rows, txt_scale) = batch_first(img_x, batch), batch_first(txt_x, batch)
-        img_attn, txt_attn = self.attn(img_rows, txt_rows, joint, self, (img_scale, txt_scale), text_out)
+        if attention_cache is not None and attention_cache.mode == "predict":
+            img = add_tail(hidden_states, tails[0], joint.mod_row)
+            txt = add_tail(encoder_hidden_states, tails[1], None)
+            img_attn, txt_attn = attention_cache.predict(last=not text_out)
+        else:
+            img, txt, img_x, txt_x = self.pre(hidden_states, encoder_hidden_states, joint, img_mods, txt_mods, *tails)
+            batch = img.shape[0]
+            (img_rows, img_scale), (txt_rows, txt_scale) = batch_first(img_x, batch), batch_first(txt_x, batch)
+            attn = self.attn if attention_cache is None else past_hooks(self.attn)  # the rule runs the hooks' cache
+            img_attn, txt_attn = attn(img_rows, txt_rows, joint, self, (img_scale, txt_scale), text_out)
+            if attention_cache is not None:
+                attention_cache.update(img_attn, txt_attn)
         img, txt, img_tail, txt_tail = self.post(img, txt, img_attn, txt_attn, joint, img_mods, txt_mods, text_out)
         return txt, img, txt_tail, img_tail
 

@@ -16,13 +16,20 @@ and decide on the host inside the forward): optimizations.py plans batched CFG o
 block (runtime/runner.py, graphed_block). FastConfig(cache=...) is the fast pipeline's own step cache
 (runtime/step_cache.py), graphed per piece of a forward.
 
-FirstBlockCacheConfig is the exception inside a fast pipeline's call (native_rule): its rule is the step cache's
-with Fn=1, Bn=0 (runtime/step_cache.FirstBlockRule: the same decisions from the same residuals), so the call runs it
-there, each forward in three graphed pieces, CFG batched in the text-to-image pipeline, each branch deciding for
-itself, instead of the hooks' Python around 60 block graphs per branch. The hooks stay registered and run where that
-cannot: a forward outside a fast pipeline's call, under offload hooks (weights arrive inside the module's call), in
-the ControlNet pipelines (the residuals added between blocks pass through the hooks' cached path as diffusers adds
-them, which the pieces do not reproduce). In the pieces the blocks are called past those hooks (past_hooks).
+Two configs are the exception inside a fast pipeline's call (native_rule): the runner makes their decisions by a rule
+of its own, the same decisions from the same values with the same arithmetic, on graphed forwards with CFG batched in
+the text-to-image pipeline (each branch deciding for itself), instead of the hooks' Python around 60 block graphs per
+branch:
+- FirstBlockCacheConfig: the step cache's rule with Fn=1, Bn=0 (runtime/step_cache.FirstBlockRule), each forward in
+  three graphed pieces;
+- TaylorSeerCacheConfig on its default pattern (every attention module; not the lite mode nor custom identifiers):
+  runtime/taylorseer.py, a whole forward graphed per variant (update, or predict), the blocks of a predicting step
+  skipping what only attention reads.
+The hooks stay registered and run where a rule does not: a forward outside a fast pipeline's call, under offload hooks
+(weights arrive inside the module's call), FirstBlockCache in the ControlNet pipelines (the residuals added between
+blocks pass through its hooks' cached path as diffusers adds them, which the pieces do not reproduce), TaylorSeer
+with cfg_fraction < 1 (the forwards change branches mid-call). Under a rule the modules are called past those hooks
+(past_hooks).
 """
 
 import contextlib
@@ -30,15 +37,22 @@ import contextlib
 from diffusers.hooks import FasterCacheConfig, TextKVCacheConfig
 from diffusers.models.cache_utils import CacheMixin
 
-from diffusers.hooks import FirstBlockCacheConfig
+from diffusers.hooks import FirstBlockCacheConfig, TaylorSeerCacheConfig
 
 from ..runtime.context import forward_context
 from ..runtime.step_cache import FirstBlockRule
+from ..runtime.taylorseer import TaylorSeerRule
 
 
-def native_rule(config) -> FirstBlockRule | None:
-    """The step cache's rule making the decisions of diffusers' cache `config`, where there is one, else None."""
-    return FirstBlockRule(config.threshold) if isinstance(config, FirstBlockCacheConfig) else None
+def native_rule(config) -> FirstBlockRule | TaylorSeerRule | None:
+    """The rule the runner makes diffusers' cache `config`'s decisions by, where there is one, else None:
+    FirstBlockCacheConfig, and TaylorSeerCacheConfig on its default pattern (every attention module)."""
+    if isinstance(config, FirstBlockCacheConfig):
+        return FirstBlockRule(config.threshold)
+    if (isinstance(config, TaylorSeerCacheConfig) and not config.use_lite_mode
+            and config.cache_identifiers is None and config.skip_predict_identifiers is None):
+        return TaylorSeerRule.of(config)
+    return None
 
 
 def past_hooks(block):
@@ -79,7 +93,7 @@ class StepCaches(CacheMixin):
         return None if self._cache_config is None else type(self._cache_config).__name__
 
     @property
-    def native_step_cache(self) -> FirstBlockRule | None:
+    def native_step_cache(self) -> FirstBlockRule | TaylorSeerRule | None:
         """The step cache's rule for the enabled diffusers cache (native_rule), None if none or it has none."""
         return None if self._cache_config is None else native_rule(self._cache_config)
 

@@ -484,8 +484,10 @@ class FastQwenImageTransformer(Unsupported, StepCaches, LoraAdapters, ModelMixin
         blocks (stock output, every residual added), so that the cache's hooks see what they see on the stock
         model."""
         n_blocks, samples = len(self.transformer_blocks), state.controlnet_block_samples
-        past = self.is_cache_enabled and get_context().past_hooks  # a native rule runs the cache (step_caches.py)
+        context = get_context()
+        past = self.is_cache_enabled and context.past_hooks  # a native rule runs the cache (step_caches.py)
         hooked = self.is_cache_enabled and not past
+        attention_cache = context.attention_cache  # a TaylorSeer step's (runtime/taylorseer.py)
         for i in range(start, stop):
             block = self.transformer_blocks[i]
             mods = None if state.modulation is None else state.layout.block(state.modulation, i)
@@ -496,7 +498,7 @@ class FastQwenImageTransformer(Unsupported, StepCaches, LoraAdapters, ModelMixin
             else:
                 state.txt, state.img, state.txt_tail, state.img_tail = (past_hooks(block) if past else block)(
                     state.img, state.txt, state.joint, mods, (state.img_tail, state.txt_tail), i < n_blocks - 1,
-                    defer=True)
+                    defer=True, attention_cache=attention_cache and attention_cache(i))
             if samples is not None:  # added after the block's residual, as diffusers does
                 state.img = add_tail(state.img, state.img_tail, state.joint.mod_row) + samples[
                     i // -(-n_blocks // len(samples))]

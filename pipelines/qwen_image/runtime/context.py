@@ -13,6 +13,8 @@ nested calls each see their own:
   graphed_block and block_buffers);
 - past_hooks: a step cache run by the runner (runtime/step_cache.py) for an enabled diffusers cache whose decisions
   it makes (model/step_caches.native_rule): the blocks are called past that cache's hooks;
+- attention_cache: in a TaylorSeer forward run by the runner (runtime/taylorseer.py), block index -> what the block
+  does with its attention (predict it, or compute and store it);
 - ulysses: the sequence-parallel group of a FastConfig(parallel="ulysses") call (runtime/parallel.py);
 - weights_take_turns: memory="low" (runtime/offload.py): the forward checks that the block linears are on its device;
 - record: the call's CallRecord (optimizations.py): what ran, for `applied`.
@@ -31,6 +33,7 @@ class ForwardContext:
     run: Any = None  # runner.CallRun
     block_graphs: Any = None  # runner.CallRun
     past_hooks: bool = False
+    attention_cache: Any = None  # (int) -> taylorseer.BlockCache
     ulysses: Any = None  # parallel.Ulysses
     weights_take_turns: bool = False
     record: Any = None  # optimizations.CallRecord

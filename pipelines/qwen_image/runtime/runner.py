@@ -31,6 +31,7 @@ from .context import forward_context, get_context
 from .cuda_graph import GraphCaptureError, Graphs, signature
 from .offload import has_offload_hooks
 from .step_cache import StepCacheRun
+from .taylorseer import TaylorSeerRule, TaylorSeerRun
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +49,7 @@ class Runner:
     def __init__(self, max_graphs: int = MAX_GRAPHS):
         self.graphs = Graphs(max_graphs)
         self.block_graphs = Graphs(shared=True)  # under diffusers' step caches (graphed_block)
+        self.taylor_factors: dict = {}  # TaylorSeer's factor buffers, which its graphs write: taylorseer.py
         self.graphs_failed: str | None = None  # a capture error: graphs stay off for this pipeline
 
     @contextlib.contextmanager
@@ -64,9 +66,12 @@ class Runner:
             if transformer.is_cache_enabled and step_cache is None:
                 self.block_graphs.drop_if_weights_moved(transformer)
                 self.block_graphs.max_graphs = BLOCK_GRAPHS_PER_BLOCK * len(transformer.transformer_blocks)
+        if isinstance(step_cache, TaylorSeerRule):
+            step_cache = TaylorSeerRun(step_cache, self.taylor_factors)
+        elif step_cache is not None:
+            step_cache = StepCacheRun(step_cache, len(transformer.transformer_blocks))
         run = CallRun(self, transformer, record, graphs=graphs, pair_cfg=pair_cfg, bucket=bucket,
-                      attention_kwargs=attention_kwargs or {},
-                      step_cache=step_cache and StepCacheRun(step_cache, len(transformer.transformer_blocks)))
+                      attention_kwargs=attention_kwargs or {}, step_cache=step_cache)
         with forward_context(run=run, record=record):
             yield run
 
@@ -75,7 +80,7 @@ class CallRun:
     """The transformer forwards of one pipeline call (see the module docstring)."""
 
     def __init__(self, runner: Runner, transformer, record, *, graphs: bool, pair_cfg: bool, bucket: int,
-                 attention_kwargs: dict, step_cache: StepCacheRun | None = None):
+                 attention_kwargs: dict, step_cache: StepCacheRun | TaylorSeerRun | None = None):
         self.runner, self.transformer, self.record = runner, transformer, record
         self.fused = hasattr(transformer, "compute")  # FastQwenImageTransformer; else a stock model
         # a diffusers cache whose decisions the step cache makes runs as one (model/step_caches.py, native_rule)
@@ -117,8 +122,16 @@ class CallRun:
         with forward_context(cache_name=context, block_graphs=blocks_graphed):
             graphs = self.graphs and not blocks_graphed and inputs["controlnet_block_samples"] is None
             inputs = bucketed_text(inputs, self.bucket) if graphs else inputs
+            names = ["cond", "uncond"] if context == "cond_uncond" else [context or "cond"]
+            if isinstance(self.step_cache, TaylorSeerRun):  # every block runs, its attention computed or predicted
+                hidden, text = inputs["hidden_states"], inputs["encoder_hidden_states"]
+                key = (tuple(names), tuple(hidden.shape), tuple(text.shape), hidden.dtype)  # the factors' shapes
+                out, _ = self.step_cache.forward(functools.partial(self._taylorseer, graphs, inputs, tuple(names)),
+                                                 inputs, names, key)
+                self.record.add("step_cache", self.step_cache.rule.label())
+                self.record.count_blocks(blocks * rows, blocks * rows)
+                return out
             if self.step_cache is not None:
-                names = ["cond", "uncond"] if context == "cond_uncond" else [context or "cond"]
                 with forward_context(past_hooks=self.transformer.is_cache_enabled):
                     out, computes = self.step_cache.forward(functools.partial(self._piece, graphs), inputs, names)
                 config, per_row = self.step_cache.config, rows // len(names)
@@ -139,6 +152,20 @@ class CallRun:
         if not graphs:
             return piece(**inputs, **tensors)
         return self._graphed(inputs | tensors, piece, (name, start, stop))
+
+    def _taylorseer(self, graphs: bool, inputs: dict, names: tuple, variant: tuple, scalars: torch.Tensor,
+                    block_cache):
+        """One TaylorSeer forward (taylorseer.py) of the branches `names`, graphed per variant ("update" /
+        "predict", orders) and branches (whose factor buffers it writes) like a whole forward; its scalars (delta or
+        the coefficients) are an input of the graph."""
+        def compute(taylor_scalars, **inputs):
+            with forward_context(attention_cache=lambda i: block_cache(i, taylor_scalars),
+                                 past_hooks=self.transformer.is_cache_enabled):
+                return self.transformer.compute(**inputs)
+
+        if not graphs:
+            return compute(scalars, **inputs)
+        return self._graphed(inputs | dict(taylor_scalars=scalars), compute, ("taylorseer", names) + variant)
 
     def _graphed(self, inputs: dict, compute, piece: tuple = (), blocks: bool = False):
         """compute(**inputs), from a graph of the runner's (of its block graphs if `blocks`) from the second time

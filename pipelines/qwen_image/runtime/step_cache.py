@@ -49,6 +49,8 @@ class FirstBlockRule:
     Fn: int = 1
     Bn: int = 0
 
+    kind = "first_block"  # optimizations.Facts.cache_rule
+
     def label(self) -> str:
         return "FirstBlockCacheConfig"
 
