@@ -61,7 +61,8 @@ class Facts:
     enhancer: bool  # a prompt enhancer rewrites prompts
     parallel: tuple[str, ...] = ()  # the process mesh's labels: "cfg2", "ulysses4"
     diffusers_cache: str | None = None  # the config class of a cache enabled by transformer.enable_cache(...)
-    cache_rule: str | None = None  # ... the rule making its decisions: "first_block" / "taylorseer" (native_rule)
+    cache_rule: str | None = None  # ... the rule making its decisions (native_rule): "first_block", "taylorseer",
+    # "pyramid_broadcast"
 
     @property
     def text_to_image(self) -> bool:
@@ -125,7 +126,9 @@ def runs_cache_rule(config: FastConfig, facts: Facts) -> bool:
         return False
     if facts.cache_rule == "first_block":
         return "ControlNet" not in facts.pipeline
-    return config.cfg_fraction == 1
+    if facts.cache_rule == "taylorseer":
+        return config.cfg_fraction == 1
+    return True
 
 
 def text_to_image_reason(facts: Facts) -> str | None:
@@ -209,6 +212,10 @@ def plan_cfg_fraction(config: FastConfig, facts: Facts) -> Plan:
     return Plan(why_not=why_not) if why_not else Plan(values=(f"{config.cfg_fraction:g}",))
 
 
+# diffusers' caches whose hooks keep one state for both CFG branches (not one per cache_context)
+ONE_STATE_CACHES = ("PyramidAttentionBroadcastConfig", "FasterCacheConfig")
+
+
 def step_cache_conflict(config: FastConfig, facts: Facts) -> str | None:
     """Why the step caches asked for cannot run together or here (a call raises it)."""
     if config.cache is not None and facts.diffusers_cache:
@@ -217,6 +224,10 @@ def step_cache_conflict(config: FastConfig, facts: Facts) -> str | None:
     if (config.cache is not None or facts.diffusers_cache) and any(p.startswith("ulysses") for p in facts.parallel):
         return ("a step cache with parallel='ulysses' would decide on each rank's rows alone; use parallel='cfg' "
                 "(each rank keeps its branch's cache) or no step cache")
+    if facts.diffusers_cache in ONE_STATE_CACHES and any(p.startswith("cfg") for p in facts.parallel):
+        return (f"diffusers' {facts.diffusers_cache} keeps one state for cond and uncond (the uncond forward reuses "
+                "what the cond forward left): with parallel='cfg' each rank sees one branch and would decide "
+                "otherwise; use no parallel mode, or FirstBlockCacheConfig / TaylorSeerCacheConfig (a state per branch)")
     if config.cache is not None and not facts.fused:
         return "FastConfig(cache=...) needs fused_transformer"
     return None

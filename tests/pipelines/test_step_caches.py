@@ -7,6 +7,7 @@
 - disable_cache() gives back exactly the uncached output; what cannot run is refused with the reason."""
 
 import contextlib
+from dataclasses import replace
 
 import diffusers
 import pytest
@@ -123,7 +124,8 @@ PAIRS = [("text_to_image", name) for name in diffusers_configs(None, 4)] + [
 
 # The module whose running says that a forward computed, per config the runner makes the decisions of by its rule
 # (model/step_caches.native_rule): FirstBlockCache the blocks after the first, TaylorSeer the attention modules.
-COMPUTED_WHEN_RAN = {"FirstBlockCache": "transformer_blocks.1", "TaylorSeer": "transformer_blocks.0.attn"}
+COMPUTED_WHEN_RAN = {"FirstBlockCache": "transformer_blocks.1", "TaylorSeer": "transformer_blocks.0.attn",
+                     "PyramidAttentionBroadcast": "transformer_blocks.0.attn"}
 
 
 def stock_decisions(ran: list, name: str) -> dict:
@@ -195,48 +197,107 @@ def test_diffusers_cache_decides_and_computes_as_on_stock(case_id, name, monkeyp
         assert torch.equal(run(fast, case_id), uncached), "disable_cache() gives back the uncached output exactly"
 
 
-@pytest.mark.parametrize("batched,max_order", [(True, 1), (False, 1), (True, 2)])
-def test_taylorseer_rule_graphed_across_calls(batched, max_order, stand_in_graphs, monkeypatch):
-    """TaylorSeer by the runner's rule over 6 steps (update, predict with 1 and 2 factors...), CFG batched or not
-    (then graphs per branch): the variants used twice in a call are captured at their second use and replayed, in
-    the next call from its start; both calls equal stock with the same config (the graphs write and read the factor buffers the runner keeps).
-    The stand-in capture runs what it captures, where a real one launches nothing: the factors are put back after
-    it, as a real capture leaves them. max_order=2: the factors grow to three, each variant once a call (eager)."""
+def graphed_rule_cases() -> dict:
+    """id -> (config, batched, per-branch decisions over 6 steps, graphs captured in the first call, replays in the
+    two calls). A variant (its decisions and branches) used twice in a call is captured at its second use."""
+    taylorseer = dict(cache_interval=2, disable_cache_before_step=1, taylor_factors_dtype=torch.float32)
+    alternate = [True, False] * 3
+    # PAB: outside (0, 1000) at t = 1000, then cond computes (its iterations are even), uncond takes cond's output
+    pab = {"cond": [True] * 6, "uncond": [True] + [False] * 5}
+    return {
+        # update (1 factor) and predict (2) used twice each: 2 graphs; replays 1 + 1, then 2 + 2
+        "taylorseer": (TaylorSeerCacheConfig(**taylorseer), True, alternate, 2, 6),
+        "taylorseer-unbatched": (TaylorSeerCacheConfig(**taylorseer), False, alternate, 4, 12),
+        # the factors grow to three: each variant once a call, eager
+        "taylorseer-order2": (TaylorSeerCacheConfig(**taylorseer, max_order=2), True, alternate, 0, 0),
+        # (computes, reuses) 5 times: replays 4, then 5
+        "pab": ("PyramidAttentionBroadcast", True, pab, 1, 9),
+        # cond 6 times (5 + 6), uncond reusing 5 times (4 + 5)
+        "pab-unbatched": ("PyramidAttentionBroadcast", False, pab, 2, 20),
+    }
+
+
+@pytest.mark.parametrize("case", list(graphed_rule_cases()))
+def test_attention_rules_graphed_across_calls(case, stand_in_graphs, monkeypatch):
+    """TaylorSeer and Pyramid Attention Broadcast by the runner's rules over 6 steps, CFG batched or not: the
+    variants used twice in a call are captured at their second use and replayed, in the next call from its start;
+    both calls equal stock with the same config (the graphs write and read buffers the runner keeps: TaylorSeer's
+    factors, PAB's last outputs). The stand-in capture runs what it captures, where a real one launches nothing:
+    the buffers are put back after it, as a real capture leaves them. Batched PAB attends to the cond half only
+    where the uncond half reuses it."""
     from qwen_image_fast.pipelines.qwen_image.runtime.cuda_graph import Graphs
 
-    config = TaylorSeerCacheConfig(cache_interval=2, disable_cache_before_step=1, taylor_factors_dtype=torch.float32,
-                                   max_order=max_order)
+    config, batched, decisions, captured, replayed = graphed_rule_cases()[case]
     call = dict(COMMON, num_inference_steps=6, output_type="latent")
     ref, fast = stock("text_to_image"), optimize(stock("text_to_image"), EXACT.replace(batched_cfg=batched))
     stand_in = Graphs.capture
 
     def capture(*args, **kwargs):
-        factors = [t for f in fast.runner.taylor_factors.values() for ts in f.tensors.values() for t in ts]
-        kept = [t.clone() for t in factors]
+        runner = fast.runner
+        buffers = [t for f in runner.taylor_factors.values() for ts in f.tensors.values() for t in ts]
+        buffers += [t for last in runner.last_attention.values() for t in last.tensors.values()]
+        kept = [t.clone() for t in buffers]
         result = stand_in(*args, **kwargs)
-        for t, value in zip(factors, kept):
+        for t, value in zip(buffers, kept):
             t.copy_(value)
         return result
 
     monkeypatch.setattr(Graphs, "capture", staticmethod(capture))
+    attended, attend = [], JointAttention.attend  # the batch of each attention the fast blocks ran
+
+    def counted(self, hidden_states, *args, **kwargs):
+        attended.append(hidden_states.shape[0])
+        return attend(self, hidden_states, *args, **kwargs)
+
+    monkeypatch.setattr(JointAttention, "attend", counted)
     for pipe in (ref, fast):
-        pipe.transformer.enable_cache(config)
+        pipe.transformer.enable_cache(diffusers_configs(pipe, 6)[config] if isinstance(config, str) else config)
     expected = ref(**call, generator=torch.Generator().manual_seed(0)).images
+    label = f"step_cache:{type(fast.transformer._cache_config).__name__}"
     for n in range(2):
         captures = len(stand_in_graphs["captures"])
         latents = fast(**call, generator=torch.Generator().manual_seed(0)).images
         assert_close(latents, expected, 1e-5, f"call {n}")
-        assert rule_decisions(fast) == {b: [True, False, True, False, True, False] for b in ("cond", "uncond")}
-        assert "step_cache:TaylorSeerCacheConfig" in fast.applied and ("batched_cfg" in fast.applied) == batched
-        if max_order == 2:
-            # 4 blocks x 2 streams but the last block's text (discarded, not computed)
-            assert [len(f) for f in next(iter(fast.runner.taylor_factors.values())).tensors.values()] == [3] * 7
-            continue
-        assert "cuda_graphs" in fast.applied
-        kinds = 1 if batched else 2  # forwards of a step
-        assert len(stand_in_graphs["captures"]) - captures == (2 * kinds if n == 0 else 0), stand_in_graphs
-    if max_order == 1:  # call 1: the second uses; call 2: both uses
-        assert len(stand_in_graphs["replays"]) == (2 + 4) * kinds, stand_in_graphs
+        want = decisions if isinstance(decisions, dict) else {b: decisions for b in ("cond", "uncond")}
+        assert rule_decisions(fast) == want, rule_decisions(fast)
+        assert label in fast.applied and ("batched_cfg" in fast.applied) == batched, fast.applied
+        assert ("cuda_graphs" in fast.applied) == (captured > 0), fast.applied
+        assert len(stand_in_graphs["captures"]) - captures == (captured if n == 0 else 0), stand_in_graphs
+    assert len(stand_in_graphs["replays"]) == replayed, stand_in_graphs
+    # batched PAB: where uncond reuses cond's output, the attention runs for the cond half of the batch only
+    assert set(attended) == ({2, 1} if case == "pab" else {2} if batched else {1}), set(attended)
+    if case == "taylorseer-order2":  # 4 blocks x 2 streams but the last block's text (discarded, not computed)
+        assert [len(f) for f in next(iter(fast.runner.taylor_factors.values())).tensors.values()] == [3] * 7
+
+
+@pytest.mark.parametrize("batched", [True, False])
+def test_pyramid_broadcast_rule_fails_where_stock_fails(batched):
+    """Prompts of two lengths under Pyramid Attention Broadcast: stock fails at the first reuse (one state for cond
+    and uncond: the uncond forward takes the cond's attention output); the rule refuses with the reason there too,
+    paired (where padding would have hidden it) or not."""
+    call = dict(COMMON, negative_prompt="a dog", num_inference_steps=3, output_type="latent")
+    ref, fast = stock("text_to_image"), optimize(stock("text_to_image"), EXACT.replace(batched_cfg=batched))
+    for pipe in (ref, fast):
+        pipe.transformer.enable_cache(diffusers_configs(pipe, 3)["PyramidAttentionBroadcast"])
+    with pytest.raises(RuntimeError):
+        ref(**call)
+    with pytest.raises(ValueError, match="the prompt and the negative prompt the same length"):
+        fast(**call)
+
+
+def test_one_state_caches_refused_with_cfg_parallel():
+    """PAB and FasterCache keep one state for cond and uncond: a rank that sees one branch would decide otherwise
+    than stock, so parallel='cfg' refuses them (the caches with a state per branch run there)."""
+    from qwen_image_fast.pipelines.qwen_image.optimizations import Facts, step_cache_conflict
+
+    facts = Facts(pipeline="QwenImagePipeline", fused=True, device="cuda", fp8=True, fast_accum=True,
+                  attention="fa4", offload_hooks=False, vae_2d=None, enhancer=False, parallel=("cfg2",))
+    for name in ("PyramidAttentionBroadcastConfig", "FasterCacheConfig"):
+        assert "keeps one state for cond and uncond" in step_cache_conflict(
+            FastConfig(), replace(facts, diffusers_cache=name))
+    for name in ("FirstBlockCacheConfig", "TaylorSeerCacheConfig"):
+        assert step_cache_conflict(FastConfig(), replace(facts, diffusers_cache=name)) is None
+        assert step_cache_conflict(FastConfig(), replace(facts, diffusers_cache=name, parallel=("ulysses2",)))
 
 
 def test_diffusers_caches_plan_pairing_and_refuse_what_cannot_run():
@@ -477,8 +538,8 @@ def test_diffusers_caches_on_gpu_replay_blocks_from_graphs(fp8, monkeypatch, cap
             pipe.transformer.enable_cache(diffusers_configs(pipe, 3)[name])
             seen.append((latents(pipe), ran))
             if fast and name in COMPUTED_WHEN_RAN:  # the runner's rule, CFG batched: FirstBlockCache's pieces graphed
-                # (TaylorSeer's variants each run once in 3 steps: eager; bench_cache.py replays them at 50)
-                assert "batched_cfg" in pipe.applied and ("cuda_graphs" in pipe.applied) == (name == "FirstBlockCache"), (
+                # (the attention rules' variants run once or twice in 3 steps; bench_cache.py replays them at 50)
+                assert "batched_cfg" in pipe.applied and (name != "FirstBlockCache" or "cuda_graphs" in pipe.applied), (
                     name, pipe.applied)
                 seen[-1] = (seen[-1][0], rule_decisions(pipe))
             elif fast:

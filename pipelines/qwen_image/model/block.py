@@ -142,6 +142,16 @@ class JointInputs:
                        **{name: shared.get(name) for name in ("img_freqs", "txt_freqs", "silu_temb", "silu_temb_t",
                                                              "mod_row")})
 
+    def rows(self, rows: slice, batch: int) -> "JointInputs":
+        """These inputs for the batch rows `rows` of `batch` (an attention-level cache's rule computing some
+        branches' attention only): the Q/K/V buffer and the mask cut to them."""
+        if rows == slice(None) or rows == slice(0, batch):
+            return self
+        if self.ulysses is not None:
+            raise ValueError("attention for part of the batch under Ulysses")  # step caches refuse Ulysses first
+        mask = None if self.mask is None else TextMask.of(self.mask.seqused_k[rows], self.mask.key_mask[rows])
+        return replace(self, mask=mask, qkv=self.qkv[:, rows])
+
     def attention(self) -> torch.Tensor:
         """Attention over the joint sequence of the rows in `qkv`: [B, rows, H, D]."""
         if self.ulysses is None:
@@ -253,18 +263,25 @@ class FastBlock(nn.Module):
         if not defer:
             return self.stock_forward(hidden_states, encoder_hidden_states, joint, mods)
         img_mods, txt_mods = mods if mods is not None else self.modulation(joint.silu_temb, joint.silu_temb_t)
-        if attention_cache is not None and attention_cache.mode == "predict":
+        batch = hidden_states.shape[0]
+        if attention_cache is not None and attention_cache.reads_no_inputs:  # attention's outputs from the cache
             img = add_tail(hidden_states, tails[0], joint.mod_row)
             txt = add_tail(encoder_hidden_states, tails[1], None)
-            img_attn, txt_attn = attention_cache.predict(last=not text_out)
+            img_attn, txt_attn = attention_cache.outputs(None, batch, text_out)
         else:
             img, txt, img_x, txt_x = self.pre(hidden_states, encoder_hidden_states, joint, img_mods, txt_mods, *tails)
-            batch = img.shape[0]
             (img_rows, img_scale), (txt_rows, txt_scale) = batch_first(img_x, batch), batch_first(txt_x, batch)
             attn = self.attn if attention_cache is None else past_hooks(self.attn)  # the rule runs the hooks' cache
-            img_attn, txt_attn = attn(img_rows, txt_rows, joint, self, (img_scale, txt_scale), text_out)
-            if attention_cache is not None:
-                attention_cache.update(img_attn, txt_attn)
+
+            def attend(rows: slice) -> tuple:  # the attention outputs of the batch rows `rows`
+                if rows == slice(None):
+                    return attn(img_rows, txt_rows, joint, self, (img_scale, txt_scale), text_out)
+                scales = tuple(None if s is None else s.view(batch, -1, *s.shape[1:])[rows].flatten(0, 1)
+                               for s in (img_scale, txt_scale))  # FP8 row scales [B * L, ...], batch-major
+                return attn(img_rows[rows], txt_rows[rows], joint.rows(rows, batch), self, scales, text_out)
+
+            img_attn, txt_attn = (attend(slice(None)) if attention_cache is None
+                                  else attention_cache.outputs(attend, batch, text_out))
         img, txt, img_tail, txt_tail = self.post(img, txt, img_attn, txt_attn, joint, img_mods, txt_mods, text_out)
         return txt, img, txt_tail, img_tail
 

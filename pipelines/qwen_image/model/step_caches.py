@@ -16,42 +16,60 @@ and decide on the host inside the forward): optimizations.py plans batched CFG o
 block (runtime/runner.py, graphed_block). FastConfig(cache=...) is the fast pipeline's own step cache
 (runtime/step_cache.py), graphed per piece of a forward.
 
-Two configs are the exception inside a fast pipeline's call (native_rule): the runner makes their decisions by a rule
-of its own, the same decisions from the same values with the same arithmetic, on graphed forwards with CFG batched in
-the text-to-image pipeline (each branch deciding for itself), instead of the hooks' Python around 60 block graphs per
-branch:
+Three configs are the exception inside a fast pipeline's call (native_rule): the runner makes their decisions by a
+rule of its own, the same decisions from the same values with the same arithmetic, on graphed forwards with CFG
+batched in the text-to-image pipeline, instead of the hooks' Python around 60 block graphs per branch:
 - FirstBlockCacheConfig: the step cache's rule with Fn=1, Bn=0 (runtime/step_cache.FirstBlockRule), each forward in
   three graphed pieces;
 - TaylorSeerCacheConfig on its default pattern (every attention module; not the lite mode nor custom identifiers):
   runtime/taylorseer.py, a whole forward graphed per variant (update, or predict), the blocks of a predicting step
-  skipping what only attention reads.
-The hooks stay registered and run where a rule does not: a forward outside a fast pipeline's call, under offload hooks
-(weights arrive inside the module's call), FirstBlockCache in the ControlNet pipelines (the residuals added between
-blocks pass through its hooks' cached path as diffusers adds them, which the pieces do not reproduce), TaylorSeer
-with cfg_fraction < 1 (the forwards change branches mid-call). Under a rule the modules are called past those hooks
-(past_hooks).
+  skipping what only attention reads;
+- PyramidAttentionBroadcastConfig on its default identifiers: runtime/pyramid_broadcast.py, a whole forward graphed
+  per decision pattern, the attention computed only for the branches that compute (one state for cond and uncond,
+  as in diffusers: the uncond half takes the cond half's output).
+FasterCache, MagCache, SeaCache and TaylorSeer's lite mode run their hooks. So do the three above where a rule does
+not run: a forward outside a fast pipeline's call, under offload hooks (weights arrive inside the module's call),
+FirstBlockCache in the ControlNet pipelines (the residuals added between blocks pass through its hooks' cached path
+as diffusers adds them, which the pieces do not reproduce), TaylorSeer with cfg_fraction < 1 (the forwards change
+branches mid-call). Under a rule the modules are called past those hooks (past_hooks).
 """
 
 import contextlib
 
-from diffusers.hooks import FasterCacheConfig, TextKVCacheConfig
+from diffusers.hooks import (
+    FasterCacheConfig,
+    FirstBlockCacheConfig,
+    PyramidAttentionBroadcastConfig,
+    TaylorSeerCacheConfig,
+    TextKVCacheConfig,
+)
 from diffusers.models.cache_utils import CacheMixin
 
-from diffusers.hooks import FirstBlockCacheConfig, TaylorSeerCacheConfig
-
 from ..runtime.context import forward_context
+from ..runtime.pyramid_broadcast import PyramidBroadcastRule
 from ..runtime.step_cache import FirstBlockRule
 from ..runtime.taylorseer import TaylorSeerRule
 
 
-def native_rule(config) -> FirstBlockRule | TaylorSeerRule | None:
+# every block's attention module (the default matches `transformer_blocks.<i>.attn`)
+PAB_DEFAULT_IDENTIFIERS = PyramidAttentionBroadcastConfig.spatial_attention_block_identifiers
+
+
+def native_rule(config) -> FirstBlockRule | TaylorSeerRule | PyramidBroadcastRule | None:
     """The rule the runner makes diffusers' cache `config`'s decisions by, where there is one, else None:
-    FirstBlockCacheConfig, and TaylorSeerCacheConfig on its default pattern (every attention module)."""
+    FirstBlockCacheConfig, TaylorSeerCacheConfig on its default pattern (every attention module) and
+    PyramidAttentionBroadcastConfig on its default identifiers."""
     if isinstance(config, FirstBlockCacheConfig):
         return FirstBlockRule(config.threshold)
     if (isinstance(config, TaylorSeerCacheConfig) and not config.use_lite_mode
             and config.cache_identifiers is None and config.skip_predict_identifiers is None):
         return TaylorSeerRule.of(config)
+    if (isinstance(config, PyramidAttentionBroadcastConfig) and config.spatial_attention_block_skip_range is not None
+            and config.spatial_attention_block_identifiers == PAB_DEFAULT_IDENTIFIERS):
+        # enable_cache set the skip range to 2 if none was given; temporal and cross attention: no such module here
+        return PyramidBroadcastRule(config.spatial_attention_block_skip_range,
+                                    tuple(config.spatial_attention_timestep_skip_range),
+                                    config.current_timestep_callback)
     return None
 
 
@@ -93,7 +111,7 @@ class StepCaches(CacheMixin):
         return None if self._cache_config is None else type(self._cache_config).__name__
 
     @property
-    def native_step_cache(self) -> FirstBlockRule | TaylorSeerRule | None:
+    def native_step_cache(self) -> FirstBlockRule | TaylorSeerRule | PyramidBroadcastRule | None:
         """The step cache's rule for the enabled diffusers cache (native_rule), None if none or it has none."""
         return None if self._cache_config is None else native_rule(self._cache_config)
 

@@ -31,6 +31,7 @@ from .context import forward_context, get_context
 from .cuda_graph import GraphCaptureError, Graphs, signature
 from .offload import has_offload_hooks
 from .step_cache import StepCacheRun
+from .pyramid_broadcast import PyramidBroadcastRule, PyramidBroadcastRun
 from .taylorseer import TaylorSeerRule, TaylorSeerRun
 
 logger = logging.getLogger(__name__)
@@ -50,6 +51,7 @@ class Runner:
         self.graphs = Graphs(max_graphs)
         self.block_graphs = Graphs(shared=True)  # under diffusers' step caches (graphed_block)
         self.taylor_factors: dict = {}  # TaylorSeer's factor buffers, which its graphs write: taylorseer.py
+        self.last_attention: dict = {}  # Pyramid Attention Broadcast's last outputs: pyramid_broadcast.py
         self.graphs_failed: str | None = None  # a capture error: graphs stay off for this pipeline
 
     @contextlib.contextmanager
@@ -68,6 +70,8 @@ class Runner:
                 self.block_graphs.max_graphs = BLOCK_GRAPHS_PER_BLOCK * len(transformer.transformer_blocks)
         if isinstance(step_cache, TaylorSeerRule):
             step_cache = TaylorSeerRun(step_cache, self.taylor_factors)
+        elif isinstance(step_cache, PyramidBroadcastRule):
+            step_cache = PyramidBroadcastRun(step_cache, self.last_attention)
         elif step_cache is not None:
             step_cache = StepCacheRun(step_cache, len(transformer.transformer_blocks))
         run = CallRun(self, transformer, record, graphs=graphs, pair_cfg=pair_cfg, bucket=bucket,
@@ -98,10 +102,11 @@ class CallRun:
         """One forward (the transformer's `forward` arguments, `modulation` too for the fused one) -> [B, L, C]."""
         return self._forward(context, inputs, onload=True)
 
-    def _forward(self, context: str, inputs: dict, onload: bool) -> torch.Tensor:
+    def _forward(self, context: str, inputs: dict, onload: bool, text_lengths: tuple | None = None) -> torch.Tensor:
         """onload: the forward has not been through the module's own call yet (the text-to-image loop's); where the
         module has offload hooks, it goes through it then (the hooks bring the weights in), computing without
-        coming back here (run=None). False where a diffusers loop's call of the module brought it here."""
+        coming back here (run=None). False where a diffusers loop's call of the module brought it here.
+        text_lengths: a paired forward's two prompt lengths before padding (else its text's)."""
         if not self.fused:  # diffusers' model: its own forward, under the cache_context a diffusers loop sets
             if inputs.pop("modulation", None) is not None:
                 raise ValueError("modulation= is an argument of the fused transformer only")
@@ -121,13 +126,19 @@ class CallRun:
                                         return_dict=False)[0]
         with forward_context(cache_name=context, block_graphs=blocks_graphed):
             graphs = self.graphs and not blocks_graphed and inputs["controlnet_block_samples"] is None
+            text_lengths = text_lengths or (inputs["encoder_hidden_states"].shape[1],)  # before any padding
             inputs = bucketed_text(inputs, self.bucket) if graphs else inputs
             names = ["cond", "uncond"] if context == "cond_uncond" else [context or "cond"]
-            if isinstance(self.step_cache, TaylorSeerRun):  # every block runs, its attention computed or predicted
+            if isinstance(self.step_cache, (TaylorSeerRun, PyramidBroadcastRun)):  # every block runs, its
+                # attention computed, or predicted / reused
                 hidden, text = inputs["hidden_states"], inputs["encoder_hidden_states"]
-                key = (tuple(names), tuple(hidden.shape), tuple(text.shape), hidden.dtype)  # the factors' shapes
-                out, _ = self.step_cache.forward(functools.partial(self._taylorseer, graphs, inputs, tuple(names)),
-                                                 inputs, names, key)
+                run = functools.partial(self._attention_rule, graphs, inputs, tuple(names))
+                if isinstance(self.step_cache, TaylorSeerRun):  # factors per branches and shape
+                    key = (tuple(names), tuple(hidden.shape), tuple(text.shape), hidden.dtype)
+                    out, _ = self.step_cache.forward(run, inputs, names, key)
+                else:  # the last outputs per shape of one branch's rows, shared by the branches
+                    key = (rows // len(names), *hidden.shape[1:], *text.shape[1:], hidden.dtype)
+                    out, _ = self.step_cache.forward(run, inputs, names, key, text_lengths)
                 self.record.add("step_cache", self.step_cache.rule.label())
                 self.record.count_blocks(blocks * rows, blocks * rows)
                 return out
@@ -153,19 +164,21 @@ class CallRun:
             return piece(**inputs, **tensors)
         return self._graphed(inputs | tensors, piece, (name, start, stop))
 
-    def _taylorseer(self, graphs: bool, inputs: dict, names: tuple, variant: tuple, scalars: torch.Tensor,
-                    block_cache):
-        """One TaylorSeer forward (taylorseer.py) of the branches `names`, graphed per variant ("update" /
-        "predict", orders) and branches (whose factor buffers it writes) like a whole forward; its scalars (delta or
-        the coefficients) are an input of the graph."""
-        def compute(taylor_scalars, **inputs):
-            with forward_context(attention_cache=lambda i: block_cache(i, taylor_scalars),
+    def _attention_rule(self, graphs: bool, inputs: dict, names: tuple, variant: tuple,
+                        scalars: torch.Tensor | None, block_cache):
+        """One forward of the branches `names` under an attention-level rule (taylorseer.py, pyramid_broadcast.py),
+        graphed per variant (TaylorSeer: "update" / "predict" and orders; PAB: each branch's decision) and branches
+        (whose buffers it writes) like a whole forward; its scalars (TaylorSeer's delta or coefficients) are an
+        input of the graph."""
+        def compute(rule_scalars, **inputs):
+            with forward_context(attention_cache=lambda i: block_cache(i, rule_scalars),
                                  past_hooks=self.transformer.is_cache_enabled):
                 return self.transformer.compute(**inputs)
 
         if not graphs:
             return compute(scalars, **inputs)
-        return self._graphed(inputs | dict(taylor_scalars=scalars), compute, ("taylorseer", names) + variant)
+        return self._graphed(inputs | dict(rule_scalars=scalars), compute,
+                             (self.step_cache.rule.kind, names) + tuple(variant))
 
     def _graphed(self, inputs: dict, compute, piece: tuple = (), blocks: bool = False):
         """compute(**inputs), from a graph of the runner's (of its block graphs if `blocks`) from the second time
@@ -208,7 +221,8 @@ class CallRun:
              modulation: torch.Tensor | None = None, onload: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """Batched CFG: (prompt half, negative half) of one forward of batch 2B."""
         batch = inputs["hidden_states"].shape[0]
-        out = self._forward("cond_uncond", paired_inputs(inputs, negative_embeds, negative_mask, modulation), onload)
+        out = self._forward("cond_uncond", paired_inputs(inputs, negative_embeds, negative_mask, modulation), onload,
+                            text_lengths=(inputs["encoder_hidden_states"].shape[1], negative_embeds.shape[1]))
         self.record.add("batched_cfg")
         return out[:batch], out[batch:]
 

@@ -82,8 +82,18 @@ class BlockCache:
     factors_dtype: torch.dtype | None  # None: the outputs' dtype
     dtype: torch.dtype  # the outputs' (the model's)
 
-    def predict(self, last: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-        return self._predict("img"), None if last else self._predict("txt")
+    @property
+    def reads_no_inputs(self) -> bool:
+        return self.mode == "predict"
+
+    def outputs(self, attend, batch: int, text_out: bool) -> tuple:
+        """(img, txt) attention outputs (txt None when not text_out): predicted, or attend(rows) of every row,
+        stored."""
+        if self.mode == "predict":
+            return self._predict("img"), self._predict("txt") if text_out else None
+        out = attend(slice(None))
+        self.update(*out)
+        return out
 
     def _predict(self, stream: str) -> torch.Tensor:
         factors = self.factors.tensors[(self.index, stream)]
