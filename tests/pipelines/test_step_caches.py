@@ -285,6 +285,27 @@ def test_pyramid_broadcast_rule_fails_where_stock_fails(batched):
         fast(**call)
 
 
+def test_mag_cache_calibration_as_on_stock(capsys):
+    """MagCacheConfig(calibrate=True) computes every block and prints the magnitude ratios it measured per branch:
+    on the fast pipeline the same ratios as on stock (to fp32 rounding), and the uncached latents."""
+    import ast
+
+    def calibrated(pipe):
+        pipe.transformer.enable_cache(MagCacheConfig(calibrate=True, num_inference_steps=3))
+        latents = run(pipe, "text_to_image")
+        lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("[") and "]" == line[-1:]
+                 and not line.startswith("[MagCache]")]
+        return latents, [ast.literal_eval(line) for line in lines]
+
+    fast = optimize(stock("text_to_image"), EXACT)
+    uncached = run(fast, "text_to_image")
+    (ref_latents, ref_ratios), (latents, ratios) = calibrated(stock("text_to_image")), calibrated(fast)
+    assert len(ref_ratios) == 2 and all(len(r) == 3 for r in ref_ratios), ref_ratios  # cond, uncond
+    assert torch.allclose(torch.tensor(ratios), torch.tensor(ref_ratios), rtol=1e-5), (ratios, ref_ratios)
+    assert_close(latents, ref_latents, 1e-5, "MagCache calibration")
+    assert_close(latents, uncached, 1e-6, "calibration skips nothing")
+
+
 def test_one_state_caches_refused_with_cfg_parallel():
     """PAB and FasterCache keep one state for cond and uncond: a rank that sees one branch would decide otherwise
     than stock, so parallel='cfg' refuses them (the caches with a state per branch run there)."""
