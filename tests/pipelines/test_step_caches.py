@@ -197,6 +197,26 @@ def test_diffusers_cache_decides_and_computes_as_on_stock(case_id, name, monkeyp
         assert torch.equal(run(fast, case_id), uncached), "disable_cache() gives back the uncached output exactly"
 
 
+def capture_leaves_rule_buffers(monkeypatch, pipe):
+    """The stand-in capture (stand_in_graphs) runs what it captures, where a real one launches nothing: the buffers
+    the attention-level rules write (pipe.runner's) are put back after it, as a real capture leaves them."""
+    from qwen_image_fast.pipelines.qwen_image.runtime.cuda_graph import Graphs
+
+    stand_in = Graphs.capture
+
+    def capture(*args, **kwargs):
+        runner = pipe.runner
+        buffers = [t for f in runner.taylor_factors.values() for ts in f.tensors.values() for t in ts]
+        buffers += [t for last in runner.last_attention.values() for t in last.tensors.values()]
+        kept = [t.clone() for t in buffers]
+        result = stand_in(*args, **kwargs)
+        for t, value in zip(buffers, kept):
+            t.copy_(value)
+        return result
+
+    monkeypatch.setattr(Graphs, "capture", staticmethod(capture))
+
+
 def graphed_rule_cases() -> dict:
     """id -> (config, batched, per-branch decisions over 6 steps, graphs captured in the first call, replays in the
     two calls). A variant (its decisions and branches) used twice in a call is captured at its second use."""
@@ -222,27 +242,11 @@ def test_attention_rules_graphed_across_calls(case, stand_in_graphs, monkeypatch
     """TaylorSeer and Pyramid Attention Broadcast by the runner's rules over 6 steps, CFG batched or not: the
     variants used twice in a call are captured at their second use and replayed, in the next call from its start;
     both calls equal stock with the same config (the graphs write and read buffers the runner keeps: TaylorSeer's
-    factors, PAB's last outputs). The stand-in capture runs what it captures, where a real one launches nothing:
-    the buffers are put back after it, as a real capture leaves them. Batched PAB attends to the cond half only
-    where the uncond half reuses it."""
-    from qwen_image_fast.pipelines.qwen_image.runtime.cuda_graph import Graphs
-
+    factors, PAB's last outputs). Batched PAB attends to the cond half only where the uncond half reuses it."""
     config, batched, decisions, captured, replayed = graphed_rule_cases()[case]
     call = dict(COMMON, num_inference_steps=6, output_type="latent")
     ref, fast = stock("text_to_image"), optimize(stock("text_to_image"), EXACT.replace(batched_cfg=batched))
-    stand_in = Graphs.capture
-
-    def capture(*args, **kwargs):
-        runner = fast.runner
-        buffers = [t for f in runner.taylor_factors.values() for ts in f.tensors.values() for t in ts]
-        buffers += [t for last in runner.last_attention.values() for t in last.tensors.values()]
-        kept = [t.clone() for t in buffers]
-        result = stand_in(*args, **kwargs)
-        for t, value in zip(buffers, kept):
-            t.copy_(value)
-        return result
-
-    monkeypatch.setattr(Graphs, "capture", staticmethod(capture))
+    capture_leaves_rule_buffers(monkeypatch, fast)
     attended, attend = [], JointAttention.attend  # the batch of each attention the fast blocks ran
 
     def counted(self, hidden_states, *args, **kwargs):
@@ -268,6 +272,29 @@ def test_attention_rules_graphed_across_calls(case, stand_in_graphs, monkeypatch
     assert set(attended) == ({2, 1} if case == "pab" else {2} if batched else {1}), set(attended)
     if case == "taylorseer-order2":  # 4 blocks x 2 streams but the last block's text (discarded, not computed)
         assert [len(f) for f in next(iter(fast.runner.taylor_factors.values())).tensors.values()] == [3] * 7
+
+
+def test_attention_rule_buffers_follow_the_config(stand_in_graphs, monkeypatch):
+    """TaylorSeer with fp32 factors, graphed, then with bf16 factors (the model in fp32): the second config equals
+    stock with it (its factors rounded to bf16), not the first's graphs and buffers replayed; no buffers are kept
+    once no rule runs."""
+    configs = [TaylorSeerCacheConfig(cache_interval=2, disable_cache_before_step=1, taylor_factors_dtype=dtype)
+               for dtype in (torch.float32, torch.bfloat16)]
+    call = dict(COMMON, num_inference_steps=6, output_type="latent")
+    fast = optimize(stock("text_to_image"), EXACT)
+    capture_leaves_rule_buffers(monkeypatch, fast)
+    for config in configs:
+        ref = stock("text_to_image")
+        ref.transformer.enable_cache(config)
+        fast.transformer.enable_cache(config)
+        latents = fast(**call, generator=torch.Generator().manual_seed(0)).images
+        assert "cuda_graphs" in fast.applied
+        assert_close(latents, ref(**call, generator=torch.Generator().manual_seed(0)).images, 1e-5,
+                     str(config.taylor_factors_dtype))
+        fast.transformer.disable_cache()
+    assert fast.runner.taylor_factors
+    fast(**call)
+    assert not fast.runner.taylor_factors and not fast.runner.last_attention
 
 
 @pytest.mark.parametrize("batched", [True, False])

@@ -30,8 +30,8 @@ from .cfg_pairing import Speculation, bucketed_text, paired_inputs
 from .context import forward_context, get_context
 from .cuda_graph import GraphCaptureError, Graphs, signature
 from .offload import has_offload_hooks
-from .step_cache import StepCacheRun
 from .pyramid_broadcast import PyramidBroadcastRule, PyramidBroadcastRun
+from .step_cache import StepCacheRun
 from .taylorseer import TaylorSeerRule, TaylorSeerRun
 
 logger = logging.getLogger(__name__)
@@ -50,8 +50,10 @@ class Runner:
     def __init__(self, max_graphs: int = MAX_GRAPHS):
         self.graphs = Graphs(max_graphs)
         self.block_graphs = Graphs(shared=True)  # under diffusers' step caches (graphed_block)
-        self.taylor_factors: dict = {}  # TaylorSeer's factor buffers, which its graphs write: taylorseer.py
+        # the buffers an attention-level rule's graphs write (kept across calls, as the graphs), and that rule
+        self.taylor_factors: dict = {}  # TaylorSeer's factors: taylorseer.py
         self.last_attention: dict = {}  # Pyramid Attention Broadcast's last outputs: pyramid_broadcast.py
+        self.attention_rule = None
         self.graphs_failed: str | None = None  # a capture error: graphs stay off for this pipeline
 
     @contextlib.contextmanager
@@ -68,6 +70,13 @@ class Runner:
             if transformer.is_cache_enabled and step_cache is None:
                 self.block_graphs.drop_if_weights_moved(transformer)
                 self.block_graphs.max_graphs = BLOCK_GRAPHS_PER_BLOCK * len(transformer.transformer_blocks)
+        rule = step_cache if isinstance(step_cache, (TaylorSeerRule, PyramidBroadcastRule)) else None
+        if rule != self.attention_rule:  # another rule (or none): its buffers go, with the graphs that wrote them
+            self.taylor_factors.clear()
+            self.last_attention.clear()
+            if self.attention_rule is not None:
+                self.graphs.clear()
+            self.attention_rule = rule
         if isinstance(step_cache, TaylorSeerRule):
             step_cache = TaylorSeerRun(step_cache, self.taylor_factors)
         elif isinstance(step_cache, PyramidBroadcastRule):
@@ -84,7 +93,7 @@ class CallRun:
     """The transformer forwards of one pipeline call (see the module docstring)."""
 
     def __init__(self, runner: Runner, transformer, record, *, graphs: bool, pair_cfg: bool, bucket: int,
-                 attention_kwargs: dict, step_cache: StepCacheRun | TaylorSeerRun | None = None):
+                 attention_kwargs: dict, step_cache: StepCacheRun | TaylorSeerRun | PyramidBroadcastRun | None = None):
         self.runner, self.transformer, self.record = runner, transformer, record
         self.fused = hasattr(transformer, "compute")  # FastQwenImageTransformer; else a stock model
         # a diffusers cache whose decisions the step cache makes runs as one (model/step_caches.py, native_rule)
