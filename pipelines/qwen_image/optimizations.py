@@ -62,7 +62,7 @@ class Facts:
     parallel: tuple[str, ...] = ()  # the process mesh's labels: "cfg2", "ulysses4"
     diffusers_cache: str | None = None  # the config class of a cache enabled by transformer.enable_cache(...)
     cache_rule: str | None = None  # ... the rule making its decisions (native_rule): "first_block", "taylorseer",
-    # "pyramid_broadcast"
+    # "pyramid_broadcast", "faster_cache", "sea_cache"
 
     @property
     def text_to_image(self) -> bool:
@@ -163,7 +163,8 @@ def plan_batched_cfg(config: FastConfig, facts: Facts) -> Plan:
     if facts.diffusers_cache and not runs_cache_rule(config, facts):
         return plain(config.batched_cfg, f"diffusers' {facts.diffusers_cache} keeps a state per cache_context: the "
                                          "cond and uncond forwards run one by one")
-    if (config.cache is not None or facts.diffusers_cache) and not facts.text_to_image:
+    stateless = facts.cache_rule == "sea_cache"  # fail-open in the pipelines: no state to undo
+    if (config.cache is not None or facts.diffusers_cache) and not facts.text_to_image and not stateless:
         return plain(config.batched_cfg, "the step cache's branches advance once per forward, which pairing by "
                                          "speculation in diffusers' loop could not undo")
     return plain(config.batched_cfg, None if facts.text_to_image or facts.fused else

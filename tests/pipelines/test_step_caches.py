@@ -69,6 +69,10 @@ def diffusers_configs(pipe, steps: int) -> dict:
             current_timestep_callback=now),
         "FasterCache": FasterCacheConfig(is_guidance_distilled=True, spatial_attention_block_skip_range=2,
                                          spatial_attention_timestep_skip_range=(0, 1000), current_timestep_callback=now),
+        # cond approximates too, from uncond's outputs and from approximations; a weight of the config's
+        "FasterCache-3": FasterCacheConfig(is_guidance_distilled=True, spatial_attention_block_skip_range=3,
+                                           spatial_attention_timestep_skip_range=(0, 1000),
+                                           attention_weight_callback=lambda module: 0.3, current_timestep_callback=now),
         "SeaCache": SeaCacheConfig(),
     }
 
@@ -116,16 +120,21 @@ STOCK_CLASSES, FAST_CLASSES = (QwenImageTransformerBlock, Attention), (FastBlock
 # layered model's extra timestep condition) the block-level FirstBlockCache, on Edit-2511, img2img and ControlNet
 # the attention-level TaylorSeer too.
 PAIRS = [("text_to_image", name) for name in diffusers_configs(None, 4)] + [
-    ("edit_2511", "FirstBlockCache"), ("edit_2511", "TaylorSeer"), ("img2img", "FirstBlockCache"),
-    ("img2img", "TaylorSeer"),
+    ("edit_2511", "FirstBlockCache"), ("edit_2511", "TaylorSeer"), ("edit_2511", "FasterCache"),
+    ("edit_2511", "SeaCache"), ("img2img", "FirstBlockCache"), ("img2img", "TaylorSeer"),
     ("inpaint", "FirstBlockCache"), ("controlnet", "FirstBlockCache"), ("controlnet", "TaylorSeer"),
     ("layered", "FirstBlockCache")]
 
 
 # The module whose running says that a forward computed, per config the runner makes the decisions of by its rule
-# (model/step_caches.native_rule): FirstBlockCache the blocks after the first, TaylorSeer the attention modules.
+# (model/step_caches.native_rule): FirstBlockCache the blocks after the first, the attention-level ones the attention
+# modules; SeaCache runs fail-open (every block).
 COMPUTED_WHEN_RAN = {"FirstBlockCache": "transformer_blocks.1", "TaylorSeer": "transformer_blocks.0.attn",
-                     "PyramidAttentionBroadcast": "transformer_blocks.0.attn"}
+                     "PyramidAttentionBroadcast": "transformer_blocks.0.attn", "FasterCache": "transformer_blocks.0.attn",
+                     "FasterCache-3": "transformer_blocks.0.attn", "SeaCache": "transformer_blocks.1"}
+# where batched CFG runs under a rule: text-to-image; SeaCache (fail-open, nothing to undo) paired by speculation in
+# diffusers' loops too
+PAIRED_UNDER = {"SeaCache": ("text_to_image", "edit_2511")}
 
 
 def stock_decisions(ran: list, name: str) -> dict:
@@ -152,31 +161,38 @@ def test_diffusers_cache_decides_and_computes_as_on_stock(case_id, name, monkeyp
     """The same modules run in the same order on both pipelines, the same latents; each config but SeaCache
     skipped something. The fast pipeline runs its blocks from graphs (stand-in), but with (text-to-image,
     FirstBlockCache), where it runs them eagerly and disable_cache() gives back the uncached output exactly.
-    FirstBlockCache (but in the ControlNet pipeline) and TaylorSeer run by the runner's rule
-    (model/step_caches.py): the same decisions per branch, its forwards graphed (FirstBlockCache in three pieces,
-    TaylorSeer whole, per variant), CFG batched in text-to-image."""
+    FirstBlockCache (but in the ControlNet pipeline), TaylorSeer, PAB, FasterCache and SeaCache run by the runner's
+    rules (model/step_caches.py): the same decisions per branch, its forwards graphed (FirstBlockCache in three
+    pieces, the others whole, per variant), CFG batched in text-to-image (and SeaCache's in the edit pipeline)."""
     steps = CASES[case_id][2]["num_inference_steps"]
     eager = (case_id, name) == ("text_to_image", "FirstBlockCache")
     rule = (name, case_id) != ("FirstBlockCache", "controlnet") and name in COMPUTED_WHEN_RAN
     graphs = None if eager else request.getfixturevalue("stand_in_graphs")
     ref, fast = stock(case_id), optimize(stock(case_id), EXACT)
+    if graphs is not None:
+        capture_leaves_rule_buffers(monkeypatch, fast)
     uncached = run(fast, case_id) if (case_id, name) == ("text_to_image", "FirstBlockCache") else None
+    warned = warnings_of_sea_cache(monkeypatch)
     seen = []
     for pipe, classes in ((ref, STOCK_CLASSES), (fast, FAST_CLASSES)):
         ran = decisions(monkeypatch, pipe.transformer, classes, graphs)
         pipe.transformer.enable_cache(diffusers_configs(pipe, steps)[name])
-        seen.append((run(pipe, case_id), ran))
-    (ref_latents, ref_ran), (latents, ran) = seen
+        seen.append((run(pipe, case_id), ran, warned.copy()))
+        warned.clear()
+    (ref_latents, ref_ran, ref_warned), (latents, ran, fast_warned) = seen
     if rule:
         assert rule_decisions(fast) == stock_decisions(ref_ran, name), (case_id, rule_decisions(fast), ref_ran)
-        assert ("batched_cfg" in fast.applied) == (case_id == "text_to_image"), fast.applied
-        ran = ref_ran  # the blocks ran per branch, as counted on stock (blocks_computed below)
+        assert ("batched_cfg" in fast.applied) == (case_id in PAIRED_UNDER.get(name, ("text_to_image",))), \
+            fast.applied
+        ran = list(ref_ran)  # the blocks ran per branch, as counted on stock (blocks_computed below)
     else:
         assert ran == ref_ran, (case_id, name, ref_ran, ran)
     assert_close(latents, ref_latents, 1e-5, f"{case_id} {name}")
     full = steps * 2 * 2 * BLOCKS  # forwards (CFG) x (blocks + attention modules)
     if name == "SeaCache":
         assert len(ran) == full, (name, "fail-open: every block runs")
+        assert set(fast_warned) == set(ref_warned) and len(set(ref_warned)) == 1, (ref_warned, fast_warned)
+        assert graphs is not None and "cuda_graphs" in fast.applied, fast.applied
         ref.transformer.disable_cache()
         assert torch.equal(ref_latents, run(ref, case_id)), "SeaCache fail-open: stock computes what it does uncached"
     else:
@@ -187,7 +203,7 @@ def test_diffusers_cache_decides_and_computes_as_on_stock(case_id, name, monkeyp
         assert len(graphs["captures"]) == 3, graphs
     elif graphs is not None and not rule:  # blocks (or their pieces around a hooked attention) captured once each
         assert "cuda_graphs:blocks" in fast.applied and graphs["replays"], graphs
-        pieces = 1 if name in ("FirstBlockCache", "MagCache", "SeaCache", "TaylorSeer-lite") else 3
+        pieces = 1 if name in ("FirstBlockCache", "MagCache", "TaylorSeer-lite") else 3
         # cond and uncond of one shape (the prompts' lengths are equal) share them
         assert len(graphs["captures"]) == BLOCKS * pieces, (name, len(graphs["captures"]))
     blocks_ran = [module for module in ran if not module.endswith(".attn")]
@@ -195,6 +211,21 @@ def test_diffusers_cache_decides_and_computes_as_on_stock(case_id, name, monkeyp
     fast.transformer.disable_cache()
     if uncached is not None:
         assert torch.equal(run(fast, case_id), uncached), "disable_cache() gives back the uncached output exactly"
+
+
+def warnings_of_sea_cache(monkeypatch) -> list:
+    """The list, filled as they come, of SeaCache's fail-open messages (its hooks' shared state shows each once per
+    enable_cache: "... running in fail-open mode ...")."""
+    from diffusers.hooks.sea_cache import SeaCacheSharedState
+
+    warned, mark = [], SeaCacheSharedState.mark_fail_open
+
+    def mark_fail_open(self, message):
+        warned.append(message)
+        return mark(self, message)
+
+    monkeypatch.setattr(SeaCacheSharedState, "mark_fail_open", mark_fail_open)
+    return warned
 
 
 def capture_leaves_rule_buffers(monkeypatch, pipe):
@@ -208,6 +239,7 @@ def capture_leaves_rule_buffers(monkeypatch, pipe):
         runner = pipe.runner
         buffers = [t for f in runner.taylor_factors.values() for ts in f.tensors.values() for t in ts]
         buffers += [t for last in runner.last_attention.values() for t in last.tensors.values()]
+        buffers += [t for slots in runner.attention_slots.values() for ts in slots.tensors.values() for t in ts]
         kept = [t.clone() for t in buffers]
         result = stand_in(*args, **kwargs)
         for t, value in zip(buffers, kept):
@@ -234,6 +266,10 @@ def graphed_rule_cases() -> dict:
         "pab": ("PyramidAttentionBroadcast", True, pab, 1, 9),
         # cond 6 times (5 + 6), uncond reusing 5 times (4 + 5)
         "pab-unbatched": ("PyramidAttentionBroadcast", False, pab, 2, 20),
+        # FasterCache decides as PAB does here (cond computes, uncond extrapolates from cond's output and its own)
+        "faster": ("FasterCache", True, pab, 1, 9),
+        # cond computing (5 + 5: its first forward fills both slots, another variant), uncond extrapolating (4 + 5)
+        "faster-unbatched": ("FasterCache", False, pab, 2, 18),
     }
 
 
@@ -269,7 +305,7 @@ def test_attention_rules_graphed_across_calls(case, stand_in_graphs, monkeypatch
         assert len(stand_in_graphs["captures"]) - captures == (captured if n == 0 else 0), stand_in_graphs
     assert len(stand_in_graphs["replays"]) == replayed, stand_in_graphs
     # batched PAB: where uncond reuses cond's output, the attention runs for the cond half of the batch only
-    assert set(attended) == ({2, 1} if case == "pab" else {2} if batched else {1}), set(attended)
+    assert set(attended) == ({2, 1} if case in ("pab", "faster") else {2} if batched else {1}), set(attended)
     if case == "taylorseer-order2":  # 4 blocks x 2 streams but the last block's text (discarded, not computed)
         assert [len(f) for f in next(iter(fast.runner.taylor_factors.values())).tensors.values()] == [3] * 7
 
@@ -297,19 +333,34 @@ def test_attention_rule_buffers_follow_the_config(stand_in_graphs, monkeypatch):
     assert not fast.runner.taylor_factors and not fast.runner.last_attention
 
 
-@pytest.mark.parametrize("batched", [True, False])
-def test_pyramid_broadcast_rule_fails_where_stock_fails(batched):
-    """Prompts of two lengths under Pyramid Attention Broadcast: stock fails at the first reuse (one state for cond
-    and uncond: the uncond forward takes the cond's attention output); the rule refuses with the reason there too,
-    paired (where padding would have hidden it) or not."""
+@pytest.mark.parametrize("name,batched", [("PyramidAttentionBroadcast", True), ("PyramidAttentionBroadcast", False),
+                                          ("FasterCache", True)])
+def test_one_state_rules_fail_where_stock_fails(name, batched):
+    """Prompts of two lengths under PAB or FasterCache: stock fails at the first reuse (one state for cond and
+    uncond: the uncond forward takes, or extrapolates from, the cond's attention output); the rule refuses with the
+    reason there too, paired (where padding would have hidden it) or not."""
     call = dict(COMMON, negative_prompt="a dog", num_inference_steps=3, output_type="latent")
     ref, fast = stock("text_to_image"), optimize(stock("text_to_image"), EXACT.replace(batched_cfg=batched))
     for pipe in (ref, fast):
-        pipe.transformer.enable_cache(diffusers_configs(pipe, 3)["PyramidAttentionBroadcast"])
+        pipe.transformer.enable_cache(diffusers_configs(pipe, 3)[name])
     with pytest.raises(RuntimeError):
         ref(**call)
     with pytest.raises(ValueError, match="the prompt and the negative prompt the same length"):
         fast(**call)
+
+
+def test_faster_cache_rule_fails_where_stock_fails_at_its_first_forward():
+    """A timestep range holding the first step: FasterCache would approximate at its first forward, from nothing;
+    stock fails there (its cache is None), and so does the rule, with the reason."""
+    ref, fast = stock("text_to_image"), optimize(stock("text_to_image"), EXACT)
+    for pipe in (ref, fast):
+        pipe.transformer.enable_cache(FasterCacheConfig(
+            is_guidance_distilled=True, spatial_attention_timestep_skip_range=(0, 1001),
+            current_timestep_callback=lambda pipe=pipe: pipe.current_timestep))
+    with pytest.raises(TypeError):
+        run(ref, "text_to_image")
+    with pytest.raises(ValueError, match="at its first forward"):
+        run(fast, "text_to_image")
 
 
 def test_mag_cache_calibration_as_on_stock(capsys):

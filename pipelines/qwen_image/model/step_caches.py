@@ -16,7 +16,7 @@ and decide on the host inside the forward): optimizations.py plans batched CFG o
 block (runtime/runner.py, graphed_block). FastConfig(cache=...) is the fast pipeline's own step cache
 (runtime/step_cache.py), graphed per piece of a forward.
 
-Three configs are the exception inside a fast pipeline's call (native_rule): the runner makes their decisions by a
+Five configs are the exception inside a fast pipeline's call (native_rule): the runner makes their decisions by a
 rule of its own, the same decisions from the same values with the same arithmetic, on graphed forwards with CFG
 batched in the text-to-image pipeline, instead of the hooks' Python around 60 block graphs per branch:
 - FirstBlockCacheConfig: the step cache's rule with Fn=1, Bn=0 (runtime/step_cache.FirstBlockRule), each forward in
@@ -26,12 +26,16 @@ batched in the text-to-image pipeline, instead of the hooks' Python around 60 bl
   skipping what only attention reads;
 - PyramidAttentionBroadcastConfig on its default identifiers: runtime/pyramid_broadcast.py, a whole forward graphed
   per decision pattern, the attention computed only for the branches that compute (one state for cond and uncond,
-  as in diffusers: the uncond half takes the cond half's output).
-FasterCache, MagCache, SeaCache and TaylorSeer's lite mode run their hooks. So do the three above where a rule does
-not run: a forward outside a fast pipeline's call, under offload hooks (weights arrive inside the module's call),
-FirstBlockCache in the ControlNet pipelines (the residuals added between blocks pass through its hooks' cached path
-as diffusers adds them, which the pieces do not reproduce), TaylorSeer with cfg_fraction < 1 (the forwards change
-branches mid-call). Under a rule the modules are called past those hooks (past_hooks).
+  as in diffusers: the uncond half takes the cond half's output);
+- FasterCacheConfig(is_guidance_distilled=True) on its default identifiers: runtime/faster_cache.py, likewise (one
+  state for both, the approximated attention extrapolated from the last two outputs);
+- SeaCacheConfig: runtime/sea_cache.py; the pipelines pass it no scheduler metadata, so diffusers runs it fail-open
+  (nothing skipped): the uncached forward, after its root hook says so.
+MagCache and TaylorSeer's lite mode run their hooks. So do the five above where a rule does not run: a forward
+outside a fast pipeline's call, under offload hooks (weights arrive inside the module's call), FirstBlockCache in the
+ControlNet pipelines (the residuals added between blocks pass through its hooks' cached path as diffusers adds them,
+which the pieces do not reproduce), TaylorSeer with cfg_fraction < 1 (the forwards change branches mid-call). Under a
+rule the modules are called past those hooks (past_hooks).
 """
 
 import contextlib
@@ -40,25 +44,32 @@ from diffusers.hooks import (
     FasterCacheConfig,
     FirstBlockCacheConfig,
     PyramidAttentionBroadcastConfig,
+    SeaCacheConfig,
     TaylorSeerCacheConfig,
     TextKVCacheConfig,
 )
 from diffusers.models.cache_utils import CacheMixin
 
 from ..runtime.context import forward_context
+from ..runtime.faster_cache import FasterCacheRule
 from ..runtime.pyramid_broadcast import PyramidBroadcastRule
+from ..runtime.sea_cache import SeaCacheFailOpen
 from ..runtime.step_cache import FirstBlockRule
 from ..runtime.taylorseer import TaylorSeerRule
 
+NativeRule = FirstBlockRule | TaylorSeerRule | PyramidBroadcastRule | FasterCacheRule | SeaCacheFailOpen
 
-# every block's attention module (the default matches `transformer_blocks.<i>.attn`)
+
+# every block's attention module (the defaults match `transformer_blocks.<i>.attn`)
 PAB_DEFAULT_IDENTIFIERS = PyramidAttentionBroadcastConfig.spatial_attention_block_identifiers
+FASTER_CACHE_DEFAULT_IDENTIFIERS = FasterCacheConfig.spatial_attention_block_identifiers
 
 
-def native_rule(config) -> FirstBlockRule | TaylorSeerRule | PyramidBroadcastRule | None:
+def native_rule(config) -> NativeRule | None:
     """The rule the runner makes diffusers' cache `config`'s decisions by, where there is one, else None:
-    FirstBlockCacheConfig, TaylorSeerCacheConfig on its default pattern (every attention module) and
-    PyramidAttentionBroadcastConfig on its default identifiers."""
+    FirstBlockCacheConfig, TaylorSeerCacheConfig on its default pattern (every attention module),
+    PyramidAttentionBroadcastConfig and FasterCacheConfig(is_guidance_distilled=True) on their default identifiers,
+    SeaCacheConfig (fail-open in the pipelines)."""
     if isinstance(config, FirstBlockCacheConfig):
         return FirstBlockRule(config.threshold)
     if (isinstance(config, TaylorSeerCacheConfig) and not config.use_lite_mode
@@ -70,6 +81,15 @@ def native_rule(config) -> FirstBlockRule | TaylorSeerRule | PyramidBroadcastRul
         return PyramidBroadcastRule(config.spatial_attention_block_skip_range,
                                     tuple(config.spatial_attention_timestep_skip_range),
                                     config.current_timestep_callback)
+    if (isinstance(config, FasterCacheConfig) and config.is_guidance_distilled
+            and config.spatial_attention_block_skip_range is not None
+            and tuple(config.spatial_attention_block_identifiers) == FASTER_CACHE_DEFAULT_IDENTIFIERS):
+        # enable_cache set attention_weight_callback to diffusers' default (0.5) if none was given
+        return FasterCacheRule(config.spatial_attention_block_skip_range,
+                               tuple(config.spatial_attention_timestep_skip_range), config.attention_weight_callback,
+                               config.current_timestep_callback)
+    if isinstance(config, SeaCacheConfig):
+        return SeaCacheFailOpen()
     return None
 
 
@@ -111,7 +131,7 @@ class StepCaches(CacheMixin):
         return None if self._cache_config is None else type(self._cache_config).__name__
 
     @property
-    def native_step_cache(self) -> FirstBlockRule | TaylorSeerRule | PyramidBroadcastRule | None:
+    def native_step_cache(self) -> NativeRule | None:
         """The step cache's rule for the enabled diffusers cache (native_rule), None if none or it has none."""
         return None if self._cache_config is None else native_rule(self._cache_config)
 

@@ -29,10 +29,14 @@ import torch
 from .cfg_pairing import Speculation, bucketed_text, paired_inputs
 from .context import forward_context, get_context
 from .cuda_graph import GraphCaptureError, Graphs, signature
+from .faster_cache import FasterCacheRule, FasterCacheRun
 from .offload import has_offload_hooks
 from .pyramid_broadcast import PyramidBroadcastRule, PyramidBroadcastRun
+from .sea_cache import SeaCacheFailOpen, SeaCacheFailOpenRun
 from .step_cache import StepCacheRun
 from .taylorseer import TaylorSeerRule, TaylorSeerRun
+
+ATTENTION_RULES = (TaylorSeerRule, PyramidBroadcastRule, FasterCacheRule)
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +57,7 @@ class Runner:
         # the buffers an attention-level rule's graphs write (kept across calls, as the graphs), and that rule
         self.taylor_factors: dict = {}  # TaylorSeer's factors: taylorseer.py
         self.last_attention: dict = {}  # Pyramid Attention Broadcast's last outputs: pyramid_broadcast.py
+        self.attention_slots: dict = {}  # FasterCache's last two outputs: faster_cache.py
         self.attention_rule = None
         self.graphs_failed: str | None = None  # a capture error: graphs stay off for this pipeline
 
@@ -70,10 +75,11 @@ class Runner:
             if transformer.is_cache_enabled and step_cache is None:
                 self.block_graphs.drop_if_weights_moved(transformer)
                 self.block_graphs.max_graphs = BLOCK_GRAPHS_PER_BLOCK * len(transformer.transformer_blocks)
-        rule = step_cache if isinstance(step_cache, (TaylorSeerRule, PyramidBroadcastRule)) else None
+        rule = step_cache if isinstance(step_cache, ATTENTION_RULES) else None
         if rule != self.attention_rule:  # another rule (or none): its buffers go, with the graphs that wrote them
             self.taylor_factors.clear()
             self.last_attention.clear()
+            self.attention_slots.clear()
             if self.attention_rule is not None:
                 self.graphs.clear()
             self.attention_rule = rule
@@ -81,6 +87,11 @@ class Runner:
             step_cache = TaylorSeerRun(step_cache, self.taylor_factors)
         elif isinstance(step_cache, PyramidBroadcastRule):
             step_cache = PyramidBroadcastRun(step_cache, self.last_attention)
+        elif isinstance(step_cache, FasterCacheRule):
+            step_cache = FasterCacheRun(step_cache, self.attention_slots,
+                                        [block.attn for block in transformer.transformer_blocks])
+        elif isinstance(step_cache, SeaCacheFailOpen):
+            step_cache = SeaCacheFailOpenRun(step_cache, transformer)
         elif step_cache is not None:
             step_cache = StepCacheRun(step_cache, len(transformer.transformer_blocks))
         run = CallRun(self, transformer, record, graphs=graphs, pair_cfg=pair_cfg, bucket=bucket,
@@ -93,7 +104,7 @@ class CallRun:
     """The transformer forwards of one pipeline call (see the module docstring)."""
 
     def __init__(self, runner: Runner, transformer, record, *, graphs: bool, pair_cfg: bool, bucket: int,
-                 attention_kwargs: dict, step_cache: StepCacheRun | TaylorSeerRun | PyramidBroadcastRun | None = None):
+                 attention_kwargs: dict, step_cache=None):
         self.runner, self.transformer, self.record = runner, transformer, record
         self.fused = hasattr(transformer, "compute")  # FastQwenImageTransformer; else a stock model
         # a diffusers cache whose decisions the step cache makes runs as one (model/step_caches.py, native_rule)
@@ -138,8 +149,8 @@ class CallRun:
             text_lengths = text_lengths or (inputs["encoder_hidden_states"].shape[1],)  # before any padding
             inputs = bucketed_text(inputs, self.bucket) if graphs else inputs
             names = ["cond", "uncond"] if context == "cond_uncond" else [context or "cond"]
-            if isinstance(self.step_cache, (TaylorSeerRun, PyramidBroadcastRun)):  # every block runs, its
-                # attention computed, or predicted / reused
+            if isinstance(self.step_cache, (TaylorSeerRun, PyramidBroadcastRun, FasterCacheRun)):  # every block
+                # runs, its attention computed, or predicted / reused
                 hidden, text = inputs["hidden_states"], inputs["encoder_hidden_states"]
                 run = functools.partial(self._attention_rule, graphs, inputs, tuple(names))
                 if isinstance(self.step_cache, TaylorSeerRun):  # factors per branches and shape
@@ -151,6 +162,13 @@ class CallRun:
                 self.record.add("step_cache", self.step_cache.rule.label())
                 self.record.count_blocks(blocks * rows, blocks * rows)
                 return out
+            if isinstance(self.step_cache, SeaCacheFailOpenRun):  # every block runs, past the hooks
+                self.step_cache.check(names)
+                self.record.add("step_cache", self.step_cache.rule.label())
+                self.record.count_blocks(blocks * rows, blocks * rows)
+                with forward_context(past_hooks=True):
+                    return self.transformer.compute(**inputs) if not graphs else self._graphed(
+                        inputs, self.transformer.compute)
             if self.step_cache is not None:
                 with forward_context(past_hooks=self.transformer.is_cache_enabled):
                     out, computes = self.step_cache.forward(functools.partial(self._piece, graphs), inputs, names)
