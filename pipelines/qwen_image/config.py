@@ -41,6 +41,9 @@ class DBCache:
     every: 0: the threshold rule above. k >= 2: a fixed schedule instead (cache-dit's static
         steps_computation_mask): after the warm-up the middle runs on one step in k and is reused on the k-1 others,
         whatever the residuals.
+    taylorseer: 0: a cached step adds the middle's residuals as they were at the last step that ran it. n >= 1:
+        cache-dit's TaylorSeer calibrator of order n (TaylorSeerCalibratorConfig(taylorseer_order=n), for the image
+        and the text residual): it adds their Taylor extrapolation from the steps that ran the middle instead.
     Each CFG branch ("cond", "uncond") keeps its own state and decides for itself, paired in one forward or not."""
 
     Fn: int = 8
@@ -50,9 +53,10 @@ class DBCache:
     max_cached: int = -1
     max_consecutive: int = -1
     every: int = 0
+    taylorseer: int = 0
 
     def __post_init__(self):
-        for name in ("Fn", "Bn", "warmup", "max_cached", "max_consecutive", "every"):
+        for name in ("Fn", "Bn", "warmup", "max_cached", "max_consecutive", "every", "taylorseer"):
             if not isinstance(getattr(self, name), int) or isinstance(getattr(self, name), bool):
                 raise ValueError(f"DBCache {name}={getattr(self, name)!r}; allowed: an integer")
         if self.Fn < 1 or self.Bn < 0:
@@ -66,27 +70,32 @@ class DBCache:
         if self.every < 0 or self.every == 1:
             raise ValueError(f"DBCache every={self.every}; allowed: 0 (threshold rule) or k >= 2 (the middle blocks "
                              "run on one step in k)")
+        if self.taylorseer < 0:
+            raise ValueError(f"DBCache taylorseer={self.taylorseer}; allowed: 0 (off) or the order n >= 1 (1 or 2 "
+                             "recommended by cache-dit)")
 
     def label(self) -> str:
         """As applied shows it: dbcache:F8B0:0.08 (threshold rule) or dbcache:F8B0:every2 (fixed schedule); the
-        warm-up and limits when not cache-dit's defaults."""
+        warm-up, limits and TaylorSeer order when not cache-dit's defaults."""
         rule = f"every{self.every}" if self.every else f"{self.threshold:g}"
         extra = [f"w{self.warmup}"] if self.warmup != 8 else []
         extra += [f"mc{self.max_cached}"] if self.max_cached != -1 else []
         extra += [f"mcc{self.max_consecutive}"] if self.max_consecutive != -1 else []
+        extra += [f"ts{self.taylorseer}"] if self.taylorseer else []
         return ":".join([f"dbcache:F{self.Fn}B{self.Bn}", rule, *extra])
 
     @classmethod
     def parse(cls, text: str) -> "DBCache":
         """The command line's grammar: "dbcache" (cache-dit's defaults), "dbcache:Fn,Bn,threshold" (any prefix of
         them), "every:k" or "every:k,Fn,Bn" (a fixed schedule, no warm-up unless ",w=N"), each optionally followed
-        by ",warmup=N", ",max_cached=N", ",max_consecutive=N" (short: w=, mc=, mcc=)."""
+        by ",warmup=N", ",max_cached=N", ",max_consecutive=N", ",taylorseer=N" (short: w=, mc=, mcc=, ts=)."""
         kind, _, rest = text.partition(":")
         if kind not in ("dbcache", "every"):
             raise ValueError(f"cache {text!r}: allowed: dbcache[:Fn,Bn,threshold] or every:k[,Fn,Bn], then "
-                             "optionally ,w=N ,mc=N ,mcc=N")
+                             "optionally ,w=N ,mc=N ,mcc=N ,ts=N")
         names = {"w": "warmup", "warmup": "warmup", "mc": "max_cached", "max_cached": "max_cached",
-                 "mcc": "max_consecutive", "max_consecutive": "max_consecutive"}
+                 "mcc": "max_consecutive", "max_consecutive": "max_consecutive", "ts": "taylorseer",
+                 "taylorseer": "taylorseer"}
         positional = ("Fn", "Bn", "threshold") if kind == "dbcache" else ("every", "Fn", "Bn")
         values: dict = {} if kind == "dbcache" else {"warmup": 0}
         items = [item for item in rest.split(",") if item] if rest else []
@@ -103,7 +112,7 @@ class DBCache:
                 name, eq, value = item.partition("=")
                 if eq:
                     if name not in names:
-                        raise ValueError(f"unknown setting {name!r}; allowed: w, mc, mcc")
+                        raise ValueError(f"unknown setting {name!r}; allowed: w, mc, mcc, ts")
                     values[names[name]] = number(value, int)
                 elif i < len(positional) and not any("=" in x for x in items[:i]):
                     values[positional[i]] = number(item, float if positional[i] == "threshold" else int)

@@ -99,7 +99,7 @@ VALUE_OPTIONS = {"attention": dict(choices=ATTENTION_BACKENDS), "scheduler": dic
 # What a value option's help adds about how its value is written.
 VALUE_GRAMMAR = {"cache": "dbcache[:Fn,Bn,threshold] (cache-dit's DBCache; default 8,0,0.08 with 8 warm-up steps) or "
                           "every:k[,Fn,Bn] (the middle blocks run on one step in k), then optionally ,w=N ,mc=N ,mcc=N "
-                          "(warm-up, max cached, max in a row)"}
+                          ",ts=N (warm-up, max cached, max in a row, TaylorSeer order of the cached residual)"}
 
 
 def option_of(opt) -> str:

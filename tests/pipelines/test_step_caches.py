@@ -23,7 +23,7 @@ from diffusers import (
 )
 from diffusers.models.attention_processor import Attention
 from diffusers.models.transformers.transformer_qwenimage import QwenImageTransformerBlock
-from helpers import assert_close
+from helpers import assert_close, rel_rms_error
 from test_family import IMAGE, IMAGE_2, MASK, RGBA
 from test_pipeline import EXACT, FIXTURE_TOKENIZER, tiny_controlnet
 from transformers import Qwen2Tokenizer
@@ -437,7 +437,9 @@ def fast_plans(pipe):
 
 class ReferenceDBCache:
     """config.DBCache's rule in plain PyTorch on the stock transformer's own blocks: each wrapped; the branch is the
-    cache_context the stock pipeline enters. log: per forward (branch, whether the middle ran)."""
+    cache_context the stock pipeline enters. log: per forward (branch, whether the middle ran). With
+    config.taylorseer, cache-dit's own TaylorSeerCalibrator per branch extrapolates the cached residuals (its states
+    made up front, as cache-dit has them from its second call on)."""
 
     def __init__(self, transformer, config: DBCache):
         self.config, self.n = config, len(transformer.transformer_blocks)
@@ -457,6 +459,14 @@ class ReferenceDBCache:
     def decide(self, r: torch.Tensor) -> bool:
         c, s = self.config, self.states.setdefault(self.branch, dict(step=0, ref=None, cached=0, run=0))
         step, s["step"] = s["step"], s["step"] + 1
+        if c.taylorseer:
+            from cache_dit.caching.cache_contexts.calibrators.taylorseer import TaylorSeerCalibrator
+
+            if "calibrator" not in s:
+                s["calibrator"] = TaylorSeerCalibrator(n_derivatives=c.taylorseer)
+                for stream in ("img", "txt"):
+                    s["calibrator"].maybe_init_state(stream)
+            s["calibrator"].mark_step_begin()
         if step < c.warmup or s["ref"] is None:
             compute = True
         elif c.every:
@@ -484,6 +494,9 @@ class Wrapped(torch.nn.Module):
             if i < last_middle:
                 return encoder_hidden_states, hidden_states
             s = cache.states[cache.branch]
+            if c.taylorseer:
+                return (cache.front[1] + s["calibrator"].approximate("txt"),
+                        cache.front[0] + s["calibrator"].approximate("img"))
             return cache.front[1] + s["res_txt"], cache.front[0] + s["res_img"]
         txt, img = self.block(hidden_states=hidden_states, encoder_hidden_states=encoder_hidden_states, **kwargs)
         if i == c.Fn - 1:
@@ -493,6 +506,9 @@ class Wrapped(torch.nn.Module):
         if i == last_middle and cache.compute:
             s = cache.states[cache.branch]
             s["res_img"], s["res_txt"], s["ref"] = img - cache.front[0], txt - cache.front[1], cache.r
+            if c.taylorseer:
+                s["calibrator"].update(s["res_img"], name="img")
+                s["calibrator"].update(s["res_txt"], name="txt")
         return txt, img
 
 
@@ -528,19 +544,42 @@ def test_dbcache_decides_and_computes_as_its_reference(case_id, rule):
             assert fast.blocks_computed == 1.0
 
 
+@pytest.mark.parametrize("order", [1, 2])
+def test_dbcache_taylorseer_extrapolates_as_cache_dits_calibrator(order):
+    """DBCache(taylorseer=n) over 7 steps (warm-up 3, then the middle on one step in 3): the cached steps (4 and 5,
+    1 and 2 steps past the last update) add the Taylor extrapolation cache-dit's TaylorSeerCalibrator gives (order 2:
+    the second derivative exists from step 3), not the last residual: the latents equal the reference with
+    cache-dit's calibrator, batched and not, and differ from the same schedule without it."""
+    config = DBCache.parse(f"every:3,1,1,w=3,ts={order}")
+    call = dict(COMMON, num_inference_steps=7, output_type="latent")
+    ref = stock("text_to_image")
+    reference = ReferenceDBCache(ref.transformer, config)
+    expected = ref(**call, generator=torch.Generator().manual_seed(0)).images
+    assert [c for b, c in reference.log if b == "cond"] == [True] * 4 + [False, False, True], reference.log
+    for batched in (True, False):
+        fast = optimize(stock("text_to_image"), EXACT.replace(cache=config, batched_cfg=batched))
+        latents = fast(**call, generator=torch.Generator().manual_seed(0)).images
+        assert_close(latents, expected, 1e-5, f"taylorseer={order} batched={batched}")
+        assert f"step_cache:dbcache:F1B1:every3:w3:ts{order}" in fast.applied, fast.applied
+    fast.fast_config = fast.fast_config.replace(cache=replace(config, taylorseer=0))
+    plain = fast(**call, generator=torch.Generator().manual_seed(0)).images
+    assert rel_rms_error(plain, expected) > 1e-3, "the extrapolation changed nothing: the test would not see it"
+
+
 def test_dbcache_refusals():
     with pytest.raises(ValueError, match="leaves no middle block"):
         run(optimize(stock("text_to_image"), EXACT.replace(cache=DBCache(Fn=2, Bn=2))), "text_to_image")
     with pytest.raises(ValueError, match="fused_transformer"):
         FastConfig.preset("baseline").replace(cache="dbcache")
-    for bad in ("dbcache:x", "every:1", "fbcache:0.2", "dbcache:8,0,0.1,9", "dbcache:8,w=2,0"):
+    for bad in ("dbcache:x", "every:1", "fbcache:0.2", "dbcache:8,0,0.1,9", "dbcache:8,w=2,0", "dbcache:ts=-1"):
         with pytest.raises(ValueError, match="cache"):
             FastConfig(cache=bad)
     for text, parsed in (("dbcache", DBCache()), ("dbcache:1,2", DBCache(Fn=1, Bn=2)),
                          ("dbcache:8,0,0.12,w=4,mc=10,mcc=3", DBCache(threshold=0.12, warmup=4, max_cached=10,
                                                                       max_consecutive=3)),
                          ("every:3,1,1", DBCache(every=3, Fn=1, Bn=1, warmup=0)),
-                         ("every:2,warmup=2", DBCache(every=2, warmup=2))):
+                         ("every:2,warmup=2", DBCache(every=2, warmup=2)),
+                         ("dbcache:8,ts=2", DBCache(taylorseer=2))):
         assert FastConfig(cache=text).cache == parsed, text
 
 

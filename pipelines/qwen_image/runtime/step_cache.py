@@ -9,14 +9,44 @@ whole forwards, runner.py):
 Between them, on the host: each CFG branch (the rows of "cond" and of "uncond" in a paired forward) decides from r
 whether its middle runs (one device-to-host read of its residual difference per step, none during the warm-up or on
 a fixed schedule); a branch that runs it stores its residuals (mid - front) and r; one that does not adds its stored
-residuals to the front's output instead. Each branch decides as it would in a forward of its own.
+residuals to the front's output instead, or with DBCache(taylorseer=n) their Taylor extrapolation (TaylorSeer).
+Each branch decides as it would in a forward of its own.
 """
 
+import math
 from dataclasses import dataclass, field
 
 import torch
 
 from ..config import DBCache
+
+
+class TaylorSeer:
+    """cache-dit's TaylorSeer calibrator of order n on one branch's cached residuals (its TaylorSeerState, one per
+    stream, updated together): each step advances `step`; a step that runs the middle updates the derivatives
+    d_0 = y, d_{i+1} = (d_i - d_i of the previous update) / (steps since it) (only from step 2 on, as cache-dit's
+    `current_step > 1`); a cached step adds sum_i d_i * elapsed^i / i!, elapsed the steps since the last update.
+    In the residual's dtype, in cache-dit's order of operations."""
+
+    def __init__(self, order: int):
+        self.order, self.step, self.last = order, -1, -1
+        self.current: dict[str, list] = {"img": [None] * (order + 1), "txt": [None] * (order + 1)}
+
+    def update(self, stream: str, y: torch.Tensor):
+        previous, derivatives = self.current[stream], [y] + [None] * self.order
+        for i in range(self.order):
+            if previous[i] is None or self.step <= 1:
+                break
+            derivatives[i + 1] = (derivatives[i] - previous[i]) / (self.step - self.last)
+        self.current[stream] = derivatives
+
+    def approximate(self, stream: str) -> torch.Tensor:
+        elapsed, out = self.step - self.last, 0
+        for i, derivative in enumerate(self.current[stream]):
+            if derivative is None:
+                break
+            out = out + (1 / math.factorial(i)) * derivative * (elapsed ** i)
+        return out
 
 
 @dataclass
@@ -30,6 +60,7 @@ class Branch:
     cached: int = 0
     consecutive: int = 0
     decisions: list = field(default_factory=list)  # per step: (computed, relative difference or None)
+    taylor: TaylorSeer | None = None  # DBCache(taylorseer=n)
 
 
 def relative_l1(r: torch.Tensor, ref: torch.Tensor) -> float:
@@ -114,19 +145,31 @@ class StepCacheRun:
         rows = img.shape[0] // len(names)
         parts = [slice(k * rows, (k + 1) * rows) for k in range(len(names))]
         branches = [self.branches.setdefault(name, Branch()) for name in names]
+        for branch in branches:
+            if getattr(config, "taylorseer", 0) and branch.taylor is None:
+                branch.taylor = TaylorSeer(config.taylorseer)
+            if branch.taylor is not None:
+                branch.taylor.step += 1
         computes = [decide(config, b, r[p]) for b, p in zip(branches, parts)]
         if any(computes):
             mid_img, mid_txt = piece("middle", inputs, img=img, txt=txt, start=config.Fn, stop=n - config.Bn)
         imgs, txts = [], []
         for branch, p, compute in zip(branches, parts, computes):
+            taylor = branch.taylor
             if compute:
                 branch.res_img, branch.res_txt = mid_img[p] - img[p], mid_txt[p] - txt[p]
                 branch.ref = r[p]
+                if taylor is not None:
+                    taylor.update("img", branch.res_img)
+                    taylor.update("txt", branch.res_txt)
+                    taylor.last = taylor.step
                 imgs.append(mid_img[p])
                 txts.append(mid_txt[p])
             else:
-                imgs.append(img[p] + branch.res_img)
-                txts.append(txt[p] + fit(branch.res_txt, txt.shape[1]))
+                res_img, res_txt = ((taylor.approximate("img"), taylor.approximate("txt")) if taylor is not None
+                                    else (branch.res_img, branch.res_txt))
+                imgs.append(img[p] + res_img)
+                txts.append(txt[p] + fit(res_txt, txt.shape[1]))
         img, txt = (imgs[0], txts[0]) if len(names) == 1 else (torch.cat(imgs), torch.cat(txts))
         out = piece("back", inputs, img=img, txt=txt, start=n - config.Bn)
         return out, computes
