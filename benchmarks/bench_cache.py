@@ -11,7 +11,8 @@ real 3584-wide output). 50 Euler steps, true_cfg_scale=4 with a negative prompt.
   FirstBlockCache at the median of the differences ours saw at its default, a threshold at which random weights skip
   (our FirstBlockCache runs as the step cache's rule: its decisions and differences are printed);
 - ours with FastConfig(cache=...): cache-dit's Qwen defaults (dbcache: F8B0, 0.08, 8 warm-up steps) and fixed
-  schedules every:2,8 / every:2,1 / every:3,1 (the middle blocks of 1 step in 2, or in 3, with Fn = 8 or 1).
+  schedules every:2,8 / every:2,1 / every:3,1 (the middle blocks of 1 step in 2, or in 3, with Fn = 8 or 1), and
+  every:2,8 with cache-dit's TaylorSeer calibrator of order 1 (ts=1); --dbcache RULE (repeatable) picks others.
 Per row: seconds per image (text encoding, 50 steps, VAE decode), the fraction of block forwards that ran, latent
 rel-RMS and image PSNR against the same pipeline uncached, and for ours with a diffusers config the same against
 stock with that config. Random weights do not give real residual dynamics: a threshold row says how much it
@@ -44,7 +45,7 @@ from qwen_image_fast import FastConfig, QwenImageFastPipeline  # noqa: E402
 from qwen_image_fast.compare import psnr  # noqa: E402
 from qwen_image_fast.kernels._utils import rel_rms_error  # noqa: E402
 
-DBCACHE_ROWS = ("dbcache", "every:2,8,0", "every:2,1,0", "every:3,1,0")
+DBCACHE_ROWS = ("dbcache", "every:2,8,0", "every:2,1,0", "every:3,1,0", "every:2,8,0,ts=1")
 # PyramidAttentionBroadcast and FasterCache keep one state for cond and uncond in diffusers: the two texts must have
 # one length (else stock fails). Their rows (and their uncached references) use the prompt as the negative prompt
 # too: two forwards a step as with any negative prompt, of one length under any tokenizer.
@@ -106,6 +107,8 @@ def main():
     parser.add_argument("--configs", default=None,
                         help="comma-separated names of diffusers' configs to run (default: all), e.g. FirstBlockCache")
     parser.add_argument("--no-dbcache", action="store_true", help="skip the FastConfig(cache=...) rows")
+    parser.add_argument("--dbcache", action="append", default=None, metavar="RULE",
+                        help=f"a FastConfig(cache=...) row to run (repeatable; default {', '.join(DBCACHE_ROWS)})")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     device = torch.device("cpu" if args.tiny else "cuda")
@@ -206,7 +209,7 @@ def main():
                 report("ours", name, resolution, results["ours"], uncached[1],
                        check=(results["diffusers"][:2], SAME_SAMPLER_GATE if same else None, "stock-cached"),
                        extra=extra)
-        for name in () if args.no_dbcache else DBCACHE_ROWS:
+        for name in () if args.no_dbcache else args.dbcache or DBCACHE_ROWS:
             config = base.replace(cache=name)
             check = None
             if name == DBCACHE_ROWS[1]:  # the graphed pieces against the same rule run eagerly

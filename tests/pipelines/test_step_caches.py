@@ -648,13 +648,13 @@ def test_first_block_rule_decides_as_diffusers_hook():
 @pytest.mark.parametrize("fp8", [False, True])
 def test_diffusers_caches_on_gpu_replay_blocks_from_graphs(fp8, monkeypatch, capsys):
     """On a GPU, at the real block width (24 heads x 128, 4 blocks, random weights), 512^2: each diffusers config
-    (the CPU test's settings) on the fast pipeline, its blocks replaying from real CUDA graphs (FirstBlockCache and
-    TaylorSeer: the runner's rule, graphed forwards, CFG batched), against stock with the same config. fp32, FP8 off: the same decisions and latents to 1e-5. bf16, FP8 on: the same latents within the FP8
-    bound where the decisions are the same; where FP8 moved a residual across a threshold, the test says so and
-    prints both decision sequences (per forward, the blocks and attention modules that ran; under a rule: per
-    branch, whether each forward computed). A block replayed whole
-    from its graph runs its attention module's Python not: under the block-level caches, which hook no attention
-    module, only the blocks are compared."""
+    (the CPU test's settings) on the fast pipeline, its blocks replaying from real CUDA graphs (FirstBlockCache,
+    TaylorSeer, PAB, FasterCache, SeaCache: the runner's rules, graphed forwards, CFG batched), against stock with
+    the same config. fp32, FP8 off: the same decisions and latents to 1e-5. bf16, FP8 on: the same latents within
+    the FP8 bound where the decisions are the same; where FP8 moved a residual across a threshold, the test says so
+    and prints both decision sequences (per forward, the blocks and attention modules that ran; under a rule: per
+    branch, whether each forward computed). A block replayed whole from its graph runs its attention module's
+    Python not: under the block-level caches, which hook no attention module, only the blocks are compared."""
     from qwen_image_fast.pipelines.qwen_image.optimizations import FP8_BOUND
     from helpers import rel_rms_error
 
