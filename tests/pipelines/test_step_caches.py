@@ -739,3 +739,43 @@ def test_step_caches_graphed_with_a_lora_and_weights_taking_turns(stand_in_graph
         assert_close(run(fast, "text_to_image"), run(ref, "text_to_image"), 1e-5, f"{config} with a LoRA")
         assert graphed in fast.applied and len(stand_in_graphs["replays"]) > replays, fast.applied
         fast.transformer.disable_cache()
+
+
+def test_cache_context_arguments_reach_the_hooks_as_on_stock(monkeypatch):
+    """A denoising loop of one's own around the transformer, passing the scheduler's step, sigma and step count as
+    cache_context(name, step_index=..., sigma=..., num_inference_steps=...) (the pipelines pass a name only):
+    SeaCache, with a raw-vision callback for Qwen-Image's packed latents, then decides from them on the fast
+    transformer as on stock (its hooks: outside a pipeline call), skipping blocks, with the same outputs."""
+    from test_transformer import make_inputs, tiny_stock
+
+    from qwen_image_fast.pipelines.qwen_image.config import FastTransformerConfig
+    from qwen_image_fast.pipelines.qwen_image.model.transformer import FastQwenImageTransformer
+
+    def vision(module, args, kwargs):  # packed latents [B, L, C] of one (1, h, w) frame -> [C, 1, h, w] per sample
+        _, h, w = kwargs["img_shapes"][0][0]
+        return [x.T.reshape(-1, 1, h, w) for x in kwargs["hidden_states"]]
+
+    steps, outputs, ran_per_model = 6, [], []
+    for fast in (False, True):
+        model = tiny_stock(num_layers=BLOCKS)
+        if fast:
+            model = FastQwenImageTransformer.from_diffusers(model, FastTransformerConfig(fp8=False))
+        ran = decisions(monkeypatch, model, FAST_CLASSES if fast else STOCK_CLASSES)
+        model.enable_cache(SeaCacheConfig(threshold=10.0, retention_steps=1, cache_end_steps=0,
+                                          max_consecutive_cached=0, raw_vision_callback=vision))
+        torch.manual_seed(0)
+        inputs = make_inputs(model, "square", batch=1)
+        out = []
+        with torch.no_grad():
+            for i in range(steps):
+                sigma = 1 - i / steps
+                inputs["timestep"] = torch.full((1,), sigma)
+                with model.cache_context("cond", step_index=i, sigma=sigma, num_inference_steps=steps):
+                    out.append(model(**inputs).sample)
+                inputs["hidden_states"] = inputs["hidden_states"] - out[-1] / steps
+        outputs.append(torch.stack(out))
+        ran_per_model.append([m for m in ran if not m.endswith(".attn")])
+        monkeypatch.undo()
+    assert ran_per_model[0] == ran_per_model[1], ran_per_model
+    assert len(ran_per_model[0]) < steps * BLOCKS, "SeaCache skipped nothing: the test would not see a decision"
+    assert_close(outputs[1], outputs[0], 1e-5, "SeaCache decided by cache_context's arguments")
