@@ -1,8 +1,10 @@
-"""SwiGLU on a packed [gate | up] GEMM output: y = silu(gate) * up.
+"""SwiGLU on a packed [gate | up] GEMM output: y = silu(gate) * up; silu_mul_fp8 also quantizes y per row to FP8,
+the operand of the down projection's rowwise FP8 GEMM.
 
 gate_up: [..., 2 * I], the output of one GEMM with the stacked weight [gate_proj; up_proj] (gate first).
-Matches transformers' qwen3_5 `Qwen3_5MLP` (`act_fn(gate_proj(x)) * up_proj(x)`, hidden_act "silu") in the model
-dtype: silu(gate) is computed in fp32 and rounded to the dtype, then the product is rounded:
+Matches transformers' qwen3_5 `Qwen3_5MLP` (`act_fn(gate_proj(x)) * up_proj(x)`, hidden_act "silu") and diffusers'
+`QwenImage21SwiGLUFeedForward` (`activation_fn(gate_layer(x)) * proj(x)`) in the model dtype: silu(gate) is computed
+in fp32 and rounded to the dtype, then the product is rounded:
     y = round(round(gate / (1 + exp(-gate))) * up)
 """
 
@@ -10,7 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import FLOAT_DTYPES, TILE_ELEMENTS, check_tensor, new_output, round_to
+from ._utils import FLOAT_DTYPES, FP8_DTYPE, TILE_ELEMENTS, check_tensor, new_output, round_to, rows_launch, tile_rows
+from .fp8 import check_q_dtype, fp8_quantize_rows, quantize_fp8_rowwise_ref
 
 
 @triton.jit
@@ -35,15 +38,31 @@ def _silu_mul_kernel(
     tl.store(Y + rows[:, None] * N + cols[None, :], silu_mul_tile(gate, up, dtype).to(dtype), mask=mask)
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """gate_up: [..., 2 * I] float, last dim contiguous (rows may be strided). Returns a new contiguous [..., I]
-    tensor in gate_up's dtype."""
+@triton.jit
+def _silu_mul_fp8_kernel(GU, Q, S, stride_gu, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    rows, cols, mask = tile_rows(M, N, BLOCK_M, BLOCK_N)  # whole rows: the quantization's amax is per row
+    gu_row = GU + rows[:, None] * stride_gu + cols[None, :]
+    gate = tl.load(gu_row, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(gu_row + N, mask=mask, other=0.0).to(tl.float32)
+    q, scale = fp8_quantize_rows(silu_mul_tile(gate, up, GU.dtype.element_ty))  # masked lanes: silu(0) * 0 = 0
+    tl.store(Q + rows[:, None] * N + cols[None, :], q.to(Q.dtype.element_ty), mask=mask)
+    tl.store(S + rows, scale, mask=rows < M)
+
+
+def _rows(gate_up: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+    """gate_up [..., 2I] checked -> ([M, 2I] view, M, I)."""
     check_tensor("gate_up", gate_up, dtypes=FLOAT_DTYPES)
     if gate_up.dim() == 0 or gate_up.shape[-1] % 2:
         raise ValueError(f"gate_up must be [..., 2 * I] with an even last dim, got shape {tuple(gate_up.shape)}")
     n = gate_up.shape[-1] // 2
     m = gate_up.shape[:-1].numel()
-    gu = gate_up.reshape(m, 2 * n)  # [M, 2I], a view with a row stride when gate_up's rows are strided
+    return gate_up.reshape(m, 2 * n), m, n  # a view with a row stride when gate_up's rows are strided
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up: [..., 2 * I] float, last dim contiguous (rows may be strided). Returns a new contiguous [..., I]
+    tensor in gate_up's dtype."""
+    gu, m, n = _rows(gate_up)
     y = new_output((m, n), gate_up.dtype, gate_up.device)
     if m and n:
         block_n = min(triton.next_power_of_2(n), 1024)
@@ -52,6 +71,24 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
             GU=gu, Y=y, stride_gu=gu.stride(0), M=m, N=n, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4,
         )
     return y.view(*gate_up.shape[:-1], n)
+
+
+def silu_mul_fp8(gate_up: torch.Tensor, q_dtype=FP8_DTYPE) -> tuple[torch.Tensor, torch.Tensor]:
+    """gate_up: [..., 2 * I] (rows may be strided). Returns q [M, I] (q_dtype) and scale [M, 1] fp32 of
+    silu_mul(gate_up) quantized per row, M the rows of gate_up."""
+    gu, m, n = _rows(gate_up)
+    check_q_dtype(q_dtype)
+    q = new_output((m, n), q_dtype, gate_up.device)
+    s = new_output((m, 1), torch.float32, gate_up.device)
+    if m and n:
+        grid, settings = rows_launch(m, n)
+        _silu_mul_fp8_kernel[grid](GU=gu, Q=q, S=s, stride_gu=gu.stride(0), M=m, N=n, **settings)
+    return q, s
+
+
+def silu_mul_fp8_ref(gate_up: torch.Tensor, q_dtype=FP8_DTYPE) -> tuple[torch.Tensor, torch.Tensor]:
+    """The semantics silu_mul_fp8 must reproduce (pure PyTorch)."""
+    return quantize_fp8_rowwise_ref(silu_mul_ref(gate_up).reshape(-1, gate_up.shape[-1] // 2), q_dtype)
 
 
 def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:

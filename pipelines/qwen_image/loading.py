@@ -2,12 +2,13 @@
 pipeline of whatever a checkpoint holds (picked from its model_index.json, as diffusers' DiffusionPipeline does)."""
 
 from ..qwen35.enhance import resolve_enhancer
+from ..qwen_image21.pipeline import FastQwenImage21Pipeline
 from .config import FastConfig
 from .family import IMAGE_CONDITIONED
 from .fast_pipeline import FastPipelineMixin, model_index
 from .text_to_image import QwenImageFastPipeline
 
-FAST_CLASSES = {cls.stock_class: cls for cls in (QwenImageFastPipeline, *IMAGE_CONDITIONED)}
+FAST_CLASSES = {cls.stock_class: cls for cls in (QwenImageFastPipeline, *IMAGE_CONDITIONED, FastQwenImage21Pipeline)}
 # model_index.json's _class_name -> the fast class: the stock name, or the fast one (a folder a fast pipeline saved)
 BY_CLASS_NAME = {name: cls for cls in FAST_CLASSES.values() for name in (cls.stock_class.__name__, cls.__name__)}
 

@@ -20,6 +20,8 @@ from .config import FastConfig
 
 # fp32, tiny config, FP8 off: what "equal to stock" means for an exact optimization (final latents, rel-RMS).
 EXACT_TOL = 1e-5
+QWEN21 = "QwenImage21Pipeline"
+NOT_ON_QWEN21 = "not on Qwen-Image-2.1 yet (its transformer's forwards run one by one, eagerly)"
 
 
 @dataclass(frozen=True)
@@ -68,6 +70,11 @@ class Facts:
     def text_to_image(self) -> bool:
         return self.pipeline == "QwenImagePipeline"
 
+    @property
+    def qwen21(self) -> bool:
+        """Qwen-Image-2.1's pipeline (its own transformer: pipelines/qwen_image21/)."""
+        return self.pipeline == QWEN21
+
 
 @dataclass(frozen=True)
 class Plan:
@@ -110,6 +117,8 @@ def plain(asked: bool, why_not: str | None = None) -> Plan:
 def no_graphs_reason(facts: Facts) -> str | None:
     if not facts.fused:
         return "needs fused_transformer (the stock transformer's forward is not captured)"
+    if facts.qwen21:
+        return NOT_ON_QWEN21
     if facts.device != "cuda":
         return f"needs a CUDA device (the transformer runs on {facts.device})"
     if facts.offload_hooks:
@@ -158,6 +167,8 @@ def plan_attention(config: FastConfig, facts: Facts) -> Plan:
 
 
 def plan_batched_cfg(config: FastConfig, facts: Facts) -> Plan:
+    if facts.qwen21:
+        return plain(config.batched_cfg, NOT_ON_QWEN21 + "; it is CFG-distilled, true_cfg_scale=1 by default")
     if "cfg2" in facts.parallel:
         return plain(config.batched_cfg, "parallel='cfg' runs the negative prompt on another rank")
     if facts.diffusers_cache and not runs_cache_rule(config, facts):
@@ -231,6 +242,8 @@ def step_cache_conflict(config: FastConfig, facts: Facts) -> str | None:
                 "otherwise; use no parallel mode, or FirstBlockCacheConfig / TaylorSeerCacheConfig (a state per branch)")
     if config.cache is not None and not facts.fused:
         return "FastConfig(cache=...) needs fused_transformer"
+    if config.cache is not None and facts.qwen21:
+        return "FastConfig(cache=...) is not supported on Qwen-Image-2.1 yet (its prefix KV cache runs by default)"
     return None
 
 

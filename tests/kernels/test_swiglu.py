@@ -5,8 +5,17 @@ import torch
 from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
 from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5MLP
 
-from helpers import DEVICES, DTYPES, assert_matches_ref, assert_nearly_exact
-from qwen_image_fast.kernels.swiglu import silu_mul, silu_mul_ref
+from diffusers.models.transformers.transformer_qwenimage21 import QwenImage21SwiGLUFeedForward
+from helpers import (
+    DEVICES,
+    DTYPES,
+    assert_e4m3_codes_match,
+    assert_fp8_precast_matches_ref,
+    assert_matches_ref,
+    assert_nearly_exact,
+)
+from qwen_image_fast.kernels.fp8 import quantize_fp8_rowwise_ref
+from qwen_image_fast.kernels.swiglu import silu_mul, silu_mul_fp8, silu_mul_fp8_ref, silu_mul_ref
 
 DTYPE_IDS = [str(d).removeprefix("torch.") for d in DTYPES]
 
@@ -35,6 +44,46 @@ def test_ref_matches_qwen35_mlp(dtype):
     assert out.dtype == dtype
     assert torch.equal(out, mlp.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x))
     assert torch.equal(mlp.down_proj(out), mlp(x))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_fp8_ref_matches_qwen_image21_feedforward(dtype):
+    """silu_mul_fp8_ref quantizes what diffusers' Qwen-Image-2.1 SwiGLU feeds its `out` projection."""
+    hidden, inter = 48, 144  # 4096, 12288 (ratio 3)
+    ff = QwenImage21SwiGLUFeedForward(hidden, inter).to(dtype)
+    x = torch.randn(3, 5, hidden).to(dtype)
+    gu = torch.cat([ff.gate_layer(x), ff.proj(x)], dim=-1)  # one GEMM of [gate_layer; proj]
+    seen = {}
+    handle = ff.out.register_forward_pre_hook(lambda module, args: seen.setdefault("in", args[0]))
+    ff(x)
+    handle.remove()
+    q_ref, s_ref = quantize_fp8_rowwise_ref(seen["in"].reshape(-1, inter), torch.float32)
+    q, s = silu_mul_fp8_ref(gu, torch.float32)
+    assert torch.equal(q, q_ref) and torch.equal(s, s_ref)
+
+
+@pytest.mark.parametrize("lead, i, strided", [((1,), 37, False), ((5,), 123, True), ((2, 3), 1000, True)],
+                         ids=["M1-I37", "M5-I123-strided", "2x3-I1000-strided"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@pytest.mark.parametrize("device", DEVICES)
+def test_silu_mul_fp8_matches_ref(device, dtype, lead, i, strided):
+    x = gate_up(lead, i, dtype, device, strided)
+    q, s = silu_mul_fp8(x, torch.float32)
+    assert q.shape == (x[..., 0].numel(), i) and s.shape == (q.shape[0], 1)
+    q_ref, s_ref = silu_mul_fp8_ref(x, torch.float32)
+    # a flipped rounding of silu(gate) moves the product by up to 2 ulp (test_silu_mul_matches_ref)
+    assert_fp8_precast_matches_ref(q, s, q_ref, s_ref, dtype, f"silu_mul_fp8 {lead} I={i}", max_ulp=2.0,
+                                   max_frac=1e-2, gpu=(2.0, 1e-2))
+    if device == "cuda":  # e4m3 codes only off the interpreter
+        assert_e4m3_codes_match(silu_mul_fp8(x)[0], silu_mul_fp8_ref(x)[0], "e4m3")
+
+
+@pytest.mark.gpu
+def test_silu_mul_fp8_real_width_gpu():
+    x = gate_up((4096,), 12288, torch.bfloat16, "cuda", strided=True)  # Qwen-Image-2.1: 4096 x 3
+    q, s = silu_mul_fp8(x, torch.float32)
+    assert_fp8_precast_matches_ref(q, s, *silu_mul_fp8_ref(x, torch.float32), torch.bfloat16, "real width",
+                                   max_ulp=2.0, max_frac=1e-2, gpu=(2.0, 1e-2))
 
 
 @pytest.mark.parametrize(

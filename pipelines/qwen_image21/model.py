@@ -1,0 +1,425 @@
+"""Qwen-Image-2.1's transformer (diffusers' QwenImage21Transformer2DModel: 32 single-stream blocks of 32 heads x 128,
+SwiGLU ratio 3, one shared modulation projection) on the kernels the 2512 DiT and the Qwen3.5 text path use.
+
+A block, on the token rows x [B, N, D] (N: the joint sequence in a prefill, the target image's tokens under the
+prefix cache), g a token's modulation row:
+    h = layer_norm(x) * (1 + scale1[g])              -> FP8 rows     (layer_norm_modulate, shift 0)
+    q, k, v = rms_norm + rope of h @ W_qkv                           (one GEMM; qkv_pack writes the attention buffers)
+    x = x + tanh(gate1[g]) * (attention(q, k, v) @ W_out)
+    h = layer_norm(x) * (1 + scale2[g])                              (fused with the residual: residual_gate_...)
+    x = x + tanh(gate2[g]) * (silu(h @ W_gate) * (h @ W_up)) @ W_down   (one GEMM of [W_gate; W_up]; silu_mul_fp8)
+the last residual left to the next block's first kernel. g is the token's sample, or with causal_condition the
+t = 0 row for the prefix's tokens (diffusers' _select_modulation_rows), the kernels' mod_row. The modulation is
+computed once a forward for all blocks (diffusers' shared projection); tanh of the gates once per row.
+
+Attention. The joint sequence is [prefix (text with condition-image blocks, right-padded), target image]. It is
+block-causal: causal over text, bidirectional inside each image block, the target sees everything. Keys and values
+sit per sample as [target, prefix]: a prompt's padding is then at the end, the valid keys a prefix of T + P_valid
+(FlashAttention-4's seqused_k), and non-causal attention does not depend on key order (RoPE is per token). The
+target's queries attend to all of them; a prefill's prefix queries go segment by segment with diffusers'
+QwenImage21AttnProcessor's masks (SDPA; once a call with the prefix cache). With the prefix cache (kv_cache_mode
+"extract", then "cached": the pipeline's default) the prefix's keys and values stay in this model's buffers
+(PrefixCache), each block's [target, prefix] buffer written once for the prefix and every step for the target.
+"""
+
+import contextlib
+import inspect
+import math
+import weakref
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from diffusers.configuration_utils import ConfigMixin
+from diffusers.models.modeling_outputs import Transformer2DModelOutput
+from diffusers.models.modeling_utils import ModelMixin
+from diffusers.models.transformers.transformer_qwenimage21 import (
+    QwenImage21Transformer2DModel,
+    _qwenimage21_prefix_segments,
+)
+
+from ...kernels.fp8 import quantize_fp8_rowwise
+from ...kernels.layer_norm_modulate import layer_norm_modulate, layer_norm_modulate_fp8
+from ...kernels.qkv_pack import qkv_pack
+from ...kernels.residual_gate import (
+    residual_gate_layer_norm_modulate,
+    residual_gate_layer_norm_modulate_fp8,
+)
+from ...kernels.swiglu import silu_mul, silu_mul_fp8
+from ..qwen_image.config import FastTransformerConfig
+from ..qwen_image.model.attention import TextMask, joint_attention, resolve_backend
+from ..qwen_image.model.linear import FastLinear, Operand, as_fp8_operand, q_dtype_for
+from ..qwen_image.runtime.context import record
+
+STOCK_CONFIG = {name: p.default for name, p in
+                inspect.signature(QwenImage21Transformer2DModel.__init__).parameters.items() if name != "self"}
+# The modules of the stock model the fast one takes as they are (from_diffusers shares them).
+SHARED_MODULES = ("pos_embed", "time_text_embed", "txt_in", "img_in", "modulation", "norm_out", "proj_out")
+# The block linears (FP8 with fp8=True): Q/K/V fused, the output projection, SwiGLU's [gate; up] fused, the down one.
+LINEARS = ("qkv", "out", "gate_up", "down")
+IMG_TOKENS_PER_SLOT = 4  # a vision-language image slot stands for 2 x 2 latent tokens (diffusers' constant)
+
+
+class Rows:
+    """What every block of a forward reads: the modulation tables [G, D] (shift: zeros, 2.1 modulates by scale
+    only), each token's row of them (mod_row [B * N] int, or None: the token's sample), the rotary tables
+    [N, D_head / 2, 2] of the rows in x's order, and where the target and the prefix are."""
+
+    def __init__(self, modulation: torch.Tensor, mod_row, freqs: torch.Tensor, prefix_rows: int, target_rows: int):
+        dim = modulation.shape[1] // 4
+        scale1, gate1, scale2, gate2 = modulation.split(dim, dim=1)  # [mod1 scale, gate | mod2 scale, gate]
+        self.scale1, self.scale2 = scale1.contiguous(), scale2.contiguous()
+        self.gate1, self.gate2 = gate1.tanh().contiguous(), gate2.tanh().contiguous()  # as the block's gate.tanh()
+        self.shift = torch.zeros_like(self.scale1)
+        self.mod_row, self.freqs = mod_row, freqs
+        self.prefix_rows, self.target_rows = prefix_rows, target_rows
+
+
+class Attention:
+    """One forward's attention plan: the keys' padding ([target, prefix] per sample), and for a prefill the prefix's
+    segments (diffusers' (start, end, is_text) runs) and key validity [B, P]."""
+
+    def __init__(self, backend: str, seqused_k: torch.Tensor, key_mask: torch.Tensor, segments=None,
+                 prefix_key_valid=None):
+        self.backend, self.mask = backend, TextMask.of(seqused_k, key_mask)
+        self.segments, self.prefix_key_valid = segments, prefix_key_valid
+
+
+class PrefixCache:
+    """Per pipeline cache (diffusers' QwenImage21KVCache objects are the handles): each block's key and value
+    buffers [B, T + P, H, D], kept by the model across calls while their shape holds (CUDA graphs need fixed
+    addresses). A handle is bound to a slot at its "extract" step; a slot whose handle is gone is reused."""
+
+    def __init__(self):
+        self.slots: dict[tuple, list] = {}  # key -> [owner weakref, [(k, v)] per block]
+
+    def bind(self, handle, name: str, shape: tuple, dtype, device, n_blocks: int) -> list:
+        for n in range(len(self.slots) + 1):
+            key = (name, n, shape, dtype, str(device))
+            slot = self.slots.get(key)
+            if slot is None or slot[0]() is None or slot[0]() is handle:
+                break
+        if slot is None:
+            buffers = [(torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device))
+                       for _ in range(n_blocks)]
+            slot = self.slots[key] = [None, buffers]
+        slot[0] = weakref.ref(handle)
+        handle.fast_prefix_slot = key
+        return slot[1]
+
+    def of(self, handle) -> list:
+        key = getattr(handle, "fast_prefix_slot", None)
+        if key is None or key not in self.slots or self.slots[key][0]() is not handle:
+            raise RuntimeError("KV cache has not been populated yet.")  # diffusers' error for a cache never extracted
+        return self.slots[key][1]
+
+    def clear(self):
+        self.slots.clear()
+
+
+class FastBlock21(nn.Module):
+    """A QwenImage21TransformerBlock on fused kernels (the module docstring)."""
+
+    def __init__(self, dim: int, heads: int, head_dim: int, mlp_dim: int, config: FastTransformerConfig,
+                 eps: float = 1e-6, dtype=None, device=None):
+        super().__init__()
+        self.dim, self.heads, self.head_dim, self.eps, self.fp8 = dim, heads, head_dim, eps, config.fp8
+        for name, (k, n) in zip(LINEARS, ((dim, 3 * dim), (dim, dim), (dim, 2 * mlp_dim), (mlp_dim, dim))):
+            setattr(self, name, FastLinear(k, n, config.fp8, config.fp8_fast_accum, dtype=dtype, device=device))
+        self.norm_q = nn.Parameter(torch.empty(head_dim, dtype=dtype, device=device), requires_grad=False)
+        self.norm_k = nn.Parameter(torch.empty(head_dim, dtype=dtype, device=device), requires_grad=False)
+
+    @classmethod
+    @torch.no_grad()
+    def from_stock(cls, block, config: FastTransformerConfig, device) -> "FastBlock21":
+        attn, mlp = block.attn, block.img_mlp
+        weights = {"qkv": torch.cat([attn.to_q.weight, attn.to_k.weight, attn.to_v.weight]),
+                   "out": attn.to_out[0].weight,
+                   "gate_up": torch.cat([mlp.gate_layer.weight, mlp.proj.weight]),  # SwiGLU's gate first
+                   "down": mlp.out.weight}
+        dim, dtype = attn.to_q.weight.shape[1], attn.to_q.weight.dtype
+        with torch.device("meta"):
+            fast = cls(dim, attn.heads, attn.inner_dim // attn.heads, mlp.proj.weight.shape[0], config,
+                       block.img_norm1.eps, dtype)
+        for name, weight in weights.items():  # 2.1 has no biases: zeros give the output dtype and add nothing
+            setattr(fast, name, FastLinear.from_weight(weight, weight.new_zeros(weight.shape[0]), config.fp8, device,
+                                                       config.fp8_fast_accum))
+        fast.norm_q = nn.Parameter(attn.norm_q.weight.detach().to(device), requires_grad=False)
+        fast.norm_k = nn.Parameter(attn.norm_k.weight.detach().to(device), requires_grad=False)
+        if attn.norm_q.eps != block.img_norm1.eps:
+            raise ValueError(f"the block's norms use eps {block.img_norm1.eps} and {attn.norm_q.eps}; the fast block "
+                             "takes one")
+        return fast
+
+    def rows(self, x: torch.Tensor) -> Operand:
+        """A [B, N, K] row tensor as the next GEMM's operand (FP8: quantized per row)."""
+        flat = x.reshape(-1, x.shape[-1])
+        return as_fp8_operand(*quantize_fp8_rowwise(flat, q_dtype_for(x.device))) if self.fp8 else flat
+
+    def head(self, x, tail, rows: Rows, scale) -> tuple[torch.Tensor, Operand]:
+        """[x + tanh(gate) * out of the previous part], then LayerNorm * (1 + scale): (x, the GEMM's operand)."""
+        q_dtype = q_dtype_for(x.device)
+        if tail is None:
+            if self.fp8:
+                return x, as_fp8_operand(*layer_norm_modulate_fp8(x, rows.shift, scale, mod_row=rows.mod_row,
+                                                                  eps=self.eps, q_dtype=q_dtype))
+            return x, layer_norm_modulate(x, rows.shift, scale, mod_row=rows.mod_row, eps=self.eps).flatten(0, 1)
+        out, gate = tail
+        if self.fp8:
+            x, q, s = residual_gate_layer_norm_modulate_fp8(x, out, gate, rows.shift, scale, mod_row=rows.mod_row,
+                                                            eps=self.eps, q_dtype=q_dtype)
+            return x, as_fp8_operand(q, s)
+        x, y = residual_gate_layer_norm_modulate(x, out, gate, rows.shift, scale, mod_row=rows.mod_row, eps=self.eps)
+        return x, y.flatten(0, 1)
+
+    def forward(self, x: torch.Tensor, tail, rows: Rows, plan: Attention, kv: tuple, scratch_q: torch.Tensor):
+        """x [B, N, D] (tail: the previous block's (out, tanh gate) not yet added); kv: this block's key and value
+        buffers [B, T + P, H, D] (a cached step's hold the prefix at rows T..); scratch_q: the queries' buffer of
+        that shape. Returns (x, tail) with this block's MLP left as the tail."""
+        batch, n, dim = x.shape
+        x, h = self.head(x, tail, rows, rows.scale1)
+        qkv = self.qkv(h).view(batch, n, 3 * dim)
+        k, v = kv
+        t, p = rows.target_rows, rows.prefix_rows
+        qkv_pack(qkv[:, p:], self.norm_q, self.norm_k, rows.freqs[p:], scratch_q, k, v, 0, self.eps)
+        if p:
+            qkv_pack(qkv[:, :p], self.norm_q, self.norm_k, rows.freqs[:p], scratch_q, k, v, t, self.eps)
+        o = attend(scratch_q, k, v, t, p, plan)  # [B, N, H, D] in x's order
+        a = self.out(self.rows(o.view(batch, n, dim))).view(batch, n, dim)
+        x, h = self.head(x, (a, rows.gate1), rows, rows.scale2)
+        gate_up = self.gate_up(h)
+        m = as_fp8_operand(*silu_mul_fp8(gate_up, q_dtype_for(x.device))) if self.fp8 else silu_mul(gate_up)
+        return x, (self.down(m).view(batch, n, dim), rows.gate2)
+
+
+def attend(q, k, v, t: int, p: int, plan: Attention) -> torch.Tensor:
+    """q, k, v [B, T + P, H, D] as [target, prefix] -> the outputs [B, p + t, H, D] in the joint order [prefix,
+    target]: the target's queries attend to every valid key, the prefix's (p > 0, a prefill) block-causally."""
+    target = joint_attention(q[:, :t], k, v, plan.mask, plan.backend)
+    if not p:
+        return target
+    qt, kt, vt = (x[:, t:].transpose(1, 2) for x in (q, k, v))  # the prefix [B, H, P, D], its own order
+    outputs = []
+    for start, end, is_text in plan.segments:  # diffusers' QwenImage21AttnProcessor prefill, segment by segment
+        mask = None
+        if is_text:
+            length = end - start
+            mask = torch.cat([torch.ones(length, start, dtype=torch.bool, device=q.device),
+                              torch.tril(torch.ones(length, length, dtype=torch.bool, device=q.device))], dim=1)
+        if plan.prefix_key_valid is not None:
+            valid = plan.prefix_key_valid[:, None, None, :end]
+            mask = valid if mask is None else mask & valid
+        outputs.append(F.scaled_dot_product_attention(qt[:, :, start:end], kt[:, :, :end], vt[:, :, :end],
+                                                      attn_mask=mask))
+    return torch.cat([torch.cat(outputs, dim=2).transpose(1, 2), target], dim=1).contiguous()
+
+
+def refuse(method: str, advice: str):
+    raise NotImplementedError(f"FastQwenImage21Transformer.{method}: {advice}")
+
+
+class FastQwenImage21Transformer(ModelMixin, ConfigMixin):
+    """Drop-in for diffusers' QwenImage21Transformer2DModel: the same forward arguments (kv_cache and kv_cache_mode
+    included) and output, its config plus "fast_config", cache_context. Stock methods it cannot honour raise
+    NotImplementedError saying what to do instead."""
+
+    config_name = "config.json"
+    _no_split_modules = ["FastBlock21"]
+    _supports_gradient_checkpointing = False
+
+    def __init__(self, fast_config: FastTransformerConfig | dict | None = None, **config):
+        """The structure, with uninitialized weights; from_diffusers makes a working model."""
+        super().__init__()
+        unknown = sorted(set(config) - set(STOCK_CONFIG))
+        if unknown:
+            raise TypeError(f"unknown QwenImage21Transformer2DModel config field(s) {unknown}")
+        config = {**STOCK_CONFIG, **config}
+        fast_config = (FastTransformerConfig.of(fast_config) if isinstance(fast_config, FastTransformerConfig)
+                       else FastTransformerConfig.from_dict(fast_config or {}))
+        if fast_config.bf16_linears:
+            raise ValueError(f"bf16_linears={list(fast_config.bf16_linears)} names Qwen-Image-2512's linears; "
+                             "Qwen-Image-2.1 runs all of its block linears (qkv, out, gate_up, down) in FP8 with "
+                             "fp8=True, or none with fp8=False")
+        self.register_to_config(**config, fast_config=fast_config.to_dict())
+        self.fast_config = fast_config
+        inner = config["num_attention_heads"] * config["attention_head_dim"]
+        stock = QwenImage21Transformer2DModel(**{**config, "num_layers": 0})  # its embedders, modulation and output
+        for name in SHARED_MODULES:
+            setattr(self, name, getattr(stock, name))
+        self.transformer_blocks = nn.ModuleList(
+            FastBlock21(inner, config["num_attention_heads"], config["attention_head_dim"],
+                        inner * config["mlp_ratio"], fast_config, config["eps"])
+            for _ in range(config["num_layers"]))
+        self.requires_grad_(False)
+        self.prefix_cache = PrefixCache()
+        self._cache_name: str | None = None
+
+    @classmethod
+    @torch.no_grad()
+    def from_diffusers(cls, stock, config: FastTransformerConfig | None = None, device=None):
+        """stock: a diffusers QwenImage21Transformer2DModel (its embedders, modulation and output layers are shared,
+        moved to `device`); converted block by block."""
+        if not isinstance(stock, QwenImage21Transformer2DModel):
+            raise TypeError(f"from_diffusers takes a diffusers QwenImage21Transformer2DModel, got "
+                            f"{type(stock).__name__}")
+        if getattr(stock, "peft_config", None):
+            raise ValueError("the QwenImage21Transformer2DModel has LoRA adapters, which the fast Qwen-Image-2.1 "
+                             "transformer does not carry yet: fuse them first (pipe.fuse_lora(); "
+                             "pipe.unload_lora_weights()), or keep the stock transformer")
+        config = FastTransformerConfig.of(config or FastTransformerConfig())
+        device = torch.device(device) if device is not None else stock.device
+        if config.attention != "auto":
+            resolve_backend(config.attention, device, stock.dtype)  # a clear error before any conversion
+        stock_config = {name: stock.config[name] for name in STOCK_CONFIG if name in stock.config}
+        with torch.device("meta"):
+            fast = cls(config, **{**stock_config, "num_layers": 0})
+        fast.register_to_config(num_layers=stock.config.num_layers)
+        for name in SHARED_MODULES:
+            setattr(fast, name, getattr(stock, name).to(device))
+        fast.transformer_blocks = nn.ModuleList(FastBlock21.from_stock(block, config, device)
+                                                for block in stock.transformer_blocks)
+        return fast.requires_grad_(False).eval()
+
+    @property
+    def attention_backend(self) -> str:
+        return resolve_backend(self.fast_config.attention, self.device, self.dtype)
+
+    def running(self) -> list[tuple[str, object]]:
+        """What a forward runs, as optimizations.py names it (recorded in a pipeline call's CallRecord)."""
+        fp8 = self.fast_config.fp8
+        return ([("fused_transformer", True)] + ([("fp8", True)] if fp8 else [])
+                + ([("fp8_fast_accum", True)] if fp8 and self.fast_config.fp8_fast_accum else [])
+                + [("attention", self.attention_backend)])
+
+    # ---- diffusers' CacheMixin surface: the pipeline names each pass; the step caches are not supported here
+
+    @contextlib.contextmanager
+    def cache_context(self, name: str, **kwargs):
+        previous, self._cache_name = self._cache_name, name
+        try:
+            yield
+        finally:
+            self._cache_name = previous
+
+    @property
+    def is_cache_enabled(self) -> bool:
+        return False
+
+    def enable_cache(self, config):
+        refuse("enable_cache", "diffusers' step caches are not supported on the fast Qwen-Image-2.1 transformer yet "
+                               "(its prefix KV cache runs by default); keep the stock transformer "
+                               "(FastConfig.preset('baseline')) to use one")
+
+    def set_attention_backend(self, *args, **kwargs):
+        refuse("set_attention_backend", "the fast transformer runs its own attention; choose it with "
+                                        "FastConfig(attention=...) (auto, fa4, cudnn, sdpa)")
+
+    def set_attn_processor(self, *args, **kwargs):
+        refuse("set_attn_processor", "the fast transformer runs its own attention (the block-causal prefill as "
+                                     "diffusers' QwenImage21AttnProcessor, exactly); FastConfig(attention=...)")
+
+    def enable_gradient_checkpointing(self, *args, **kwargs):
+        refuse("enable_gradient_checkpointing", "the fast transformer is inference-only")
+
+    def load_lora_adapter(self, *args, **kwargs):
+        refuse("load_lora_adapter", "LoRAs on the fast Qwen-Image-2.1 transformer are not supported yet: load and "
+                                    "fuse the LoRA on the stock pipeline (pipe.load_lora_weights(...); "
+                                    "pipe.fuse_lora(); pipe.unload_lora_weights()), then optimize(pipe)")
+
+    def save_pretrained(self, *args, **kwargs):
+        refuse("save_pretrained", "saving the fast Qwen-Image-2.1 transformer is not supported yet: save the stock "
+                                  "pipeline and optimize() it after loading")
+
+    # ---- forward
+
+    @torch.no_grad()
+    def forward(self, hidden_states, encoder_hidden_states, timestep, img_shapes, img_mask,
+                encoder_hidden_states_mask=None, attention_kwargs=None, kv_cache=None, kv_cache_mode=None,
+                return_dict: bool = True):
+        """QwenImage21Transformer2DModel.forward's arguments and output (its docstring)."""
+        for name, value in self.running():
+            record(name, value)
+        batch = hidden_states.shape[0]
+        causal = self.config.causal_condition
+        if kv_cache is not None and not causal:
+            raise ValueError("kv_cache requires `causal_condition=True`: the cache is only valid because text and "
+                             "condition-image tokens modulate from t=0")
+        if kv_cache is not None and kv_cache_mode not in ("extract", "cached"):
+            raise ValueError(f"kv_cache_mode must be 'extract' or 'cached' when kv_cache is provided, got "
+                             f"{kv_cache_mode!r}.")
+        if kv_cache is None and kv_cache_mode is not None:
+            raise ValueError(f"kv_cache_mode is {kv_cache_mode!r} but no kv_cache was passed to hold the prefix.")
+        device, dtype = hidden_states.device, hidden_states.dtype
+
+        # the joint sequence's layout, as diffusers builds it: image slots expand 4-fold, the target's appended
+        repeats = torch.where(img_mask, IMG_TOKENS_PER_SLOT, 1)[0]
+        image_pad_mask = torch.repeat_interleave(img_mask[0], repeats)
+        target = math.prod(img_shapes[0][-1])
+        image_ids, target_token_mask = QwenImage21Transformer2DModel.build_token_metadata(image_pad_mask,
+                                                                                          img_shapes[0])
+        prefix = image_pad_mask.shape[0] - target
+        rotary = self.pos_embed(img_shapes[0], image_pad_mask, device=device)  # complex [S, D_head / 2]
+        freqs = torch.view_as_real(rotary).float().contiguous()  # [S, D_head / 2, 2] (cos, sin)
+
+        timestep = timestep.to(dtype)
+        if causal:  # an extra t = 0 row, for the text and condition-image tokens
+            timestep = torch.cat([timestep, timestep.new_zeros(1)], dim=0)
+        temb = self.time_text_embed(timestep, hidden_states)
+        modulation = self.modulation(temb)  # [G, 4D]
+
+        key_valid = torch.ones(batch, prefix, dtype=torch.bool, device=device)  # the prefix's keys, in its order
+        if encoder_hidden_states_mask is not None:
+            text_positions = (~image_pad_mask[:prefix]).nonzero(as_tuple=True)[0]
+            vlm_text_positions = ~img_mask[0][: encoder_hidden_states_mask.shape[1]]
+            key_valid[:, text_positions] = encoder_hidden_states_mask.bool()[:, vlm_text_positions]
+        seqused_k = (target + key_valid.sum(dim=1)).to(torch.int32)
+        key_mask = torch.cat([key_valid.new_ones(batch, target), key_valid], dim=1)[:, None, None, :]
+        backend = self.attention_backend
+
+        if kv_cache_mode == "cached":  # only the target's tokens: their latents are the last `target` rows
+            x = self.img_in(hidden_states[:, -target:])
+            rows = Rows(modulation[:batch], None, freqs[prefix:], 0, target)  # every token its sample's row
+            plan = Attention(backend, seqused_k, key_mask)
+            kvs = self.prefix_cache.of(kv_cache)
+            if kvs[0][0].shape[:2] != (batch, target + prefix):
+                raise ValueError(f"the prefix KV cache holds {tuple(kvs[0][0].shape[:2])} (batch, keys), this "
+                                 f"forward needs {(batch, target + prefix)}: extract it anew")
+        else:
+            joint = self._joint(hidden_states, encoder_hidden_states, img_mask, repeats, image_pad_mask, target)
+            x = joint
+            mod_row = None
+            if causal:  # the target's tokens read their sample's row, the others the t = 0 row (the last)
+                mod_row = torch.where(target_token_mask[None, :], torch.arange(batch, device=device)[:, None],
+                                      batch).flatten().to(torch.int32)
+            rows = Rows(modulation, mod_row, freqs, prefix, target)
+            plan = Attention(backend, seqused_k, key_mask, _qwenimage21_prefix_segments(image_ids, prefix),
+                             key_valid if encoder_hidden_states_mask is not None else None)
+            shape = (batch, target + prefix, self.config.num_attention_heads, self.config.attention_head_dim)
+            if kv_cache_mode == "extract":
+                kvs = self.prefix_cache.bind(kv_cache, self._cache_name or "default", shape, dtype, device,
+                                             len(self.transformer_blocks))
+            else:
+                scratch = (torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype,
+                                                                                        device=device))
+                kvs = [scratch] * len(self.transformer_blocks)
+        scratch_q = torch.empty(kvs[0][0].shape, dtype=dtype, device=device)
+
+        tail = None
+        for block, kv in zip(self.transformer_blocks, kvs):
+            x, tail = block(x, tail, rows, plan, kv, scratch_q)
+        scale = self.norm_out.linear(self.norm_out.silu(temb).to(dtype))  # [G, D]
+        scale = scale if rows.mod_row is not None else scale[:batch]
+        x, y = residual_gate_layer_norm_modulate(x, tail[0], tail[1], torch.zeros_like(scale), scale.contiguous(),
+                                                 mod_row=rows.mod_row, eps=self.norm_out.norm.eps)
+        output = self.proj_out(y)
+        return Transformer2DModelOutput(sample=output) if return_dict else (output,)
+
+    def _joint(self, hidden_states, encoder_hidden_states, img_mask, repeats, image_pad_mask, target: int):
+        """The joint sequence [B, S, D] as diffusers builds it: text with each image slot expanded to 2 x 2 latent
+        tokens and the condition images' latents put there, then the target's."""
+        batch = hidden_states.shape[0]
+        text = self.txt_in(encoder_hidden_states)
+        joint = torch.cat([text, text.new_zeros(batch, target // IMG_TOKENS_PER_SLOT, text.shape[2])], dim=1)
+        joint = joint.repeat_interleave(repeats, dim=1)
+        joint[:, image_pad_mask] = self.img_in(hidden_states)
+        return joint

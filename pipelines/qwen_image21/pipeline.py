@@ -1,0 +1,110 @@
+"""FastQwenImage21Pipeline: diffusers' QwenImage21Pipeline (text-to-image and image-conditioned) with its own
+__call__, unchanged, around the fast Qwen-Image-2.1 transformer (model.py).
+
+What runs is the registry's (qwen_image/optimizations.py): fused_transformer, fp8 (every block linear),
+fp8_fast_accum and attention run here; batched CFG, CUDA graphs and the step caches do not yet (the plan says why
+in `applied`'s place and `--dry-run`), and the options that would change diffusers' loop (sampler, cfg_fraction,
+memory, parallel) are refused, as for the 2512 family's image-conditioned pipelines. `applied` after a call is what
+the transformer recorded running.
+"""
+
+import functools
+
+import torch
+from diffusers import QwenImage21Pipeline
+
+from ..qwen_image.config import FastConfig
+from ..qwen_image.fast_pipeline import fp8_supported, image_conditioned_refusal, load_stock
+from ..qwen_image.optimizations import (CallRecord, Facts, planned_labels, plans, refused_by_image_conditioned,
+                                        step_cache_conflict)
+from ..qwen_image.runtime.context import forward_context
+from ..qwen_image.runtime.offload import has_offload_hooks
+from .model import FastQwenImage21Transformer
+
+VAE_AS_IT_IS = "Qwen-Image-2.1's VAE (AutoencoderKLQwenImage21) decodes as diffusers runs it"
+
+
+class FastQwenImage21Pipeline(QwenImage21Pipeline):
+    stock_class = QwenImage21Pipeline
+    _last_call: CallRecord | None = None
+
+    def __init__(self, scheduler, vae, text_encoder, processor, transformer, sample_sigmas=None, *,
+                 fast_config: FastConfig | str | None = None):
+        super().__init__(scheduler, vae, text_encoder, processor, transformer, sample_sigmas=sample_sigmas)
+        self._set_up(FastConfig.coerce(fast_config), None)
+
+    @classmethod
+    def _build(cls, components: dict, config: FastConfig, device=None):
+        pipe = cls.__new__(cls)
+        QwenImage21Pipeline.__init__(pipe, **components)
+        pipe._set_up(config, device)
+        return pipe
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, fast_config=None, device=None, **kwargs):
+        """diffusers' QwenImage21Pipeline.from_pretrained, then the transformer converted on `device`."""
+        stock = load_stock(QwenImage21Pipeline, pretrained_model_name_or_path, *args, **kwargs)
+        return cls._build(stock.components, FastConfig.coerce(fast_config), device)
+
+    def _set_up(self, config: FastConfig, device):
+        refused = [f"{opt.field}={getattr(config, opt.field)!r}" for opt in refused_by_image_conditioned(config)]
+        if refused:
+            raise ValueError(image_conditioned_refusal(type(self).__name__, refused))
+        transformer = self.transformer
+        convert = not isinstance(transformer, FastQwenImage21Transformer) and transformer is not None
+        if config.fused_transformer and convert:
+            device = torch.device(device) if device is not None else transformer.device
+            transformer_config = config.transformer_config()
+            if config.fp8 and not fp8_supported(device):
+                transformer_config = transformer_config.__class__(**{**transformer_config.to_dict(), "fp8": False})
+            self.register_modules(transformer=FastQwenImage21Transformer.from_diffusers(
+                transformer, transformer_config, device))
+        self._fast_config = config
+        self._last_call = None
+
+    @property
+    def fast_config(self) -> FastConfig:
+        return self._fast_config
+
+    @fast_config.setter
+    def fast_config(self, config: FastConfig):
+        changed = config.changed_build_options(self._fast_config)
+        if changed:
+            raise ValueError(f"FastConfig options {changed} are read when the pipeline is built: build it again "
+                             "(optimize / from_pretrained) to change them")
+        refused = [f"{opt.field}={getattr(config, opt.field)!r}" for opt in refused_by_image_conditioned(config)]
+        if refused:
+            raise ValueError(image_conditioned_refusal(type(self).__name__, refused))
+        self._fast_config = config
+
+    def facts(self) -> Facts:
+        transformer = self.transformer
+        fused = isinstance(transformer, FastQwenImage21Transformer)
+        return Facts(pipeline=QwenImage21Pipeline.__name__, fused=fused,
+                     device="cpu" if transformer is None else transformer.device.type,
+                     fp8=fused and transformer.fast_config.fp8,
+                     fast_accum=fused and transformer.fast_config.fp8 and transformer.fast_config.fp8_fast_accum,
+                     attention=transformer.attention_backend if fused else None,
+                     offload_hooks=transformer is not None and has_offload_hooks(transformer), vae_2d=VAE_AS_IT_IS,
+                     enhancer=False)
+
+    def will_run(self) -> dict[str, bool]:
+        return {opt.name: bool(plan.values) for opt, plan in plans(self.fast_config, self.facts())}
+
+    @property
+    def applied(self) -> list[str]:
+        """After a call: what that call ran; before the first: what the next call will run."""
+        if self._last_call is not None:
+            return self._last_call.labels()
+        return planned_labels(self.fast_config, self.facts())
+
+    @functools.wraps(QwenImage21Pipeline.__call__)
+    def __call__(self, *args, **kwargs):
+        conflict = step_cache_conflict(self.fast_config, self.facts())
+        if conflict:
+            raise ValueError(conflict)
+        record = CallRecord()
+        with forward_context(record=record):
+            output = QwenImage21Pipeline.__call__(self, *args, **kwargs)
+        self._last_call = record
+        return output

@@ -1,0 +1,137 @@
+"""Qwen-Image-2.1 on the fast path (pipelines/qwen_image21/): the fast transformer against diffusers'
+QwenImage21Transformer2DModel on a tiny fp32 config, FP8 off (1e-5) and on (the FP8 bound), over the denoising
+loop the pipeline runs (prefix KV cache extracted at the first step, then cached; or off), with and without a
+condition image, one prompt or two of different lengths (right-padded, masked)."""
+
+import pytest
+import torch
+from diffusers import QwenImage21Transformer2DModel
+from diffusers.models.transformers.transformer_qwenimage21 import QwenImage21KVCache
+from helpers import assert_close, rel_rms_error
+
+from qwen_image_fast.pipelines.qwen_image.config import FastTransformerConfig
+from qwen_image_fast.pipelines.qwen_image.optimizations import FP8_BOUND
+from qwen_image_fast.pipelines.qwen_image21.model import FastQwenImage21Transformer
+
+TINY = dict(
+    num_layers=2,  # 32
+    attention_head_dim=16,  # 128
+    num_attention_heads=2,  # 32
+    in_channels=16,  # 64
+    out_channels=16,  # 64
+    context_in_dim=24,  # 4096
+    axes_dims_rope=(4, 6, 6),  # (16, 56, 56)
+)
+
+
+def tiny_stock(seed: int = 0, **overrides) -> QwenImage21Transformer2DModel:
+    torch.manual_seed(seed)
+    model = QwenImage21Transformer2DModel(**{**TINY, **overrides}).eval()
+    with torch.no_grad():  # non-trivial norm weights (zero-centred ones start at 0), so a dropped one shows
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    return model
+
+
+def inputs(batch: int, text_lengths: tuple, condition: tuple | None, target=(4, 6), seed: int = 1) -> dict:
+    """What QwenImage21Pipeline hands the transformer: the VL encoder's hidden states [B, L, C] (right-padded, with
+    a condition image's 2x2-token slots after the 3 first tokens), img_mask [B, L + T/4] (its slots and the
+    target's appended), the latents [B, cond + T, C_in] (the condition image's first), img_shapes."""
+    g = torch.Generator().manual_seed(seed)
+    slots = 0 if condition is None else condition[0] * condition[1] // 4
+    length = max(text_lengths) + slots
+    text = torch.randn(batch, length, TINY["context_in_dim"], generator=g)
+    mask = torch.zeros(batch, length, dtype=torch.long)
+    for b, n in enumerate(text_lengths):
+        mask[b, : n + slots] = 1
+        text[b, n + slots:] = 0  # the pipeline pads with zeros
+    img = torch.zeros(length, dtype=torch.bool)
+    img[3: 3 + slots] = True
+    t_tokens = target[0] * target[1]
+    img_mask = torch.cat([img, torch.ones(t_tokens // 4, dtype=torch.bool)])[None].expand(batch, -1)
+    shapes = ([(1, *condition)] if condition else []) + [(1, *target)]
+    latents = torch.randn(batch, 4 * slots + t_tokens, TINY["in_channels"], generator=g)
+    padded = len(set(text_lengths)) > 1
+    return dict(hidden_states=latents, encoder_hidden_states=text, img_shapes=[shapes] * batch, img_mask=img_mask,
+                encoder_hidden_states_mask=mask.bool() if padded else None)
+
+
+def denoise(model, args: dict, steps: int, cache: bool) -> list[torch.Tensor]:
+    """The pipeline's loop around the transformer (Euler steps on the target latents): each step's output."""
+    args = dict(args)
+    kv = QwenImage21KVCache(len(model.transformer_blocks)) if cache else None
+    target = args["img_shapes"][0][-1][1] * args["img_shapes"][0][-1][2]
+    outs = []
+    with torch.no_grad():
+        for i in range(steps):
+            t = torch.full((args["hidden_states"].shape[0],), 1 - i / steps)
+            with model.cache_context("cond"):
+                out = model(**args, timestep=t, kv_cache=kv, kv_cache_mode=("extract" if i == 0 else "cached")
+                            if cache else None, return_dict=False)[0]
+            outs.append(out)
+            latents = args["hidden_states"]
+            args["hidden_states"] = torch.cat([latents[:, :-target], latents[:, -target:] - out[:, -target:] / steps],
+                                              dim=1)
+    return outs
+
+
+CASES = {  # id -> (batch, text lengths, condition image (h, w) in latent tokens)
+    "t2i": (1, (7,), None),
+    "t2i-two-lengths": (2, (7, 4), None),
+    "condition": (1, (5,), (2, 4)),
+    "condition-two-lengths": (2, (6, 3), (4, 2)),
+}
+
+
+@pytest.mark.parametrize("cache", [True, False], ids=["prefix-cache", "no-cache"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_fast_transformer_matches_stock(case, cache):
+    """fp32, FP8 off: every step's output equals stock's (1e-5): the prefill (block-causal prefix, segment by
+    segment), the cached steps (the target's tokens against the cached prefix keys), the prefix's padding masked."""
+    batch, lengths, condition = CASES[case]
+    stock = tiny_stock()
+    fast = FastQwenImage21Transformer.from_diffusers(stock, FastTransformerConfig(fp8=False))
+    args = inputs(batch, lengths, condition)
+    expected = denoise(stock, args, 3, cache)
+    for i, (out, ref) in enumerate(zip(denoise(fast, args, 3, cache), expected)):
+        assert_close(out, ref, 1e-5, f"{case} step {i}")
+
+
+@pytest.mark.parametrize("case", ["t2i", "condition-two-lengths"])
+def test_fast_transformer_fp8_within_bound(case):
+    """FP8 block linears: the target's rows of every step's output (what the pipeline steps with) within the FP8
+    bound of stock's. (A prefill's padded prompt rows, near zero and never read, differ more in relative terms.)"""
+    stock = tiny_stock()
+    fast = FastQwenImage21Transformer.from_diffusers(stock, FastTransformerConfig(fp8=True))
+    args = inputs(*CASES[case])
+    target = args["img_shapes"][0][-1][1] * args["img_shapes"][0][-1][2]
+    for i, (out, ref) in enumerate(zip(denoise(fast, args, 3, True), denoise(stock, args, 3, True))):
+        error = rel_rms_error(out[:, -target:], ref[:, -target:])
+        assert 1e-5 < error <= FP8_BOUND.tiny, (i, error)  # FP8 ran (not exact) and within the bound
+
+
+def test_prefix_cache_slots_follow_their_handles():
+    """Two caches in one call (cond, uncond) hold their own prefix; a cache never extracted fails as on stock; a
+    later call's cache reuses a slot whose handle is gone."""
+    stock = tiny_stock()
+    fast = FastQwenImage21Transformer.from_diffusers(stock, FastTransformerConfig(fp8=False))
+    cond, uncond = inputs(1, (7,), None, seed=1), inputs(1, (7,), None, seed=2)
+    t = torch.ones(1)
+    for model in (stock, fast):
+        with pytest.raises(RuntimeError, match="not been populated"):
+            model(**cond, timestep=t, kv_cache=QwenImage21KVCache(2), kv_cache_mode="cached")
+    outs = {}
+    for model in (stock, fast):
+        caches = QwenImage21KVCache(2), QwenImage21KVCache(2)
+        for args, kv in zip((cond, uncond), caches):
+            model(**args, timestep=t, kv_cache=kv, kv_cache_mode="extract")
+        outs[model] = [model(**args, timestep=t / 2, kv_cache=kv, kv_cache_mode="cached").sample
+                       for args, kv in zip((cond, uncond), caches)]
+    for out, ref in zip(outs[fast], outs[stock]):
+        assert_close(out, ref, 1e-5, "two caches")
+    assert len(fast.prefix_cache.slots) == 2
+    del caches
+    kv = QwenImage21KVCache(2)
+    fast(**cond, timestep=t, kv_cache=kv, kv_cache_mode="extract")
+    assert len(fast.prefix_cache.slots) == 2, "a gone handle's slot is reused"
