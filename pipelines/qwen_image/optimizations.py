@@ -314,10 +314,10 @@ def planned_labels(config: FastConfig, facts: Facts) -> list[str]:
 def refused_by_image_conditioned(config: FastConfig) -> list[Optimization]:
     """The text-to-image-only optimizations that `config` sets away from their default: an image-conditioned
     pipeline (diffusers' own loop) refuses them rather than ignore them. One on by default there (modulation_table)
-    just does not run, and applied / --dry-run say so."""
+    just does not run, and applied / --dry-run say so; switched off (the baseline preset) it asks for nothing."""
     default = FastConfig()
     return [opt for opt in REGISTRY if opt.text_to_image_only and opt.field is not None
-            and getattr(config, opt.field) != getattr(default, opt.field)]
+            and getattr(config, opt.field) is not False and getattr(config, opt.field) != getattr(default, opt.field)]
 
 
 class CallRecord:

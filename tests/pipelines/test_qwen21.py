@@ -1,17 +1,21 @@
 """Qwen-Image-2.1 on the fast path (pipelines/qwen_image21/): the fast transformer against diffusers'
 QwenImage21Transformer2DModel on a tiny fp32 config, FP8 off (1e-5) and on (the FP8 bound), over the denoising
 loop the pipeline runs (prefix KV cache extracted at the first step, then cached; or off), with and without a
-condition image, one prompt or two of different lengths (right-padded, masked)."""
+condition image, one prompt or two of different lengths (right-padded, masked); and optimize(QwenImage21Pipeline)
+against the stock pipeline."""
 
 import pytest
 import torch
-from diffusers import QwenImage21Transformer2DModel
+from diffusers import FlowMatchEulerDiscreteScheduler, QwenImage21Pipeline, QwenImage21Transformer2DModel
 from diffusers.models.transformers.transformer_qwenimage21 import QwenImage21KVCache
 from helpers import assert_close, rel_rms_error
 
+from qwen_image_fast import FastConfig, optimize
 from qwen_image_fast.pipelines.qwen_image.config import FastTransformerConfig
 from qwen_image_fast.pipelines.qwen_image.optimizations import FP8_BOUND
 from qwen_image_fast.pipelines.qwen_image21.model import FastQwenImage21Transformer
+from qwen_image_fast.pipelines.qwen_image21.pipeline import FastQwenImage21Pipeline
+from qwen_image_fast.pipelines.tiny import tiny_tokenizer, tiny_vl_processor
 
 TINY = dict(
     num_layers=2,  # 32
@@ -135,3 +139,85 @@ def test_prefix_cache_slots_follow_their_handles():
     kv = QwenImage21KVCache(2)
     fast(**cond, timestep=t, kv_cache=kv, kv_cache_mode="extract")
     assert len(fast.prefix_cache.slots) == 2, "a gone handle's slot is reused"
+
+
+# ---- the pipeline: optimize(QwenImage21Pipeline) keeps its own __call__
+
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% for c in m['content'] %}{{ c['text'] }}"
+                 "{% endfor %}<|im_end|>\n{% endfor %}")
+
+
+def tiny_pipeline(**transformer_overrides) -> QwenImage21Pipeline:
+    """The pipeline around the tiny transformer, given prompt embeddings (no text encoder or VAE: output_type
+    "latent"); its processor (the byte-level tiny tokenizer with Qwen's special tokens and a chat template) only
+    serves the constructor's template arithmetic. Qwen-Image-2.1's scheduler config (dynamic exponential shift)."""
+    processor = tiny_vl_processor(tiny_tokenizer(vision=True))
+    processor.chat_template = CHAT_TEMPLATE
+    scheduler = FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True, time_shift_type="exponential",
+                                                base_shift=0.5, max_shift=1.15, base_image_seq_len=256,
+                                                max_image_seq_len=4096)
+    return QwenImage21Pipeline(scheduler=scheduler, vae=None, text_encoder=None, processor=processor,
+                               transformer=tiny_stock(**transformer_overrides))
+
+
+def pipeline_call(**extra) -> dict:
+    """Two prompts of different lengths (right-padded, masked) and a negative prompt of a third length, CFG."""
+    g = torch.Generator().manual_seed(3)
+    embeds = torch.randn(2, 9, TINY["context_in_dim"], generator=g)
+    mask = torch.ones(2, 9, dtype=torch.long)
+    mask[1, 6:] = 0
+    embeds[1, 6:] = 0
+    negative = torch.randn(2, 5, TINY["context_in_dim"], generator=g)
+    return dict(prompt_embeds=embeds, prompt_embeds_mask=mask, negative_prompt_embeds=negative, true_cfg_scale=2.0,
+                height=64, width=96, num_inference_steps=3, output_type="latent") | extra
+
+
+def latents(pipe, **extra) -> torch.Tensor:
+    return pipe(**pipeline_call(**extra), generator=torch.Generator().manual_seed(0)).images
+
+
+@pytest.mark.parametrize("use_kv_cache", [True, False])
+def test_optimized_pipeline_matches_stock(use_kv_cache):
+    """optimize(QwenImage21Pipeline): the fast pipeline class with the stock __call__; its latents equal stock's
+    (fp32, FP8 off) with the prefix cache on (cond and uncond each their own) and off; applied says what ran and
+    the plan why batched CFG and CUDA graphs do not."""
+    from qwen_image_fast.pipelines.qwen_image.optimizations import plans
+
+    expected = latents(tiny_pipeline(), use_kv_cache=use_kv_cache)
+    fast = optimize(tiny_pipeline(), FastConfig(fp8=False))
+    assert isinstance(fast, FastQwenImage21Pipeline) and isinstance(fast.transformer, FastQwenImage21Transformer)
+    assert_close(latents(fast, use_kv_cache=use_kv_cache), expected, 1e-5, f"use_kv_cache={use_kv_cache}")
+    assert fast.applied == ["fused_transformer", "attention:sdpa"], fast.applied
+    why_not = {opt.name: plan.why_not for opt, plan in plans(fast.fast_config, fast.facts())}
+    assert "not on Qwen-Image-2.1 yet" in why_not["batched_cfg"] and "CFG-distilled" in why_not["batched_cfg"]
+    assert why_not["cuda_graphs"] and why_not["vae_2d_decode"] and why_not["modulation_table"], why_not
+    assert len(fast.transformer.prefix_cache.slots) == (2 if use_kv_cache else 0)
+
+
+def test_optimized_pipeline_fp8_and_baseline():
+    """FP8 block linears: within the FP8 bound of stock, and recorded; the baseline preset keeps the stock
+    transformer and equals stock exactly."""
+    expected = latents(tiny_pipeline())
+    fp8 = optimize(tiny_pipeline(), FastConfig(fp8=True))
+    error = rel_rms_error(latents(fp8), expected)
+    assert 1e-6 < error <= FP8_BOUND.tiny, error
+    assert fp8.applied == ["fused_transformer", "fp8", "fp8_fast_accum", "attention:sdpa"], fp8.applied
+    baseline = optimize(tiny_pipeline(), "baseline")
+    assert isinstance(baseline.transformer, QwenImage21Transformer2DModel)
+    assert torch.equal(latents(baseline), expected) and baseline.applied == [], baseline.applied
+
+
+def test_qwen21_refuses_what_it_cannot_run():
+    for config, match in ((FastConfig(scheduler="unipc"), "scheduler='unipc'"),
+                          (FastConfig(memory="low"), "memory='low'"),
+                          (FastConfig(bf16_linears=("img_fc2",)), "names Qwen-Image-2512's linears")):
+        with pytest.raises(ValueError, match=match):
+            optimize(tiny_pipeline(), config)
+    fast = optimize(tiny_pipeline(), FastConfig(fp8=False))
+    fast.fast_config = fast.fast_config.replace(cache="dbcache")
+    with pytest.raises(ValueError, match="not supported on Qwen-Image-2.1 yet"):
+        latents(fast)
+    for method, args in (("enable_cache", (None,)), ("load_lora_adapter", ("x",)), ("set_attention_backend", ("x",)),
+                         ("save_pretrained", ("x",))):
+        with pytest.raises(NotImplementedError, match=f"FastQwenImage21Transformer.{method}: .+"):
+            getattr(fast.transformer, method)(*args)
