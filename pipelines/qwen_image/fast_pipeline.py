@@ -53,6 +53,19 @@ def image_conditioned_refusal(pipeline: str, options: list[str]) -> str:
             "process instead of parallel)")
 
 
+def check_replacement(built: FastConfig, config: FastConfig, pipeline: str, image_conditioned: bool):
+    """ValueError unless `config` may replace `built` on a pipeline (pipe.fast_config = ...): the build options as
+    built, and on a pipeline running diffusers' loop no text-to-image-only option asked for."""
+    changed = config.changed_build_options(built)
+    if changed:
+        raise ValueError(f"FastConfig options {changed} are read when the pipeline is built: build it again "
+                         "(optimize / from_pretrained) to change them; call options (batched_cfg, cuda_graphs, "
+                         "scheduler, cfg_fraction, modulation_table, text_bucket) can change here")
+    refused = refused_by_image_conditioned(config) if image_conditioned else []
+    if refused:
+        raise ValueError(image_conditioned_refusal(pipeline, [opt.field for opt in refused]))
+
+
 def load_dtype(kwargs: dict, component: str) -> torch.dtype:
     """The dtype diffusers' from_pretrained loads `component` in: dtype / torch_dtype (a dtype, or a dict by
     component with a "default"), else float32, diffusers' own default."""
@@ -182,14 +195,7 @@ class FastPipelineMixin:
 
     @fast_config.setter
     def fast_config(self, config: FastConfig):
-        changed = config.changed_build_options(self._fast_config)
-        if changed:
-            raise ValueError(f"FastConfig options {changed} are read when the pipeline is built: build it again "
-                             "(optimize / from_pretrained) to change them; call options (batched_cfg, cuda_graphs, "
-                             "scheduler, cfg_fraction, modulation_table, text_bucket) can change here")
-        refused = refused_by_image_conditioned(config) if self._image_conditioned else []
-        if refused:
-            raise ValueError(image_conditioned_refusal(self.stock_class.__name__, [opt.field for opt in refused]))
+        check_replacement(self._fast_config, config, self.stock_class.__name__, self._image_conditioned)
         self._fast_config = config
 
     def facts(self) -> Facts:

@@ -195,7 +195,7 @@ class FastBlock21(nn.Module):
 def attend(q, k, v, t: int, p: int, plan: Attention) -> torch.Tensor:
     """q, k, v [B, T + P, H, D] as [target, prefix] -> the outputs [B, p + t, H, D] in the joint order [prefix,
     target]: the target's queries attend to every valid key, the prefix's (p > 0, a prefill) block-causally."""
-    target = joint_attention(q[:, :t], k, v, plan.mask, plan.backend)
+    target = joint_attention(q[:, :t].contiguous(), k, v, plan.mask, plan.backend)  # a view when B = 1
     if not p:
         return target
     qt, kt, vt = (x[:, t:].transpose(1, 2) for x in (q, k, v))  # the prefix [B, H, P, D], its own order

@@ -14,7 +14,7 @@ import torch
 from diffusers import QwenImage21Pipeline
 
 from ..qwen_image.config import FastConfig
-from ..qwen_image.fast_pipeline import fp8_supported, image_conditioned_refusal, load_stock
+from ..qwen_image.fast_pipeline import check_replacement, fp8_supported, image_conditioned_refusal, load_stock
 from ..qwen_image.optimizations import (CallRecord, Facts, planned_labels, plans, refused_by_image_conditioned,
                                         step_cache_conflict)
 from ..qwen_image.runtime.context import forward_context
@@ -68,13 +68,7 @@ class FastQwenImage21Pipeline(QwenImage21Pipeline):
 
     @fast_config.setter
     def fast_config(self, config: FastConfig):
-        changed = config.changed_build_options(self._fast_config)
-        if changed:
-            raise ValueError(f"FastConfig options {changed} are read when the pipeline is built: build it again "
-                             "(optimize / from_pretrained) to change them")
-        refused = [f"{opt.field}={getattr(config, opt.field)!r}" for opt in refused_by_image_conditioned(config)]
-        if refused:
-            raise ValueError(image_conditioned_refusal(type(self).__name__, refused))
+        check_replacement(self._fast_config, config, QwenImage21Pipeline.__name__, image_conditioned=True)
         self._fast_config = config
 
     def facts(self) -> Facts:

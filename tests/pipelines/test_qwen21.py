@@ -38,14 +38,15 @@ def tiny_stock(seed: int = 0, **overrides) -> QwenImage21Transformer2DModel:
     return model
 
 
-def inputs(batch: int, text_lengths: tuple, condition: tuple | None, target=(4, 6), seed: int = 1) -> dict:
+def inputs(batch: int, text_lengths: tuple, condition: tuple | None, target=(4, 6), seed: int = 1, config=TINY,
+           device="cpu", dtype=torch.float32) -> dict:
     """What QwenImage21Pipeline hands the transformer: the VL encoder's hidden states [B, L, C] (right-padded, with
     a condition image's 2x2-token slots after the 3 first tokens), img_mask [B, L + T/4] (its slots and the
     target's appended), the latents [B, cond + T, C_in] (the condition image's first), img_shapes."""
     g = torch.Generator().manual_seed(seed)
     slots = 0 if condition is None else condition[0] * condition[1] // 4
     length = max(text_lengths) + slots
-    text = torch.randn(batch, length, TINY["context_in_dim"], generator=g)
+    text = torch.randn(batch, length, config["context_in_dim"], generator=g)
     mask = torch.zeros(batch, length, dtype=torch.long)
     for b, n in enumerate(text_lengths):
         mask[b, : n + slots] = 1
@@ -55,10 +56,11 @@ def inputs(batch: int, text_lengths: tuple, condition: tuple | None, target=(4, 
     t_tokens = target[0] * target[1]
     img_mask = torch.cat([img, torch.ones(t_tokens // 4, dtype=torch.bool)])[None].expand(batch, -1)
     shapes = ([(1, *condition)] if condition else []) + [(1, *target)]
-    latents = torch.randn(batch, 4 * slots + t_tokens, TINY["in_channels"], generator=g)
+    latents = torch.randn(batch, 4 * slots + t_tokens, config["in_channels"], generator=g)
     padded = len(set(text_lengths)) > 1
-    return dict(hidden_states=latents, encoder_hidden_states=text, img_shapes=[shapes] * batch, img_mask=img_mask,
-                encoder_hidden_states_mask=mask.bool() if padded else None)
+    return dict(hidden_states=latents.to(device, dtype), encoder_hidden_states=text.to(device, dtype),
+                img_shapes=[shapes] * batch, img_mask=img_mask.to(device),
+                encoder_hidden_states_mask=mask.bool().to(device) if padded else None)
 
 
 def denoise(model, args: dict, steps: int, cache: bool) -> list[torch.Tensor]:
@@ -69,7 +71,8 @@ def denoise(model, args: dict, steps: int, cache: bool) -> list[torch.Tensor]:
     outs = []
     with torch.no_grad():
         for i in range(steps):
-            t = torch.full((args["hidden_states"].shape[0],), 1 - i / steps)
+            t = torch.full((args["hidden_states"].shape[0],), 1 - i / steps, device=args["hidden_states"].device,
+                           dtype=args["hidden_states"].dtype)
             with model.cache_context("cond"):
                 out = model(**args, timestep=t, kv_cache=kv, kv_cache_mode=("extract" if i == 0 else "cached")
                             if cache else None, return_dict=False)[0]
@@ -113,6 +116,27 @@ def test_fast_transformer_fp8_within_bound(case):
     for i, (out, ref) in enumerate(zip(denoise(fast, args, 3, True), denoise(stock, args, 3, True))):
         error = rel_rms_error(out[:, -target:], ref[:, -target:])
         assert 1e-5 < error <= FP8_BOUND.tiny, (i, error)  # FP8 ran (not exact) and within the bound
+
+
+REAL = dict(TINY, attention_head_dim=128, num_attention_heads=32, in_channels=64, out_channels=64, context_in_dim=4096,
+            axes_dims_rope=(16, 56, 56))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8", [False, True])
+def test_real_width_on_gpu(fp8):
+    """2 blocks at the real width (32 heads x 128), bf16, random weights: the target's rows of every step of the
+    cached loop (a condition image, two prompt lengths: the prefix's padding masked by the key count) against stock
+    (its SDPA processor): bf16 rounding (fp8=False), the FP8 bound (fp8=True)."""
+    from qwen_image_fast.pipelines.qwen_image.optimizations import FP8_BOUND
+
+    stock = tiny_stock(**REAL).to("cuda", torch.bfloat16)
+    fast = FastQwenImage21Transformer.from_diffusers(stock, FastTransformerConfig(fp8=fp8))
+    args = inputs(2, (40, 23), (16, 16), target=(32, 48), config=REAL, device="cuda", dtype=torch.bfloat16)
+    target = 32 * 48
+    for i, (out, ref) in enumerate(zip(denoise(fast, args, 3, True), denoise(stock, args, 3, True))):
+        error = rel_rms_error(out[:, -target:].float(), ref[:, -target:].float())
+        assert error <= (FP8_BOUND.full if fp8 else 2e-2), (fast.attention_backend, i, error)
 
 
 def test_prefix_cache_slots_follow_their_handles():

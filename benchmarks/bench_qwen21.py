@@ -1,0 +1,138 @@
+"""Qwen-Image-2.1's transformer (GPU): diffusers' QwenImage21Transformer2DModel against ours, in one process.
+
+    python3 benchmarks/bench_qwen21.py [--sizes 1024,1328] [--condition] [--out DIR]
+
+Random full-size weights (32 blocks of 4096, normal(0, 0.02)), bf16, batch 1 (2.1 is CFG-distilled), 64 text
+tokens, 40 steps as the pipeline runs them with its prefix KV cache: one prefill ("extract": the text, and with
+--condition a 1024^2 condition image's 4096 tokens, block-causally, plus the target) and 39 cached steps (the
+target's tokens against the cached prefix). Per row: ms per prefill and per cached step, the 40 steps' transformer
+time, ours against stock, the cached step against its floor (the block linears' FLOPs at the FP8 GEMM rate measured
+here, 8192x4096x12288 rowwise, plus the attention alone, timed), and the error of ours against stock (rel-RMS of
+a cached step's output, bf16 stock as the reference). The error is checked before a speed is reported. Appends to
+results/qwen21.jsonl. The text encoder and the VAE are not in these rows.
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import append_results, bench_ms, environment, matmul_tflops  # noqa: E402
+
+from qwen_image_fast.kernels._utils import rel_rms_error  # noqa: E402
+from qwen_image_fast.pipelines.qwen_image.config import FastTransformerConfig  # noqa: E402
+from qwen_image_fast.pipelines.qwen_image.model.attention import TextMask, joint_attention  # noqa: E402
+from qwen_image_fast.pipelines.qwen_image21.model import FastQwenImage21Transformer  # noqa: E402
+
+STEPS, TEXT = 40, 64
+GATE = 0.1  # rel-RMS of ours (FP8) against stock bf16 above which no speed is reported (the FP8 bound's `full`)
+
+
+def stock_model():
+    from diffusers import QwenImage21Transformer2DModel
+
+    with torch.device("cuda"):
+        model = QwenImage21Transformer2DModel().to(torch.bfloat16).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.02)
+            elif "norm" in name:
+                p.normal_(0, 0.1)
+    return model
+
+
+def inputs(size: int, condition: bool) -> dict:
+    """The pipeline's transformer arguments at size x size (16x VAE, unpatched: (size/16)^2 target tokens)."""
+    side = size // 16
+    target, cond = side * side, (4096 if condition else 0)
+    g = torch.Generator("cuda").manual_seed(0)
+    text_slots = torch.zeros(TEXT + cond // 4, dtype=torch.bool, device="cuda")
+    text_slots[3: 3 + cond // 4] = True  # a condition image's slots after the template's first tokens
+    img_mask = torch.cat([text_slots, torch.ones(target // 4, dtype=torch.bool, device="cuda")])[None]
+    shapes = ([(1, 64, 64)] if condition else []) + [(1, side, side)]
+    return dict(hidden_states=torch.randn(1, cond + target, 64, generator=g, device="cuda", dtype=torch.bfloat16),
+                encoder_hidden_states=torch.randn(1, TEXT + cond // 4, 4096, generator=g, device="cuda",
+                                                  dtype=torch.bfloat16),
+                img_shapes=[shapes], img_mask=img_mask, timestep=torch.full((1,), 0.5, device="cuda",
+                                                                            dtype=torch.bfloat16))
+
+
+def step_times(model, args: dict) -> tuple[float, float, torch.Tensor]:
+    """(prefill ms, cached step ms, a cached step's output)."""
+    from diffusers.models.transformers.transformer_qwenimage21 import QwenImage21KVCache
+
+    kv = QwenImage21KVCache(len(model.transformer_blocks))
+    with torch.no_grad():
+        def prefill():
+            with model.cache_context("cond"):
+                return model(**args, kv_cache=kv, kv_cache_mode="extract", return_dict=False)[0]
+
+        def cached():
+            with model.cache_context("cond"):
+                return model(**args, kv_cache=kv, kv_cache_mode="cached", return_dict=False)[0]
+
+        prefill_ms = bench_ms(prefill, warmup_ms=200, rep_ms=1000)
+        prefill()
+        cached_ms = bench_ms(cached, warmup_ms=200, rep_ms=1000)
+        return prefill_ms, cached_ms, cached().float()
+
+
+def floor_ms(config, target: int, prefix: int, fp8_tflops: float, backend: str) -> float:
+    """The block linears' FLOPs of a cached step at the FP8 rate, plus the attention alone (FlashAttention-4 or
+    SDPA, as ours runs it)."""
+    dim, layers = 4096, config.num_layers
+    linear_flops = 2 * target * (4 * dim * dim + 3 * dim * 3 * dim) * layers  # qkv + out, gate/up + down
+    heads = config.num_attention_heads
+    q = torch.randn(1, target, heads, 128, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(1, target + prefix, heads, 128, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    mask = TextMask.of(torch.full((1,), target + prefix, dtype=torch.int32, device="cuda"),
+                       torch.ones(1, 1, 1, target + prefix, dtype=torch.bool, device="cuda"))
+    attention_ms = bench_ms(lambda: joint_attention(q, k, v, mask, backend)) * layers
+    return linear_flops / fp8_tflops / 1e9 + attention_ms
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--sizes", default="1024,1328")
+    parser.add_argument("--condition", action="store_true", help="also a row with a 1024^2 condition image")
+    parser.add_argument("--attention", default="auto", help="ours: auto, fa4, cudnn, sdpa")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    env = environment()
+    fp8_tflops = matmul_tflops(8192, 12288, 4096, fp8=True)
+    stock = stock_model()
+    fast = FastQwenImage21Transformer.from_diffusers(stock, FastTransformerConfig(fp8=True, attention=args.attention))
+    print(f"FP8 GEMM 8192x4096x12288: {fp8_tflops:.0f} TF/s; attention backend {fast.attention_backend}", flush=True)
+    rows = [(int(s), False) for s in args.sizes.split(",")] + ([(1024, True)] if args.condition else [])
+    for size, condition in rows:
+        call = inputs(size, condition)
+        target = (size // 16) ** 2
+        prefix = TEXT + (4096 if condition else 0)
+        stock_prefill, stock_cached, ref = step_times(stock, call)
+        ours_prefill, ours_cached, out = step_times(fast, call)
+        error = rel_rms_error(out, ref)
+        floor = floor_ms(stock.config, target, prefix, fp8_tflops, fast.attention_backend)
+        stock_total = stock_prefill + (STEPS - 1) * stock_cached
+        ours_total = ours_prefill + (STEPS - 1) * ours_cached
+        row = dict(env, bench="qwen21", size=size, condition=condition, target_tokens=target, prefix_tokens=prefix,
+                   steps=STEPS, stock_prefill_ms=stock_prefill, stock_cached_ms=stock_cached,
+                   ours_prefill_ms=ours_prefill, ours_cached_ms=ours_cached, stock_transformer_s=stock_total / 1e3,
+                   ours_transformer_s=ours_total / 1e3, speedup=stock_total / ours_total, floor_cached_ms=floor,
+                   cached_vs_floor=ours_cached / floor, rel_rms_vs_stock=error, gate=GATE,
+                   applied=[f"{name}:{value}" if value is not True else name for name, value in fast.running()])
+        what = f"{size}^2{' + condition' if condition else ''}"
+        if not error <= GATE:
+            print(f"{what}: FAILED the check against stock ({error:.3e} > {GATE}): no speed reported", flush=True)
+            continue
+        append_results("qwen21", [row], args.out)
+        print(f"{what}: stock prefill {stock_prefill:.1f} ms, step {stock_cached:.1f} ms, 40 steps {stock_total / 1e3:.2f}"
+              f" s | ours prefill {ours_prefill:.1f} ms, step {ours_cached:.1f} ms (floor {floor:.1f}, x"
+              f"{ours_cached / floor:.2f}), 40 steps {ours_total / 1e3:.2f} s | x{stock_total / ours_total:.2f} | "
+              f"rel-RMS {error:.3e}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
