@@ -20,10 +20,18 @@ target's queries attend to all of them; a prefill's prefix queries go segment by
 QwenImage21AttnProcessor's masks (SDPA; once a call with the prefix cache). With the prefix cache (kv_cache_mode
 "extract", then "cached": the pipeline's default) the prefix's keys and values stay in this model's buffers
 (PrefixCache), each block's [target, prefix] buffer written once for the prefix and every step for the target.
+
+A forward's layout (the joint sequence's image slots and blocks, rotary tables, the keys' padding, the prefix's
+segments) depends on img_shapes, img_mask and the text mask only, which the pipeline passes unchanged at every
+step: it is built once (host work and syncs) and kept (Layout). In a pipeline call whose plan has CUDA graphs, a
+cached step (the target's tokens, from its latents and timestep to the output) replays from a graph captured at
+its second use, with the same layout, cache slot and shapes.
 """
 
 import contextlib
+import functools
 import inspect
+import logging
 import math
 import weakref
 
@@ -49,7 +57,8 @@ from ...kernels.swiglu import silu_mul, silu_mul_fp8
 from ..qwen_image.config import FastTransformerConfig
 from ..qwen_image.model.attention import TextMask, joint_attention, resolve_backend
 from ..qwen_image.model.linear import FastLinear, Operand, as_fp8_operand, q_dtype_for
-from ..qwen_image.runtime.context import record
+from ..qwen_image.runtime.context import get_context, record
+from ..qwen_image.runtime.cuda_graph import GraphCaptureError, Graphs, signature
 
 STOCK_CONFIG = {name: p.default for name, p in
                 inspect.signature(QwenImage21Transformer2DModel.__init__).parameters.items() if name != "self"}
@@ -57,7 +66,9 @@ STOCK_CONFIG = {name: p.default for name, p in
 SHARED_MODULES = ("pos_embed", "time_text_embed", "txt_in", "img_in", "modulation", "norm_out", "proj_out")
 # The block linears (FP8 with fp8=True): Q/K/V fused, the output projection, SwiGLU's [gate; up] fused, the down one.
 LINEARS = ("qkv", "out", "gate_up", "down")
+logger = logging.getLogger(__name__)
 IMG_TOKENS_PER_SLOT = 4  # a vision-language image slot stands for 2 x 2 latent tokens (diffusers' constant)
+MAX_LAYOUTS = 16  # kept layouts (and the graphs that read them): past this, both are dropped
 
 
 class Rows:
@@ -83,6 +94,44 @@ class Attention:
                  prefix_key_valid=None):
         self.backend, self.mask = backend, TextMask.of(seqused_k, key_mask)
         self.segments, self.prefix_key_valid = segments, prefix_key_valid
+
+
+class Layout:
+    """A forward's layout, as diffusers' forward derives it from img_shapes, img_mask and the text mask: the joint
+    sequence's image slots (repeats, image_pad_mask), `target` and `prefix` token counts, the rotary tables freqs
+    [S, D_head / 2, 2] in the joint order, each token's modulation row (mod_row, causal_condition), the prefix's
+    key validity [B, P] (None: no text mask), the keys' count and mask in the [target, prefix] order, and the
+    prefix's segments."""
+
+    def __init__(self, model, img_shapes, img_mask, text_mask, batch: int, device):
+        repeats = torch.where(img_mask, IMG_TOKENS_PER_SLOT, 1)[0]
+        self.repeats, self.image_pad_mask = repeats, torch.repeat_interleave(img_mask[0], repeats)
+        self.target = math.prod(img_shapes[0][-1])
+        self.prefix = self.image_pad_mask.shape[0] - self.target
+        image_ids, target_token_mask = QwenImage21Transformer2DModel.build_token_metadata(self.image_pad_mask,
+                                                                                          img_shapes[0])
+        rotary = model.pos_embed(img_shapes[0], self.image_pad_mask, device=device)  # complex [S, D_head / 2]
+        self.freqs = torch.view_as_real(rotary).float().contiguous()
+        self.mod_row = None
+        if model.config.causal_condition:  # the target's tokens read their sample's row, the others the t = 0 row
+            self.mod_row = torch.where(target_token_mask[None, :], torch.arange(batch, device=device)[:, None],
+                                       batch).flatten().to(torch.int32)
+        key_valid = torch.ones(batch, self.prefix, dtype=torch.bool, device=device)  # the prefix's, in its order
+        if text_mask is not None:
+            text_positions = (~self.image_pad_mask[: self.prefix]).nonzero(as_tuple=True)[0]
+            vlm_text_positions = ~img_mask[0][: text_mask.shape[1]]
+            key_valid[:, text_positions] = text_mask.bool()[:, vlm_text_positions]
+        self.key_valid = key_valid if text_mask is not None else None
+        self.seqused_k = (self.target + key_valid.sum(dim=1)).to(torch.int32)
+        self.key_mask = torch.cat([key_valid.new_ones(batch, self.target), key_valid], dim=1)[:, None, None, :]
+        self.segments = _qwenimage21_prefix_segments(image_ids, self.prefix)
+
+    @staticmethod
+    def key(img_shapes, img_mask, text_mask, batch: int, device) -> tuple:
+        """What a layout is a function of, by content (one small device-to-host copy)."""
+        masks = [img_mask[0]] + ([] if text_mask is None else [text_mask.bool().flatten()])
+        host = torch.cat([m.to(torch.bool) for m in masks]).cpu().numpy().tobytes()
+        return repr(img_shapes[0]), batch, str(device), text_mask is None, host
 
 
 class PrefixCache:
@@ -253,6 +302,10 @@ class FastQwenImage21Transformer(ModelMixin, ConfigMixin):
         self.requires_grad_(False)
         self.prefix_cache = PrefixCache()
         self._cache_name: str | None = None
+        self.layouts: dict[tuple, Layout] = {}  # by Layout.key
+        self._last_layout: tuple | None = None  # (img_mask, its version, text mask, its version, shapes, key)
+        self.graphs = Graphs(max_graphs=MAX_LAYOUTS)  # the cached steps' (runtime/cuda_graph.py)
+        self._graphs_seen: set = set()  # graph keys run eagerly once
 
     @classmethod
     @torch.no_grad()
@@ -350,51 +403,25 @@ class FastQwenImage21Transformer(ModelMixin, ConfigMixin):
         if kv_cache is None and kv_cache_mode is not None:
             raise ValueError(f"kv_cache_mode is {kv_cache_mode!r} but no kv_cache was passed to hold the prefix.")
         device, dtype = hidden_states.device, hidden_states.dtype
-
-        # the joint sequence's layout, as diffusers builds it: image slots expand 4-fold, the target's appended
-        repeats = torch.where(img_mask, IMG_TOKENS_PER_SLOT, 1)[0]
-        image_pad_mask = torch.repeat_interleave(img_mask[0], repeats)
-        target = math.prod(img_shapes[0][-1])
-        image_ids, target_token_mask = QwenImage21Transformer2DModel.build_token_metadata(image_pad_mask,
-                                                                                          img_shapes[0])
-        prefix = image_pad_mask.shape[0] - target
-        rotary = self.pos_embed(img_shapes[0], image_pad_mask, device=device)  # complex [S, D_head / 2]
-        freqs = torch.view_as_real(rotary).float().contiguous()  # [S, D_head / 2, 2] (cos, sin)
-
-        timestep = timestep.to(dtype)
-        if causal:  # an extra t = 0 row, for the text and condition-image tokens
-            timestep = torch.cat([timestep, timestep.new_zeros(1)], dim=0)
-        temb = self.time_text_embed(timestep, hidden_states)
-        modulation = self.modulation(temb)  # [G, 4D]
-
-        key_valid = torch.ones(batch, prefix, dtype=torch.bool, device=device)  # the prefix's keys, in its order
-        if encoder_hidden_states_mask is not None:
-            text_positions = (~image_pad_mask[:prefix]).nonzero(as_tuple=True)[0]
-            vlm_text_positions = ~img_mask[0][: encoder_hidden_states_mask.shape[1]]
-            key_valid[:, text_positions] = encoder_hidden_states_mask.bool()[:, vlm_text_positions]
-        seqused_k = (target + key_valid.sum(dim=1)).to(torch.int32)
-        key_mask = torch.cat([key_valid.new_ones(batch, target), key_valid], dim=1)[:, None, None, :]
+        layout = self._layout(img_shapes, img_mask, encoder_hidden_states_mask, batch, device)
         backend = self.attention_backend
 
         if kv_cache_mode == "cached":  # only the target's tokens: their latents are the last `target` rows
-            x = self.img_in(hidden_states[:, -target:])
-            rows = Rows(modulation[:batch], None, freqs[prefix:], 0, target)  # every token its sample's row
-            plan = Attention(backend, seqused_k, key_mask)
             kvs = self.prefix_cache.of(kv_cache)
-            if kvs[0][0].shape[:2] != (batch, target + prefix):
+            if kvs[0][0].shape[:2] != (batch, layout.target + layout.prefix):
                 raise ValueError(f"the prefix KV cache holds {tuple(kvs[0][0].shape[:2])} (batch, keys), this "
-                                 f"forward needs {(batch, target + prefix)}: extract it anew")
+                                 f"forward needs {(batch, layout.target + layout.prefix)}: extract it anew")
+            step = functools.partial(self._cached_step, layout, kvs, backend)
+            inputs = dict(hidden_states=hidden_states[:, -layout.target:], timestep=timestep)
+            key = (signature(inputs), kv_cache.fast_prefix_slot, id(layout), backend)
+            output = self._graphed(key, inputs, step) if get_context().cuda_graphs else step(**inputs)
         else:
-            joint = self._joint(hidden_states, encoder_hidden_states, img_mask, repeats, image_pad_mask, target)
-            x = joint
-            mod_row = None
-            if causal:  # the target's tokens read their sample's row, the others the t = 0 row (the last)
-                mod_row = torch.where(target_token_mask[None, :], torch.arange(batch, device=device)[:, None],
-                                      batch).flatten().to(torch.int32)
-            rows = Rows(modulation, mod_row, freqs, prefix, target)
-            plan = Attention(backend, seqused_k, key_mask, _qwenimage21_prefix_segments(image_ids, prefix),
-                             key_valid if encoder_hidden_states_mask is not None else None)
-            shape = (batch, target + prefix, self.config.num_attention_heads, self.config.attention_head_dim)
+            x = self._joint(hidden_states, encoder_hidden_states, img_mask, layout)
+            modulation, temb = self._modulation(timestep, hidden_states)
+            rows = Rows(modulation, layout.mod_row, layout.freqs, layout.prefix, layout.target)
+            plan = Attention(backend, layout.seqused_k, layout.key_mask, layout.segments, layout.key_valid)
+            shape = (batch, layout.target + layout.prefix, self.config.num_attention_heads,
+                     self.config.attention_head_dim)
             if kv_cache_mode == "extract":
                 kvs = self.prefix_cache.bind(kv_cache, self._cache_name or "default", shape, dtype, device,
                                              len(self.transformer_blocks))
@@ -402,24 +429,79 @@ class FastQwenImage21Transformer(ModelMixin, ConfigMixin):
                 scratch = (torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype,
                                                                                         device=device))
                 kvs = [scratch] * len(self.transformer_blocks)
-        scratch_q = torch.empty(kvs[0][0].shape, dtype=dtype, device=device)
+            output = self._blocks_and_output(x, rows, plan, kvs, temb)
+        return Transformer2DModelOutput(sample=output) if return_dict else (output,)
 
+    def _layout(self, img_shapes, img_mask, text_mask, batch: int, device) -> Layout:
+        """The forward's Layout: the last one when the pipeline passes the same mask tensors again, unmodified (no
+        host sync), else the one of this content, built if new."""
+        last = self._last_layout
+        if (last is not None and last[0]() is img_mask and last[1] == img_mask._version
+                and (last[2]() if last[2] is not None else None) is text_mask
+                and last[3] == (text_mask._version if text_mask is not None else None) and last[4] == repr(img_shapes)
+                and last[5] in self.layouts):
+            return self.layouts[last[5]]
+        key = Layout.key(img_shapes, img_mask, text_mask, batch, device)
+        if key not in self.layouts:
+            if len(self.layouts) >= MAX_LAYOUTS:  # the graphs read the layouts' tensors: both go
+                self.layouts.clear()
+                self.graphs.clear()
+                self._graphs_seen.clear()
+            self.layouts[key] = Layout(self, img_shapes, img_mask, text_mask, batch, device)
+        self._last_layout = (weakref.ref(img_mask), img_mask._version,
+                             weakref.ref(text_mask) if text_mask is not None else None,
+                             text_mask._version if text_mask is not None else None, repr(img_shapes), key)
+        return self.layouts[key]
+
+    def _modulation(self, timestep, hidden_states) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the shared modulation [G, 4D], temb [G, D]) as diffusers computes them: G = B, plus the t = 0 row with
+        causal_condition."""
+        timestep = timestep.to(hidden_states.dtype)
+        if self.config.causal_condition:
+            timestep = torch.cat([timestep, timestep.new_zeros(1)], dim=0)
+        temb = self.time_text_embed(timestep, hidden_states)
+        return self.modulation(temb), temb
+
+    def _cached_step(self, layout: Layout, kvs: list, backend: str, hidden_states, timestep) -> torch.Tensor:
+        """A cached step from the target's latents [B, T, C] and timestep: every token reads its sample's row."""
+        batch = hidden_states.shape[0]
+        modulation, temb = self._modulation(timestep, hidden_states)
+        rows = Rows(modulation[:batch], None, layout.freqs[layout.prefix:], 0, layout.target)
+        plan = Attention(backend, layout.seqused_k, layout.key_mask)
+        return self._blocks_and_output(self.img_in(hidden_states), rows, plan, kvs, temb)
+
+    def _blocks_and_output(self, x, rows: Rows, plan: Attention, kvs: list, temb) -> torch.Tensor:
+        scratch_q = torch.empty(kvs[0][0].shape, dtype=x.dtype, device=x.device)
         tail = None
         for block, kv in zip(self.transformer_blocks, kvs):
             x, tail = block(x, tail, rows, plan, kv, scratch_q)
-        scale = self.norm_out.linear(self.norm_out.silu(temb).to(dtype))  # [G, D]
-        scale = scale if rows.mod_row is not None else scale[:batch]
+        scale = self.norm_out.linear(self.norm_out.silu(temb).to(x.dtype))  # [G, D]
+        scale = scale if rows.mod_row is not None else scale[:x.shape[0]]
         x, y = residual_gate_layer_norm_modulate(x, tail[0], tail[1], torch.zeros_like(scale), scale.contiguous(),
                                                  mod_row=rows.mod_row, eps=self.norm_out.norm.eps)
-        output = self.proj_out(y)
-        return Transformer2DModelOutput(sample=output) if return_dict else (output,)
+        return self.proj_out(y)
 
-    def _joint(self, hidden_states, encoder_hidden_states, img_mask, repeats, image_pad_mask, target: int):
+    def _graphed(self, key: tuple, inputs: dict, step) -> torch.Tensor:
+        """step(**inputs) from a CUDA graph from the second time `key` runs (the first compiles the kernels)."""
+        self.graphs.drop_if_weights_moved(self)
+        if key not in self.graphs and key not in self._graphs_seen:
+            self._graphs_seen.add(key)
+            return step(**inputs)
+        try:
+            out = self.graphs.replay(key, inputs, step)
+        except GraphCaptureError as e:  # the step runs eagerly; graphs stay off for this key
+            logger.warning("CUDA graph capture failed, the Qwen-Image-2.1 step runs eagerly: %s", e.__cause__ or e)
+            self._graphs_seen.discard(key)
+            return step(**inputs)
+        record("cuda_graphs")
+        return out
+
+    def _joint(self, hidden_states, encoder_hidden_states, img_mask, layout: Layout):
         """The joint sequence [B, S, D] as diffusers builds it: text with each image slot expanded to 2 x 2 latent
         tokens and the condition images' latents put there, then the target's."""
         batch = hidden_states.shape[0]
         text = self.txt_in(encoder_hidden_states)
-        joint = torch.cat([text, text.new_zeros(batch, target // IMG_TOKENS_PER_SLOT, text.shape[2])], dim=1)
-        joint = joint.repeat_interleave(repeats, dim=1)
-        joint[:, image_pad_mask] = self.img_in(hidden_states)
+        joint = torch.cat([text, text.new_zeros(batch, layout.target // IMG_TOKENS_PER_SLOT, text.shape[2])], dim=1)
+        joint = joint.repeat_interleave(layout.repeats, dim=1)
+        joint[:, layout.image_pad_mask] = self.img_in(hidden_states)
         return joint

@@ -2,8 +2,8 @@
 __call__, unchanged, around the fast Qwen-Image-2.1 transformer (model.py).
 
 What runs is the registry's (qwen_image/optimizations.py): fused_transformer, fp8 (every block linear),
-fp8_fast_accum and attention run here; batched CFG, CUDA graphs and the step caches do not yet (the plan says why
-in `applied`'s place and `--dry-run`), and the options that would change diffusers' loop (sampler, cfg_fraction,
+fp8_fast_accum, attention and cuda_graphs (the cached steps, model.py) run here; batched CFG and the step caches do
+not yet (the plan says why), and the options that would change diffusers' loop (sampler, cfg_fraction,
 memory, parallel) are refused, as for the 2512 family's image-conditioned pipelines. `applied` after a call is what
 the transformer recorded running.
 """
@@ -98,7 +98,7 @@ class FastQwenImage21Pipeline(QwenImage21Pipeline):
         if conflict:
             raise ValueError(conflict)
         record = CallRecord()
-        with forward_context(record=record):
+        with forward_context(record=record, cuda_graphs=self.will_run()["cuda_graphs"]):
             output = QwenImage21Pipeline.__call__(self, *args, **kwargs)
         self._last_call = record
         return output

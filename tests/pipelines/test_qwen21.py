@@ -218,6 +218,23 @@ def test_optimized_pipeline_matches_stock(use_kv_cache):
     assert len(fast.transformer.prefix_cache.slots) == (2 if use_kv_cache else 0)
 
 
+def test_cached_steps_replay_from_graphs_across_calls(stand_in_graphs):
+    """CUDA graphs (the stand-in for capture): a cached step's graph is captured at its second use, per cache
+    (cond, uncond), and replayed; the next call's caches take the same slots, so its cached steps all replay; both
+    calls equal stock."""
+    call = dict(num_inference_steps=4, use_kv_cache=True)
+    expected = latents(tiny_pipeline(), **call)
+    fast = optimize(tiny_pipeline(), FastConfig(fp8=False))
+    for n in range(2):
+        captures, replays = len(stand_in_graphs["captures"]), len(stand_in_graphs["replays"])
+        assert_close(latents(fast, **call), expected, 1e-5, f"call {n}")
+        assert "cuda_graphs" in fast.applied, fast.applied
+        # 3 cached steps a call for each of cond and uncond: call 0 runs one eagerly, captures at the next
+        assert len(stand_in_graphs["captures"]) - captures == (2 if n == 0 else 0), stand_in_graphs
+        assert len(stand_in_graphs["replays"]) - replays == (4 if n == 0 else 6), stand_in_graphs
+    assert len(fast.transformer.layouts) == 2  # the prompts' and the negative prompts' (another text length)
+
+
 def test_optimized_pipeline_fp8_and_baseline():
     """FP8 block linears: within the FP8 bound of stock, and recorded; the baseline preset keeps the stock
     transformer and equals stock exactly."""

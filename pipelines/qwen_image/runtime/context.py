@@ -17,7 +17,9 @@ nested calls each see their own:
   does with its attention (predict it, or compute and store it);
 - ulysses: the sequence-parallel group of a FastConfig(parallel="ulysses") call (runtime/parallel.py);
 - weights_take_turns: memory="low" (runtime/offload.py): the forward checks that the block linears are on its device;
-- record: the call's CallRecord (optimizations.py): what ran, for `applied`.
+- record: the call's CallRecord (optimizations.py): what ran, for `applied`;
+- cuda_graphs: a Qwen-Image-2.1 call's plan (pipelines/qwen_image21/): its transformer replays the cached steps from
+  CUDA graphs.
 """
 
 import contextlib
@@ -37,6 +39,7 @@ class ForwardContext:
     ulysses: Any = None  # parallel.Ulysses
     weights_take_turns: bool = False
     record: Any = None  # optimizations.CallRecord
+    cuda_graphs: bool = False
 
 
 _CONTEXT: ContextVar[ForwardContext] = ContextVar("qwen_image_fast_forward_context", default=ForwardContext())
