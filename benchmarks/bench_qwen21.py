@@ -5,7 +5,8 @@
 Random full-size weights (32 blocks of 4096, normal(0, 0.02)), bf16, batch 1 (2.1 is CFG-distilled), 64 text
 tokens, 40 steps as the pipeline runs them with its prefix KV cache: one prefill ("extract": the text, and with
 --condition a 1024^2 condition image's 4096 tokens, block-causally, plus the target) and 39 cached steps (the
-target's tokens against the cached prefix). Per row: ms per prefill and per cached step, the 40 steps' transformer
+target's tokens against the cached prefix; ours replayed from CUDA graphs, as in a pipeline call, and eagerly). Per
+row: ms per prefill and per cached step, the 40 steps' transformer
 time, ours against stock, the cached step against its floor (the block linears' FLOPs at the FP8 GEMM rate measured
 here, 8192x4096x12288 rowwise, plus the attention alone, timed), and the error of ours against stock (rel-RMS of
 a cached step's output, bf16 stock as the reference) beside what FP8 rounding done in PyTorch on the stock model
@@ -25,6 +26,7 @@ from common import append_results, bench_ms, environment, matmul_tflops  # noqa:
 from qwen_image_fast.kernels._utils import rel_rms_error  # noqa: E402
 from qwen_image_fast.pipelines.qwen_image.config import FastTransformerConfig  # noqa: E402
 from qwen_image_fast.pipelines.qwen_image.model.attention import TextMask, joint_attention  # noqa: E402
+from qwen_image_fast.pipelines.qwen_image.runtime.context import forward_context  # noqa: E402
 from qwen_image_fast.pipelines.qwen_image21.model import FastQwenImage21Transformer  # noqa: E402
 
 STEPS, TEXT = 40, 64
@@ -32,6 +34,7 @@ STEPS, TEXT = 40, 64
 # FP8 rounding itself moves this random-weight network further, within EMULATION_MARGIN x what it moves the stock
 # model with its block linears' weights and inputs rounded to rowwise FP8 in PyTorch (emulate_fp8).
 GATE, EMULATION_MARGIN = 0.1, 1.25
+GRAPH_GATE = 1e-3  # ours' graphed cached step against the same step run eagerly
 
 
 def stock_model():
@@ -65,12 +68,13 @@ def inputs(size: int, condition: bool) -> dict:
                                                                             dtype=torch.bfloat16))
 
 
-def step_times(model, args: dict) -> tuple[float, float, torch.Tensor]:
-    """(prefill ms, cached step ms, a cached step's output)."""
+def step_times(model, args: dict, graphs: bool = False) -> tuple[float, float, torch.Tensor]:
+    """(prefill ms, cached step ms, a cached step's output); graphs: ours' cached steps replayed from CUDA graphs,
+    as in a pipeline call whose plan has them."""
     from diffusers.models.transformers.transformer_qwenimage21 import QwenImage21KVCache
 
     kv = QwenImage21KVCache(len(model.transformer_blocks))
-    with torch.no_grad():
+    with torch.no_grad(), forward_context(cuda_graphs=graphs):
         def prefill():
             with model.cache_context("cond"):
                 return model(**args, kv_cache=kv, kv_cache_mode="extract", return_dict=False)[0]
@@ -159,7 +163,9 @@ def main():
         target = (size // 32 * 2) ** 2
         prefix = TEXT + (4096 if condition else 0)
         stock_prefill, stock_cached, ref = step_times(stock, call)
-        ours_prefill, ours_cached, out = step_times(fast, call)
+        _, eager_cached, eager_out = step_times(fast, call)
+        ours_prefill, ours_cached, out = step_times(fast, call, graphs=True)
+        graph_error = rel_rms_error(out, eager_out)
         error = rel_rms_error(out, ref)
         emulated_error = None
         if fast.fast_config.fp8:  # the same network with FP8 rounding done in PyTorch: how far FP8 itself moves it
@@ -171,18 +177,24 @@ def main():
         ours_total = ours_prefill + (STEPS - 1) * ours_cached
         row = dict(env, bench="qwen21", size=size, condition=condition, target_tokens=target, prefix_tokens=prefix,
                    steps=STEPS, stock_prefill_ms=stock_prefill, stock_cached_ms=stock_cached,
-                   ours_prefill_ms=ours_prefill, ours_cached_ms=ours_cached, stock_transformer_s=stock_total / 1e3,
+                   ours_prefill_ms=ours_prefill, ours_cached_ms=ours_cached, ours_cached_eager_ms=eager_cached,
+                   graphed_vs_eager_rel_rms=graph_error, stock_transformer_s=stock_total / 1e3,
                    ours_transformer_s=ours_total / 1e3, speedup=stock_total / ours_total, floor_cached_ms=floor,
                    cached_vs_floor=ours_cached / floor, rel_rms_vs_stock=error,
                    fp8_emulation_rel_rms_vs_stock=emulated_error, gate=gate,
-                   applied=[f"{name}:{value}" if value is not True else name for name, value in fast.running()])
+                   applied=[f"{name}:{value}" if value is not True else name for name, value in fast.running()]
+                   + ["cuda_graphs"])
         what = f"{size}^2{' + condition' if condition else ''}"
+        if not graph_error <= GRAPH_GATE:
+            print(f"{what}: FAILED: the graphed step differs from the eager one ({graph_error:.3e})", flush=True)
+            continue
         if not error <= gate:
             print(f"{what}: FAILED the check against stock ({error:.3e} > {gate:.3e}): no speed reported", flush=True)
             continue
         append_results("qwen21", [row], args.out)
         print(f"{what}: stock prefill {stock_prefill:.1f} ms, step {stock_cached:.1f} ms, 40 steps {stock_total / 1e3:.2f}"
-              f" s | ours prefill {ours_prefill:.1f} ms, step {ours_cached:.1f} ms (floor {floor:.1f}, x"
+              f" s | ours prefill {ours_prefill:.1f} ms, step {ours_cached:.1f} ms (eager {eager_cached:.1f}; floor "
+              f"{floor:.1f}, x"
               f"{ours_cached / floor:.2f}), 40 steps {ours_total / 1e3:.2f} s | x{stock_total / ours_total:.2f} | "
               f"rel-RMS {error:.3e} (FP8 emulated on stock: {emulated_error or 0:.3e})", flush=True)
 
