@@ -195,6 +195,63 @@ def tiny_pipeline(pipeline_class=QwenImagePipeline, seed: int = 0, transformer_c
     return pipeline_class(**components, **init_kwargs)
 
 
+# ---- Qwen-Image-2.1
+
+# The tiny 2.1 transformer's constructor arguments (the real values in the comments); z_dim = in_channels.
+TINY_QWEN21_TRANSFORMER = dict(
+    num_layers=2,  # 32
+    attention_head_dim=16,  # 128
+    num_attention_heads=2,  # 32
+    in_channels=16,  # 64
+    out_channels=16,  # 64
+    context_in_dim=24,  # 4096
+    axes_dims_rope=(4, 6, 6),  # (16, 56, 56)
+)
+# Five levels (4 downsamplings): the pipeline's fixed 16x; RGBA in and out.
+TINY_QWEN21_VAE = dict(base_dim=8, decoder_base_dim=8, z_dim=16, dim_mult=[1, 1, 1, 1, 1], num_res_blocks=1,
+                       temperal_downsample=[False, False, False, False], latents_mean=[0.0] * 16,
+                       latents_std=[1.0] * 16)
+# The processor's chat template: the system turn QwenImage21Pipeline tokenizes to count its prefix.
+QWEN21_CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% for c in m['content'] %}"
+                        "{{ c['text'] }}{% endfor %}<|im_end|>\n{% endfor %}")
+# Qwen-Image-2.1's scheduler: FlowMatchEuler, dynamic exponential shift (the pipeline's defaults for the rest).
+QWEN21_SCHEDULER_CONFIG = dict(use_dynamic_shifting=True, time_shift_type="exponential", base_shift=0.5,
+                               max_shift=1.15, base_image_seq_len=256, max_image_seq_len=4096)
+
+
+def tiny_qwen21_components(seed: int = 0) -> dict:
+    """The components of a tiny QwenImage21Pipeline (fp32, CPU): a Qwen3-VL text encoder and processor (patch 16,
+    2x2 merge: one image slot per 32x32 pixels, as the 2.1 transformer's 2x2 latent tokens), the RGBA VAE at 16x,
+    the transformer."""
+    from diffusers import AutoencoderKLQwenImage21, QwenImage21Transformer2DModel
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration, Qwen3VLProcessor
+
+    torch.manual_seed(seed)
+    transformer = QwenImage21Transformer2DModel(**TINY_QWEN21_TRANSFORMER)
+    torch.manual_seed(seed)
+    vae = AutoencoderKLQwenImage21(**TINY_QWEN21_VAE)
+    tokenizer = tiny_tokenizer(vision=True)
+    image_processor = Qwen2VLImageProcessorPil(min_pixels=32 * 32, max_pixels=256 * 256, patch_size=16, merge_size=2,
+                                               temporal_patch_size=2)
+    processor = processor_without_torchvision(image_processor, tokenizer, Qwen3VLProcessor,
+                                              chat_template=QWEN21_CHAT_TEMPLATE)
+    vision_ids = dict(zip(("vision_start_token_id", "vision_end_token_id", "image_token_id", "video_token_id"),
+                          tokenizer.convert_tokens_to_ids(list(VISION_TOKENS))))
+    config = Qwen3VLConfig(
+        text_config=dict(hidden_size=24, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2,  # 4096, ..
+                         num_key_value_heads=1, head_dim=12, vocab_size=len(tokenizer),
+                         rope_scaling=dict(rope_type="default", mrope_section=[2, 2, 2])),
+        vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=24,
+                           patch_size=16, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=64,
+                           deepstack_visual_indexes=[0]),
+        **vision_ids,
+    )
+    torch.manual_seed(seed)
+    text_encoder = Qwen3VLForConditionalGeneration(config).eval()
+    scheduler = FlowMatchEulerDiscreteScheduler(**QWEN21_SCHEDULER_CONFIG)
+    return dict(scheduler=scheduler, vae=vae, text_encoder=text_encoder, processor=processor, transformer=transformer)
+
+
 # ---- the tiny prompt enhancer
 
 # The text-only part of Qwen3.5's chat template: system / user / assistant turns, then the generation prompt, which

@@ -16,20 +16,22 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLIm
 from transformers.video_processing_utils import BaseVideoProcessor
 
 
-def processor_without_torchvision(image_processor: Qwen2VLImageProcessorPil, tokenizer) -> Qwen2VLProcessor:
-    """A Qwen2VLProcessor (that class, so that it saves as the real checkpoint's does) with a plain
-    BaseVideoProcessor: its constructor checks the video processor against transformers' exported
-    BaseVideoProcessor, a dummy that raises without torchvision, so that one check is relaxed while it runs."""
-    check = Qwen2VLProcessor.check_argument_for_proper_class
+def processor_without_torchvision(image_processor: Qwen2VLImageProcessorPil, tokenizer,
+                                  processor_class=Qwen2VLProcessor, **kwargs):
+    """A Qwen2VLProcessor (or processor_class, e.g. Qwen-Image-2.1's Qwen3VLProcessor: that class, so that it saves
+    as the real checkpoint's does) with a plain BaseVideoProcessor: its constructor checks the video processor
+    against transformers' exported BaseVideoProcessor, a dummy that raises without torchvision, so that one check
+    is relaxed while it runs."""
+    check = processor_class.check_argument_for_proper_class
 
     def lenient_check(self, argument_name, argument):
         if argument_name == "video_processor" and isinstance(argument, BaseVideoProcessor):
             return type(argument)
         return check(self, argument_name, argument)
 
-    with mock.patch.object(Qwen2VLProcessor, "check_argument_for_proper_class", lenient_check):
-        return Qwen2VLProcessor(image_processor=image_processor, tokenizer=tokenizer,
-                                video_processor=BaseVideoProcessor())
+    with mock.patch.object(processor_class, "check_argument_for_proper_class", lenient_check):
+        return processor_class(image_processor=image_processor, tokenizer=tokenizer,
+                               video_processor=BaseVideoProcessor(), **kwargs)
 
 
 def load_processor_without_torchvision(folder: Path) -> Qwen2VLProcessor:
