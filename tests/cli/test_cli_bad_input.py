@@ -42,6 +42,20 @@ def folder_without_model_index(tmp_path):
     return ["--model", str(tmp_path / "model"), "a cat"]
 
 
+def qwen21_model(tmp_path):
+    """A Qwen-Image-2.1 checkpoint's model_index.json and transformer config (optimize() takes the pipeline; render
+    does not drive it yet)."""
+    import json
+
+    (tmp_path / "model" / "transformer").mkdir(parents=True)
+    (tmp_path / "model" / "model_index.json").write_text(json.dumps(
+        {"_class_name": "QwenImage21Pipeline", "transformer": ["diffusers", "QwenImage21Transformer2DModel"]}))
+    (tmp_path / "model" / "transformer" / "config.json").write_text(json.dumps(
+        {"_class_name": "QwenImage21Transformer2DModel", "num_layers": 2, "attention_head_dim": 16,
+         "num_attention_heads": 2, "in_channels": 16, "out_channels": 16, "context_in_dim": 24}))
+    return ["--model", str(tmp_path / "model"), "a cat"]
+
+
 def unloadable_model(tmp_path):
     """Passes the checks (a folder with model_index.json), fails in diffusers' loader: after the out folder exists."""
     (tmp_path / "model").mkdir()
@@ -122,6 +136,7 @@ BAD_INPUT = {
                          "--model nobody/no-such-model: not in the local Hugging Face cache, and HF_HUB_OFFLINE=1"),
     "model-folder-not-a-pipeline": (folder_without_model_index, "without model_index.json, not a checkpoint"),
     "model-fails-to-load": (unloadable_model, "cannot read its model_index.json ('_class_name')"),
+    "model-qwen21": (qwen21_model, "is a QwenImage21Pipeline checkpoint; render drives QwenImagePipeline"),
     "device-missing-gpu": (missing_gpu, "--device cuda"),
     "device-not-a-device": (lambda tmp: ["--device", "tpu9", "a cat"], "--device tpu9: not a device"),
     "lora-missing": (lambda tmp: ["--lora", str(tmp / "none.safetensors"), "a cat"],
