@@ -1,4 +1,5 @@
-"""The edit pipelines' Qwen2.5-VL processor where torchvision is missing (CPU machines without its wheel, CI).
+"""The edit pipelines' Qwen2.5-VL processor (and Qwen-Image-2.1's Qwen3-VL one) where torchvision is missing (CPU
+machines without its wheel, CI).
 
 transformers' Qwen2VLProcessor needs torchvision for its video processor and for its default (fast) image
 processor, so `from_pretrained` of an edit checkpoint fails without it. Qwen-Image never passes videos; the
@@ -36,8 +37,18 @@ def processor_without_torchvision(image_processor: Qwen2VLImageProcessorPil, tok
 
 def load_processor_without_torchvision(folder: Path) -> Qwen2VLProcessor:
     """A pipeline's `processor` folder (diffusers' layout: the processor's and its tokenizer's files), built as
-    above."""
+    above: the processor class its processor_config.json names (Qwen2VLProcessor if none; Qwen-Image-2.1's is a
+    Qwen3VLProcessor), with the chat template saved beside it."""
+    import json
+
+    import transformers
     from transformers import AutoTokenizer
 
+    config = folder / "processor_config.json"
+    name = json.loads(config.read_text()).get("processor_class") if config.exists() else None
+    known = ("Qwen2VLProcessor", "Qwen3VLProcessor")
+    processor_class = getattr(transformers, name) if name in known else Qwen2VLProcessor
+    template = folder / "chat_template.jinja"
+    extra = dict(chat_template=template.read_text()) if template.exists() else {}
     return processor_without_torchvision(Qwen2VLImageProcessorPil.from_pretrained(folder),
-                                         AutoTokenizer.from_pretrained(folder))
+                                         AutoTokenizer.from_pretrained(folder), processor_class, **extra)

@@ -281,3 +281,19 @@ def test_prompts_through_the_whole_pipeline_match_stock(condition):
     fast = optimize(QwenImage21Pipeline(**tiny_qwen21_components()), FastConfig(fp8=False))
     out = fast(**call, generator=torch.Generator().manual_seed(0))
     assert_close(out.images, expected.images, 1e-5, f"condition={condition}")
+
+
+def test_from_pretrained_loads_a_saved_checkpoint(tmp_path):
+    """A QwenImage21Pipeline saved by diffusers (the tiny one): qwen_image_fast.from_pretrained picks the fast class
+    from its model_index.json and loads it (without torchvision, its Qwen3VLProcessor as vl_processor.py builds it,
+    with the saved chat template); the latents equal the stock pipeline's."""
+    from qwen_image_fast import from_pretrained
+    from qwen_image_fast.pipelines.tiny import tiny_qwen21_components
+
+    stock = QwenImage21Pipeline(**tiny_qwen21_components())
+    stock.save_pretrained(tmp_path)
+    fast = from_pretrained(tmp_path, fast_config=FastConfig(fp8=False))
+    assert isinstance(fast, FastQwenImage21Pipeline) and type(fast.processor).__name__ == "Qwen3VLProcessor"
+    call = dict(prompt="a cat", num_inference_steps=2, height=64, width=64, output_type="latent")
+    assert_close(fast(**call, generator=torch.Generator().manual_seed(0)).images,
+                 stock(**call, generator=torch.Generator().manual_seed(0)).images, 1e-5, "from_pretrained")
