@@ -137,33 +137,36 @@ class Layout:
 class PrefixCache:
     """Per pipeline cache (diffusers' QwenImage21KVCache objects are the handles): each block's key and value
     buffers [B, T + P, H, D], kept by the model across calls while their shape holds (CUDA graphs need fixed
-    addresses). A handle is bound to a slot at its "extract" step; a slot whose handle is gone is reused."""
+    addresses). A handle is bound to a slot at its "extract" step; a slot of that shape whose handle is gone is
+    reused; a new slot frees those whose handles are gone first (another size's)."""
 
     def __init__(self):
         self.slots: dict[tuple, list] = {}  # key -> [owner weakref, [(k, v)] per block]
 
-    def bind(self, handle, name: str, shape: tuple, dtype, device, n_blocks: int) -> list:
+    def bind(self, handle, name: str, shape: tuple, dtype, device, n_blocks: int) -> tuple[list, list]:
+        """(the buffers of the slot bound to `handle`, the keys of the slots freed to make a new one)."""
         for n in range(len(self.slots) + 1):
             key = (name, n, shape, dtype, str(device))
             slot = self.slots.get(key)
             if slot is None or slot[0]() is None or slot[0]() is handle:
                 break
+        freed = []
         if slot is None:
+            freed = [k for k, (owner, _) in self.slots.items() if owner() is None]
+            for k in freed:
+                del self.slots[k]
             buffers = [(torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device))
                        for _ in range(n_blocks)]
             slot = self.slots[key] = [None, buffers]
         slot[0] = weakref.ref(handle)
         handle.fast_prefix_slot = key
-        return slot[1]
+        return slot[1], freed
 
     def of(self, handle) -> list:
         key = getattr(handle, "fast_prefix_slot", None)
         if key is None or key not in self.slots or self.slots[key][0]() is not handle:
             raise RuntimeError("KV cache has not been populated yet.")  # diffusers' error for a cache never extracted
         return self.slots[key][1]
-
-    def clear(self):
-        self.slots.clear()
 
 
 class FastBlock21(nn.Module):
@@ -423,8 +426,10 @@ class FastQwenImage21Transformer(ModelMixin, ConfigMixin):
             shape = (batch, layout.target + layout.prefix, self.config.num_attention_heads,
                      self.config.attention_head_dim)
             if kv_cache_mode == "extract":
-                kvs = self.prefix_cache.bind(kv_cache, self._cache_name or "default", shape, dtype, device,
-                                             len(self.transformer_blocks))
+                kvs, freed = self.prefix_cache.bind(kv_cache, self._cache_name or "default", shape, dtype, device,
+                                                    len(self.transformer_blocks))
+                for key in [key for key in self.graphs.graphs if key[1] in freed]:  # they read the freed buffers
+                    del self.graphs.graphs[key]
             else:
                 scratch = (torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype,
                                                                                         device=device))

@@ -233,6 +233,10 @@ def test_cached_steps_replay_from_graphs_across_calls(stand_in_graphs):
         assert len(stand_in_graphs["captures"]) - captures == (2 if n == 0 else 0), stand_in_graphs
         assert len(stand_in_graphs["replays"]) - replays == (4 if n == 0 else 6), stand_in_graphs
     assert len(fast.transformer.layouts) == 2  # the prompts' and the negative prompts' (another text length)
+    # another size: its caches take new slots, which free the first size's (their handles are gone) and the graphs
+    # that read them
+    assert_close(latents(fast, **call, height=96), latents(tiny_pipeline(), **call, height=96), 1e-5, "96 high")
+    assert len(fast.transformer.prefix_cache.slots) == 2 and len(fast.transformer.graphs) == 2
 
 
 def test_optimized_pipeline_fp8_and_baseline():
