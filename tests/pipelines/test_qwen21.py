@@ -15,17 +15,15 @@ from qwen_image_fast.pipelines.qwen_image.config import FastTransformerConfig
 from qwen_image_fast.pipelines.qwen_image.optimizations import FP8_BOUND
 from qwen_image_fast.pipelines.qwen_image21.model import FastQwenImage21Transformer
 from qwen_image_fast.pipelines.qwen_image21.pipeline import FastQwenImage21Pipeline
-from qwen_image_fast.pipelines.tiny import tiny_tokenizer, tiny_vl_processor
-
-TINY = dict(
-    num_layers=2,  # 32
-    attention_head_dim=16,  # 128
-    num_attention_heads=2,  # 32
-    in_channels=16,  # 64
-    out_channels=16,  # 64
-    context_in_dim=24,  # 4096
-    axes_dims_rope=(4, 6, 6),  # (16, 56, 56)
+from qwen_image_fast.pipelines.tiny import (
+    QWEN21_CHAT_TEMPLATE,
+    QWEN21_SCHEDULER_CONFIG,
+    TINY_QWEN21_TRANSFORMER,
+    tiny_tokenizer,
+    tiny_vl_processor,
 )
+
+TINY = TINY_QWEN21_TRANSFORMER  # 2 blocks of 2 heads x 16 (32 x 128 in the real model)
 
 
 def tiny_stock(seed: int = 0, **overrides) -> QwenImage21Transformer2DModel:
@@ -167,19 +165,13 @@ def test_prefix_cache_slots_follow_their_handles():
 
 # ---- the pipeline: optimize(QwenImage21Pipeline) keeps its own __call__
 
-CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% for c in m['content'] %}{{ c['text'] }}"
-                 "{% endfor %}<|im_end|>\n{% endfor %}")
-
-
 def tiny_pipeline(**transformer_overrides) -> QwenImage21Pipeline:
     """The pipeline around the tiny transformer, given prompt embeddings (no text encoder or VAE: output_type
     "latent"); its processor (the byte-level tiny tokenizer with Qwen's special tokens and a chat template) only
     serves the constructor's template arithmetic. Qwen-Image-2.1's scheduler config (dynamic exponential shift)."""
     processor = tiny_vl_processor(tiny_tokenizer(vision=True))
-    processor.chat_template = CHAT_TEMPLATE
-    scheduler = FlowMatchEulerDiscreteScheduler(use_dynamic_shifting=True, time_shift_type="exponential",
-                                                base_shift=0.5, max_shift=1.15, base_image_seq_len=256,
-                                                max_image_seq_len=4096)
+    processor.chat_template = QWEN21_CHAT_TEMPLATE
+    scheduler = FlowMatchEulerDiscreteScheduler(**QWEN21_SCHEDULER_CONFIG)
     return QwenImage21Pipeline(scheduler=scheduler, vae=None, text_encoder=None, processor=processor,
                                transformer=tiny_stock(**transformer_overrides))
 
