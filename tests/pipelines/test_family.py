@@ -229,7 +229,7 @@ def test_what_it_cannot_do_is_refused(tmp_path):
     with pytest.raises(ValueError, match="already optimized"):
         optimize(fast)
     flux = diffusers.FluxPipeline.__new__(diffusers.FluxPipeline)
-    with pytest.raises(TypeError, match="QwenImageControlNetInpaintPipeline; got FluxPipeline"):
+    with pytest.raises(TypeError, match="QwenImageControlNetInpaintPipeline, QwenImage21Pipeline; got FluxPipeline"):
         optimize(flux)
     with pytest.raises(TypeError, match="optimize\\(\\) takes one of diffusers' QwenImagePipeline, "
                                         "QwenImageImg2ImgPipeline"):
