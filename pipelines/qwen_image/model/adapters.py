@@ -12,9 +12,8 @@ from diffusers.utils import logging
 
 from ....kernels.fp8 import quantize_fp8_rowwise_ref
 from ..runtime.offload import has_offload_hooks
-from .block import FastBlock
 from .linear import FastLinear
-from .lora import BLOCK_SITES, LoraLinear, LoraTargetLinear, site_of
+from .lora import LoraLinear, LoraTargetLinear, site_of
 from .unsupported import BASELINE_ADVICE, HOTSWAP_ADVICE
 
 logger = logging.get_logger(__name__)
@@ -52,14 +51,17 @@ def check_carriable(stock, peft_layers: dict[str, nn.Module]):
                                   "pipe.set_adapters(...) / enable_lora() before converting")
 
 class LoraAdapters:
-    """Mixed into FastQwenImageTransformer: diffusers' PEFT API (load_lora_adapter, set_adapters, fuse_lora, ...)."""
+    """Mixed into the fast transformers (FastQwenImageTransformer, FastQwenImage21Transformer): diffusers' PEFT API
+    (load_lora_adapter, set_adapters, fuse_lora, ...). The model names its sites (lora_sites: stock block module ->
+    its fused linear and part, lora.py), its block class (block_class) and the stock model (stock_model_name), and
+    keeps lora_state and weight_source."""
 
     # ---- carried over from a stock model (from_diffusers)
 
     def _carry_lora(self, stock, peft_layers: dict[str, nn.Module]):
         """The stock model's peft adapters (check_carriable passed), as they are: factors, scaling, active set."""
         for name, layer in peft_layers.items():
-            if self.get_submodule(site_of(name)[0]) is layer:  # shared with stock: take its bare base layer
+            if self.get_submodule(site_of(name, self.lora_sites)[0]) is layer:  # shared with stock: its base layer
                 self._replace_unshared(name, layer.get_base_layer())
         first = next(iter(peft_layers.values()))
         state = self.lora_state
@@ -107,26 +109,25 @@ class LoraAdapters:
     def _lora_host(self, stock_name: str, create: bool = True) -> tuple[LoraLinear, torch.device] | None:
         """The LoraLinear holding the site of a stock module name (created on first use), and its linear's device;
         ValueError if no linear of this model has that name (create=False: only that check)."""
-        name, third = site_of(stock_name)
+        name, part = site_of(stock_name, self.lora_sites)
         try:
             module = self.get_submodule(name)
         except AttributeError:
             module = None
         if not isinstance(module, (FastLinear, nn.Linear)):
-            raise ValueError(f"the LoRA targets {stock_name!r}, which is not a linear layer of QwenImageTransformer2DModel "
+            raise ValueError(f"the LoRA targets {stock_name!r}, which is not a linear layer of {self.stock_model_name} "
                              f"(config: {dict(num_layers=self.config.num_layers)})")
         if not create:
             return None
         lora = getattr(module, "lora", None)  # FastLinear: None until then; a plain nn.Linear: no such attribute
         if lora is None:
-            if third is None:
+            if part is None:
                 sites = {stock_name: (0, module.out_features)}
-            else:
-                n = module.out_features // 3
-                block = stock_name.rsplit(".", 1)[0]  # transformer_blocks.{i}.attn
-                names = (("to_q", "to_k", "to_v") if name.endswith("img_qkv") else
-                         ("add_q_proj", "add_k_proj", "add_v_proj"))
-                sites = {f"{block}.{q}": (i * n, (i + 1) * n) for i, q in enumerate(names)}
+            else:  # every stock module of this fused linear, in the order of its rows
+                block, linear = ".".join(name.split(".")[:2]), name.split(".")[2]  # transformer_blocks.{i}, qkv
+                inner = sorted((p, s) for s, (lin, p) in self.lora_sites.items() if lin == linear)
+                n = module.out_features // len(inner)
+                sites = {f"{block}.{s}": (p * n, (p + 1) * n) for p, s in inner}
             lora = LoraLinear(sites, module.in_features, self.lora_state)
             if isinstance(module, FastLinear):
                 module.lora = lora
@@ -142,7 +143,7 @@ class LoraAdapters:
         parent = self
         for part in path:
             child = parent._modules[part]
-            if not isinstance(child, (FastBlock, nn.ModuleList)):
+            if not isinstance(child, (self.block_class, nn.ModuleList)):
                 copy = object.__new__(type(child))
                 copy.__dict__ = {**child.__dict__, "_modules": dict(child._modules)}
                 parent._modules[part] = copy
@@ -306,7 +307,7 @@ class LoraAdapters:
         why = "no checkpoint folder is known (the stock model was not loaded from one)"
         if self.weight_source is not None and name.startswith("transformer_blocks."):
             i, fast_name = name.split(".")[1:]
-            stock = [n for n, (linear_name, _) in sorted(BLOCK_SITES.items(), key=lambda kv: kv[1][1] or 0)
+            stock = [n for n, (linear_name, _) in sorted(self.lora_sites.items(), key=lambda kv: kv[1][1] or 0)
                      if linear_name == fast_name]
             device = linear.weight_q.device
             try:

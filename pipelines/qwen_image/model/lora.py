@@ -33,7 +33,8 @@ import torch.nn.functional as F
 from ....kernels.fp8 import fp8_linear, quantize_fp8_rowwise_ref
 from ..runtime.context import get_context
 
-# Stock block module -> (fast linear, which third of its rows; None: all rows)
+# Stock block module -> (fast linear, which part of its rows: the parts of one linear split its rows evenly, in this
+# order; None: all rows). Qwen-Image-2.1's are its model's (pipelines/qwen_image21/model.py LORA_SITES).
 BLOCK_SITES = {
     "attn.to_q": ("img_qkv", 0), "attn.to_k": ("img_qkv", 1), "attn.to_v": ("img_qkv", 2),
     "attn.add_q_proj": ("txt_qkv", 0), "attn.add_k_proj": ("txt_qkv", 1), "attn.add_v_proj": ("txt_qkv", 2),
@@ -43,14 +44,15 @@ BLOCK_SITES = {
 }
 
 
-def site_of(name: str) -> tuple[str, int | None]:
-    """Stock module name -> (the fast model's module name, third of its rows or None)."""
+def site_of(name: str, sites: dict = BLOCK_SITES) -> tuple[str, int | None]:
+    """Stock module name -> (the fast model's module name, which part of its rows or None: all), by `sites` (a
+    model's map of its stock block modules, BLOCK_SITES for Qwen-Image-2512)."""
     parts = name.split(".")
     if len(parts) > 2 and parts[0] == "transformer_blocks":
         inner = ".".join(parts[2:])
-        if inner in BLOCK_SITES:
-            linear, third = BLOCK_SITES[inner]
-            return f"transformer_blocks.{parts[1]}.{linear}", third
+        if inner in sites:
+            linear, part = sites[inner]
+            return f"transformer_blocks.{parts[1]}.{linear}", part
     return name, None
 
 

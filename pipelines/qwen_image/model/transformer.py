@@ -46,7 +46,7 @@ from .attention import TextMask, resolve_backend
 from .block import FastBlock, JointInputs, Tail, add_tail
 from .checkpoint import CheckpointWeights, load_weights, local_folder
 from .linear import FP8_TENSORS
-from .lora import LoraState
+from .lora import BLOCK_SITES, LoraState
 from .modulation import ModulationLayout, ModulationTables, tensor_key
 from .step_caches import StepCaches, past_hooks
 from .unsupported import Unsupported
@@ -97,6 +97,7 @@ class FastQwenImageTransformer(Unsupported, StepCaches, LoraAdapters, ModelMixin
     """
 
     config_name = "config.json"
+    lora_sites, block_class, stock_model_name = BLOCK_SITES, FastBlock, "QwenImageTransformer2DModel"  # adapters.py
     _no_split_modules = ["FastBlock"]
     _supports_gradient_checkpointing = False
     _supports_group_offloading = True
