@@ -131,7 +131,53 @@ def saved_transformer_options(path_or_id) -> dict:
     return {name: saved[name] for name in ("fp8", "bf16_linears", "fp8_fast_accum")}
 
 
-class FastPipelineMixin:
+class FastLoraPipeline:
+    """diffusers' pipeline LoRA methods that look for peft layers, answered by the fast transformer (a fast
+    pipeline class mixes this in before its diffusers class; its _fast_transformer() gives the fast transformer, or
+    None: the stock one's peft layers answer)."""
+
+    def _fast_transformer(self):
+        raise NotImplementedError
+
+    def get_active_adapters(self) -> list[str]:
+        fast = self._fast_transformer()
+        if fast is None:
+            return super().get_active_adapters()
+        return list(fast.lora_state.active) if fast.lora_state.configs else []
+
+    def fuse_lora(self, components: list[str] = ["transformer"], lora_scale: float = 1.0, safe_fusing: bool = False,
+                  adapter_names: list[str] | None = None, **kwargs):
+        fast = self._fast_transformer()
+        if fast is None:
+            return super().fuse_lora(components=components, lora_scale=lora_scale, safe_fusing=safe_fusing,
+                                     adapter_names=adapter_names, **kwargs)
+        self._check_lora_components(components)
+        fast.fuse_lora(lora_scale, safe_fusing=safe_fusing, adapter_names=adapter_names)
+        self._merged_adapters = self._merged_adapters | fast.fused_adapters
+
+    def unfuse_lora(self, components: list[str] = ["transformer"], **kwargs):
+        fast = self._fast_transformer()
+        if fast is None:
+            return super().unfuse_lora(components=components, **kwargs)
+        self._check_lora_components(components)
+        fast.unfuse_lora()
+        self._merged_adapters = self._merged_adapters & fast.fused_adapters
+
+    def _check_lora_components(self, components):
+        if not components:
+            raise ValueError("`components` cannot be an empty list.")
+        for component in components:
+            if component not in self._lora_loadable_modules:
+                raise ValueError(f"{component} is not found in {self._lora_loadable_modules=}.")
+
+    def set_lora_device(self, adapter_names, device):
+        if self._fast_transformer() is None:
+            return super().set_lora_device(adapter_names, device)
+        raise NotImplementedError("set_lora_device: the fast transformer keeps adapters on its own device; "
+                                  "delete_adapters(...) the ones you do not need")
+
+
+class FastPipelineMixin(FastLoraPipeline):
     """Mixed in before a diffusers Qwen-Image pipeline class (`stock_class`)."""
 
     stock_class: type
@@ -253,47 +299,8 @@ class FastPipelineMixin:
             yield run
         self._last_call, self._last_step_cache = record, run.step_cache
 
-    # ---- LoRA: diffusers' pipeline methods that look for peft layers, answered by the fast transformer
-
     def _fast_transformer(self) -> FastQwenImageTransformer | None:
         return self.transformer if isinstance(self.transformer, FastQwenImageTransformer) else None
-
-    def get_active_adapters(self) -> list[str]:
-        fast = self._fast_transformer()
-        if fast is None:
-            return super().get_active_adapters()
-        return list(fast.lora_state.active) if fast.lora_state.configs else []
-
-    def fuse_lora(self, components: list[str] = ["transformer"], lora_scale: float = 1.0, safe_fusing: bool = False,
-                  adapter_names: list[str] | None = None, **kwargs):
-        fast = self._fast_transformer()
-        if fast is None:
-            return super().fuse_lora(components=components, lora_scale=lora_scale, safe_fusing=safe_fusing,
-                                     adapter_names=adapter_names, **kwargs)
-        self._check_lora_components(components)
-        fast.fuse_lora(lora_scale, safe_fusing=safe_fusing, adapter_names=adapter_names)
-        self._merged_adapters = self._merged_adapters | fast.fused_adapters
-
-    def unfuse_lora(self, components: list[str] = ["transformer"], **kwargs):
-        fast = self._fast_transformer()
-        if fast is None:
-            return super().unfuse_lora(components=components, **kwargs)
-        self._check_lora_components(components)
-        fast.unfuse_lora()
-        self._merged_adapters = self._merged_adapters & fast.fused_adapters
-
-    def _check_lora_components(self, components):
-        if not components:
-            raise ValueError("`components` cannot be an empty list.")
-        for component in components:
-            if component not in self._lora_loadable_modules:
-                raise ValueError(f"{component} is not found in {self._lora_loadable_modules=}.")
-
-    def set_lora_device(self, adapter_names, device):
-        if self._fast_transformer() is None:
-            return super().set_lora_device(adapter_names, device)
-        raise NotImplementedError("set_lora_device: the fast transformer keeps adapters on its own device; "
-                                  "delete_adapters(...) the ones you do not need")
 
     # ---- saving and loading
 

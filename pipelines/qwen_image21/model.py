@@ -56,8 +56,10 @@ from ...kernels.residual_gate import (
 from ...kernels.swiglu import silu_mul, silu_mul_fp8
 from ..qwen_image.config import FastTransformerConfig
 from ..qwen_image.model.attention import TextMask, joint_attention, resolve_backend
+from ..qwen_image.model.adapters import LoraAdapters, check_carriable, peft_lora_layers
 from ..qwen_image.model.linear import FastLinear, Operand, as_fp8_operand, q_dtype_for
-from ..qwen_image.runtime.context import get_context, record
+from ..qwen_image.model.lora import LoraState
+from ..qwen_image.runtime.context import forward_context, get_context, record
 from ..qwen_image.runtime.cuda_graph import GraphCaptureError, Graphs, signature
 
 STOCK_CONFIG = {name: p.default for name, p in
@@ -66,6 +68,9 @@ STOCK_CONFIG = {name: p.default for name, p in
 SHARED_MODULES = ("pos_embed", "time_text_embed", "txt_in", "img_in", "modulation", "norm_out", "proj_out")
 # The block linears (FP8 with fp8=True): Q/K/V fused, the output projection, SwiGLU's [gate; up] fused, the down one.
 LINEARS = ("qkv", "out", "gate_up", "down")
+# A LoRA's stock block module -> (the fast linear, which part of its rows; None: all) (qwen_image/model/lora.py)
+LORA_SITES = {"attn.to_q": ("qkv", 0), "attn.to_k": ("qkv", 1), "attn.to_v": ("qkv", 2), "attn.to_out.0": ("out", None),
+              "img_mlp.gate_layer": ("gate_up", 0), "img_mlp.proj": ("gate_up", 1), "img_mlp.out": ("down", None)}
 logger = logging.getLogger(__name__)
 IMG_TOKENS_PER_SLOT = 4  # a vision-language image slot stands for 2 x 2 latent tokens (diffusers' constant)
 MAX_LAYOUTS = 16  # kept layouts (and the graphs that read them): past this, both are dropped
@@ -270,12 +275,14 @@ def refuse(method: str, advice: str):
     raise NotImplementedError(f"FastQwenImage21Transformer.{method}: {advice}")
 
 
-class FastQwenImage21Transformer(ModelMixin, ConfigMixin):
+class FastQwenImage21Transformer(LoraAdapters, ModelMixin, ConfigMixin):
     """Drop-in for diffusers' QwenImage21Transformer2DModel: the same forward arguments (kv_cache and kv_cache_mode
-    included) and output, its config plus "fast_config", cache_context. Stock methods it cannot honour raise
-    NotImplementedError saying what to do instead."""
+    included) and output, its config plus "fast_config", cache_context, LoRAs through diffusers' API (the 2512
+    model's adapters.py on this model's sites: LORA_SITES; attention_kwargs={"scale": s} scales them). Stock methods
+    it cannot honour raise NotImplementedError saying what to do instead."""
 
     config_name = "config.json"
+    lora_sites, block_class, stock_model_name = LORA_SITES, FastBlock21, "QwenImage21Transformer2DModel"
     _no_split_modules = ["FastBlock21"]
     _supports_gradient_checkpointing = False
 
@@ -303,6 +310,8 @@ class FastQwenImage21Transformer(ModelMixin, ConfigMixin):
                         inner * config["mlp_ratio"], fast_config, config["eps"])
             for _ in range(config["num_layers"]))
         self.requires_grad_(False)
+        self.lora_state = LoraState()
+        self.weight_source = None  # fuse_lora requantizes an FP8 weight from its dequantized form (adapters.py)
         self.prefix_cache = PrefixCache()
         self._cache_name: str | None = None
         self.layouts: dict[tuple, Layout] = {}  # by Layout.key
@@ -318,10 +327,8 @@ class FastQwenImage21Transformer(ModelMixin, ConfigMixin):
         if not isinstance(stock, QwenImage21Transformer2DModel):
             raise TypeError(f"from_diffusers takes a diffusers QwenImage21Transformer2DModel, got "
                             f"{type(stock).__name__}")
-        if getattr(stock, "peft_config", None):
-            raise ValueError("the QwenImage21Transformer2DModel has LoRA adapters, which the fast Qwen-Image-2.1 "
-                             "transformer does not carry yet: fuse them first (pipe.fuse_lora(); "
-                             "pipe.unload_lora_weights()), or keep the stock transformer")
+        peft_layers = peft_lora_layers(stock)
+        check_carriable(stock, peft_layers)
         config = FastTransformerConfig.of(config or FastTransformerConfig())
         device = torch.device(device) if device is not None else stock.device
         if config.attention != "auto":
@@ -334,6 +341,8 @@ class FastQwenImage21Transformer(ModelMixin, ConfigMixin):
             setattr(fast, name, getattr(stock, name).to(device))
         fast.transformer_blocks = nn.ModuleList(FastBlock21.from_stock(block, config, device)
                                                 for block in stock.transformer_blocks)
+        if peft_layers:
+            fast._carry_lora(stock, peft_layers)
         return fast.requires_grad_(False).eval()
 
     @property
@@ -377,11 +386,6 @@ class FastQwenImage21Transformer(ModelMixin, ConfigMixin):
     def enable_gradient_checkpointing(self, *args, **kwargs):
         refuse("enable_gradient_checkpointing", "the fast transformer is inference-only")
 
-    def load_lora_adapter(self, *args, **kwargs):
-        refuse("load_lora_adapter", "LoRAs on the fast Qwen-Image-2.1 transformer are not supported yet: load and "
-                                    "fuse the LoRA on the stock pipeline (pipe.load_lora_weights(...); "
-                                    "pipe.fuse_lora(); pipe.unload_lora_weights()), then optimize(pipe)")
-
     def save_pretrained(self, *args, **kwargs):
         refuse("save_pretrained", "saving the fast Qwen-Image-2.1 transformer is not supported yet: save the stock "
                                   "pipeline and optimize() it after loading")
@@ -395,6 +399,18 @@ class FastQwenImage21Transformer(ModelMixin, ConfigMixin):
         """QwenImage21Transformer2DModel.forward's arguments and output (its docstring)."""
         for name, value in self.running():
             record(name, value)
+        attention_kwargs = dict(attention_kwargs or {})
+        scale = float(attention_kwargs.pop("scale", 1.0))
+        if attention_kwargs:  # diffusers' attention processors ignore these too (with a warning)
+            logger.warning(f"attention_kwargs {sorted(attention_kwargs)} are not expected by the Qwen-Image-2.1 "
+                           "attention and are ignored (as diffusers does)")
+        with forward_context(lora_scale=scale):
+            output = self._forward(hidden_states, encoder_hidden_states, timestep, img_shapes, img_mask,
+                                   encoder_hidden_states_mask, kv_cache, kv_cache_mode)
+        return Transformer2DModelOutput(sample=output) if return_dict else (output,)
+
+    def _forward(self, hidden_states, encoder_hidden_states, timestep, img_shapes, img_mask, encoder_hidden_states_mask,
+                 kv_cache, kv_cache_mode) -> torch.Tensor:
         batch = hidden_states.shape[0]
         causal = self.config.causal_condition
         if kv_cache is not None and not causal:
@@ -416,7 +432,8 @@ class FastQwenImage21Transformer(ModelMixin, ConfigMixin):
                                  f"forward needs {(batch, layout.target + layout.prefix)}: extract it anew")
             step = functools.partial(self._cached_step, layout, kvs, backend)
             inputs = dict(hidden_states=hidden_states[:, -layout.target:], timestep=timestep)
-            key = (signature(inputs), kv_cache.fast_prefix_slot, id(layout), backend)
+            key = (signature(inputs), kv_cache.fast_prefix_slot, id(layout), backend,
+                   get_context().lora_scale, self.lora_state.version)  # the graph runs the adapters as they are
             output = self._graphed(key, inputs, step) if get_context().cuda_graphs else step(**inputs)
         else:
             x = self._joint(hidden_states, encoder_hidden_states, img_mask, layout)
@@ -435,7 +452,7 @@ class FastQwenImage21Transformer(ModelMixin, ConfigMixin):
                                                                                         device=device))
                 kvs = [scratch] * len(self.transformer_blocks)
             output = self._blocks_and_output(x, rows, plan, kvs, temb)
-        return Transformer2DModelOutput(sample=output) if return_dict else (output,)
+        return output
 
     def _layout(self, img_shapes, img_mask, text_mask, batch: int, device) -> Layout:
         """The forward's Layout: the last one when the pipeline passes the same mask tensors again, unmodified (no

@@ -14,7 +14,8 @@ import torch
 from diffusers import QwenImage21Pipeline
 
 from ..qwen_image.config import FastConfig
-from ..qwen_image.fast_pipeline import check_replacement, fp8_supported, image_conditioned_refusal, load_stock
+from ..qwen_image.fast_pipeline import (FastLoraPipeline, check_replacement, fp8_supported, image_conditioned_refusal,
+                                        load_stock)
 from ..qwen_image.optimizations import (CallRecord, Facts, planned_labels, plans, refused_by_image_conditioned,
                                         step_cache_conflict)
 from ..qwen_image.runtime.context import forward_context
@@ -24,7 +25,7 @@ from .model import FastQwenImage21Transformer
 VAE_AS_IT_IS = "Qwen-Image-2.1's VAE (AutoencoderKLQwenImage21) decodes as diffusers runs it"
 
 
-class FastQwenImage21Pipeline(QwenImage21Pipeline):
+class FastQwenImage21Pipeline(FastLoraPipeline, QwenImage21Pipeline):
     stock_class = QwenImage21Pipeline
     _last_call: CallRecord | None = None
 
@@ -61,6 +62,9 @@ class FastQwenImage21Pipeline(QwenImage21Pipeline):
                 transformer, transformer_config, device))
         self._fast_config = config
         self._last_call = None
+
+    def _fast_transformer(self) -> FastQwenImage21Transformer | None:
+        return self.transformer if isinstance(self.transformer, FastQwenImage21Transformer) else None
 
     @property
     def fast_config(self) -> FastConfig:

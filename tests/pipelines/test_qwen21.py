@@ -254,8 +254,7 @@ def test_qwen21_refuses_what_it_cannot_run():
     fast.fast_config = fast.fast_config.replace(cache="dbcache")
     with pytest.raises(ValueError, match="not supported on Qwen-Image-2.1 yet"):
         latents(fast)
-    for method, args in (("enable_cache", (None,)), ("load_lora_adapter", ("x",)), ("set_attention_backend", ("x",)),
-                         ("save_pretrained", ("x",))):
+    for method, args in (("enable_cache", (None,)), ("set_attention_backend", ("x",)), ("save_pretrained", ("x",))):
         with pytest.raises(NotImplementedError, match=f"FastQwenImage21Transformer.{method}: .+"):
             getattr(fast.transformer, method)(*args)
 
@@ -293,3 +292,53 @@ def test_from_pretrained_loads_a_saved_checkpoint(tmp_path):
     call = dict(prompt="a cat", num_inference_steps=2, height=64, width=64, output_type="latent")
     assert_close(fast(**call, generator=torch.Generator().manual_seed(0)).images,
                  stock(**call, generator=torch.Generator().manual_seed(0)).images, 1e-5, "from_pretrained")
+
+
+# ---- LoRA: diffusers' API on the fast 2.1 transformer, against the stock pipeline with the same LoRA through peft
+
+LORA_TARGETS = [f"transformer_blocks.{i}.{m}" for i in (0, 1) for m in
+                ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "img_mlp.gate_layer", "img_mlp.proj",
+                 "img_mlp.out")] + ["img_in", "proj_out", "txt_in.in_layer", "modulation.1"]
+
+
+def random_lora(seed: int, rank: int = 3, std: float = 0.3) -> dict:
+    """peft / diffusers keys (`transformer.{module}.lora_A.weight`, `.lora_B.weight`) on every 2.1 block linear (its
+    fused qkv and gate_up parts separately) and some others."""
+    shapes = {n: (m.in_features, m.out_features) for n, m in tiny_stock().named_modules()
+              if isinstance(m, torch.nn.Linear)}
+    g = torch.Generator().manual_seed(seed)
+    sd = {}
+    for name in LORA_TARGETS:
+        k, n = shapes[name]
+        sd[f"transformer.{name}.lora_A.weight"] = torch.randn(rank, k, generator=g) * std / k**0.5
+        sd[f"transformer.{name}.lora_B.weight"] = torch.randn(n, rank, generator=g) * std
+    return sd
+
+
+def test_lora_matches_stock():
+    """Two LoRAs loaded after optimize() (one before, carried over), weights, attention_kwargs scale, fuse and
+    unfuse: the latents equal the stock pipeline's with the same LoRAs through peft."""
+    pytest.importorskip("peft")
+    stock, before = tiny_pipeline(), tiny_pipeline()
+    for pipe in (stock, before):
+        pipe.load_lora_weights(random_lora(1), adapter_name="a")
+    fast = optimize(tiny_pipeline(), FastConfig(fp8=False))
+    fast.load_lora_weights(random_lora(1), adapter_name="a")
+    carried = optimize(before, FastConfig(fp8=False))
+    plain = latents(tiny_pipeline())
+    for name, pipe in (("loaded after", fast), ("carried over", carried)):
+        assert_close(latents(pipe), latents(stock), 1e-5, name)
+    assert rel_rms_error(latents(stock), plain) > 1e-2, "the LoRA changed nothing: the test would not see it"
+    for pipe in (stock, fast):
+        pipe.load_lora_weights(random_lora(2), adapter_name="b")
+        pipe.set_adapters(["a", "b"], [0.7, 0.4])
+    assert_close(latents(fast), latents(stock), 1e-5, "two adapters, weights")
+    assert_close(latents(fast, attention_kwargs={"scale": 0.5}), latents(stock, attention_kwargs={"scale": 0.5}), 1e-5,
+                 "attention_kwargs scale")
+    for pipe in (stock, fast):
+        pipe.fuse_lora()
+    assert_close(latents(fast), latents(stock), 1e-5, "fused")
+    for pipe in (stock, fast):
+        pipe.unfuse_lora()
+        pipe.unload_lora_weights()
+    assert_close(latents(fast), plain, 1e-5, "unfused and unloaded")
