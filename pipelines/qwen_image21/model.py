@@ -50,6 +50,7 @@ from ...kernels.fp8 import quantize_fp8_rowwise
 from ...kernels.layer_norm_modulate import layer_norm_modulate, layer_norm_modulate_fp8
 from ...kernels.qkv_pack import qkv_pack
 from ...kernels.residual_gate import (
+    residual_gate,
     residual_gate_layer_norm_modulate,
     residual_gate_layer_norm_modulate_fp8,
 )
@@ -497,10 +498,15 @@ class FastQwenImage21Transformer(LoraAdapters, ModelMixin, ConfigMixin):
         tail = None
         for block, kv in zip(self.transformer_blocks, kvs):
             x, tail = block(x, tail, rows, plan, kv, scratch_q)
+            if x.dtype == torch.float16:  # diffusers' block clips its float16 output to the finite range
+                x, tail = residual_gate(x, *tail, mod_row=rows.mod_row).clip(-65504, 65504), None
         scale = self.norm_out.linear(self.norm_out.silu(temb).to(x.dtype))  # [G, D]
-        scale = scale if rows.mod_row is not None else scale[:x.shape[0]]
-        x, y = residual_gate_layer_norm_modulate(x, tail[0], tail[1], torch.zeros_like(scale), scale.contiguous(),
-                                                 mod_row=rows.mod_row, eps=self.norm_out.norm.eps)
+        scale = (scale if rows.mod_row is not None else scale[:x.shape[0]]).contiguous()
+        if tail is None:
+            y = layer_norm_modulate(x, torch.zeros_like(scale), scale, mod_row=rows.mod_row, eps=self.norm_out.norm.eps)
+        else:
+            _, y = residual_gate_layer_norm_modulate(x, tail[0], tail[1], torch.zeros_like(scale), scale,
+                                                     mod_row=rows.mod_row, eps=self.norm_out.norm.eps)
         return self.proj_out(y)
 
     def _graphed(self, key: tuple, inputs: dict, step) -> torch.Tensor:

@@ -342,3 +342,20 @@ def test_lora_matches_stock():
         pipe.unfuse_lora()
         pipe.unload_lora_weights()
     assert_close(latents(fast), plain, 1e-5, "unfused and unloaded")
+
+
+def test_float16_clips_as_diffusers_blocks_do():
+    """float16: diffusers' block clips its output to +-65504; the fast one too (here the MLP's gated output is
+    scaled so that the residual stream passes the range: without the clip it overflows to inf)."""
+    stock = tiny_stock()
+    dim = stock.inner_dim
+    with torch.no_grad():  # the MLP's output near the float16 maximum, its gate tanh(.) near +-1: the sum overflows
+        for block in stock.transformer_blocks:
+            block.img_mlp.out.weight.mul_(1.3e5)
+        stock.modulation[1].weight[3 * dim:].mul_(100)
+    stock = stock.half()
+    fast = FastQwenImage21Transformer.from_diffusers(stock, FastTransformerConfig(fp8=False))
+    args = inputs(1, (7,), (2, 4), dtype=torch.float16)
+    for i, (out, ref) in enumerate(zip(denoise(fast, args, 2, True), denoise(stock, args, 2, True))):
+        assert torch.isfinite(ref).all() and torch.isfinite(out).all(), i
+        assert_close(out.float(), ref.float(), 2e-2, f"float16 step {i}")
