@@ -57,6 +57,7 @@ from ...kernels.residual_gate import (
 from ...kernels.swiglu import silu_mul, silu_mul_fp8
 from ..qwen_image.config import FastTransformerConfig
 from ..qwen_image.model.attention import TextMask, joint_attention, resolve_backend
+from ..qwen_image.model.block import clip_float16
 from ..qwen_image.model.adapters import LoraAdapters, check_carriable, peft_lora_layers
 from ..qwen_image.model.linear import FastLinear, Operand, as_fp8_operand, q_dtype_for
 from ..qwen_image.model.lora import LoraState
@@ -499,7 +500,7 @@ class FastQwenImage21Transformer(LoraAdapters, ModelMixin, ConfigMixin):
         for block, kv in zip(self.transformer_blocks, kvs):
             x, tail = block(x, tail, rows, plan, kv, scratch_q)
             if x.dtype == torch.float16:  # diffusers' block clips its float16 output to the finite range
-                x, tail = residual_gate(x, *tail, mod_row=rows.mod_row).clip(-65504, 65504), None
+                x, tail = clip_float16(residual_gate(x, *tail, mod_row=rows.mod_row)), None
         scale = self.norm_out.linear(self.norm_out.silu(temb).to(x.dtype))  # [G, D]
         scale = (scale if rows.mod_row is not None else scale[:x.shape[0]]).contiguous()
         if tail is None:

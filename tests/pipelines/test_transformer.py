@@ -399,3 +399,19 @@ def test_from_pretrained_refuses_what_it_cannot_load(tmp_path):
     stock.save_pretrained(tmp_path / "stock")
     with pytest.raises(ValueError, match="holds a QwenImageTransformer2DModel checkpoint.+from_diffusers"):
         FastQwenImageTransformer.from_pretrained(tmp_path / "stock")
+
+
+def test_float16_clips_as_diffusers_blocks_do():
+    """float16: diffusers' block clips both streams to +-65504; the fast one too. The MLPs' gated outputs are
+    scaled so that the residual streams pass the range (without the clip they overflow to inf)."""
+    stock = tiny_stock(num_layers=2)
+    with torch.no_grad():
+        for block in stock.transformer_blocks:
+            for mlp in (block.img_mlp, block.txt_mlp):
+                mlp.net[2].weight.mul_(1e5)
+    stock = stock.half()
+    fast = FastQwenImageTransformer.from_diffusers(stock, FastTransformerConfig(fp8=False))
+    inputs = make_inputs(stock, "square", dtype=torch.float16)
+    ref, out = run(stock, inputs).float(), run(fast, inputs).float()
+    assert torch.isfinite(ref).all() and torch.isfinite(out).all()
+    assert_close(out, ref, 2e-2, "float16")

@@ -89,6 +89,11 @@ class Tail:
     gate: torch.Tensor  # [G, D]
 
 
+def clip_float16(x: torch.Tensor) -> torch.Tensor:
+    """diffusers' block clips its float16 outputs to the finite range (+-65504); other dtypes pass as they are."""
+    return x.clip(-65504, 65504) if x.dtype == torch.float16 else x
+
+
 def add_tail(residual, tail: Tail | None, mod_row) -> torch.Tensor:
     return residual if tail is None else residual_gate(residual, tail.out, tail.gate, mod_row=mod_row)
 
@@ -345,7 +350,7 @@ class FastBlock(nn.Module):
         """diffusers' block after its attention module: (encoder_hidden_states, hidden_states), residuals added."""
         img, txt, img_tail, txt_tail = self.post(hidden_states, encoder_hidden_states, img_attn, txt_attn, joint,
                                                  img_mods, txt_mods)
-        return add_tail(txt, txt_tail, None), add_tail(img, img_tail, joint.mod_row)
+        return clip_float16(add_tail(txt, txt_tail, None)), clip_float16(add_tail(img, img_tail, joint.mod_row))
 
     def _stock_forward(self, joint: JointInputs, hidden_states, encoder_hidden_states, img_mods=None, txt_mods=None):
         img_mods, txt_mods, img_rows, img_scale, txt_rows, txt_scale = self.stock_pre(

@@ -43,7 +43,7 @@ from ..runtime.offload import has_offload_hooks, on_device, tensors_of
 from ..runtime.parallel import UlyssesPlan
 from .adapters import LoraAdapters, check_carriable, peft_lora_layers
 from .attention import TextMask, resolve_backend
-from .block import FastBlock, JointInputs, Tail, add_tail
+from .block import FastBlock, JointInputs, Tail, add_tail, clip_float16
 from .checkpoint import CheckpointWeights, load_weights, local_folder
 from .linear import FP8_TENSORS
 from .lora import BLOCK_SITES, LoraState
@@ -500,6 +500,9 @@ class FastQwenImageTransformer(Unsupported, StepCaches, LoraAdapters, ModelMixin
                 state.txt, state.img, state.txt_tail, state.img_tail = (past_hooks(block) if past else block)(
                     state.img, state.txt, state.joint, mods, (state.img_tail, state.txt_tail), i < n_blocks - 1,
                     defer=True, attention_cache=attention_cache and attention_cache(i))
+                if state.img.dtype == torch.float16:  # the block's outputs as diffusers' (clipped): settled here
+                    state.settle()
+                    state.img, state.txt = clip_float16(state.img), clip_float16(state.txt)
             if samples is not None:  # added after the block's residual, as diffusers does
                 state.img = add_tail(state.img, state.img_tail, state.joint.mod_row) + samples[
                     i // -(-n_blocks // len(samples))]
