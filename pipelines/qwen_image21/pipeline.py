@@ -63,6 +63,13 @@ class FastQwenImage21Pipeline(FastLoraPipeline, QwenImage21Pipeline):
         self._fast_config = config
         self._last_call = None
 
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        """Refused before anything is written while the transformer is the fast one (its own save_pretrained is not
+        supported yet, and diffusers would have written the other components first)."""
+        if self._fast_transformer() is not None:
+            self.transformer.save_pretrained(save_directory)  # raises, saying what to do
+        return super().save_pretrained(save_directory, *args, **kwargs)
+
     def _fast_transformer(self) -> FastQwenImage21Transformer | None:
         return self.transformer if isinstance(self.transformer, FastQwenImage21Transformer) else None
 

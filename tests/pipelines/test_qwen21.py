@@ -244,7 +244,7 @@ def test_optimized_pipeline_fp8_and_baseline():
     assert torch.equal(latents(baseline), expected) and baseline.applied == [], baseline.applied
 
 
-def test_qwen21_refuses_what_it_cannot_run():
+def test_qwen21_refuses_what_it_cannot_run(tmp_path):
     for config, match in ((FastConfig(scheduler="unipc"), "scheduler='unipc'"),
                           (FastConfig(memory="low"), "memory='low'"),
                           (FastConfig(bf16_linears=("img_fc2",)), "names Qwen-Image-2512's linears")):
@@ -254,6 +254,9 @@ def test_qwen21_refuses_what_it_cannot_run():
     fast.fast_config = fast.fast_config.replace(cache="dbcache")
     with pytest.raises(ValueError, match="not supported on Qwen-Image-2.1 yet"):
         latents(fast)
+    with pytest.raises(NotImplementedError, match="save_pretrained"):
+        fast.save_pretrained(tmp_path / "saved")
+    assert not (tmp_path / "saved").exists(), "nothing partial is left on disk"
     for method, args in (("enable_cache", (None,)), ("set_attention_backend", ("x",)), ("save_pretrained", ("x",))):
         with pytest.raises(NotImplementedError, match=f"FastQwenImage21Transformer.{method}: .+"):
             getattr(fast.transformer, method)(*args)
