@@ -56,9 +56,9 @@ from ...kernels.residual_gate import (
 )
 from ...kernels.swiglu import silu_mul, silu_mul_fp8
 from ..qwen_image.config import FastTransformerConfig
+from ..qwen_image.model.adapters import LoraAdapters, check_carriable, peft_lora_layers
 from ..qwen_image.model.attention import TextMask, joint_attention, resolve_backend
 from ..qwen_image.model.block import clip_float16
-from ..qwen_image.model.adapters import LoraAdapters, check_carriable, peft_lora_layers
 from ..qwen_image.model.linear import FastLinear, Operand, as_fp8_operand, q_dtype_for
 from ..qwen_image.model.lora import LoraState
 from ..qwen_image.runtime.context import forward_context, get_context, record
@@ -129,7 +129,11 @@ class Layout:
             vlm_text_positions = ~img_mask[0][: text_mask.shape[1]]
             key_valid[:, text_positions] = text_mask.bool()[:, vlm_text_positions]
         self.key_valid = key_valid if text_mask is not None else None
-        self.seqused_k = (self.target + key_valid.sum(dim=1)).to(torch.int32)
+        valid = key_valid.sum(dim=1)
+        if not torch.equal(key_valid, torch.arange(self.prefix, device=device)[None, :] < valid[:, None]):
+            raise ValueError("encoder_hidden_states_mask must mark each prompt's padding at its end (right padding, "
+                             "as QwenImage21Pipeline builds it): the fast attention counts the valid keys")
+        self.seqused_k = (self.target + valid).to(torch.int32)
         self.key_mask = torch.cat([key_valid.new_ones(batch, self.target), key_valid], dim=1)[:, None, None, :]
         self.segments = _qwenimage21_prefix_segments(image_ids, self.prefix)
 

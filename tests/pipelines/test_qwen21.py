@@ -137,6 +137,16 @@ def test_real_width_on_gpu(fp8):
         assert error <= (FP8_BOUND.full if fp8 else 2e-2), (fast.attention_backend, i, error)
 
 
+def test_left_padded_mask_is_refused():
+    """The fast attention counts each sample's valid keys (the padding at the end): a mask with padding elsewhere
+    is refused, not attended otherwise than stock."""
+    fast = FastQwenImage21Transformer.from_diffusers(tiny_stock(), FastTransformerConfig(fp8=False))
+    args = inputs(2, (7, 4), None)
+    args["encoder_hidden_states_mask"] = args["encoder_hidden_states_mask"].flip(1)
+    with pytest.raises(ValueError, match="right padding"):
+        fast(**args, timestep=torch.ones(2))
+
+
 def test_prefix_cache_slots_follow_their_handles():
     """Two caches in one call (cond, uncond) hold their own prefix; a cache never extracted fails as on stock; a
     later call's cache reuses a slot whose handle is gone."""
