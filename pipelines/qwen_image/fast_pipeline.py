@@ -34,16 +34,22 @@ def fp8_supported(device: torch.device) -> bool:
     return device.type == "cpu" or (device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9))
 
 
-def fast_transformer(transformer, config: FastConfig, device, modulation_device=None) -> FastQwenImageTransformer:
-    """A stock transformer converted on `device` (None: where it is) with config's transformer options; BF16 GEMMs,
-    with a warning, on a GPU without FP8 tensor cores (applied then lacks fp8, and says why in --dry-run)."""
-    device = torch.device(device) if device is not None else transformer.device
+def transformer_config_on(config: FastConfig, device: torch.device):
+    """config's transformer options for a model on `device`: BF16 GEMMs, with a warning, on a GPU without FP8 tensor
+    cores (applied then lacks fp8, and says why in --dry-run)."""
     transformer_config = config.transformer_config()
     if config.fp8 and not fp8_supported(device):
         logger.warning("fp8=True but %s has no FP8 tensor cores (compute capability < 8.9): running BF16 GEMMs",
                        torch.cuda.get_device_name(device))
         transformer_config = transformer_config.__class__(**{**transformer_config.to_dict(), "fp8": False})
-    return FastQwenImageTransformer.from_diffusers(transformer, transformer_config, device,
+    return transformer_config
+
+
+def fast_transformer(transformer, config: FastConfig, device, modulation_device=None) -> FastQwenImageTransformer:
+    """A stock transformer converted on `device` (None: where it is) with config's transformer options
+    (transformer_config_on)."""
+    device = torch.device(device) if device is not None else transformer.device
+    return FastQwenImageTransformer.from_diffusers(transformer, transformer_config_on(config, device), device,
                                                    modulation_device=modulation_device)
 
 
@@ -51,6 +57,15 @@ def image_conditioned_refusal(pipeline: str, options: list[str]) -> str:
     return (f"{', '.join(options)}: supported by the text-to-image QwenImageFastPipeline only, not by {pipeline}, "
             "which runs diffusers' own loop (replace pipe.scheduler to sample otherwise; render one image per "
             "process instead of parallel)")
+
+
+def refuse_text_to_image_only(config: FastConfig, pipeline: str):
+    """ValueError naming the text-to-image-only options `config` asks for (with their values), which `pipeline`
+    (running diffusers' loop) would otherwise ignore."""
+    refused = refused_by_image_conditioned(config)
+    if refused:
+        raise ValueError(image_conditioned_refusal(pipeline, [f"{opt.field}={getattr(config, opt.field)!r}"
+                                                              for opt in refused]))
 
 
 def check_replacement(built: FastConfig, config: FastConfig, pipeline: str, image_conditioned: bool):
@@ -199,10 +214,8 @@ class FastPipelineMixin(FastLoraPipeline):
     def _set_up(self, config: FastConfig, device, **fast_state):
         """The fast components on `device` (None: where they are): the transformer converted unless it is fast
         already (then its stored options must match config's), the VAE converted; the runner."""
-        refused = refused_by_image_conditioned(config) if self._image_conditioned else []
-        if refused:
-            raise ValueError(image_conditioned_refusal(self.stock_class.__name__, [
-                f"{opt.field}={getattr(config, opt.field)!r}" for opt in refused]))
+        if self._image_conditioned:
+            refuse_text_to_image_only(config, self.stock_class.__name__)
         transformer = self.transformer  # None: a pipeline built without one (e.g. to encode prompts only)
         if isinstance(transformer, FastQwenImageTransformer):
             stored = transformer.fast_config

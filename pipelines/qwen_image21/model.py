@@ -60,7 +60,7 @@ from ..qwen_image.model.adapters import LoraAdapters, check_carriable, peft_lora
 from ..qwen_image.model.attention import TextMask, joint_attention, resolve_backend
 from ..qwen_image.model.block import clip_float16
 from ..qwen_image.model.linear import FastLinear, Operand, as_fp8_operand, q_dtype_for
-from ..qwen_image.model.lora import LoraState
+from ..qwen_image.model.lora import LoraState, lora_scale_of
 from ..qwen_image.runtime.context import forward_context, get_context, record
 from ..qwen_image.runtime.cuda_graph import GraphCaptureError, Graphs, signature
 
@@ -405,12 +405,7 @@ class FastQwenImage21Transformer(LoraAdapters, ModelMixin, ConfigMixin):
         """QwenImage21Transformer2DModel.forward's arguments and output (its docstring)."""
         for name, value in self.running():
             record(name, value)
-        attention_kwargs = dict(attention_kwargs or {})
-        scale = float(attention_kwargs.pop("scale", 1.0))
-        if attention_kwargs:  # diffusers' attention processors ignore these too (with a warning)
-            logger.warning(f"attention_kwargs {sorted(attention_kwargs)} are not expected by the Qwen-Image-2.1 "
-                           "attention and are ignored (as diffusers does)")
-        with forward_context(lora_scale=scale):
+        with forward_context(lora_scale=lora_scale_of(attention_kwargs, "Qwen-Image-2.1")):
             output = self._forward(hidden_states, encoder_hidden_states, timestep, img_shapes, img_mask,
                                    encoder_hidden_states_mask, kv_cache, kv_cache_mode)
         return Transformer2DModelOutput(sample=output) if return_dict else (output,)

@@ -14,10 +14,9 @@ import torch
 from diffusers import QwenImage21Pipeline
 
 from ..qwen_image.config import FastConfig
-from ..qwen_image.fast_pipeline import (FastLoraPipeline, check_replacement, fp8_supported, image_conditioned_refusal,
-                                        load_stock)
-from ..qwen_image.optimizations import (CallRecord, Facts, planned_labels, plans, refused_by_image_conditioned,
-                                        step_cache_conflict)
+from ..qwen_image.fast_pipeline import (FastLoraPipeline, check_replacement, load_stock, refuse_text_to_image_only,
+                                        transformer_config_on)
+from ..qwen_image.optimizations import CallRecord, Facts, planned_labels, plans, step_cache_conflict
 from ..qwen_image.runtime.context import forward_context
 from ..qwen_image.runtime.offload import has_offload_hooks
 from .model import FastQwenImage21Transformer
@@ -48,18 +47,13 @@ class FastQwenImage21Pipeline(FastLoraPipeline, QwenImage21Pipeline):
         return cls._build(stock.components, FastConfig.coerce(fast_config), device)
 
     def _set_up(self, config: FastConfig, device):
-        refused = [f"{opt.field}={getattr(config, opt.field)!r}" for opt in refused_by_image_conditioned(config)]
-        if refused:
-            raise ValueError(image_conditioned_refusal(type(self).__name__, refused))
+        refuse_text_to_image_only(config, type(self).__name__)
         transformer = self.transformer
         convert = not isinstance(transformer, FastQwenImage21Transformer) and transformer is not None
         if config.fused_transformer and convert:
             device = torch.device(device) if device is not None else transformer.device
-            transformer_config = config.transformer_config()
-            if config.fp8 and not fp8_supported(device):
-                transformer_config = transformer_config.__class__(**{**transformer_config.to_dict(), "fp8": False})
             self.register_modules(transformer=FastQwenImage21Transformer.from_diffusers(
-                transformer, transformer_config, device))
+                transformer, transformer_config_on(config, device), device))
         self._fast_config = config
         self._last_call = None
 

@@ -275,8 +275,9 @@ def test_qwen21_refuses_what_it_cannot_run(tmp_path):
 @pytest.mark.parametrize("condition", [False, True], ids=["text-to-image", "condition-image"])
 def test_prompts_through_the_whole_pipeline_match_stock(condition):
     """The tiny QwenImage21Pipeline end to end from prompts (its Qwen3-VL text encoder and processor; two prompts
-    of different lengths, right-padded), with and without an RGBA condition image (the VL encoder reads it, the VAE
-    encodes it into condition tokens): the optimized pipeline's latents equal stock's."""
+    of different lengths, right-padded; two images each without a condition image), with and without an RGBA
+    condition image (the VL encoder reads it, the VAE encodes it into condition tokens): the optimized pipeline's
+    latents equal stock's."""
     import numpy as np
     from PIL import Image
 
@@ -284,10 +285,11 @@ def test_prompts_through_the_whole_pipeline_match_stock(condition):
 
     image = Image.fromarray((np.random.RandomState(0).rand(64, 96, 4) * 255).astype("uint8"), "RGBA")
     call = dict(prompt=["a cat on a mat", "a dog"], num_inference_steps=3, height=64, width=64, output_type="latent",
-                output_resolution=64, **(dict(image=image) if condition else {}))
+                output_resolution=64, **(dict(image=image) if condition else dict(num_images_per_prompt=2)))
     expected = QwenImage21Pipeline(**tiny_qwen21_components())(**call, generator=torch.Generator().manual_seed(0))
     fast = optimize(QwenImage21Pipeline(**tiny_qwen21_components()), FastConfig(fp8=False))
     out = fast(**call, generator=torch.Generator().manual_seed(0))
+    assert out.images.shape[0] == (2 if condition else 4), out.images.shape
     assert_close(out.images, expected.images, 1e-5, f"condition={condition}")
 
 

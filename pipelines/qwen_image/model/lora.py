@@ -29,9 +29,12 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from diffusers.utils import logging
 
 from ....kernels.fp8 import fp8_linear, quantize_fp8_rowwise_ref
 from ..runtime.context import get_context
+
+logger = logging.get_logger(__name__)
 
 # Stock block module -> (fast linear, which part of its rows: the parts of one linear split its rows evenly, in this
 # order; None: all rows). Qwen-Image-2.1's are its model's (pipelines/qwen_image21/model.py LORA_SITES).
@@ -42,6 +45,17 @@ BLOCK_SITES = {
     "img_mlp.net.0.proj": ("img_fc1", None), "img_mlp.net.2": ("img_fc2", None),
     "txt_mlp.net.0.proj": ("txt_fc1", None), "txt_mlp.net.2": ("txt_fc2", None),
 }
+
+
+def lora_scale_of(attention_kwargs: dict | None, model: str) -> float:
+    """attention_kwargs["scale"] (1.0 if absent), what diffusers' apply_lora_scale multiplies the adapters by; the
+    other keys are ignored with a warning, as diffusers' attention processors do."""
+    attention_kwargs = dict(attention_kwargs or {})
+    scale = float(attention_kwargs.pop("scale", 1.0))
+    if attention_kwargs:
+        logger.warning(f"attention_kwargs {sorted(attention_kwargs)} are not expected by the {model} attention and "
+                       "are ignored (as diffusers does)")
+    return scale
 
 
 def site_of(name: str, sites: dict = BLOCK_SITES) -> tuple[str, int | None]:

@@ -32,7 +32,6 @@ from diffusers.models.transformers.transformer_qwenimage import (
     QwenEmbedRope,
     QwenTimestepProjEmbeddings,
 )
-from diffusers.utils import logging
 
 from ....kernels.layer_norm_modulate import layer_norm_modulate
 from ....kernels.residual_gate import residual_gate_layer_norm_modulate
@@ -46,12 +45,11 @@ from .attention import TextMask, resolve_backend
 from .block import FastBlock, JointInputs, Tail, add_tail, clip_float16
 from .checkpoint import CheckpointWeights, load_weights, local_folder
 from .linear import FP8_TENSORS
-from .lora import BLOCK_SITES, LoraState
+from .lora import BLOCK_SITES, LoraState, lora_scale_of
 from .modulation import ModulationLayout, ModulationTables, tensor_key
 from .step_caches import StepCaches, past_hooks
 from .unsupported import Unsupported
 
-logger = logging.get_logger(__name__)
 
 # The stock model's constructor arguments and defaults: its config, which ours keeps (plus "fast_config").
 STOCK_CONFIG = {name: p.default for name, p in inspect.signature(QwenImageTransformer2DModel.__init__).parameters.items()
@@ -378,16 +376,12 @@ class FastQwenImageTransformer(Unsupported, StepCaches, LoraAdapters, ModelMixin
         built for the same timestep, guidance, additional_t_cond and attention_kwargs scale; then the timestep
         embedding and the modulation linears are not run (their weights are not read). Inside a fast pipeline's
         call the forward goes through its runner (runtime/runner.py: batched CFG, CUDA graphs)."""
-        attention_kwargs = dict(attention_kwargs or {})
-        scale = attention_kwargs.pop("scale", 1.0)
-        if attention_kwargs:  # diffusers' attention processors ignore these too (with a warning)
-            logger.warning(f"attention_kwargs {sorted(attention_kwargs)} are not expected by the Qwen-Image "
-                           "attention and are ignored (as diffusers does)")
+        scale = lora_scale_of(attention_kwargs, "Qwen-Image")
         inputs = dict(hidden_states=hidden_states, encoder_hidden_states=encoder_hidden_states,
                       encoder_hidden_states_mask=encoder_hidden_states_mask, timestep=timestep, img_shapes=img_shapes,
                       guidance=guidance, controlnet_block_samples=controlnet_block_samples,
                       additional_t_cond=additional_t_cond, modulation=modulation)
-        with forward_context(lora_scale=float(scale)) as context:
+        with forward_context(lora_scale=scale) as context:
             run = context.run
             output = (run.diffusers_forward(inputs) if run is not None and run.transformer is self
                       else self.compute(**inputs))

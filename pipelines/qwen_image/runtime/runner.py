@@ -162,14 +162,11 @@ class CallRun:
                 self.record.add("step_cache", self.step_cache.rule.label())
                 self.record.count_blocks(blocks * rows, blocks * rows)
                 return out
-            if isinstance(self.step_cache, SeaCacheFailOpenRun):  # every block runs, past the hooks
+            fail_open = isinstance(self.step_cache, SeaCacheFailOpenRun)  # the plain forward, past SeaCache's hooks
+            if fail_open:
                 self.step_cache.check(names)
                 self.record.add("step_cache", self.step_cache.rule.label())
-                self.record.count_blocks(blocks * rows, blocks * rows)
-                with forward_context(past_hooks=True):
-                    return self.transformer.compute(**inputs) if not graphs else self._graphed(
-                        inputs, self.transformer.compute)
-            if self.step_cache is not None:
+            elif self.step_cache is not None:
                 with forward_context(past_hooks=self.transformer.is_cache_enabled):
                     out, computes = self.step_cache.forward(functools.partial(self._piece, graphs), inputs, names)
                 config, per_row = self.step_cache.config, rows // len(names)
@@ -179,9 +176,10 @@ class CallRun:
                 return out
             if not self.diffusers_hooks:
                 self.record.count_blocks(blocks * rows, blocks * rows)
-            if not graphs:
-                return self.transformer.compute(**inputs)
-            return self._graphed(inputs, self.transformer.compute)
+            with forward_context(past_hooks=fail_open):
+                if not graphs:
+                    return self.transformer.compute(**inputs)
+                return self._graphed(inputs, self.transformer.compute)
 
     def _piece(self, graphs: bool, name: str, inputs: dict, start: int = 0, stop: int = 0, **tensors):
         """One piece of a step-cached forward (transformer.front / middle / back), graphed like a whole forward."""
