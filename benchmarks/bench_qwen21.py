@@ -1,17 +1,31 @@
-"""Qwen-Image-2.1's transformer (GPU): diffusers' QwenImage21Transformer2DModel against ours, in one process.
+"""Qwen-Image-2.1 (GPU): diffusers' QwenImage21Transformer2DModel / QwenImage21Pipeline against ours, in one process.
 
-    python3 benchmarks/bench_qwen21.py [--sizes 1024,1328] [--condition] [--out DIR]
+    python3 benchmarks/bench_qwen21.py [--sizes 1024,1328] [--condition] [--out DIR]          # the transformer
+    python3 benchmarks/bench_qwen21.py --pipeline --tokenizer DIR [--sizes 1024,1328] [--condition]   # end to end
+    python3 benchmarks/bench_qwen21.py --pipeline --tiny                                  # CPU logic check
 
-Random full-size weights (32 blocks of 4096, normal(0, 0.02)), bf16, batch 1 (2.1 is CFG-distilled), 64 text
-tokens, 40 steps as the pipeline runs them with its prefix KV cache: one prefill ("extract": the text, and with
---condition a 1024^2 condition image's 4096 tokens, block-causally, plus the target) and 39 cached steps (the
-target's tokens against the cached prefix; ours replayed from CUDA graphs, as in a pipeline call, and eagerly). Per
-row: ms per prefill and per cached step, the 40 steps' transformer
-time, ours against stock, the cached step against its floor (the block linears' FLOPs at the FP8 GEMM rate measured
-here, 8192x4096x12288 rowwise, plus the attention alone, timed), and the error of ours against stock (rel-RMS of
-a cached step's output, bf16 stock as the reference) beside what FP8 rounding done in PyTorch on the stock model
-moves it (emulate_fp8). The error is checked (GATE) before a speed is reported. Appends to results/qwen21.jsonl.
-The text encoder and the VAE are not in these rows.
+The transformer: random full-size weights (32 blocks of 4096, normal(0, 0.02)), bf16, batch 1 (2.1 is
+CFG-distilled), 64 text tokens, 40 steps as the pipeline runs them with its prefix KV cache: one prefill ("extract":
+the text, and with --condition a 1024^2 condition image's 4096 tokens, block-causally, plus the target) and 39
+cached steps (the target's tokens against the cached prefix; ours replayed from CUDA graphs, as in a pipeline call,
+and eagerly). Per row: ms per prefill and per cached step, the 40 steps' transformer time, ours against stock, the
+cached step against its floor (the block linears' FLOPs at the FP8 GEMM rate measured here, 8192x4096x12288
+rowwise, plus the attention alone, timed), and the error of ours against stock (rel-RMS of a cached step's output,
+bf16 stock as the reference) beside what FP8 rounding done in PyTorch on the stock model moves it (emulate_fp8).
+
+--pipeline: stock QwenImage21Pipeline against optimize() of the same components, end to end (one call: text
+encoding, the condition image's VAE encode, 40 steps, VAE decode), prompt -> image. The transformer as above; the
+RGBA VAE at diffusers' default (full-size) config; the text encoder at Qwen3-VL-8B's shapes (a guess: no config of
+the real checkpoint could be read here; 4096 wide as the transformer's context_in_dim) with random weights: its
+text stack (36 layers, 4096 wide, MLP 12288, 32 heads / 8 KV heads) and vision tower (27 blocks, 1152 wide, patch
+16, 2x2 merge to 4096-wide tokens, deepstack at 8/16/24); the tokenizer: Qwen2.5's BPE folder (qwen_bpe_tokenizer.py;
+Qwen3's vocabulary is the same plus a few added tokens) with Qwen's vision tokens. Rows: each size text-to-image,
+and with --condition a 1024^2 condition image (RGBA) at 1024^2. Per row: seconds per image, the text encoding, VAE
+encode and decode times within it, ms per step (the rest over the steps), latent rel-RMS and image PSNR against
+stock. One timed call each after a 3-step warm-up call (ours captures its cached step's graph there, as a user's
+first call does).
+
+The error is checked (GATE) before a speed is reported. Appends to results/qwen21.jsonl.
 """
 
 import argparse
@@ -35,6 +49,8 @@ STEPS, TEXT = 40, 64
 # model with its block linears' weights and inputs rounded to rowwise FP8 in PyTorch (emulate_fp8).
 GATE, EMULATION_MARGIN = 0.1, 1.25
 GRAPH_GATE = 1e-3  # ours' graphed cached step against the same step run eagerly
+PROMPT = ("A red fox curled up asleep in fresh snow at dawn, soft pink light on the drifts, its breath misting, "
+          "a few pine needles on the snow, shallow depth of field")
 
 
 def stock_model():
@@ -143,22 +159,119 @@ class emulate_fp8:
             handle.remove()
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--sizes", default="1024,1328")
-    parser.add_argument("--condition", action="store_true", help="also a row with a 1024^2 condition image")
-    parser.add_argument("--attention", default="auto", help="ours: auto, fa4, cudnn, sdpa")
-    parser.add_argument("--no-fp8", action="store_true", help="ours with BF16 block linears")
-    parser.add_argument("--out", type=Path, default=None)
-    args = parser.parse_args()
-    env = environment()
+def qwen3_vl_8b_config(tokenizer):
+    """Qwen3-VL-8B's shapes as published for Qwen3-VL (a guess for Qwen-Image-2.1's encoder, see the docstring)."""
+    from transformers import Qwen3VLConfig
+
+    ids = tokenizer.convert_tokens_to_ids(["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"])
+    return Qwen3VLConfig(
+        text_config=dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+                         num_key_value_heads=8, head_dim=128, vocab_size=151936, rope_theta=5000000.0,
+                         rope_scaling=dict(rope_type="default", mrope_section=[24, 20, 20], mrope_interleaved=True)),
+        vision_config=dict(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16, out_hidden_size=4096,
+                           patch_size=16, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=2304,
+                           deepstack_visual_indexes=[8, 16, 24]),
+        **dict(zip(("vision_start_token_id", "vision_end_token_id", "image_token_id", "video_token_id"), ids)))
+
+
+def full_size_components(tokenizer_dir: Path) -> dict:
+    from diffusers import AutoencoderKLQwenImage21, FlowMatchEulerDiscreteScheduler
+    from transformers import Qwen2Tokenizer, Qwen3VLForConditionalGeneration, Qwen3VLProcessor
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    from qwen_image_fast.pipelines.qwen_image.vl_processor import processor_without_torchvision
+    from qwen_image_fast.pipelines.tiny import QWEN21_CHAT_TEMPLATE, QWEN21_SCHEDULER_CONFIG, VISION_TOKENS
+
+    tokenizer = Qwen2Tokenizer.from_pretrained(tokenizer_dir)
+    tokenizer.add_special_tokens({"additional_special_tokens": list(VISION_TOKENS)})
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)  # built in place on the GPU: 8B random parameters in seconds
+    try:
+        with torch.device("cuda"):
+            text_encoder = Qwen3VLForConditionalGeneration(qwen3_vl_8b_config(tokenizer)).eval()
+    finally:
+        torch.set_default_dtype(default_dtype)
+    # Qwen3-VL's image processor bounds: 256^2 to 4096^2 pixels, 16-pixel patches, 2x2 merge.
+    processor = processor_without_torchvision(
+        Qwen2VLImageProcessorPil(min_pixels=256 * 256, max_pixels=4096 * 4096, patch_size=16, merge_size=2,
+                                 temporal_patch_size=2), tokenizer, Qwen3VLProcessor,
+        chat_template=QWEN21_CHAT_TEMPLATE)
+    return dict(transformer=stock_model(), vae=AutoencoderKLQwenImage21().to("cuda", torch.bfloat16),
+                text_encoder=text_encoder, processor=processor,
+                scheduler=FlowMatchEulerDiscreteScheduler(**QWEN21_SCHEDULER_CONFIG))
+
+
+def pipeline_rows(args, env: dict) -> list[dict]:
+    """--pipeline: stock QwenImage21Pipeline and optimize() of the same components, end to end (the docstring)."""
+    from bench_edit import call, test_image
+    from diffusers import QwenImage21Pipeline
+
+    from qwen_image_fast import FastConfig, optimize
+    from qwen_image_fast.compare import psnr
+    from qwen_image_fast.pipelines.tiny import tiny_qwen21_components
+
+    device = torch.device("cpu" if args.tiny else "cuda")
+    components = tiny_qwen21_components() if args.tiny else full_size_components(args.tokenizer)
+    fp8 = not (args.tiny or args.no_fp8)
+    stock = QwenImage21Pipeline(**components)
+    fast = optimize(QwenImage21Pipeline(**components), FastConfig(fp8=fp8, attention=args.attention))
+    for pipe in (stock, fast):
+        pipe.set_progress_bar_config(disable=True)
+    steps = 3 if args.tiny else STEPS
+    sizes = [64] if args.tiny else [int(s) for s in args.sizes.split(",")]
+    cases = [(size, {}) for size in sizes]
+    if args.condition:
+        size = 64 if args.tiny else 1024
+        # output_resolution: the area the pipeline resizes a condition image to (1024^2 by default)
+        cases.append((size, dict(image=[test_image(size, 1).convert("RGBA")], output_resolution=size)))
+    print(f"{env.get('gpu', 'cpu')}  torch {torch.__version__}  attention {fast.transformer.attention_backend}",
+          flush=True)
+    rows = []
+    for size, inputs in cases:
+        kwargs = dict(prompt=PROMPT, height=size, width=size, **inputs)
+        results = {}
+        for impl, pipe in (("stock", stock), ("ours", fast)):
+            call(pipe, kwargs, 3, device)  # warm-up: kernels compiled, allocator settled, graphs captured
+            results[impl] = call(pipe, kwargs, steps, device)
+        ref_latents, ref_image = results["stock"][2], results["stock"][3]
+        emulated_error = None
+        if fp8:  # how far FP8 rounding itself moves this random-weight pipeline (done in PyTorch on stock)
+            with emulate_fp8(stock.transformer):
+                emulated_error = rel_rms_error(call(stock, kwargs, steps, device)[2], ref_latents)
+        gate = GATE if emulated_error is None else max(GATE, EMULATION_MARGIN * emulated_error)
+        what = f"{size}^2{' + condition' if inputs else ''}"
+        for impl in ("stock", "ours"):
+            seconds, parts, latents, image = results[impl]
+            error, db = rel_rms_error(latents, ref_latents), psnr(image, ref_image)
+            line = dict(env, bench="qwen21_pipeline", impl=impl, size=(size // 32) * 32, steps=steps,
+                        condition_images=len(inputs.get("image", ())), s_per_image=seconds,
+                        ms_per_step=1000 * (seconds - sum(parts.values())) / steps, latent_rel_rms=error,
+                        psnr_db=db, fp8_emulation_latent_rel_rms=emulated_error, gate=gate,
+                        applied=fast.applied if impl == "ours" else None, **parts)
+            print(f"{what:16s} {impl:5s} {seconds:6.2f} s  {line['ms_per_step']:6.1f} ms/step  text "
+                  f"{parts.get('text_s', 0):.3f} s  vae enc {parts.get('vae_encode_s', 0):.3f} s  dec "
+                  f"{parts.get('vae_decode_s', 0):.3f} s  latent rel-RMS {error:.2e} (FP8 emulated on stock: "
+                  f"{emulated_error or 0:.2e})  PSNR {db:.1f} dB", flush=True)
+            if impl == "ours":
+                if not error <= gate:
+                    print(f"  FAILED the check against stock ({error:.3e} > {gate:.3e}): no speed reported", flush=True)
+                    continue
+                line["speedup_vs_stock"] = results["stock"][0] / seconds
+                print(f"{what}: x{line['speedup_vs_stock']:.2f} end to end", flush=True)
+            rows.append(line)
+    return rows
+
+
+def transformer_rows(args, env: dict) -> list[dict]:
+    """The transformer alone (the docstring)."""
     fp8_tflops = matmul_tflops(8192, 12288, 4096, fp8=True)
     stock = stock_model()
     fast = FastQwenImage21Transformer.from_diffusers(stock, FastTransformerConfig(fp8=not args.no_fp8,
                                                                                  attention=args.attention))
     print(f"FP8 GEMM 8192x4096x12288: {fp8_tflops:.0f} TF/s; attention backend {fast.attention_backend}", flush=True)
-    rows = [(int(s), False) for s in args.sizes.split(",")] + ([(1024, True)] if args.condition else [])
-    for size, condition in rows:
+    rows = []
+    cases = [(int(s), False) for s in args.sizes.split(",")] + ([(1024, True)] if args.condition else [])
+    for size, condition in cases:
         call = inputs(size, condition)
         target = (size // 32 * 2) ** 2
         prefix = TEXT + (4096 if condition else 0)
@@ -191,12 +304,32 @@ def main():
         if not error <= gate:
             print(f"{what}: FAILED the check against stock ({error:.3e} > {gate:.3e}): no speed reported", flush=True)
             continue
-        append_results("qwen21", [row], args.out)
+        rows.append(row)
         print(f"{what}: stock prefill {stock_prefill:.1f} ms, step {stock_cached:.1f} ms, 40 steps {stock_total / 1e3:.2f}"
               f" s | ours prefill {ours_prefill:.1f} ms, step {ours_cached:.1f} ms (eager {eager_cached:.1f}; floor "
               f"{floor:.1f}, x"
               f"{ours_cached / floor:.2f}), 40 steps {ours_total / 1e3:.2f} s | x{stock_total / ours_total:.2f} | "
               f"rel-RMS {error:.3e} (FP8 emulated on stock: {emulated_error or 0:.3e})", flush=True)
+    return rows
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--pipeline", action="store_true", help="end to end: QwenImage21Pipeline, prompt -> image")
+    parser.add_argument("--tiny", action="store_true", help="with --pipeline: tiny components on the CPU")
+    parser.add_argument("--tokenizer", type=Path, default=None, help="with --pipeline: a Qwen BPE tokenizer folder")
+    parser.add_argument("--sizes", default="1024,1328")
+    parser.add_argument("--condition", action="store_true", help="also a row with a 1024^2 condition image")
+    parser.add_argument("--attention", default="auto", help="ours: auto, fa4, cudnn, sdpa")
+    parser.add_argument("--no-fp8", action="store_true", help="ours with BF16 block linears")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    if args.pipeline and not args.tiny and args.tokenizer is None:
+        parser.error("--pipeline needs --tokenizer DIR (benchmarks/qwen_bpe_tokenizer.py writes one), or --tiny")
+    env = {} if args.tiny else environment()
+    rows = pipeline_rows(args, env) if args.pipeline else transformer_rows(args, env)
+    if not args.tiny:
+        append_results("qwen21", rows, args.out)
 
 
 if __name__ == "__main__":
