@@ -161,19 +161,21 @@ def tiny_components(seed: int = 0, vision: bool = False, transformer_config: dic
     return components | (dict(processor=tiny_vl_processor(tokenizer)) if vision else {})
 
 
-# The edit and layered pipelines resize their input images to a fixed area (1024x1024 for the VAE, 384x384 for the VL;
-# 640x640 or 1024x1024 for layered): 4096 condition tokens take minutes in Triton's interpreter with a test model.
+# The edit, layered and 2.1 pipelines resize their input images to a fixed area (1024x1024 for the VAE, 384x384 for
+# the VL; 640x640 or 1024x1024 for layered; 2.1's output_resolution, 1024): 4096 condition tokens take minutes in
+# Triton's interpreter with a test model.
 CONDITION_AREA_DIVISOR = 256
-CONDITION_IMAGE_PIPELINES = ("edit", "edit_plus", "edit_inpaint", "layered")
+CONDITION_IMAGE_PIPELINES = tuple(f"diffusers.pipelines.qwenimage.pipeline_qwenimage_{name}"
+                                  for name in ("edit", "edit_plus", "edit_inpaint", "layered")) + (
+    "diffusers.pipelines.qwenimage21.pipeline_qwenimage21",)
 
 
 @contextlib.contextmanager
 def small_condition_images(divisor: int = CONDITION_AREA_DIVISOR):
-    """Inside: diffusers' edit and layered pipelines (stock and fast alike) resize their input images, and size an
-    output sized from them, to 1/divisor of the area they use (1024x1024 -> 64x64). For test-size models only: it
+    """Inside: diffusers' edit, layered and 2.1 pipelines (stock and fast alike) resize their input images, and size
+    an output sized from them, to 1/divisor of the area they use (1024x1024 -> 64x64). For test-size models only: it
     changes what the pipelines compute, so the command line records it with each image."""
-    modules = [importlib.import_module(f"diffusers.pipelines.qwenimage.pipeline_qwenimage_{name}")
-               for name in CONDITION_IMAGE_PIPELINES]
+    modules = [importlib.import_module(name) for name in CONDITION_IMAGE_PIPELINES]
     originals = [module.calculate_dimensions for module in modules]
     for module, dims in zip(modules, originals):
         module.calculate_dimensions = lambda area, ratio, dims=dims: dims(area / divisor, ratio)

@@ -9,8 +9,9 @@ image left over pairs by file stem only when the two agree on IDENTITY after all
 report names the differing fields) or, for images that record no settings (not rendered by this tool), with
 by_name=True (--by-name). Nothing is ever paired by its name alone without --by-name.
 
-PSNR = 10 log10(255^2 / MSE) over all pixels and RGB channels (inf for identical images). SSIM is scikit-image's
-(7x7 window, per channel, averaged); it is imported only here, so the rest of the CLI works without it.
+PSNR = 10 log10(255^2 / MSE) over all pixels and RGB channels, and the alpha channel when either image has one
+(Qwen-Image-2.1 renders RGBA; inf for identical images). SSIM is scikit-image's (7x7 window, per channel,
+averaged); it is imported only here, so the rest of the CLI works without it. The grids show RGB.
 
 A comparison fails (Report.failures) when a pair is refused, when a pair cannot be measured (a file unreadable, the
 sizes differ), or when a pair is below min_psnr. When nothing pairs at all it writes no report (`no_pairs_reason`).
@@ -257,9 +258,12 @@ def pair_images(a_images: list[ImageFile], b_images: list[ImageFile], by_name: b
     return Pairing(sorted(pairs, key=lambda p: p.a.name), refused, [i.name for i in rest_a], [i.name for i in rest_b])
 
 
-def load_rgb(path: Path) -> np.ndarray:
-    with Image.open(path) as image:
-        return np.asarray(image.convert("RGB"))  # [H, W, 3] uint8
+def load_pair(a_path: Path, b_path: Path) -> tuple[np.ndarray, np.ndarray]:
+    """Both images as [H, W, 3] uint8 RGB, or [H, W, 4] RGBA when either has an alpha channel (an image without
+    one is opaque)."""
+    with Image.open(a_path) as a, Image.open(b_path) as b:
+        mode = "RGBA" if "A" in a.getbands() or "A" in b.getbands() else "RGB"
+        return np.asarray(a.convert(mode)), np.asarray(b.convert(mode))
 
 
 def psnr(a: np.ndarray, b: np.ndarray) -> float:
@@ -288,7 +292,9 @@ def fit_panel(image: Image.Image) -> Image.Image:
 def make_grid(a: np.ndarray, b: np.ndarray, titles: tuple[str, str, str]) -> Image.Image:
     """A | B | |A-B| x DIFF_GAIN, each under its title."""
     diff = np.clip(np.abs(a.astype(np.int16) - b.astype(np.int16)) * DIFF_GAIN, 0, 255).astype(np.uint8)
-    panels = [fit_panel(Image.fromarray(x)) for x in (a, b, diff)]
+    if diff.shape[2] == 4:  # RGBA: the difference panel shows each pixel's largest channel difference, alpha's too
+        diff = diff.max(axis=2, keepdims=True).repeat(3, axis=2)
+    panels = [fit_panel(Image.fromarray(np.ascontiguousarray(x[..., :3]))) for x in (a, b, diff)]
     width, height = panels[0].size
     grid = Image.new("RGB", (3 * width + 2 * GAP, height + HEADER), "white")
     draw = ImageDraw.Draw(grid)
@@ -303,7 +309,7 @@ def make_grid(a: np.ndarray, b: np.ndarray, titles: tuple[str, str, str]) -> Ima
 def measure(pair: Pair, report_dir: Path, titles: tuple[str, str]):
     """PSNR, SSIM, max |A-B| and the grid of one pair, or a note saying why it cannot be measured."""
     try:
-        a, b = load_rgb(pair.a.path), load_rgb(pair.b.path)
+        a, b = load_pair(pair.a.path, pair.b.path)
     except (OSError, SyntaxError, ValueError) as e:  # not an image after all, truncated, a broken chunk
         pair.note = f"unreadable: {e}"
         return

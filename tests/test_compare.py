@@ -56,6 +56,24 @@ def test_known_psnr_ssim_and_max_difference(folders, tmp_path):
     assert report.only_a == ["only-a.png"] and report.only_b == ["only-b.png"]
 
 
+def test_alpha_is_compared_when_either_image_has_it(pixels, tmp_path):
+    """RGBA images (Qwen-Image-2.1's) are compared on all four channels: the same RGB under another alpha differs
+    (PSNR over 4 channels), and an RGB image pairs with an RGBA one as opaque."""
+    opaque = np.concatenate([pixels, np.full_like(pixels[..., :1], 255)], axis=2)
+    half = opaque.copy()
+    half[..., 3] = 255 - 20
+    rendered(tmp_path / "a", "x.png", opaque, "x")
+    rendered(tmp_path / "b", "x.png", half, "x")
+    rendered(tmp_path / "a", "y.png", pixels, "y")
+    rendered(tmp_path / "b", "y.png", opaque, "y")
+    report = compare.compare_folders(tmp_path / "a", tmp_path / "b", compare.prepare_report_dir(tmp_path / "report"))
+    pairs = {pair.name: pair for pair in report.pairs}
+    assert pairs["x.png"].max_abs_diff == 20
+    assert pairs["x.png"].psnr == pytest.approx(20 * math.log10(255 / 20) + 10 * math.log10(4), abs=1e-9)
+    assert pairs["y.png"].psnr == math.inf
+    assert (tmp_path / "report" / pairs["x.png"].grid).is_file()
+
+
 def test_cli_report_grids_and_html(folders, tmp_path, capsys):
     report_dir = tmp_path / "report"
     assert main(["compare", *map(str, folders), "--out", str(report_dir)]) == 0

@@ -5,7 +5,7 @@ from ..qwen35.enhance import resolve_enhancer
 from ..qwen_image21.pipeline import FastQwenImage21Pipeline
 from .config import FastConfig
 from .family import IMAGE_CONDITIONED
-from .fast_pipeline import FastPipelineMixin, model_index
+from .fast_pipeline import model_index
 from .text_to_image import QwenImageFastPipeline
 
 FAST_CLASSES = {cls.stock_class: cls for cls in (QwenImageFastPipeline, *IMAGE_CONDITIONED, FastQwenImage21Pipeline)}
@@ -15,6 +15,11 @@ BY_CLASS_NAME = {name: cls for cls in FAST_CLASSES.values() for name in (cls.sto
 
 def supported() -> str:
     return ", ".join(stock.__name__ for stock in FAST_CLASSES)
+
+
+def is_fast_pipeline(pipe) -> bool:
+    """Whether `pipe` is one of this project's fast pipelines (the 2512 family's or Qwen-Image-2.1's)."""
+    return isinstance(pipe, tuple(FAST_CLASSES.values()))
 
 
 def optimize(pipe, config: FastConfig | str | None = None, device=None, enhance_prompt=None):
@@ -27,7 +32,7 @@ def optimize(pipe, config: FastConfig | str | None = None, device=None, enhance_
     encoding it (pipelines/qwen35/enhance.py resolve_enhancer). Any other pipeline: TypeError naming the
     supported ones."""
     config = FastConfig.coerce(config)
-    if isinstance(pipe, FastPipelineMixin):
+    if is_fast_pipeline(pipe):
         raise ValueError("this pipeline is already optimized; call optimize() on a fresh diffusers pipeline")
     fast_class = FAST_CLASSES.get(type(pipe))
     if fast_class is None:

@@ -21,6 +21,7 @@ from .config import FastConfig
 # fp32, tiny config, FP8 off: what "equal to stock" means for an exact optimization (final latents, rel-RMS).
 EXACT_TOL = 1e-5
 QWEN21 = "QwenImage21Pipeline"
+QWEN21_VAE = "Qwen-Image-2.1's VAE (AutoencoderKLQwenImage21) decodes as diffusers runs it"  # its Facts.vae_2d
 NOT_ON_QWEN21 = "not on Qwen-Image-2.1 yet (its cond and uncond forwards run one by one)"
 
 

@@ -16,12 +16,10 @@ from diffusers import QwenImage21Pipeline
 from ..qwen_image.config import FastConfig
 from ..qwen_image.fast_pipeline import (FastLoraPipeline, check_replacement, load_stock, refuse_text_to_image_only,
                                         transformer_config_on)
-from ..qwen_image.optimizations import CallRecord, Facts, planned_labels, plans, step_cache_conflict
+from ..qwen_image.optimizations import QWEN21_VAE, CallRecord, Facts, planned_labels, plans, step_cache_conflict
 from ..qwen_image.runtime.context import forward_context
 from ..qwen_image.runtime.offload import has_offload_hooks
 from .model import FastQwenImage21Transformer
-
-VAE_AS_IT_IS = "Qwen-Image-2.1's VAE (AutoencoderKLQwenImage21) decodes as diffusers runs it"
 
 
 class FastQwenImage21Pipeline(FastLoraPipeline, QwenImage21Pipeline):
@@ -84,7 +82,7 @@ class FastQwenImage21Pipeline(FastLoraPipeline, QwenImage21Pipeline):
                      fp8=fused and transformer.fast_config.fp8,
                      fast_accum=fused and transformer.fast_config.fp8 and transformer.fast_config.fp8_fast_accum,
                      attention=transformer.attention_backend if fused else None,
-                     offload_hooks=transformer is not None and has_offload_hooks(transformer), vae_2d=VAE_AS_IT_IS,
+                     offload_hooks=transformer is not None and has_offload_hooks(transformer), vae_2d=QWEN21_VAE,
                      enhancer=False)
 
     def will_run(self) -> dict[str, bool]:

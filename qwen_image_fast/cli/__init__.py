@@ -32,7 +32,7 @@ from pathlib import Path
 
 from .devices import (cap_memory, check_cfg_parallel, check_triton_on_cpu, distributed_env, image_group_shape,
                       memory_setting, resolve_device, start_mesh)
-from .inputs import check_pipeline_inputs, sizes_from_image
+from .inputs import check_pipeline_inputs, check_pipeline_options, sizes_from_image
 from .jobs import TINY_SIZE, TINY_STEPS, command_line_entries, make_jobs, read_prompt_file, render_defaults, shard
 from .loras import resolve_lora
 from .manifest import find_conflict
@@ -90,13 +90,15 @@ def run_render(args) -> int:
             config = config.replace(parallel=args.parallel, ulysses_degree=args.ulysses)
         config = config.replace(memory=memory_setting(args.max_memory, args.preset, pipeline, args.parallel))
         loras = tuple(resolve_lora(source, scale) for source, scale in args.lora)
-        model_shape = ModelShape.of(model)
+        check_pipeline_options(pipeline, model, config, lightning=args.lightning, fmt=args.format)
+        model_shape = ModelShape.of(model, pipeline)
         test_size = model_shape is not None and model_shape.test_size
-        shrunk = condition_area_divisor() if test_size and pipeline in SHRINKS_INPUTS else None
+        jobs = make_jobs(entries, render_defaults(args, tiny=test_size, pipeline=pipeline))
+        shrunk = (condition_area_divisor() if test_size and pipeline in SHRINKS_INPUTS and any(j.images for j in jobs)
+                  else None)
         labels = labels_for(model, args.preset, config, enhancer=args.enhance, loras=loras, lightning=args.lightning,
                             test_width=model_shape.width if test_size else None, shrunk_inputs=shrunk)
         check_triton_on_cpu(device, labels, args.enhance)
-        jobs = make_jobs(entries, render_defaults(args, tiny=test_size, pipeline=pipeline))
         check_pipeline_inputs(jobs, pipeline, model, size_given=bool(args.aspect or args.width))
         check_sizes(jobs, model_shape, model, device, args.max_memory)
         warning = cpu_time_warning(jobs, model_shape, args.preset) if device.type == "cpu" else None

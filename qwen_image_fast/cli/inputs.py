@@ -64,8 +64,10 @@ class PipelineInputs(NamedTuple):
     strength: bool  # --strength allowed
     size_from_image: str | None  # the output sized from the input image, --width/--height "optional" / "refused";
     # None: the text-to-image size defaults
+    image_mode: str = "RGB"  # what the input images are decoded to (the pipeline converts them to it anyway)
 
 
+QWEN21_PIPELINE = "QwenImage21Pipeline"
 PIPELINE_INPUTS = {
     "QwenImagePipeline": PipelineInputs(0, 0, "forbidden", False, None),
     "QwenImageImg2ImgPipeline": PipelineInputs(1, 1, "forbidden", True, None),
@@ -73,6 +75,8 @@ PIPELINE_INPUTS = {
     "QwenImageEditPipeline": PipelineInputs(1, 1, "forbidden", False, "optional"),
     "QwenImageEditPlusPipeline": PipelineInputs(1, None, "forbidden", False, "optional"),
     "QwenImageEditInpaintPipeline": PipelineInputs(1, 1, "required", True, "refused"),
+    # text-to-image, or conditioned on any number of RGBA images (sized from the last one unless told)
+    QWEN21_PIPELINE: PipelineInputs(0, None, "forbidden", False, "optional", "RGBA"),
 }
 
 
@@ -81,17 +85,38 @@ def sizes_from_image(pipeline: str) -> bool:
     return pipeline in PIPELINE_INPUTS and PIPELINE_INPUTS[pipeline].size_from_image is not None
 
 
+def image_mode(pipe) -> str:
+    """The mode the input images of a loaded pipeline (stock or fast) are decoded to."""
+    stock = getattr(type(pipe), "stock_class", type(pipe))
+    return PIPELINE_INPUTS[stock.__name__].image_mode if stock.__name__ in PIPELINE_INPUTS else "RGB"
+
+
+def check_pipeline_options(pipeline: str, model: str, config, lightning: bool, fmt: str):
+    """ValueError for a command option the pipeline class of `model` cannot honour (before anything loads)."""
+    if pipeline != QWEN21_PIPELINE:
+        return
+    if lightning:
+        raise ValueError(f"--lightning samples for Qwen-Image-2512's Lightning LoRAs; {model} is a Qwen-Image-2.1 "
+                         "checkpoint (40 steps, guidance distilled in): leave --lightning out")
+    if config.cache is not None:
+        raise ValueError(f"--cache: the step caches do not run on Qwen-Image-2.1 yet ({model}; its prefix KV "
+                         "cache runs by default): leave --cache out")
+    if fmt == "jpg":
+        raise ValueError(f"--format jpg: {model} renders RGBA images, and JPEG has no alpha channel: use --format "
+                         "png or webp")
+
+
 def check_pipeline_inputs(jobs: "list[Job]", pipeline: str, model: str, size_given: bool):
     """ValueError for inputs the pipeline class of `model` would not take, or take and ignore."""
     if pipeline not in PIPELINE_INPUTS:
         raise ValueError(f"--model {model} is a {pipeline} checkpoint; render drives "
                          f"{', '.join(PIPELINE_INPUTS)} (the others through the Python API: optimize(pipe))")
-    fewest, most, mask, strength, size_from_image = PIPELINE_INPUTS[pipeline]
+    fewest, most, mask, strength, size_from_image, _ = PIPELINE_INPUTS[pipeline]
     if size_given and size_from_image == "refused":
         raise ValueError(f"--width/--height/--aspect: {pipeline} ({model}) sizes its output from the input image")
     for job in jobs:
         where = f"prompt {job.index + 1}"
-        if fewest == 0 and job.images:
+        if most == 0 and job.images:
             raise ValueError(f"{where}: --image given, but {model} is a text-to-image model ({pipeline}); give an "
                              "edit, img2img or inpainting checkpoint with --model")
         if len(job.images) < fewest:

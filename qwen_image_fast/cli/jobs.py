@@ -9,7 +9,7 @@ import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
-from .inputs import InputImage, read_input_image, sizes_from_image, valid_strength
+from .inputs import QWEN21_PIPELINE, InputImage, read_input_image, sizes_from_image, valid_strength
 
 # Qwen-Image-2512's recommended negative prompt (QwenLM/Qwen-Image README).
 NEGATIVE_PROMPT = "低分辨率，低画质，肢体畸形，手指畸形，画面过饱和，蜡像感，人脸无细节，过度光滑，画面具有AI感。构图混乱。文字模糊，扭曲。"
@@ -26,6 +26,9 @@ ASPECTS = {
 TINY_SIZE, TINY_STEPS = 64, 2
 REAL_STEPS, REAL_CFG = 50, 4.0
 LIGHTNING_STEPS, LIGHTNING_CFG = 8, 1.0
+# Qwen-Image-2.1's pipeline defaults: 40 steps, no CFG (guidance distilled in), 1024x1024 (output_resolution) or
+# sized from the last input image; it renders multiples of 32 pixels (calculate_dimensions).
+QWEN21_STEPS, QWEN21_CFG, QWEN21_SIDE, QWEN21_MULTIPLE = 40, 1.0, 1024, 32
 # One step gives NaN images: Qwen's scheduler stretches 1 - sigma by its last value (shift_terminal), 0 at 1 step.
 MIN_STEPS = 2
 # torch.Generator.manual_seed takes -2**63 .. 2**64 - 1 and wraps negatives (-1 is 2**64 - 1): only 0 .. 2**64 - 1,
@@ -39,7 +42,8 @@ ID_CHARACTERS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456
 @dataclass(frozen=True)
 class Defaults:
     """Settings for every prompt that its JSONL line does not override. width/height None: the pipeline sizes the
-    output from the input image (the edit pipelines)."""
+    output from the input image (the edit pipelines, Qwen-Image-2.1); text_size: then the size of a job without
+    input images (Qwen-Image-2.1's)."""
 
     negative_prompt: str
     seed: int
@@ -50,6 +54,7 @@ class Defaults:
     images: tuple[InputImage, ...] = ()
     mask: InputImage | None = None
     strength: float | None = None
+    text_size: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -170,6 +175,9 @@ def make_jobs(entries: list[dict], defaults: Defaults) -> list[Job]:
                   else defaults.images)
         mask = input_image(entry["mask"], f"{where}: mask") if "mask" in entry else defaults.mask
         cfg = float(entry.get("cfg", defaults.cfg))
+        width, height = entry.get("width", defaults.width), entry.get("height", defaults.height)
+        if width is None and not images and defaults.text_size is not None:
+            width, height = defaults.text_size
         seed = entry.get("seed", derive_seed(defaults.seed, index, entry.get("id")))
         if not 0 <= seed <= MAX_SEED:
             how = f"crc32 of its id {entry['id']!r}" if entry.get("id") is not None else f"its index {index}"
@@ -181,8 +189,8 @@ def make_jobs(entries: list[dict], defaults: Defaults) -> list[Job]:
             prompt=entry["prompt"],
             negative_prompt=entry.get("negative_prompt", defaults.negative_prompt) if cfg > 1 else None,
             seed=seed,
-            width=entry.get("width", defaults.width),
-            height=entry.get("height", defaults.height),
+            width=width,
+            height=height,
             steps=entry.get("steps", defaults.steps),
             cfg=cfg,
             images=images,
@@ -203,15 +211,27 @@ def tiny_aspect(width: int, height: int) -> tuple[int, int]:
     return tuple(max(16, 16 * round(side * TINY_SIZE / real / 16)) for side in (width, height))
 
 
+def area_aspect(width: int, height: int, side: int, multiple: int) -> tuple[int, int]:
+    """The aspect of width x height at about side² pixels, each side rounded to a multiple of `multiple`
+    (QwenImage21Pipeline's calculate_dimensions)."""
+    ratio = width / height
+    wide = math.sqrt(side * side * ratio)
+    return max(multiple, multiple * round(wide / multiple)), max(multiple, multiple * round(wide / ratio / multiple))
+
+
 def render_defaults(args, tiny: bool, pipeline: str = "QwenImagePipeline") -> Defaults:
     """pipeline: the class the checkpoint names; an edit pipeline sizes its output from the input image unless
-    --aspect / --width / --height say otherwise. tiny: a test-size model (cli/sizes.py), whose defaults are
-    TINY_SIZE and TINY_STEPS and whose --aspect sizes are scaled down to about TINY_SIZE²."""
+    --aspect / --width / --height say otherwise, Qwen-Image-2.1 too (QWEN21_SIDE² without one, and its own step
+    and cfg defaults). tiny: a test-size model (cli/sizes.py), whose defaults are TINY_SIZE and TINY_STEPS and whose
+    --aspect sizes are scaled down to about TINY_SIZE²."""
     if args.aspect and (args.width or args.height):
         raise ValueError("give --aspect or --width/--height, not both")
     if (args.width is None) != (args.height is None):
         raise ValueError("give --width and --height together")
-    if args.aspect:
+    qwen21 = pipeline == QWEN21_PIPELINE
+    if args.aspect and qwen21:
+        width, height = area_aspect(*ASPECTS[args.aspect], TINY_SIZE if tiny else QWEN21_SIDE, QWEN21_MULTIPLE)
+    elif args.aspect:
         width, height = tiny_aspect(*ASPECTS[args.aspect]) if tiny else ASPECTS[args.aspect]
     elif args.width:
         width, height = args.width, args.height
@@ -219,12 +239,15 @@ def render_defaults(args, tiny: bool, pipeline: str = "QwenImagePipeline") -> De
         width, height = None, None
     else:
         width, height = (TINY_SIZE, TINY_SIZE) if tiny else ASPECTS["1:1"]
-    steps = args.steps or (TINY_STEPS if tiny else LIGHTNING_STEPS if args.lightning else REAL_STEPS)
-    cfg = args.cfg if args.cfg is not None else LIGHTNING_CFG if args.lightning else REAL_CFG
+    text_size = ((TINY_SIZE, TINY_SIZE) if tiny else (QWEN21_SIDE, QWEN21_SIDE)) if qwen21 and width is None else None
+    steps = args.steps or (TINY_STEPS if tiny else LIGHTNING_STEPS if args.lightning else QWEN21_STEPS if qwen21
+                           else REAL_STEPS)
+    cfg = (args.cfg if args.cfg is not None else LIGHTNING_CFG if args.lightning else QWEN21_CFG if qwen21
+           else REAL_CFG)
     images = tuple(read_input_image(path, "--image") for path in args.image)
     mask = read_input_image(args.mask, "--mask") if args.mask is not None else None
     return Defaults(negative_prompt=args.negative_prompt, seed=args.seed, width=width, height=height, steps=steps,
-                    cfg=cfg, images=images, mask=mask, strength=args.strength)
+                    cfg=cfg, images=images, mask=mask, strength=args.strength, text_size=text_size)
 
 
 def shard(jobs: list[Job], rank: int, world_size: int) -> list[Job]:

@@ -213,8 +213,8 @@ def load_pipeline(model: str, preset: str, config: FastConfig, device, loras: tu
     import diffusers
     import torch
 
-    from ..pipelines.qwen_image.fast_pipeline import FastPipelineMixin, is_fast_checkpoint, load_stock
-    from ..pipelines.qwen_image.loading import from_pretrained, optimize
+    from ..pipelines.qwen_image.fast_pipeline import is_fast_checkpoint, load_stock
+    from ..pipelines.qwen_image.loading import from_pretrained, is_fast_pipeline, optimize
     from ..pipelines.qwen_image.samplers import lightning_scheduler
 
     name = pipeline_class_name(model)
@@ -230,9 +230,9 @@ def load_pipeline(model: str, preset: str, config: FastConfig, device, loras: tu
         add_loras(pipe, loras)
         if preset != STOCK_PRESET:
             pipe.fuse_lora()
-            if not isinstance(pipe, FastPipelineMixin):
+            if not is_fast_pipeline(pipe):
                 pipe.unload_lora_weights()  # the merged weights stay; optimize() quantizes them once
-    if preset != STOCK_PRESET and not isinstance(pipe, FastPipelineMixin):
+    if preset != STOCK_PRESET and not is_fast_pipeline(pipe):
         pipe = optimize(pipe, config, device=device)
     if lightning:
         pipe.scheduler = lightning_scheduler()

@@ -6,8 +6,8 @@ import math
 from ..pipelines.qwen_image.config import ATTENTION_BACKENDS, PARALLEL_MODES, PRESETS, SCHEDULERS, DBCache, FastConfig
 from ..pipelines.qwen_image.optimizations import REGISTRY
 from .devices import FAST_PIPELINE_GIB, LOW_MEMORY_GIB
-from .jobs import (ASPECTS, LIGHTNING_CFG, LIGHTNING_STEPS, MAX_SEED, MIN_STEPS, NEGATIVE_PROMPT, REAL_CFG, REAL_STEPS,
-                   TINY_STEPS)
+from .jobs import (ASPECTS, LIGHTNING_CFG, LIGHTNING_STEPS, MAX_SEED, MIN_STEPS, NEGATIVE_PROMPT, QWEN21_CFG,
+                   QWEN21_STEPS, REAL_CFG, REAL_STEPS, TINY_STEPS)
 from .loras import lora_argument
 from .models import DEFAULT_ENHANCER_ID, REAL_MODEL_ID, STOCK_PRESET, TINY_ENHANCER_ID, TINY_MODEL_ID
 from .output import FORMATS
@@ -159,14 +159,15 @@ def build_parser() -> argparse.ArgumentParser:
     add("--preset", choices=PRESETS, default=PRESETS[0],
         help=f"{PRESETS[0]}: every optimization; {STOCK_PRESET}: the stock diffusers pipeline")
     add("--aspect", choices=tuple(ASPECTS),
-        help="official size: " + ", ".join(f"{k} {w}x{h}" for k, (w, h) in ASPECTS.items()))
+        help="official size: " + ", ".join(f"{k} {w}x{h}" for k, (w, h) in ASPECTS.items())
+             + "; Qwen-Image-2.1: the same aspect at about 1024x1024, in multiples of 32")
     add("--width", type=multiple_of_16, help="multiple of 16 (with --height)")
     add("--height", type=multiple_of_16, help="multiple of 16 (with --width)")
     add("--steps", type=int_at_least(MIN_STEPS),
-        help=f"denoising steps (default {REAL_STEPS}, {LIGHTNING_STEPS} with --lightning; {TINY_STEPS} with "
-             f"{TINY_MODEL_ID})")
-    add("--cfg", type=finite_float(), help=f"true_cfg_scale (default {REAL_CFG}, {LIGHTNING_CFG} with --lightning; "
-        "<= 1: no CFG)")
+        help=f"denoising steps (default {REAL_STEPS}, {QWEN21_STEPS} for Qwen-Image-2.1, {LIGHTNING_STEPS} with "
+             f"--lightning; {TINY_STEPS} with a test-size model such as {TINY_MODEL_ID})")
+    add("--cfg", type=finite_float(), help=f"true_cfg_scale (default {REAL_CFG}; {QWEN21_CFG:g} for Qwen-Image-2.1, "
+        f"which has guidance distilled in, and {LIGHTNING_CFG:g} with --lightning; <= 1: no CFG)")
     add("--lora", type=lora_argument, action="append", default=[], metavar="PATH_OR_ID[:SCALE]",
         help="a LoRA .safetensors file, local or in a hub repo as OWNER/NAME/FILE.safetensors, at strength SCALE "
              "(default 1); repeatable. Recorded with each image (path, scale, sha256); fused with the fast preset")
@@ -175,8 +176,9 @@ def build_parser() -> argparse.ArgumentParser:
              f"{LIGHTNING_STEPS} steps and cfg {LIGHTNING_CFG:g} unless --steps / --cfg say otherwise")
     add("--image", action="append", default=[], metavar="PATH",
         help="an input image, for an edit, img2img or inpainting checkpoint (its model_index.json picks the "
-             "pipeline, e.g. --model Qwen/Qwen-Image-Edit-2511); repeatable (Edit-2509/2511 take several); JSONL "
-             "key images. Recorded with each image (path, sha256)")
+             "pipeline, e.g. --model Qwen/Qwen-Image-Edit-2511), or a condition image for Qwen-Image-2.1 (RGBA, "
+             "alpha kept); repeatable (Edit-2509/2511 and 2.1 take several); JSONL key images. Recorded with each "
+             "image (path, sha256)")
     add("--mask", metavar="PATH", help="the inpainting mask (white: repaint), the input image's size; JSONL key mask")
     add("--strength", type=strength_argument, metavar="S",
         help="img2img / inpainting: how much of the input image is re-noised, in (0, 1] (default: the pipeline's); "

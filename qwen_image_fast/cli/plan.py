@@ -2,7 +2,7 @@
 line says (the checkpoint's pipeline class, the device, the options), before anything loads."""
 
 from ..pipelines.qwen_image.config import FastConfig
-from ..pipelines.qwen_image.optimizations import CFG_ONLY, Facts, plans
+from ..pipelines.qwen_image.optimizations import CFG_ONLY, QWEN21, QWEN21_VAE, Facts, plans
 from .models import STOCK_PRESET, TINY_MODEL_ID, Labels
 from .parser import option_of
 
@@ -21,7 +21,7 @@ def command_facts(config: FastConfig, labels: Labels, pipeline: str, device, sha
                                          + ((f"ulysses{shape.ulysses}",) if shape.ulysses > 1 else ()))
     return Facts(pipeline=pipeline, fused=fused, device=device.type, fp8=fp8, fast_accum=fp8 and config.fp8_fast_accum,
                  attention=resolve_backend(config.attention, device, dtype) if fused else None, offload_hooks=False,
-                 vae_2d=None, enhancer=labels.enhancer is not None, parallel=parallel)
+                 vae_2d=QWEN21_VAE if pipeline == QWEN21 else None, enhancer=labels.enhancer is not None, parallel=parallel)
 
 
 def dry_run_report(config: FastConfig, labels: Labels, pipeline: str, device, shape, jobs) -> str:

@@ -14,6 +14,7 @@ from pathlib import Path
 from PIL import Image
 from tqdm import tqdm
 
+from .inputs import image_mode
 from .jobs import Job
 from .manifest import (MANIFEST, append_line, drop_partial_last_line, is_done, manifest_path, merge_manifests,
                        read_records)
@@ -117,8 +118,8 @@ def run_batch(pipe, batch: list[Job], on_step, prompts: list[str] | None = None,
         text = dict(prompt=prompts or [job.prompt for job in batch],
                     negative_prompt=None if first.negative_prompt is None else [job.negative_prompt for job in batch])
     if first.images:  # a batch of one (batch_key)
-        images = [image.load("RGB") for image in first.images]
-        inputs["image"] = images if len(images) > 1 else images[0]  # EditPlus takes one as [one]
+        images = [image.load(image_mode(pipe)) for image in first.images]
+        inputs["image"] = images if len(images) > 1 else images[0]  # EditPlus and 2.1 take one as [one]
         inputs |= {"mask_image": first.mask.load("L")} if first.mask is not None else {}
         inputs |= {"strength": first.strength} if first.strength is not None else {}
     inputs |= {"width": first.width, "height": first.height} if first.width is not None else {}

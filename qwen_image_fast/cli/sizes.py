@@ -12,14 +12,17 @@ from .models import TINY_MODEL_ID
 # and TINY_STEPS unless told otherwise, its edit pipelines shrink their condition images (pipelines/tiny.py).
 TEST_SIZE_WIDTH = 512
 # diffusers' QwenEmbedRope tables 4096 positions each way; with scale_rope an image of h x w patches uses
-# h/2 and w/2 of them, and the text's positions follow the image's (up to 1024 text tokens).
+# h/2 and w/2 of them, and the text's positions follow the image's (up to 1024 text tokens): 6144 tokens a side.
 ROPE_POSITIONS, TEXT_POSITIONS = 4096, 1024
+# Qwen-Image-2.1's QwenImage21Rope centres an image on zero with 1024 negative positions: 2048 tokens a side.
+QWEN21_NEGATIVE_POSITIONS = 1024
 # Seconds per step on a CPU, measured with the tiny model, 2 cores, CFG on: fast presets (Triton's interpreter) at
 # 256², 512² and 1664x928 ~0.3 s + 0.85 ms a token; the stock pipeline at 128² and 256² ~0.25 s + 1.3 ms a token.
 CPU_STEP_SECONDS = {"fast": (0.3, 0.85e-3), "baseline": (0.25, 1.3e-3)}
 SLOW_STEP_SECONDS = 10  # a CPU step estimated above this: warn before rendering
 # The pipeline classes that resize their input images to a fixed area (shrunk for a test-size model).
-SHRINKS_INPUTS = ("QwenImageEditPipeline", "QwenImageEditPlusPipeline", "QwenImageEditInpaintPipeline")
+SHRINKS_INPUTS = ("QwenImageEditPipeline", "QwenImageEditPlusPipeline", "QwenImageEditInpaintPipeline",
+                  "QwenImage21Pipeline")
 
 
 @dataclass(frozen=True)
@@ -30,27 +33,37 @@ class ModelShape:
     vae_scale: int  # image pixels a latent pixel covers, a side: 2 ** len(temperal_downsample)
     vae_channels: int  # the VAE decoder's channels at full resolution (base_dim)
     dtype_bytes: int  # 4 for the tiny model (fp32), 2 for real weights (bf16)
+    side_tokens: int = 2 * (ROPE_POSITIONS - TEXT_POSITIONS)  # the most tokens a side the rotary table reaches
+    size_multiple: int = 16  # what the pipeline rounds a size down to (with a warning): render refuses the rest
 
     @classmethod
-    def of(cls, model: str) -> "ModelShape | None":
+    def of(cls, model: str, pipeline: str = "QwenImagePipeline") -> "ModelShape | None":
         """From the checkpoint's transformer and VAE config.json; None when they cannot be read without loading."""
+        qwen21 = pipeline == "QwenImage21Pipeline"
         if model == TINY_MODEL_ID:
             from ..pipelines.tiny import TINY_TRANSFORMER, TINY_VAE
 
             transformer, vae = TINY_TRANSFORMER, TINY_VAE
         else:
-            from diffusers import AutoencoderKLQwenImage, QwenImageTransformer2DModel
+            import diffusers
 
+            transformer_class, vae_class = (("QwenImage21Transformer2DModel", "AutoencoderKLQwenImage21") if qwen21
+                                            else ("QwenImageTransformer2DModel", "AutoencoderKLQwenImage"))
             try:
-                transformer = QwenImageTransformer2DModel.load_config(model, subfolder="transformer")
-                vae = AutoencoderKLQwenImage.load_config(model, subfolder="vae")
+                transformer = getattr(diffusers, transformer_class).load_config(model, subfolder="transformer")
+                vae = getattr(diffusers, vae_class).load_config(model, subfolder="vae")
             except (OSError, ValueError):
                 return None
         try:
-            return cls(width=transformer["num_attention_heads"] * transformer["attention_head_dim"],
-                       layers=transformer["num_layers"], patch=transformer.get("patch_size", 2),
+            common = dict(width=transformer["num_attention_heads"] * transformer["attention_head_dim"],
+                          layers=transformer["num_layers"], dtype_bytes=4 if model == TINY_MODEL_ID else 2)
+            if qwen21:  # unpatched tokens of 16x16 pixels (the VAE's fixed 16x), sizes in multiples of 32
+                return cls(**common, patch=transformer.get("patch_size", 1), vae_scale=16,
+                           vae_channels=vae.get("decoder_base_dim") or vae.get("base_dim", 96),
+                           side_tokens=2 * QWEN21_NEGATIVE_POSITIONS, size_multiple=32)
+            return cls(**common, patch=transformer.get("patch_size", 2),
                        vae_scale=2 ** len(vae.get("temperal_downsample", [False, True, True])),
-                       vae_channels=vae.get("base_dim", 96), dtype_bytes=4 if model == TINY_MODEL_ID else 2)
+                       vae_channels=vae.get("base_dim", 96))
         except (KeyError, TypeError):
             return None
 
@@ -67,7 +80,7 @@ class ModelShape:
 
     def largest_side(self) -> int:
         """The longest side, in pixels, whose rotary positions (and the text's after them) the table holds."""
-        return 2 * (ROPE_POSITIONS - TEXT_POSITIONS) * self.pixels_per_token
+        return self.side_tokens * self.pixels_per_token
 
     def memory_lower_bound(self, width: int, height: int) -> int:
         """Bytes an image of this size needs at least: the VAE decoder's last stage holds its input and output at
@@ -98,8 +111,8 @@ def memory_available(device, max_memory_gib: float | None) -> int:
 
 
 def check_sizes(jobs, shape: ModelShape | None, model: str, device, max_memory_gib: float | None):
-    """ValueError for a job whose size the model's rotary table does not reach, or that needs more memory than
-    there is (a lower bound): before any folder or file is written."""
+    """ValueError for a job whose size the model's rotary table does not reach, that the pipeline would round down,
+    or that needs more memory than there is (a lower bound): before any folder or file is written."""
     if shape is None:
         return
     available, side = memory_available(device, max_memory_gib), shape.largest_side()
@@ -107,10 +120,14 @@ def check_sizes(jobs, shape: ModelShape | None, model: str, device, max_memory_g
         if job.width is None:  # sized by the pipeline from its input image
             continue
         where = f"prompt {job.index + 1}: {job.width}x{job.height}"
+        if job.width % shape.size_multiple or job.height % shape.size_multiple:
+            m = shape.size_multiple
+            raise ValueError(f"{where}: {model} renders sizes in multiples of {m} pixels (its pipeline would render "
+                             f"{job.width // m * m}x{job.height // m * m}); give multiples of {m}")
         if max(job.width, job.height) > side:
             raise ValueError(f"{where}: {model}'s rotary position table reaches {side} pixels a side "
-                             f"({ROPE_POSITIONS} positions, {shape.pixels_per_token} pixels a token, room for "
-                             f"{TEXT_POSITIONS} text tokens); give a smaller --width/--height")
+                             f"({shape.side_tokens} tokens of {shape.pixels_per_token} pixels); give a smaller "
+                             "--width/--height")
         needed = shape.memory_lower_bound(job.width, job.height)
         if needed > available:
             raise ValueError(f"{where}: needs at least {needed / 2**30:.1f} GiB ({model}'s VAE decode and "

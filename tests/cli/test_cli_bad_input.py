@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+from PIL import Image
 
 from qwen_image_fast.cli import main
 from qwen_image_fast.cli.models import (DEFAULT_ENHANCER_ID, TINY_ENHANCER_ID, TINY_MODEL_ID, resolve_model)
@@ -42,18 +43,20 @@ def folder_without_model_index(tmp_path):
     return ["--model", str(tmp_path / "model"), "a cat"]
 
 
-def qwen21_model(tmp_path):
-    """A Qwen-Image-2.1 checkpoint's model_index.json and transformer config (optimize() takes the pipeline; render
-    does not drive it yet)."""
+def qwen21_model(tmp_path, *args):
+    """A Qwen-Image-2.1 checkpoint's model_index.json and its transformer's and VAE's configs (what render reads
+    before loading), then `args`."""
     import json
 
-    (tmp_path / "model" / "transformer").mkdir(parents=True)
+    for part, config in (("transformer", {"_class_name": "QwenImage21Transformer2DModel", "num_layers": 2,
+                                          "attention_head_dim": 16, "num_attention_heads": 2, "in_channels": 16,
+                                          "out_channels": 16, "context_in_dim": 24}),
+                         ("vae", {"_class_name": "AutoencoderKLQwenImage21", "base_dim": 8, "z_dim": 16})):
+        (tmp_path / "model" / part).mkdir(parents=True)
+        (tmp_path / "model" / part / "config.json").write_text(json.dumps(config))
     (tmp_path / "model" / "model_index.json").write_text(json.dumps(
         {"_class_name": "QwenImage21Pipeline", "transformer": ["diffusers", "QwenImage21Transformer2DModel"]}))
-    (tmp_path / "model" / "transformer" / "config.json").write_text(json.dumps(
-        {"_class_name": "QwenImage21Transformer2DModel", "num_layers": 2, "attention_head_dim": 16,
-         "num_attention_heads": 2, "in_channels": 16, "out_channels": 16, "context_in_dim": 24}))
-    return ["--model", str(tmp_path / "model"), "a cat"]
+    return ["--model", str(tmp_path / "model"), *args, "a cat"]
 
 
 def unloadable_model(tmp_path):
@@ -136,7 +139,17 @@ BAD_INPUT = {
                          "--model nobody/no-such-model: not in the local Hugging Face cache, and HF_HUB_OFFLINE=1"),
     "model-folder-not-a-pipeline": (folder_without_model_index, "without model_index.json, not a checkpoint"),
     "model-fails-to-load": (unloadable_model, "cannot read its model_index.json ('_class_name')"),
-    "model-qwen21": (qwen21_model, "is a QwenImage21Pipeline checkpoint; render drives QwenImagePipeline"),
+    "qwen21-lightning": (lambda tmp: qwen21_model(tmp, "--lightning"),
+                         "--lightning samples for Qwen-Image-2512's Lightning LoRAs"),
+    "qwen21-cache": (lambda tmp: qwen21_model(tmp, "--preset", "fast", "--cache", "every:2,1,0"),
+                     "--cache: the step caches do not run on Qwen-Image-2.1 yet"),
+    "qwen21-jpg": (lambda tmp: qwen21_model(tmp, "--format", "jpg"),
+                   "renders RGBA images, and JPEG has no alpha channel: use --format png or webp"),
+    "qwen21-size": (lambda tmp: qwen21_model(tmp, "--width", "48", "--height", "64"),
+                    "prompt 1: 48x64: {model} renders sizes in multiples of 32 pixels (its pipeline would render "
+                    "32x64); give multiples of 32"),
+    "qwen21-mask": (lambda tmp: qwen21_model(tmp, "--image", str(tmp / "a.png"), "--mask", str(tmp / "a.png")),
+                    "--mask given, but QwenImage21Pipeline"),
     "device-missing-gpu": (missing_gpu, "--device cuda"),
     "device-not-a-device": (lambda tmp: ["--device", "tpu9", "a cat"], "--device tpu9: not a device"),
     "lora-missing": (lambda tmp: ["--lora", str(tmp / "none.safetensors"), "a cat"],
@@ -182,6 +195,7 @@ BAD_INPUT = {
 def test_bad_input_exits_2_with_one_line_and_leaves_no_folder(make_args, message, tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", True)
+    Image.new("RGB", (8, 8)).save(tmp_path / "a.png")
     args = ["render", *BASELINE, "--out", str(tmp_path / "out"), *make_args(tmp_path)]
     with pytest.raises(SystemExit) as exit_info:
         main(args)
@@ -189,7 +203,7 @@ def test_bad_input_exits_2_with_one_line_and_leaves_no_folder(make_args, message
     err = capsys.readouterr().err
     usage, error = err.splitlines()  # argparse's one usage line, then one line saying what is wrong
     assert usage.startswith("usage: qwen-image-fast render") and error.startswith("qwen-image-fast render: error: ")
-    assert message in error
+    assert message.format(model=tmp_path / "model") in error
     assert not (tmp_path / "out").exists()
 
 

@@ -20,15 +20,17 @@ def checkpoints(tmp_path_factory):
     """Tiny Edit-2511-style (EditPlus, zero_cond_t), inpainting and text-to-image folders, and input images."""
     import diffusers
 
-    from qwen_image_fast.pipelines.tiny import tiny_pipeline
+    from qwen_image_fast.pipelines.tiny import tiny_pipeline, tiny_qwen21_components
 
     root = tmp_path_factory.mktemp("checkpoints")
     tiny_pipeline(diffusers.QwenImageEditPlusPipeline, transformer_config=dict(zero_cond_t=True)).save_pretrained(
         root / "edit")
     tiny_pipeline(diffusers.QwenImageInpaintPipeline).save_pretrained(root / "inpaint")
+    diffusers.QwenImage21Pipeline(**tiny_qwen21_components()).save_pretrained(root / "qwen21")
     rng = np.random.default_rng(0)
     for name, shape in (("a.png", (32, 48, 3)), ("b.png", (40, 24, 3)), ("c.png", (32, 48, 3))):
         Image.fromarray(rng.integers(0, 256, shape, dtype=np.uint8)).save(root / name)
+    Image.fromarray(rng.integers(0, 256, (32, 64, 4), dtype=np.uint8)).save(root / "rgba.png")
     Image.fromarray(((rng.random((32, 48)) > 0.5) * 255).astype(np.uint8)).save(root / "mask.png")
     Image.fromarray(np.zeros((16, 16), dtype=np.uint8)).save(root / "small_mask.png")
     (root / "not_an_image.png").write_text("hello")
@@ -102,6 +104,49 @@ def test_edit_renders_records_its_inputs_resumes_and_compares(checkpoints, tmp_p
     with pytest.raises(SystemExit) as exit_info:
         cli(["render", *changed, "--preset", "fast", "--out", str(tmp_path / "fast")])
     assert exit_info.value.code == 2 and "made with other settings (images" in capsys.readouterr().err
+    assert cli(["compare", str(tmp_path / "baseline"), str(tmp_path / "fast"), "--out", str(tmp_path / "report"),
+                "--min-psnr", "30"]) == 0
+
+
+@needs_interpreter
+def test_qwen21_renders_rgba_with_its_defaults_and_condition_images(checkpoints, tmp_path, capsys, monkeypatch):
+    """A Qwen-Image-2.1 checkpoint: its class from model_index.json; its defaults (no CFG, so no negative prompt;
+    a test-size model: 64x64 and 2 steps), a line with an input image sized by the pipeline from it (area shrunk as
+    for the edit pipelines), the image given to the pipeline as RGBA with its alpha; RGBA images out; both presets
+    render the same images (compare, alpha included)."""
+    import diffusers
+
+    from qwen_image_fast.cli import main as cli
+
+    seen = []
+    call = diffusers.QwenImage21Pipeline.__call__
+
+    def spy(self, *args, **kwargs):
+        image = kwargs.get("image")
+        seen.append([i.mode for i in (image if isinstance(image, list) else [image] if image is not None else [])])
+        return call(self, *args, **kwargs)
+
+    monkeypatch.setattr(diffusers.QwenImage21Pipeline, "__call__", spy)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "a cat"}) + "\n"
+                       + json.dumps({"prompt": "make it blue", "images": str(checkpoints / "rgba.png")}) + "\n")
+    for preset in ("baseline", "fast"):
+        assert cli(["render", "--model", str(checkpoints / "qwen21"), "--device", "cpu", "--preset", preset,
+                    "--prompts", str(prompts), "--out", str(tmp_path / preset)]) == 0
+    assert seen == [[], ["RGBA"]] * 2
+    assert "(as asked, QwenImage21Pipeline, a test-size model: 2 steps unless given" in capsys.readouterr().out
+    text, conditioned = manifest(tmp_path / "fast")
+    assert (text["steps"], text["cfg"], text["negative_prompt"]) == (2, 1.0, None)
+    assert (text["width"], text["height"]) == (64, 64) and conditioned["width"] is None
+    assert cli(["render", "--model", str(checkpoints / "qwen21"), "--device", "cpu", "--prompts", str(prompts),
+                "--dry-run"]) == 0
+    planned = [line.split()[2] for line in capsys.readouterr().out.splitlines()[2:]]
+    assert "fused_transformer" in text["applied"]
+    assert text["applied"] == [runs for runs in planned if runs not in ("no", "off")]  # the dry run said so
+    for line, size in ((text, (64, 64)), (conditioned, (96, 32))):  # 2:1 at 1024^2 / 256, multiples of 32
+        for preset in ("baseline", "fast"):
+            image = Image.open(tmp_path / preset / line["file"])
+            assert (image.mode, image.size) == ("RGBA", size), (preset, image.mode, image.size)
     assert cli(["compare", str(tmp_path / "baseline"), str(tmp_path / "fast"), "--out", str(tmp_path / "report"),
                 "--min-psnr", "30"]) == 0
 

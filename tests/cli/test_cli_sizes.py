@@ -21,6 +21,19 @@ def test_the_largest_side_is_where_diffusers_rotary_table_ends():
         assert image.shape[0] == 4 * width and (text.shape[0] == TEXT_POSITIONS) == fits
 
 
+def test_qwen21s_largest_side_is_where_its_negative_positions_end(local_qwen21):
+    """Qwen-Image-2.1's QwenImage21Rope centres an image on zero: a side of n tokens reaches position -(n - n // 2),
+    and its table holds as many negative positions as the largest side's half (beyond, indices wrap silently)."""
+    from diffusers.models.transformers.transformer_qwenimage21 import QwenImage21Rope
+
+    shape = ModelShape.of(local_qwen21, "QwenImage21Pipeline")
+    assert (shape.pixels_per_token, shape.size_multiple, shape.test_size) == (16, 32, True)
+    rope = QwenImage21Rope(theta=10000, axes_dim=[4, 6, 6])
+    negative = rope.freqs[1].shape[0] - 8192  # [positions 0..8191; -1024..-1]
+    tokens = shape.largest_side() // shape.pixels_per_token
+    assert tokens - tokens // 2 == negative
+
+
 def dry_run(capsys, *args) -> tuple[str, str]:
     assert main(["render", "--device", "cpu", "--dry-run", *args, "a cat"]) == 0
     captured = capsys.readouterr()
@@ -35,6 +48,29 @@ def local_tiny(tmp_path_factory):
     path = tmp_path_factory.mktemp("checkpoints") / "tiny"
     tiny_pipeline().save_pretrained(path)
     return str(path)
+
+
+@pytest.fixture(scope="module")
+def local_qwen21(tmp_path_factory):
+    """A test-size Qwen-Image-2.1 checkpoint (the tiny one saved)."""
+    from diffusers import QwenImage21Pipeline
+
+    from qwen_image_fast.pipelines.tiny import tiny_qwen21_components
+
+    path = tmp_path_factory.mktemp("checkpoints") / "qwen21"
+    QwenImage21Pipeline(**tiny_qwen21_components()).save_pretrained(path)
+    return str(path)
+
+
+@pytest.mark.parametrize("args, planned", [
+    ([], "64x64 in 2 steps"),
+    (["--aspect", "9:16"], "32x96 in 2 steps"),  # 9:16 at about 64x64 pixels, in multiples of 32
+    (["--width", "128", "--height", "64", "--steps", "3"], "128x64 in 3 steps"),
+])
+def test_qwen21_sizes_and_steps(args, planned, local_qwen21, capsys):
+    capsys.readouterr()
+    first, err = dry_run(capsys, "--model", local_qwen21, *args)
+    assert f"1 image(s) ({planned})" in first and err == ""
 
 
 @pytest.mark.parametrize("args, planned", [

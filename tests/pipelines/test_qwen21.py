@@ -261,6 +261,8 @@ def test_qwen21_refuses_what_it_cannot_run(tmp_path):
         with pytest.raises(ValueError, match=match):
             optimize(tiny_pipeline(), config)
     fast = optimize(tiny_pipeline(), FastConfig(fp8=False))
+    with pytest.raises(ValueError, match="already optimized"):
+        optimize(fast)
     fast.fast_config = fast.fast_config.replace(cache="dbcache")
     with pytest.raises(ValueError, match="not supported on Qwen-Image-2.1 yet"):
         latents(fast)
