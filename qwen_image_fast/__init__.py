@@ -17,6 +17,8 @@ _WHERE = {
     "optimize": ".pipelines.qwen_image.loading",
     "from_pretrained": ".pipelines.qwen_image.loading",
     "FastQwenImageTransformer": ".pipelines.qwen_image.model.transformer",
+    "FastQwenImage21Pipeline": ".pipelines.qwen_image21.pipeline",
+    "FastQwenImage21Transformer": ".pipelines.qwen_image21.model",
     "FastAutoencoderKLQwenImage": ".pipelines.qwen_image.model.vae",
     "PromptEnhancer": ".pipelines.qwen35.enhance",
     "lightning_scheduler": ".pipelines.qwen_image.samplers",

@@ -130,12 +130,15 @@ def model_index(path_or_id) -> dict:
 
 def is_fast_checkpoint(path_or_id) -> bool:
     """Whether a pipeline folder (or hub repo) was written by a fast pipeline's save_pretrained: its
-    model_index.json names the FastQwenImageTransformer."""
+    model_index.json names a fast transformer (FastQwenImageTransformer, FastQwenImage21Transformer)."""
+    from ..qwen_image21.model import FastQwenImage21Transformer
+
     try:
         index = model_index(path_or_id)
     except OSError:  # not a pipeline folder or repo: diffusers' own loader says so
         return False
-    return list(index.get("transformer", [None, None]))[-1] == FastQwenImageTransformer.__name__
+    names = (FastQwenImageTransformer.__name__, FastQwenImage21Transformer.__name__)
+    return list(index.get("transformer", [None, None]))[-1] in names
 
 
 def saved_transformer_options(path_or_id) -> dict:
@@ -192,10 +195,58 @@ class FastLoraPipeline:
                                   "delete_adapters(...) the ones you do not need")
 
 
-class FastPipelineMixin(FastLoraPipeline):
+class FastCheckpointPipeline:
+    """A fast pipeline's save_pretrained and from_pretrained (mixed in before its diffusers class, `stock_class`):
+    a folder qwen_image_fast.from_pretrained loads back as it is, its fast transformer (`fast_transformer_class`)'s
+    FP8 weights as stored. The class gives _fast_transformer() and _build(components, config, device)."""
+
+    stock_class: type
+    fast_transformer_class: type
+
+    def save_pretrained(self, save_directory, *args, **kwargs):
+        """diffusers' save_pretrained (the same arguments: safe_serialization, variant, max_shard_size, ...): a
+        folder qwen_image_fast.from_pretrained loads back as it is. Refused before anything is written while the
+        fast transformer has LoRA adapters (its own save refuses them, but only after the components saved before
+        it were written)."""
+        fast = self._fast_transformer()
+        if fast is not None and fast.lora_state.configs:
+            fast.save_pretrained(save_directory)  # raises, saying what to do
+        return super().save_pretrained(save_directory, *args, **kwargs)
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, *args, fast_config=None, device=None, **kwargs):
+        """The upstream checkpoint layout (hub id or local folder, loaded by diffusers, then converted on `device`:
+        e.g. "cuda" from a CPU load keeps one BF16 copy, on the CPU), or a folder a fast pipeline's save_pretrained
+        wrote (its FP8 transformer loaded as stored, straight onto `device`; without fast_config, with the options
+        it was saved with). dtype / torch_dtype as in diffusers (a dtype or a dict by component; without it,
+        diffusers' own default)."""
+        fast_checkpoint = "transformer" not in kwargs and is_fast_checkpoint(pretrained_model_name_or_path)
+        if fast_config is None and fast_checkpoint:  # the build options the folder was saved with
+            fast_config = FastConfig(**saved_transformer_options(pretrained_model_name_or_path))
+        config = FastConfig.coerce(fast_config)
+        fast_state = cls._before_loading(config, pretrained_model_name_or_path, device, kwargs)
+        if fast_checkpoint:
+            if not config.fused_transformer:
+                raise ValueError(f"{pretrained_model_name_or_path} holds the fast transformer (no stock one): "
+                                 "fast_config must keep fused_transformer=True")
+            kwargs["transformer"] = cls.fast_transformer_class.from_pretrained(
+                pretrained_model_name_or_path, subfolder="transformer",
+                device="cpu" if config.memory == "low" else device, torch_dtype=load_dtype(kwargs, "transformer"),
+                fast_config=config.transformer_config(), variant=kwargs.get("variant"))
+        stock = load_stock(cls.stock_class, pretrained_model_name_or_path, *args, **kwargs)
+        return cls._build(stock.components, config, device, **fast_state)
+
+    @classmethod
+    def _before_loading(cls, config: FastConfig, path_or_id, device, kwargs: dict) -> dict:
+        """Checks that need no weights, made before any is loaded; returns the fast state _set_up takes."""
+        return {}
+
+
+class FastPipelineMixin(FastLoraPipeline, FastCheckpointPipeline):
     """Mixed in before a diffusers Qwen-Image pipeline class (`stock_class`)."""
 
     stock_class: type
+    fast_transformer_class = FastQwenImageTransformer
     runner: Runner
     _fast_config: FastConfig
     _last_call: CallRecord | None = None  # what the last call ran (None before the first)
@@ -314,46 +365,6 @@ class FastPipelineMixin(FastLoraPipeline):
 
     def _fast_transformer(self) -> FastQwenImageTransformer | None:
         return self.transformer if isinstance(self.transformer, FastQwenImageTransformer) else None
-
-    # ---- saving and loading
-
-    def save_pretrained(self, save_directory, *args, **kwargs):
-        """diffusers' save_pretrained (the same arguments: safe_serialization, variant, max_shard_size, ...): a
-        folder qwen_image_fast.from_pretrained loads back as it is. Refused before anything is written while the
-        fast transformer has LoRA adapters (its own save refuses them, but only after the components saved before
-        it were written)."""
-        fast = self._fast_transformer()
-        if fast is not None and fast.lora_state.configs:
-            fast.save_pretrained(save_directory)  # raises, saying what to do
-        return super().save_pretrained(save_directory, *args, **kwargs)
-
-    @classmethod
-    def from_pretrained(cls, pretrained_model_name_or_path, *args, fast_config=None, device=None, **kwargs):
-        """The upstream checkpoint layout (hub id or local folder, loaded by diffusers, then converted on `device`:
-        e.g. "cuda" from a CPU load keeps one BF16 copy, on the CPU), or a folder a fast pipeline's save_pretrained
-        wrote (its FP8 transformer loaded as stored, straight onto `device`; without fast_config, with the options
-        it was saved with). dtype / torch_dtype as in diffusers (a dtype or a dict by component; without it,
-        diffusers' own default)."""
-        fast_checkpoint = "transformer" not in kwargs and is_fast_checkpoint(pretrained_model_name_or_path)
-        if fast_config is None and fast_checkpoint:  # the build options the folder was saved with
-            fast_config = FastConfig(**saved_transformer_options(pretrained_model_name_or_path))
-        config = FastConfig.coerce(fast_config)
-        fast_state = cls._before_loading(config, pretrained_model_name_or_path, device, kwargs)
-        if fast_checkpoint:
-            if not config.fused_transformer:
-                raise ValueError(f"{pretrained_model_name_or_path} holds the fast transformer (no stock one): "
-                                 "fast_config must keep fused_transformer=True")
-            kwargs["transformer"] = FastQwenImageTransformer.from_pretrained(
-                pretrained_model_name_or_path, subfolder="transformer",
-                device="cpu" if config.memory == "low" else device, torch_dtype=load_dtype(kwargs, "transformer"),
-                fast_config=config.transformer_config(), variant=kwargs.get("variant"))
-        stock = load_stock(cls.stock_class, pretrained_model_name_or_path, *args, **kwargs)
-        return cls._build(stock.components, config, device, **fast_state)
-
-    @classmethod
-    def _before_loading(cls, config: FastConfig, path_or_id, device, kwargs: dict) -> dict:
-        """Checks that need no weights, made before any is loaded; returns the fast state _set_up takes."""
-        return {}
 
     @classmethod
     def from_pipe(cls, pipeline, fast_config=None, device=None, **kwargs):

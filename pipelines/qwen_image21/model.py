@@ -42,6 +42,7 @@ from diffusers.configuration_utils import ConfigMixin
 from diffusers.models.modeling_outputs import Transformer2DModelOutput
 from diffusers.models.modeling_utils import ModelMixin
 from diffusers.models.transformers.transformer_qwenimage21 import (
+    QwenImage21Rope,
     QwenImage21Transformer2DModel,
     _qwenimage21_prefix_segments,
 )
@@ -59,6 +60,7 @@ from ..qwen_image.config import FastTransformerConfig
 from ..qwen_image.model.adapters import LoraAdapters, check_carriable, peft_lora_layers
 from ..qwen_image.model.attention import TextMask, joint_attention, resolve_backend
 from ..qwen_image.model.block import clip_float16
+from ..qwen_image.model.checkpoint import FastCheckpoint
 from ..qwen_image.model.linear import FastLinear, Operand, as_fp8_operand, q_dtype_for
 from ..qwen_image.model.lora import LoraState, lora_scale_of
 from ..qwen_image.runtime.context import forward_context, get_context, record
@@ -311,6 +313,10 @@ class FastQwenImage21Transformer(LoraAdapters, ModelMixin, ConfigMixin):
         stock = QwenImage21Transformer2DModel(**{**config, "num_layers": 0})  # its embedders, modulation and output
         for name in SHARED_MODULES:
             setattr(self, name, getattr(stock, name))
+        with torch.device("cpu"):  # tables computed, not loaded (no state_dict entries): real even under meta
+            self.pos_embed = QwenImage21Rope(theta=10000, axes_dim=list(config["axes_dims_rope"]))
+            proj = self.time_text_embed.time_proj  # its frequencies: a non-persistent buffer
+            self.time_text_embed.time_proj = type(proj)(proj.timestep_dim, time_factor=proj.time_factor)
         self.transformer_blocks = nn.ModuleList(
             FastBlock21(inner, config["num_attention_heads"], config["attention_head_dim"],
                         inner * config["mlp_ratio"], fast_config, config["eps"])
@@ -392,9 +398,23 @@ class FastQwenImage21Transformer(LoraAdapters, ModelMixin, ConfigMixin):
     def enable_gradient_checkpointing(self, *args, **kwargs):
         refuse("enable_gradient_checkpointing", "the fast transformer is inference-only")
 
-    def save_pretrained(self, *args, **kwargs):
-        refuse("save_pretrained", "saving the fast Qwen-Image-2.1 transformer is not supported yet: save the stock "
-                                  "pipeline and optimize() it after loading")
+    # ---- saving and loading (the 2512 model's format: the stock config plus fast_config, FP8 weights as stored)
+
+    @classmethod
+    def from_pretrained(cls, pretrained_model_name_or_path, subfolder: str | None = None, *, device=None,
+                        torch_dtype: torch.dtype | None = None, fast_config: FastTransformerConfig | None = None,
+                        variant: str | None = None, **unsupported):
+        """What save_pretrained wrote, as FastQwenImageTransformer.from_pretrained loads it (FP8 weights as stored,
+        onto `device`; fast_config's fp8 must be the stored one)."""
+        checkpoint = FastCheckpoint(cls, pretrained_model_name_or_path, subfolder, unsupported)
+        run = checkpoint.run_config(fast_config)
+        device = torch.device(device or "cpu")
+        with torch.device("meta"):
+            model = cls(run, **checkpoint.stock_config(STOCK_CONFIG))
+        checkpoint.load_into(model, device, variant, torch_dtype)
+        if run.attention != "auto":
+            resolve_backend(run.attention, device, model.dtype)
+        return model.requires_grad_(False).eval()
 
     # ---- forward
 

@@ -14,16 +14,16 @@ import torch
 from diffusers import QwenImage21Pipeline
 
 from ..qwen_image.config import FastConfig
-from ..qwen_image.fast_pipeline import (FastLoraPipeline, check_replacement, load_stock, refuse_text_to_image_only,
-                                        transformer_config_on)
+from ..qwen_image.fast_pipeline import (FastCheckpointPipeline, FastLoraPipeline, check_replacement,
+                                        refuse_text_to_image_only, transformer_config_on)
 from ..qwen_image.optimizations import QWEN21_VAE, CallRecord, Facts, planned_labels, plans, step_cache_conflict
 from ..qwen_image.runtime.context import forward_context
 from ..qwen_image.runtime.offload import has_offload_hooks
 from .model import FastQwenImage21Transformer
 
 
-class FastQwenImage21Pipeline(FastLoraPipeline, QwenImage21Pipeline):
-    stock_class = QwenImage21Pipeline
+class FastQwenImage21Pipeline(FastLoraPipeline, FastCheckpointPipeline, QwenImage21Pipeline):
+    stock_class, fast_transformer_class = QwenImage21Pipeline, FastQwenImage21Transformer
     _last_call: CallRecord | None = None
 
     def __init__(self, scheduler, vae, text_encoder, processor, transformer, sample_sigmas=None, *,
@@ -38,12 +38,6 @@ class FastQwenImage21Pipeline(FastLoraPipeline, QwenImage21Pipeline):
         pipe._set_up(config, device)
         return pipe
 
-    @classmethod
-    def from_pretrained(cls, pretrained_model_name_or_path, *args, fast_config=None, device=None, **kwargs):
-        """diffusers' QwenImage21Pipeline.from_pretrained, then the transformer converted on `device`."""
-        stock = load_stock(QwenImage21Pipeline, pretrained_model_name_or_path, *args, **kwargs)
-        return cls._build(stock.components, FastConfig.coerce(fast_config), device)
-
     def _set_up(self, config: FastConfig, device):
         refuse_text_to_image_only(config, type(self).__name__)
         transformer = self.transformer
@@ -54,13 +48,6 @@ class FastQwenImage21Pipeline(FastLoraPipeline, QwenImage21Pipeline):
                 transformer, transformer_config_on(config, device), device))
         self._fast_config = config
         self._last_call = None
-
-    def save_pretrained(self, save_directory, *args, **kwargs):
-        """Refused before anything is written while the transformer is the fast one (its own save_pretrained is not
-        supported yet, and diffusers would have written the other components first)."""
-        if self._fast_transformer() is not None:
-            self.transformer.save_pretrained(save_directory)  # raises, saying what to do
-        return super().save_pretrained(save_directory, *args, **kwargs)
 
     def _fast_transformer(self) -> FastQwenImage21Transformer | None:
         return self.transformer if isinstance(self.transformer, FastQwenImage21Transformer) else None

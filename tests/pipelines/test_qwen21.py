@@ -137,6 +137,37 @@ def test_real_width_on_gpu(fp8):
         assert error <= (FP8_BOUND.full if fp8 else 2e-2), (fast.attention_backend, i, error)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("how", ["model", "group-block", "group-block-stream", "group-leaf"])
+def test_offload_on_gpu(how):
+    """diffusers' offload on the fast 2.1 pipeline (enable_model_cpu_offload; the transformer's group offload by
+    block or leaf): the whole tiny pipeline's latents equal the resident fast pipeline's, and no CUDA graphs run
+    while hooks move the weights."""
+    from qwen_image_fast.pipelines.tiny import tiny_qwen21_components
+
+    call = dict(prompt=["a cat", "a large dog in the park"], height=64, width=64, num_inference_steps=3,
+                output_type="latent")
+
+    def latents(pipe):
+        return pipe(**call, generator=torch.Generator("cuda").manual_seed(0)).images
+
+    resident = optimize(QwenImage21Pipeline(**tiny_qwen21_components()).to("cuda"),
+                        FastConfig(fp8=False, cuda_graphs=False))
+    expected = latents(resident)
+    pipe = optimize(QwenImage21Pipeline(**tiny_qwen21_components()), FastConfig(fp8=False), device="cuda")
+    if how == "model":
+        pipe.enable_model_cpu_offload()
+    else:
+        kind, *stream = how.removeprefix("group-").split("-")
+        pipe.text_encoder.to("cuda")
+        pipe.vae.to("cuda")
+        pipe.transformer.enable_group_offload(
+            onload_device=torch.device("cuda"), offload_device=torch.device("cpu"), offload_type=f"{kind}_level",
+            num_blocks_per_group=1 if kind == "block" else None, use_stream=bool(stream))
+    assert_close(latents(pipe), expected, 1e-6, f"{how} offload vs resident")
+    assert "cuda_graphs" not in pipe.applied and "fused_transformer" in pipe.applied
+
+
 def test_left_padded_mask_is_refused():
     """The fast attention counts each sample's valid keys (the padding at the end): a mask with padding elsewhere
     is refused, not attended otherwise than stock."""
@@ -266,10 +297,7 @@ def test_qwen21_refuses_what_it_cannot_run(tmp_path):
     fast.fast_config = fast.fast_config.replace(cache="dbcache")
     with pytest.raises(ValueError, match="not supported on Qwen-Image-2.1 yet"):
         latents(fast)
-    with pytest.raises(NotImplementedError, match="save_pretrained"):
-        fast.save_pretrained(tmp_path / "saved")
-    assert not (tmp_path / "saved").exists(), "nothing partial is left on disk"
-    for method, args in (("enable_cache", (None,)), ("set_attention_backend", ("x",)), ("save_pretrained", ("x",))):
+    for method, args in (("enable_cache", (None,)), ("set_attention_backend", ("x",))):
         with pytest.raises(NotImplementedError, match=f"FastQwenImage21Transformer.{method}: .+"):
             getattr(fast.transformer, method)(*args)
 
@@ -309,6 +337,37 @@ def test_from_pretrained_loads_a_saved_checkpoint(tmp_path):
     call = dict(prompt="a cat", num_inference_steps=2, height=64, width=64, output_type="latent")
     assert_close(fast(**call, generator=torch.Generator().manual_seed(0)).images,
                  stock(**call, generator=torch.Generator().manual_seed(0)).images, 1e-5, "from_pretrained")
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_save_and_load_back_as_it_was(tmp_path, fp8):
+    """A fast 2.1 pipeline's save_pretrained (diffusers' arguments), then qwen_image_fast.from_pretrained: the same
+    class, its transformer's state bit for bit (the FP8 weights and scales as stored, not requantized), with the
+    options it was saved with, computing what it computed; fp8 asked otherwise than stored is refused, as are
+    diffusers' own loaders (the folder holds FP8 weights in the fused layout)."""
+    import json
+
+    from qwen_image_fast import from_pretrained
+    from qwen_image_fast.pipelines.tiny import tiny_qwen21_components
+
+    pipe = optimize(QwenImage21Pipeline(**tiny_qwen21_components()), FastConfig(fp8=fp8))
+    pipe.save_pretrained(tmp_path, max_shard_size="20KB")
+    index = json.loads((tmp_path / "model_index.json").read_text())
+    assert index["_class_name"] == "FastQwenImage21Pipeline"
+    assert index["transformer"][-1] == "FastQwenImage21Transformer"
+    assert len(list((tmp_path / "transformer").glob("*.safetensors"))) > 1
+    loaded = from_pretrained(tmp_path)
+    assert type(loaded) is FastQwenImage21Pipeline and loaded.fast_config.fp8 == fp8
+    before, after = pipe.transformer.state_dict(), loaded.transformer.state_dict()
+    assert before.keys() == after.keys() and any(k.endswith("weight_q") for k in before) == fp8
+    assert all(torch.equal(before[k], after[k]) and before[k].dtype == after[k].dtype for k in before)
+    call = dict(prompt="a cat", num_inference_steps=2, height=64, width=64, output_type="latent")
+    assert_close(loaded(**call, generator=torch.Generator().manual_seed(0)).images,
+                 pipe(**call, generator=torch.Generator().manual_seed(0)).images, 1e-6, "loaded")
+    with pytest.raises(ValueError, match=f"stores the block linears with fp8={fp8}"):
+        from_pretrained(tmp_path, FastConfig(fp8=not fp8))
+    with pytest.raises(ValueError, match="diffusers' own pipelines and loaders cannot load"):
+        QwenImage21Pipeline.from_pretrained(tmp_path)
 
 
 # ---- LoRA: diffusers' API on the fast 2.1 transformer, against the stock pipeline with the same LoRA through peft

@@ -27,8 +27,6 @@ def peft_lora_layers(model: nn.Module) -> dict[str, nn.Module]:
 
 # An activation operand: rows [M, K] in the model's dtype, or rowwise FP8 (q [M, K], scale [M, 1]).
 Operand = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
-FP8_TENSORS = ("weight_q", "weight_scale")
-
 
 
 def check_carriable(stock, peft_layers: dict[str, nn.Module]):
@@ -55,6 +53,21 @@ class LoraAdapters:
     (load_lora_adapter, set_adapters, fuse_lora, ...). The model names its sites (lora_sites: stock block module ->
     its fused linear and part, lora.py), its block class (block_class) and the stock model (stock_model_name), and
     keeps lora_state and weight_source."""
+
+    def save_pretrained(self, save_directory, is_main_process: bool = True, save_function=None,
+                        safe_serialization: bool = True, variant: str | None = None, max_shard_size="10GB",
+                        push_to_hub: bool = False, **kwargs):
+        """ModelMixin.save_pretrained (the same arguments, named: a pipeline's save_pretrained passes those its
+        components' signatures name), refused while LoRA adapters are loaded: the checkpoint would silently lack
+        them (they are not weights of the model)."""
+        if self.lora_state.configs:
+            raise ValueError(
+                f"save_pretrained with LoRA adapters {sorted(self.lora_state.configs)} loaded would write the model "
+                "without them: unload_lora_weights() first and keep the LoRA files to load again, or fuse the LoRA "
+                "into the stock model, unload it there and convert (optimize) that")
+        return super().save_pretrained(save_directory, is_main_process=is_main_process, save_function=save_function,
+                                       safe_serialization=safe_serialization, variant=variant,
+                                       max_shard_size=max_shard_size, push_to_hub=push_to_hub, **kwargs)
 
     # ---- carried over from a stock model (from_diffusers)
 

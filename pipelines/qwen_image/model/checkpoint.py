@@ -1,5 +1,6 @@
-"""Reading diffusers model folders: a whole fast checkpoint (load_weights), or one tensor at a time of a stock one
-(CheckpointWeights: the BF16 masters of the FP8 weights, for fuse_lora)."""
+"""Reading diffusers model folders: a whole fast checkpoint (FastCheckpoint: its config and weights, for both
+families' fast transformers' from_pretrained), or one tensor at a time of a stock one (CheckpointWeights: the BF16
+masters of the FP8 weights, for fuse_lora)."""
 
 import json
 from pathlib import Path
@@ -12,6 +13,9 @@ from diffusers.utils import (
     WEIGHTS_NAME,
     _add_variant,
 )
+
+from ..config import FastTransformerConfig
+from .linear import FP8_TENSORS
 
 
 def local_folder(path_or_id, subfolder: str | None) -> Path:
@@ -51,6 +55,58 @@ def load_weights(folder: Path, device: torch.device, variant: str | None = None)
         else:
             state.update(torch.load(file, map_location=device, weights_only=True))
     return state
+
+
+class FastCheckpoint:
+    """A folder a fast transformer's save_pretrained wrote: its config.json (the stock model's config plus
+    "fast_config") and weights (the FP8 ones with their fp32 scales, as stored)."""
+
+    def __init__(self, model_class, path_or_id, subfolder: str | None, unsupported: dict):
+        name = model_class.__name__
+        if unsupported:  # e.g. a diffusers pipeline's loader (device_map, low_cpu_mem_usage, ...)
+            raise ValueError(
+                f"{path_or_id} holds a qwen-image-fast transformer (FP8 block linears, fused layout), which "
+                f"diffusers' own pipelines and loaders cannot load (arguments {', '.join(sorted(unsupported))} are "
+                f"not supported): load the pipeline with qwen_image_fast.from_pretrained(folder), or this model with "
+                f"{name}.from_pretrained(folder, subfolder='transformer', device=...)")
+        self.folder = local_folder(path_or_id, subfolder)
+        self.saved = json.loads((self.folder / model_class.config_name).read_text())
+        if self.saved.get("_class_name") != name or "fast_config" not in self.saved:
+            raise ValueError(
+                f"{self.folder} holds a {self.saved.get('_class_name')} checkpoint, not a {name} one; convert a "
+                f"stock model with {name}.from_diffusers({model_class.stock_model_name}.from_pretrained(...)), or "
+                "load the pipeline with qwen_image_fast.from_pretrained(...)")
+        self.stored = FastTransformerConfig.from_dict(self.saved["fast_config"])
+
+    def run_config(self, fast_config: FastTransformerConfig | None) -> FastTransformerConfig:
+        """How to run it: fast_config (its fp8 and bf16_linears must be the stored ones; fp8_fast_accum and
+        attention may differ), or None: as saved, attention "auto"."""
+        run = (FastTransformerConfig.of(fast_config) if fast_config is not None
+               else FastTransformerConfig(**{**self.stored.to_dict(), "attention": "auto"}))
+        stored = self.stored
+        if (run.fp8, run.bf16_linears) != (stored.fp8, stored.bf16_linears):
+            raise ValueError(
+                f"{self.folder} stores the block linears with fp8={stored.fp8}, bf16_linears="
+                f"{list(stored.bf16_linears)}; fast_config asks for fp8={run.fp8}, bf16_linears="
+                f"{list(run.bf16_linears)}: pass a config with the stored values, or convert the stock checkpoint "
+                "with the ones you want")
+        return run
+
+    def stock_config(self, names) -> dict:
+        return {name: self.saved[name] for name in names if name in self.saved}
+
+    def load_into(self, model: torch.nn.Module, device: torch.device, variant: str | None,
+                  torch_dtype: torch.dtype | None):
+        """Every tensor onto device, into `model` (built on the meta device; what no state_dict holds, it computed
+        on a real one); torch_dtype casts all but the FP8 weights and their fp32 scales."""
+        state = load_weights(self.folder, device, variant)
+        if torch_dtype is not None:
+            state = {name: t if name.rsplit(".", 1)[-1] in FP8_TENSORS else t.to(torch_dtype)
+                     for name, t in state.items()}
+        model.load_state_dict(state, strict=True, assign=True)
+        left = [name for name, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta]
+        if left:
+            raise RuntimeError(f"{type(model).__name__}: {left} neither loaded nor computed (still on the meta device)")
 
 
 class CheckpointWeights:

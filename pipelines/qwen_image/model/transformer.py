@@ -16,7 +16,6 @@ sequence-parallel group, batched CFG and graphs) reaches it through the forward 
 """
 
 import inspect
-import json
 from dataclasses import dataclass
 from math import prod
 
@@ -43,8 +42,7 @@ from ..runtime.parallel import UlyssesPlan
 from .adapters import LoraAdapters, check_carriable, peft_lora_layers
 from .attention import TextMask, resolve_backend
 from .block import FastBlock, JointInputs, Tail, add_tail, clip_float16
-from .checkpoint import CheckpointWeights, load_weights, local_folder
-from .linear import FP8_TENSORS
+from .checkpoint import CheckpointWeights, FastCheckpoint
 from .lora import BLOCK_SITES, LoraState, lora_scale_of
 from .modulation import ModulationLayout, ModulationTables, tensor_key
 from .step_caches import StepCaches, past_hooks
@@ -179,57 +177,19 @@ class FastQwenImageTransformer(Unsupported, StepCaches, LoraAdapters, ModelMixin
         as stored (FP8 ones with their scales, not requantized), straight onto `device` (default: the CPU).
         torch_dtype casts all but the FP8 tensors. fast_config: how to run it (fp8 and bf16_linears must match the
         checkpoint; fp8_fast_accum and attention may differ); None: as saved, attention "auto"."""
-        if unsupported:  # e.g. a diffusers pipeline's loader (device_map, low_cpu_mem_usage, ...)
-            raise ValueError(
-                f"{pretrained_model_name_or_path} holds a qwen-image-fast transformer (FP8 block linears, fused "
-                f"layout), which diffusers' own pipelines and loaders cannot load (arguments "
-                f"{', '.join(sorted(unsupported))} are not supported): load the pipeline with "
-                "qwen_image_fast.from_pretrained(folder), or this model with "
-                "FastQwenImageTransformer.from_pretrained(folder, subfolder='transformer', device=...)")
-        folder = local_folder(pretrained_model_name_or_path, subfolder)
-        saved = json.loads((folder / cls.config_name).read_text())
-        if saved.get("_class_name") != cls.__name__ or "fast_config" not in saved:
-            raise ValueError(
-                f"{folder} holds a {saved.get('_class_name')} checkpoint, not a FastQwenImageTransformer one; "
-                "convert a stock model with FastQwenImageTransformer.from_diffusers(QwenImageTransformer2DModel."
-                "from_pretrained(...)), or load the pipeline with qwen_image_fast.from_pretrained(...)")
-        stored = FastTransformerConfig.from_dict(saved["fast_config"])
-        run = (FastTransformerConfig.of(fast_config) if fast_config is not None
-               else FastTransformerConfig(**{**stored.to_dict(), "attention": "auto"}))
-        if (run.fp8, run.bf16_linears) != (stored.fp8, stored.bf16_linears):
-            raise ValueError(
-                f"{folder} stores the block linears with fp8={stored.fp8}, bf16_linears={list(stored.bf16_linears)}; "
-                f"fast_config asks for fp8={run.fp8}, bf16_linears={list(run.bf16_linears)}: pass a config with the "
-                "stored values, or convert the stock checkpoint with the ones you want")
+        checkpoint = FastCheckpoint(cls, pretrained_model_name_or_path, subfolder, unsupported)
+        run = checkpoint.run_config(fast_config)
         device = torch.device(device or "cpu")
         if not torch.cuda.is_available():
             check_triton_runs_on(device)
-        stock_config = {name: saved[name] for name in STOCK_CONFIG if name in saved}
+        stock_config = checkpoint.stock_config(STOCK_CONFIG)
         with torch.device("meta"):
             model = cls(run, **stock_config)
         model.pos_embed = cls._pos_embed({**STOCK_CONFIG, **stock_config})
-        state = load_weights(folder, device, variant)
-        if torch_dtype is not None:  # every tensor but the FP8 weights and their fp32 scales
-            state = {name: t if name.rsplit(".", 1)[-1] in FP8_TENSORS else t.to(torch_dtype)
-                     for name, t in state.items()}
-        model.load_state_dict(state, strict=True, assign=True)
+        checkpoint.load_into(model, device, variant, torch_dtype)
         if run.attention != "auto":
             resolve_backend(run.attention, device, model.dtype)
         return model.requires_grad_(False).eval()
-
-    def save_pretrained(self, save_directory, is_main_process: bool = True, save_function=None,
-                        safe_serialization: bool = True, variant: str | None = None, max_shard_size="10GB",
-                        push_to_hub: bool = False, **kwargs):
-        """ModelMixin.save_pretrained (the same arguments), refused while LoRA adapters are loaded: the checkpoint
-        would silently lack them (they are not weights of the model)."""
-        if self.lora_state.configs:
-            raise ValueError(
-                f"save_pretrained with LoRA adapters {sorted(self.lora_state.configs)} loaded would write the model "
-                "without them: unload_lora_weights() first and keep the LoRA files to load again, or fuse the LoRA "
-                "into the stock model, unload it there and convert (optimize) that")
-        return super().save_pretrained(save_directory, is_main_process=is_main_process, save_function=save_function,
-                                       safe_serialization=safe_serialization, variant=variant,
-                                       max_shard_size=max_shard_size, push_to_hub=push_to_hub, **kwargs)
 
     # ---- what pipelines and users touch on a diffusers model
 
