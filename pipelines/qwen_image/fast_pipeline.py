@@ -56,7 +56,7 @@ def fast_transformer(transformer, config: FastConfig, device, modulation_device=
 def image_conditioned_refusal(pipeline: str, options: list[str]) -> str:
     return (f"{', '.join(options)}: supported by the text-to-image QwenImageFastPipeline only, not by {pipeline}, "
             "which runs diffusers' own loop (replace pipe.scheduler to sample otherwise; render one image per "
-            "process instead of parallel)")
+            "process instead of parallel; for less GPU memory, pipe.enable_model_cpu_offload())")
 
 
 def refuse_text_to_image_only(config: FastConfig, pipeline: str):
