@@ -39,7 +39,8 @@ from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_pipeline import NEGATIVE  # noqa: E402
-from common import append_results, bench_ms, environment, sync  # noqa: E402
+from common import (append_results, bench_ms, environment, random_on_gpu, sync, vision_token_ids,  # noqa: E402
+                    vision_tokenizer)
 
 from qwen_image_fast import FastConfig, optimize  # noqa: E402
 from qwen_image_fast.compare import psnr  # noqa: E402
@@ -54,7 +55,6 @@ VL_PIXELS = (56 * 56, 28 * 28 * 16384)
 def qwen25_vl_7b_config(tokenizer):
     from transformers import Qwen2_5_VLConfig
 
-    ids = tokenizer.convert_tokens_to_ids(["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"])
     return Qwen2_5_VLConfig(
         text_config=dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
                          num_key_value_heads=4, vocab_size=152064, rope_theta=1000000.0,
@@ -62,28 +62,20 @@ def qwen25_vl_7b_config(tokenizer):
         vision_config=dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=3584,
                            patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=112,
                            fullatt_block_indexes=[7, 15, 23, 31]),
-        vocab_size=152064, **dict(zip(("vision_start_token_id", "vision_end_token_id", "image_token_id",
-                                       "video_token_id"), ids)))
+        vocab_size=152064, **vision_token_ids(tokenizer))
 
 
 def full_size_components(tokenizer_dir: Path) -> dict:
     from diffusers import AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler
-    from transformers import Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer
+    from transformers import Qwen2_5_VLForConditionalGeneration
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     from bench_transformer import make_stock
-    from qwen_image_fast.pipelines.tiny import QWEN_IMAGE_SCHEDULER_CONFIG, VISION_TOKENS
+    from qwen_image_fast.pipelines.tiny import QWEN_IMAGE_SCHEDULER_CONFIG
     from qwen_image_fast.pipelines.qwen_image.vl_processor import processor_without_torchvision
 
-    tokenizer = Qwen2Tokenizer.from_pretrained(tokenizer_dir)
-    tokenizer.add_special_tokens({"additional_special_tokens": list(VISION_TOKENS)})
-    default_dtype = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)  # built in place on the GPU: 8B random parameters in seconds
-    try:
-        with torch.device("cuda"):
-            text_encoder = Qwen2_5_VLForConditionalGeneration(qwen25_vl_7b_config(tokenizer)).eval()
-    finally:
-        torch.set_default_dtype(default_dtype)
+    tokenizer = vision_tokenizer(tokenizer_dir)
+    text_encoder = random_on_gpu(Qwen2_5_VLForConditionalGeneration, qwen25_vl_7b_config(tokenizer))
     min_pixels, max_pixels = VL_PIXELS
     processor = processor_without_torchvision(
         Qwen2VLImageProcessorPil(min_pixels=min_pixels, max_pixels=max_pixels, patch_size=14, merge_size=2,

@@ -35,7 +35,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import append_results, bench_ms, environment, matmul_tflops  # noqa: E402
+from common import (append_results, bench_ms, environment, matmul_tflops, random_on_gpu,  # noqa: E402
+                    vision_token_ids, vision_tokenizer)
 
 from qwen_image_fast.kernels._utils import rel_rms_error  # noqa: E402
 from qwen_image_fast.pipelines.qwen_image.config import FastTransformerConfig  # noqa: E402
@@ -163,7 +164,6 @@ def qwen3_vl_8b_config(tokenizer):
     """Qwen3-VL-8B's shapes as published for Qwen3-VL (a guess for Qwen-Image-2.1's encoder, see the docstring)."""
     from transformers import Qwen3VLConfig
 
-    ids = tokenizer.convert_tokens_to_ids(["<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"])
     return Qwen3VLConfig(
         text_config=dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
                          num_key_value_heads=8, head_dim=128, vocab_size=151936, rope_theta=5000000.0,
@@ -171,26 +171,19 @@ def qwen3_vl_8b_config(tokenizer):
         vision_config=dict(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16, out_hidden_size=4096,
                            patch_size=16, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=2304,
                            deepstack_visual_indexes=[8, 16, 24]),
-        **dict(zip(("vision_start_token_id", "vision_end_token_id", "image_token_id", "video_token_id"), ids)))
+        **vision_token_ids(tokenizer))
 
 
 def full_size_components(tokenizer_dir: Path) -> dict:
     from diffusers import AutoencoderKLQwenImage21, FlowMatchEulerDiscreteScheduler
-    from transformers import Qwen2Tokenizer, Qwen3VLForConditionalGeneration, Qwen3VLProcessor
+    from transformers import Qwen3VLForConditionalGeneration, Qwen3VLProcessor
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
     from qwen_image_fast.pipelines.qwen_image.vl_processor import processor_without_torchvision
-    from qwen_image_fast.pipelines.tiny import QWEN21_CHAT_TEMPLATE, QWEN21_SCHEDULER_CONFIG, VISION_TOKENS
+    from qwen_image_fast.pipelines.tiny import QWEN21_CHAT_TEMPLATE, QWEN21_SCHEDULER_CONFIG
 
-    tokenizer = Qwen2Tokenizer.from_pretrained(tokenizer_dir)
-    tokenizer.add_special_tokens({"additional_special_tokens": list(VISION_TOKENS)})
-    default_dtype = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)  # built in place on the GPU: 8B random parameters in seconds
-    try:
-        with torch.device("cuda"):
-            text_encoder = Qwen3VLForConditionalGeneration(qwen3_vl_8b_config(tokenizer)).eval()
-    finally:
-        torch.set_default_dtype(default_dtype)
+    tokenizer = vision_tokenizer(tokenizer_dir)
+    text_encoder = random_on_gpu(Qwen3VLForConditionalGeneration, qwen3_vl_8b_config(tokenizer))
     # Qwen3-VL's image processor bounds: 256^2 to 4096^2 pixels, 16-pixel patches, 2x2 merge.
     processor = processor_without_torchvision(
         Qwen2VLImageProcessorPil(min_pixels=256 * 256, max_pixels=4096 * 4096, patch_size=16, merge_size=2,

@@ -86,3 +86,35 @@ def append_results(name: str, rows: list[dict], out_dir: Path | None = None):
         with open(folder / f"{name}.jsonl", "a") as f:
             for row in rows:
                 f.write(json.dumps(row) + "\n")
+
+
+# ---- random full-size text encoders (bench_edit.py, bench_qwen21.py)
+
+def vision_tokenizer(tokenizer_dir: Path):
+    """A Qwen BPE tokenizer folder (qwen_bpe_tokenizer.py) with Qwen's vision tokens added."""
+    from transformers import Qwen2Tokenizer
+
+    from qwen_image_fast.pipelines.tiny import VISION_TOKENS
+
+    tokenizer = Qwen2Tokenizer.from_pretrained(tokenizer_dir)
+    tokenizer.add_special_tokens({"additional_special_tokens": list(VISION_TOKENS)})
+    return tokenizer
+
+
+def vision_token_ids(tokenizer) -> dict:
+    """The VL configs' vision token id fields."""
+    from qwen_image_fast.pipelines.tiny import VISION_TOKENS
+
+    names = ("vision_start_token_id", "vision_end_token_id", "image_token_id", "video_token_id")
+    return dict(zip(names, tokenizer.convert_tokens_to_ids(list(VISION_TOKENS))))
+
+
+def random_on_gpu(model_class, config):
+    """model_class(config) with random bf16 weights, built in place on the GPU (8B parameters in seconds)."""
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("cuda"):
+            return model_class(config).eval()
+    finally:
+        torch.set_default_dtype(default_dtype)

@@ -367,7 +367,7 @@ def test_save_and_load_back_as_it_was(tmp_path, fp8):
     with pytest.raises(ValueError, match=f"stores the block linears with fp8={fp8}"):
         from_pretrained(tmp_path, FastConfig(fp8=not fp8))
     with pytest.raises(ValueError, match="diffusers' own pipelines and loaders cannot load"):
-        QwenImage21Pipeline.from_pretrained(tmp_path)
+        QwenImage21Pipeline.from_pretrained(tmp_path, processor=loaded.processor)  # (its own needs torchvision)
 
 
 # ---- LoRA: diffusers' API on the fast 2.1 transformer, against the stock pipeline with the same LoRA through peft
