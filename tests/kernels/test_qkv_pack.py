@@ -3,8 +3,11 @@ import torch
 from diffusers.models.transformers import transformer_qwenimage
 from diffusers.models.transformers.transformer_qwenimage import QwenEmbedRope, QwenImageTransformerBlock
 
-from helpers import DEVICES, DTYPES, assert_matches_ref
-from qwen_image_fast.kernels.qkv_pack import qkv_pack, qkv_pack_ref
+from helpers import DEVICES, DTYPES, assert_close, assert_matches_ref
+from qwen_image_fast.kernels._utils import FP8_DTYPE, FP8_MAX
+from qwen_image_fast.kernels.qkv_pack import qkv_pack, qkv_pack_ref, rms_norm_fp8_scale
+from qwen_image_fast.kernels.rms_norm import rms_norm_ref
+from qwen_image_fast.kernels.rope import rope_qwen_image_ref
 
 SENTINEL = 7.0  # pre-filled into the joint buffers; rows outside [seq_offset, seq_offset + L) must keep it
 # q, k: the norm rounds where diffusers' does, the rotation is fp32 and rounds once. rstd's sum runs in another order
@@ -105,6 +108,65 @@ def test_qkv_pack_matches_ref(b, l, h, d, s, seq_offset, pad, dtype, device):
     assert torch.equal(out[2][:, rows], qkv[..., 2 * h * d :].unflatten(-1, (h, d))), "v must be copied exactly"
 
 
+# ---- FP8 attention operands: q and k quantized with the RMSNorm bound's scale, v as it is
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_fp8_scale_bounds_every_input(dtype):
+    """|rope(rms_norm(x) * w)| <= 448 * scale for any x: random rows, and the worst case (x one-hot where |w| is
+    largest: sqrt(D) * max|w| in one pair, rotated), which comes within the margin of 448."""
+    d, h = 128, 4
+    w_img, w_txt = (1.0 + 0.3 * torch.randn(d)).to(dtype), (1.0 + 0.6 * torch.randn(d)).to(dtype)
+    scale = rms_norm_fp8_scale([w_img, w_txt], d)
+    top = max(w_img.float().abs().max(), w_txt.float().abs().max())
+    assert scale.shape == (1,) and scale.dtype == torch.float32
+    x = torch.randn(3, 64, h, d).to(dtype) * torch.logspace(-3, 3, 64)[:, None, None]
+    worst = torch.argmax(w_txt.float().abs())
+    x[0, 0] = 0
+    x[0, 0, :, worst] = 5.0
+    freqs = torch.view_as_real(torch.polar(torch.ones(64, d // 2), 6.0 * torch.rand(64, d // 2)))
+    for w in (w_img, w_txt):
+        values = rope_qwen_image_ref(rms_norm_ref(x, w).float(), freqs) / scale
+        assert values.abs().max() <= FP8_MAX
+    worst_value = rope_qwen_image_ref(rms_norm_ref(x[:1, :1], w_txt).float(), freqs[:1]).abs().max() / scale
+    assert worst_value > FP8_MAX * 0.7 * float(w_txt.float().abs().max() / top), worst_value
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("b, l, h, d, s, seq_offset", [(2, 37, 3, 16, 45, 5), (1, 3, 24, 128, 5, 1)])
+def test_qkv_pack_fp8_matches_ref(b, l, h, d, s, seq_offset, dtype, device):
+    """q and k as FP8 with the bound's scales (the values before the cast: the rotation's fp32 output times
+    1 / scale, to the rotation's ulps; e4m3 codes on a GPU, a code apart where those ulps straddle a rounding), v
+    as in BF16 mode, nothing outside the rows written."""
+    if device == "cuda":
+        l, s = 64 * l, 64 * s
+    qkv = torch.randn(b, l, 3 * h * d, device=device).to(dtype)
+    w_q = (1.0 + 0.3 * torch.randn(d, device=device)).to(dtype)
+    w_k = (1.0 + 0.3 * torch.randn(d, device=device)).to(dtype)
+    freqs = torch.view_as_real(torch.polar(torch.ones(l, d // 2), 6.0 * torch.rand(l, d // 2))).to(device)
+    scales = (rms_norm_fp8_scale([w_q], d), rms_norm_fp8_scale([w_k], d))
+    for q_dtype in (torch.float32,) + ((FP8_DTYPE,) if device == "cuda" else ()):
+        out = [torch.full((b, s, h, d), SENTINEL, dtype=q_dtype, device=device) for _ in range(2)]
+        out.append(torch.full((b, s, h, d), SENTINEL, dtype=dtype, device=device))
+        ref = [t.clone() for t in out]
+        qkv_pack(qkv, w_q, w_k, freqs, *out, seq_offset=seq_offset, qk_scales=scales)
+        qkv_pack_ref(qkv, w_q, w_k, freqs, *ref, seq_offset=seq_offset, qk_scales=scales)
+        rows = slice(seq_offset, seq_offset + l)
+        for name, got, expected in zip("qk", out, ref):
+            got, expected = got[:, rows].float(), expected[:, rows].float()
+            if q_dtype == torch.float32:
+                assert_close(got, expected, 1e-6, f"qkv_pack fp8 {name} pre-cast")
+                assert got.abs().max() <= FP8_MAX
+            else:  # e4m3: 3 mantissa bits, a code is up to 2^-3 relative apart
+                differ = got != expected
+                assert differ.float().mean() < 1e-3, f"{name}: {differ.float().mean():.2e} of the codes differ"
+                assert ((got - expected).abs() <= expected.abs() / 8 + 2**-9)[differ].all()
+        assert torch.equal(out[2][:, rows], qkv[..., 2 * h * d:].unflatten(-1, (h, d))), "v must be copied exactly"
+        for name, got in zip("qkv", out):
+            outside = torch.cat([got[:, :seq_offset], got[:, seq_offset + l:]], dim=1).float()
+            assert (outside == SENTINEL).all(), f"{name}: a row outside [{seq_offset}, {seq_offset + l}) was written"
+
+
 def test_qkv_pack_validation():
     b, l, h, d, s = 1, 4, 2, 16, 6
     qkv, w = torch.randn(b, l, 3 * h * d), torch.ones(d)
@@ -120,7 +182,12 @@ def test_qkv_pack_validation():
         qkv_pack(qkv, w, w, freqs, *out, seq_offset=-1)
     with pytest.raises(ValueError, match=r"norm_k_weight has dtype torch.float16"):
         qkv_pack(qkv, w, w.half(), freqs, *out, seq_offset=0)
-    with pytest.raises(ValueError, match=r"v_out must have shape \(1, 6, 2, 16\), got \(1, 5, 2, 16\)"):
+    with pytest.raises(ValueError, match=r"q_out must have shape \(1, 5, 2, 16\), got \(1, 6, 2, 16\)"):
         qkv_pack(qkv, w, w, freqs, *out[:2], out[2][:, :5], seq_offset=0)
+    scale = torch.ones(1)
+    with pytest.raises(ValueError, match=r"q_out has dtype torch.bfloat16; allowed: torch.float8_e4m3fn, "):
+        qkv_pack(qkv, w, w, freqs, out[0].bfloat16(), *out[1:], seq_offset=0, qk_scales=(scale, scale))
+    with pytest.raises(ValueError, match=r"k_scale must have shape \(1,\), got \(2,\)"):
+        qkv_pack(qkv, w, w, freqs, *out, seq_offset=0, qk_scales=(scale, torch.ones(2)))
     for t in out:
         assert (t == SENTINEL).all()
