@@ -1,0 +1,145 @@
+"""FP8 attention candidates at Qwen-Image's shapes (GPU), in one process: FlashAttention-4 BF16 (what runs today),
+FlashAttention-3 FP8 and cuDNN FP8 (pipelines/qwen_image/model/fp8_attention.py) on the operands our kernels write.
+
+    python3 benchmarks/bench_fp8_attention.py [--out DIR]
+
+Shapes, B=2 (batched CFG), 24 heads x 128, the prompt right-padded (its padding at the end of each sample, counted
+out by seqused_k): 1024^2 text-to-image (4096 image tokens + 218 text, 218 and 150 valid), 1328^2 (6889 + 218),
+Edit-2511 with two 1024^2 condition images (12288 + 400, 400 and 310 valid). Operands: each stream's fused qkv
+[B, L, 3 * H * D] Gaussian, RMSNorm weights 1 + 0.3 N(0, 1) (image) and 1 + 0.5 N(0, 1) (text: a wider bound),
+through qkv_pack: BF16 joint buffers for FA4; q, k FP8 with the RMSNorm bound's scales and v by
+quantize_fp8_heads (per (sample, head) for FA3, per tensor for cuDNN, whose FP8 output takes v's scale). The
+reference: fp32 attention of the same q, k before any rounding (the rotation's fp32 output) and v (SDPA,
+memory-efficient, padded keys masked). Per kernel: ms and TF/s of the attention alone (4 B H D S_q S_k,valid
+FLOPs), the operand preparation (qkv_pack FP8 against BF16, the V quantization) in ms, and rel-RMS over the valid
+query rows against the reference and against FA4 BF16. Gaussian operands, not a checkpoint's activations: the
+error of real attention patterns (peakier softmax) is not measured here. A kernel that fails is reported with its
+error and the others still run. Appends to results/fp8_attention.jsonl.
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import append_results, bench_ms, environment  # noqa: E402
+
+from qwen_image_fast.kernels._utils import FP8_DTYPE, rel_rms_error  # noqa: E402
+from qwen_image_fast.kernels.qkv_pack import qkv_pack, qkv_pack_ref, rms_norm_fp8_scale  # noqa: E402
+from qwen_image_fast.kernels.quantize_heads import quantize_fp8_heads  # noqa: E402
+from qwen_image_fast.pipelines.qwen_image.model.attention import TextMask, joint_attention  # noqa: E402
+from qwen_image_fast.pipelines.qwen_image.model.fp8_attention import (  # noqa: E402
+    CudnnFp8Attention,
+    fp8_attention_fa3,
+)
+
+B, H, D = 2, 24, 128
+SHAPES = {"t2i_1024": (4096, 218, (218, 150)), "t2i_1328": (6889, 218, (218, 150)),
+          "edit2_1024": (12288, 400, (400, 310))}
+
+
+def operands(img: int, txt: int, valid: tuple):
+    g = torch.Generator("cuda").manual_seed(0)
+    streams = [(torch.randn(B, n, 3 * H * D, generator=g, device="cuda").bfloat16(),
+                (1 + spread * torch.randn(D, generator=g, device="cuda")).bfloat16(),
+                (1 + spread * torch.randn(D, generator=g, device="cuda")).bfloat16(),
+                torch.view_as_real(torch.polar(torch.ones(n, D // 2, device="cuda"),
+                                               6.0 * torch.rand(n, D // 2, generator=g, device="cuda"))))
+               for n, spread in ((img, 0.3), (txt, 0.5))]
+    text_mask = torch.arange(txt, device="cuda")[None, :] < torch.tensor(valid, device="cuda")[:, None]
+    return streams, TextMask(text_mask, img)
+
+
+def pack(streams, s: int, qk_dtype, scales=None):
+    q, k = (torch.empty(B, s, H, D, dtype=qk_dtype, device="cuda") for _ in range(2))
+    v = torch.empty(B, s, H, D, dtype=torch.bfloat16, device="cuda")
+    offset = 0
+    for qkv, wq, wk, freqs in streams:
+        qkv_pack(qkv, wq, wk, freqs, q, k, v, seq_offset=offset, qk_scales=scales)
+        offset += qkv.shape[1]
+    return q, k, v
+
+
+def reference(streams, s: int, mask: TextMask) -> torch.Tensor:
+    """fp32 attention of the unrounded operands: qkv_pack_ref's pre-cast values with unit scales are the rotation's
+    fp32 output (|q| <= sqrt(D) max|w| < 448: nothing clamped)."""
+    q, k = (torch.empty(B, s, H, D, device="cuda") for _ in range(2))
+    v = torch.empty(B, s, H, D, dtype=torch.bfloat16, device="cuda")
+    ones = (torch.ones(1, device="cuda"), torch.ones(1, device="cuda"))
+    offset = 0
+    for qkv, wq, wk, freqs in streams:
+        qkv_pack_ref(qkv, wq, wk, freqs, q, k, v, seq_offset=offset, qk_scales=ones)
+        offset += qkv.shape[1]
+    with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION):
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.float().transpose(1, 2),
+                                             attn_mask=mask.key_mask)
+    return out.transpose(1, 2)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--shapes", default=",".join(SHAPES))
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    env, rows, cudnn_attention = environment(), [], CudnnFp8Attention()
+    print(f"{env['gpu']}  torch {torch.__version__}", flush=True)
+    for name in args.shapes.split(","):
+        img, txt, valid = SHAPES[name]
+        s = img + txt
+        streams, mask = operands(img, txt, valid)
+        queries = mask.key_mask[:, 0, 0, :]  # [B, S]: the valid query rows are the valid key rows
+        flops = 4 * H * D * s * mask.seqused_k.double().sum().item()
+        ref = reference(streams, s, mask)[queries]
+
+        def error(out):
+            return rel_rms_error(out.float()[queries], ref)
+
+        q16, k16, v16 = pack(streams, s, torch.bfloat16)
+        scales = (rms_norm_fp8_scale([st[1] for st in streams], D), rms_norm_fp8_scale([st[2] for st in streams], D))
+        bf16_pack_ms = bench_ms(lambda: pack(streams, s, torch.bfloat16))
+        fp8_pack_ms = bench_ms(lambda: pack(streams, s, FP8_DTYPE, scales))
+        q8, k8, v_bf16 = pack(streams, s, FP8_DTYPE, scales)
+        fa4 = joint_attention(q16, k16, v16, mask, "fa4")
+        base = dict(env, bench="fp8_attention", shape=name, batch=B, heads=H, head_dim=D, seq=s,
+                    valid_keys=mask.seqused_k.tolist(), bf16_pack_ms=bf16_pack_ms, fp8_pack_ms=fp8_pack_ms)
+        results = {"fa4_bf16": (bench_ms(lambda: joint_attention(q16, k16, v16, mask, "fa4")), fa4, 0.0)}
+        for kernel, per_tensor in (("fa3_fp8", False), ("cudnn_fp8", True)):
+            try:
+                v8, v_scales = quantize_fp8_heads(v_bf16, mask.seqused_k, per_tensor)
+                quant_ms = bench_ms(lambda: quantize_fp8_heads(v_bf16, mask.seqused_k, per_tensor))
+                if kernel == "fa3_fp8":
+                    out = torch.empty(B, s, H, D, dtype=torch.bfloat16, device="cuda")
+
+                    def run():
+                        return fp8_attention_fa3(q8, k8, v8, scales[0], scales[1], v_scales, mask.seqused_k, out)
+                    dequant = run
+                else:
+                    out = torch.empty(B, s, H, D, dtype=FP8_DTYPE, device="cuda")
+                    v_scale = v_scales[0, 0].reshape(1)
+
+                    def run():
+                        return cudnn_attention(q8, k8, v8, scales[0], scales[1], v_scale, mask.seqused_k, out)
+
+                    def dequant():
+                        return run().float() * v_scale
+                results[kernel] = (bench_ms(run), dequant(), quant_ms)
+            except Exception as e:  # reported, the other kernels still measured
+                print(f"{name} {kernel}: FAILED {type(e).__name__}: {str(e)[:500]}", flush=True)
+                rows.append(dict(base, kernel=kernel, failed=f"{type(e).__name__}: {str(e)[:500]}"))
+        for kernel, (ms, out, quant_ms) in results.items():
+            row = dict(base, kernel=kernel, attention_ms=ms, tflops=flops / ms / 1e9, v_quant_ms=quant_ms,
+                       rel_rms_vs_fp32=error(out), rel_rms_vs_fa4_bf16=rel_rms_error(out.float()[queries],
+                                                                                     fa4.float()[queries]))
+            rows.append(row)
+            print(f"{name:10s} S={s:5d} {kernel:9s} {ms:6.3f} ms  {row['tflops']:5.0f} TF/s  v quant {quant_ms:.3f} ms"
+                  f"  pack bf16/fp8 {bf16_pack_ms:.3f}/{fp8_pack_ms:.3f} ms  rel-RMS vs fp32 {row['rel_rms_vs_fp32']:.2e}"
+                  f"  vs fa4 {row['rel_rms_vs_fa4_bf16']:.2e}", flush=True)
+    append_results("fp8_attention", rows, args.out)
+
+
+if __name__ == "__main__":
+    main()
