@@ -112,10 +112,8 @@ def main():
                 v8, v_scales = quantize_fp8_heads(v_bf16, mask.seqused_k, per_tensor)
                 quant_ms = bench_ms(lambda: quantize_fp8_heads(v_bf16, mask.seqused_k, per_tensor))
                 if kernel == "fa3_fp8":
-                    out = torch.empty(B, s, H, D, dtype=torch.bfloat16, device="cuda")
-
                     def run():
-                        return fp8_attention_fa3(q8, k8, v8, scales[0], scales[1], v_scales, mask.seqused_k, out)
+                        return fp8_attention_fa3(q8, k8, v8, scales[0], scales[1], v_scales, mask.seqused_k)
                     dequant = run
                 else:
                     out = torch.empty(B, s, H, D, dtype=FP8_DTYPE, device="cuda")

@@ -163,7 +163,7 @@ def qkv_pack_ref(qkv, norm_q_weight, norm_k_weight, freqs, q_out, k_out, v_out, 
         if qk_scales is None:
             out[:, rows] = rope_qwen_image_ref(normed, freqs)
         else:  # the rotation's fp32 output, quantized
-            inv = 1.0 / qk_scales[i]
+            inv = torch.ones_like(qk_scales[i]) / qk_scales[i]  # tensor / tensor: IEEE on every device
             out[:, rows] = (rope_qwen_image_ref(normed.float(), freqs) * inv).clamp(-FP8_MAX, FP8_MAX).to(out.dtype)
     v_out[:, rows] = v
 

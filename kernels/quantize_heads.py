@@ -16,7 +16,8 @@ from .fp8 import check_q_dtype
 
 _FP8_MAX = tl.constexpr(FP8_MAX)
 _FP8_AMAX_EPS = tl.constexpr(FP8_AMAX_EPS)
-CHUNK_ROWS = 128  # rows of one amax partial: [B, H, S / 128] partials, read whole by the scales program
+CHUNK_ROWS = 64  # rows of one amax partial: [B, H, S / 64] partials, read whole by the scales program
+AMAX_TILE = 4  # the amax programs' tiles: 4x the elementwise tile (8 rows x 8 heads x 128 on a GPU), 8 warps
 
 
 @triton.jit
@@ -99,12 +100,13 @@ def quantize_fp8_heads(x: torch.Tensor, valid: torch.Tensor, per_tensor: bool,
         return q, scales.fill_(FP8_AMAX_EPS / FP8_MAX)
     block_h, block_d = head_block(h), triton.next_power_of_2(d)
     block_s = max(1, TILE_ELEMENTS // (block_h * block_d))
-    chunk = max(CHUNK_ROWS, block_s)
+    amax_rows = max(1, AMAX_TILE * TILE_ELEMENTS // (block_h * block_d))
+    chunk = max(CHUNK_ROWS, amax_rows)
     n_chunks = triton.cdiv(s, chunk)
     partials = torch.empty(b, h, n_chunks, dtype=torch.float32, device=x.device)
     _amax_partials_kernel[(b, n_chunks, triton.cdiv(h, block_h))](
         X=x, VALID=valid, P=partials, S=s, H=h, n_chunks=n_chunks, stride_b=x.stride(0), stride_s=x.stride(1),
-        HEAD_DIM=d, CHUNK=chunk, BLOCK_S=block_s, BLOCK_H=block_h, BLOCK_D=block_d)
+        HEAD_DIM=d, CHUNK=chunk, BLOCK_S=amax_rows, BLOCK_H=block_h, BLOCK_D=block_d, num_warps=8)
     block_c = triton.next_power_of_2(n_chunks)
     _scales_kernel[(1,)](P=partials, SC=scales, n_rows=b * h, n_chunks=n_chunks, PER_TENSOR=per_tensor,
                          BLOCK_R=max(1, min(64, TILE_ELEMENTS // block_c)), BLOCK_C=block_c)
@@ -125,7 +127,8 @@ def quantize_fp8_heads_ref(x: torch.Tensor, valid: torch.Tensor, per_tensor: boo
     amax = amax.clamp_min(FP8_AMAX_EPS)
     if per_tensor:
         amax = amax.max().expand(b, h)
-    scales = amax / FP8_MAX
-    inv = 1.0 / scales
+    # tensor / tensor: IEEE division on every device (CUDA multiplies by the reciprocal of a Python-number divisor)
+    scales = amax / torch.full_like(amax, FP8_MAX)
+    inv = torch.ones_like(scales) / scales
     q = (x.float() * inv[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(q_dtype)
     return q, scales.contiguous()

@@ -29,14 +29,15 @@ def cudnn_fp8_available() -> bool:
     return importlib.util.find_spec("cudnn") is not None
 
 
-def fp8_attention_fa3(q8, k8, v8, q_scale, k_scale, v_scales, seqused_k, out):
-    """q8, k8, v8: FP8 [B, S, H, D]; q_scale, k_scale: fp32 [1]; v_scales: fp32 [B, H]; seqused_k: int32 [B];
-    out: BF16 [B, S, H, D], written."""
+def fp8_attention_fa3(q8, k8, v8, q_scale, k_scale, v_scales, seqused_k) -> torch.Tensor:
+    """q8, k8, v8: FP8 [B, S, H, D]; q_scale, k_scale: fp32 [1]; v_scales: fp32 [B, H]; seqused_k: int32 [B].
+    Returns BF16 [B, S, H, D] (a new tensor: the package's custom op refuses an output buffer it is given)."""
     from flash_attn_interface import _flash_attn_forward
 
     b, _, h, d = q8.shape
-    _flash_attn_forward(q8, k8, v8, out_=out, seqused_k=seqused_k, q_descale=q_scale.expand(b, h),
-                        k_descale=k_scale.expand(b, h), v_descale=v_scales, softmax_scale=1 / math.sqrt(d))
+    descales = [t.expand(b, h).contiguous() for t in (q_scale, k_scale)]
+    out, *_ = _flash_attn_forward(q8, k8, v8, seqused_k=seqused_k, q_descale=descales[0], k_descale=descales[1],
+                                  v_descale=v_scales, softmax_scale=1 / math.sqrt(d))
     return out
 
 
