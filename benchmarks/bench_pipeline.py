@@ -7,7 +7,8 @@ Components: the full-size transformer and VAE with random weights (normal(0, 0.0
 the VAE keeps diffusers' init) and a TINY text encoder: a 1-layer Qwen2.5-VL-shaped model with the real 3584-wide
 hidden states and the byte-level test tokenizer (the real 7B encoder takes ~0.02-0.2 s per prompt and is the same
 code in both pipelines). 50 Euler steps with true_cfg_scale=4 and a negative prompt; ours also with DPM-Solver++
-and UniPC at 20 steps, and without CUDA graphs. Per row: seconds per image (denoise + VAE decode), ms per step,
+and UniPC at 20 steps, without CUDA graphs, without fast accumulation, and with FP8 attention
+(FastConfig(fp8_attention="auto"), gated by its declared bound). Per row: seconds per image (denoise + VAE decode), ms per step,
 VAE ms, peak GiB, latent rel-RMS and image PSNR vs the stock 50-step Euler run at that resolution (for the 20-step
 solvers this measures how far they land from 50 Euler steps, not an error of our kernels). Both pipelines sit on
 the GPU at once (ours is converted from the stock one), so peak GiB is reported as if the pipeline ran alone: the
@@ -33,6 +34,7 @@ from qwen_image_fast import FastConfig, QwenImageFastPipeline  # noqa: E402
 from qwen_image_fast.pipelines.qwen_image.text_to_image import decode_latents  # noqa: E402
 from qwen_image_fast.compare import psnr  # noqa: E402
 from qwen_image_fast.kernels._utils import rel_rms_error  # noqa: E402
+from qwen_image_fast.pipelines.qwen_image.optimizations import BY_NAME  # noqa: E402
 
 PROMPT = "A red fox sitting in fresh snow at dawn, soft light, detailed fur, shallow depth of field"
 NEGATIVE = "低分辨率，低画质，肢体畸形，手指畸形，画面过饱和，蜡像感，人脸无细节，过度光滑，画面具有AI感。构图混乱。文字模糊，扭曲。"
@@ -81,7 +83,7 @@ def tiny_stock_pipeline():
     return tiny_pipeline()
 
 
-VARIANTS = ("fast", "no-graphs", "no-fastacc", "dpm++2m", "unipc")
+VARIANTS = ("fast", "no-graphs", "no-fastacc", "fp8-attention", "dpm++2m", "unipc")
 
 # What a timed row must pass against its reference (latent rel-RMS, image PSNR). FP8 with the same sampler sits at
 # ~4.4e-2 / 45 dB on random weights (H200); a 20-step solver against 50 Euler steps at ~0.15-0.28 / 31-36 dB (a
@@ -89,6 +91,7 @@ VARIANTS = ("fast", "no-graphs", "no-fastacc", "dpm++2m", "unipc")
 SAME_SAMPLER_GATE = (0.1, 38.0)
 OTHER_SAMPLER_GATE = (0.5, 25.0)
 GRAPH_GATE = (1e-2, 45.0)
+FP8_ATTENTION_GATE = (BY_NAME["fp8_attention"].bound.full, BY_NAME["fp8_attention"].bound.full_psnr_db)
 
 
 def module_bytes(pipe) -> int:
@@ -166,10 +169,11 @@ def main():
     variants = {name: (fast, FastConfig(**options)) for name, options in (
         ("fast", {}), ("no-graphs", dict(cuda_graphs=False)), ("dpm++2m", dict(scheduler="dpm++2m")),
         ("unipc", dict(scheduler="unipc")))}
-    if "no-fastacc" in chosen:  # fast accumulation is a build option: its own converted transformer
-        config = FastConfig(fp8_fast_accum=False)
-        variants["no-fastacc"] = (QwenImageFastPipeline.from_pipe(stock, fast_config=config, device=device), config)
-        variants["no-fastacc"][0].set_progress_bar_config(disable=True)
+    for name, options in (("no-fastacc", dict(fp8_fast_accum=False)), ("fp8-attention", dict(fp8_attention="auto"))):
+        if name in chosen:  # build options: each its own converted transformer
+            config = FastConfig(**options)
+            variants[name] = (QwenImageFastPipeline.from_pipe(stock, fast_config=config, device=device), config)
+            variants[name][0].set_progress_bar_config(disable=True)
 
     rows = []
 
@@ -198,6 +202,9 @@ def main():
         row["gate"] = gate
         row["ok"] = bool(torch.isfinite(latents).all()) and (gate is None or (
             row["latent_rel_err"] <= gate[0] and row["psnr"] >= gate[1]))
+        if name == "fp8-attention" and not any(label.startswith("fp8_attention:") for label in row["applied"]):
+            print(f"ours      fp8-attention: no FP8 attention ran ({pipe.facts().fp8_attention_why})", flush=True)
+            return latents, images
         if not row["ok"]:
             print(f"{impl:9} {name:10} {row['resolution']:10} FAILED the check {gate}: rel_err {row['latent_rel_err']}, "
                   f"PSNR {row['psnr']} (no speed reported)", flush=True)
@@ -213,12 +220,14 @@ def main():
 
     for resolution in sizes:
         ref = record("diffusers", "stock", stock, resolution, steps, None)
-        for name in ("fast", "no-graphs", "no-fastacc") if resolution == sizes[0] else ("fast",):
+        for name in ("fast", "no-graphs", "no-fastacc", "fp8-attention") if resolution == sizes[0] else ("fast",):
             if name in chosen:
                 pipe, config = variants[name]
-                record("ours", name, pipe, resolution, steps, ref, gate=SAME_SAMPLER_GATE, config=config)
+                gate = FP8_ATTENTION_GATE if name == "fp8-attention" else SAME_SAMPLER_GATE
+                record("ours", name, pipe, resolution, steps, ref, gate=gate, config=config)
         if resolution == sizes[0]:
             variants.pop("no-fastacc", None)
+            variants.pop("fp8-attention", None)
             for name in ("dpm++2m", "unipc"):
                 if name not in chosen:
                     continue

@@ -27,6 +27,7 @@ from qwen_image_fast.pipelines.qwen_image.model.attention import TextMask, joint
 from qwen_image_fast.pipelines.qwen_image.optimizations import CallRecord  # noqa: E402
 from qwen_image_fast.pipelines.qwen_image.runtime.runner import Runner  # noqa: E402
 from qwen_image_fast.pipelines.qwen_image.config import FastTransformerConfig  # noqa: E402
+from qwen_image_fast.pipelines.qwen_image.model.fp8_attention import installed  # noqa: E402
 from qwen_image_fast.pipelines.qwen_image.model.transformer import FastQwenImageTransformer  # noqa: E402
 
 BF16 = torch.bfloat16
@@ -42,7 +43,7 @@ SHAPES = {
     "1664x928-b2": ("1664x928", 2, False),
 }
 IMPLS = ("diffusers-eager", "ours-bf16", "ours-fp8", "ours-fp8-cudnn", "ours-fp8-graph", "ours-fp8-fastacc",
-         "diffusers-compile", "torchao-fp8-compile")
+         "ours-fp8attn-graph", "diffusers-compile", "torchao-fp8-compile")
 
 
 def make_stock(seed: int = 0, **config):
@@ -248,6 +249,24 @@ def main():
                 record("ours-fp8-fastacc", ours.attention_backend, key, ours, "use_fast_accum=True; ours alone")
             for module in linears:
                 module.fast_accum = False
+        if "ours-fp8attn-graph" in args.impls:  # the pipelines' setting (fast accumulation, graphs) with and without
+            run_config = ours.fast_config
+            for kernel in ("off", "cudnn", "fa3"):  # FP8 attention, each installed kernel
+                if kernel != "off" and not installed(kernel):
+                    continue
+                ours.fast_config = dataclasses.replace(run_config, fp8_fast_accum=True, fp8_attention=kernel)
+                for module in ours.transformer_blocks.modules():
+                    if hasattr(module, "fast_accum"):
+                        module.fast_accum = True
+                graphed = Replayed(ours)
+                for key in args.shapes:
+                    record("ours-fp8attn-graph", ours.attention_backend if kernel == "off" else f"{kernel}-fp8", key,
+                           graphed, "fast accumulation, CUDA-graph replay; ours alone")
+                graphed.close()
+            ours.fast_config = run_config
+            for module in ours.transformer_blocks.modules():
+                if hasattr(module, "fast_accum"):
+                    module.fast_accum = False
         if args.profile:
             profile(ours, inputs.get("1024x1024-b2") or next(iter(inputs.values())), args.out)
         del ours

@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 # The block linears that may run in FP8; (stream)_(layer). qkv is the per-stream fused Q/K/V projection.
 FP8_LINEARS = ("img_qkv", "img_out", "img_fc1", "img_fc2", "txt_qkv", "txt_out", "txt_fc1", "txt_fc2")
 ATTENTION_BACKENDS = ("auto", "fa4", "cudnn", "sdpa")
+FP8_ATTENTION = ("off", "auto", "cudnn", "fa3")
 SCHEDULERS = ("euler", "dpm++2m", "unipc")
 PRESETS = ("fast", "baseline")
 PARALLEL_MODES = ("none", "cfg", "ulysses", "cfg,ulysses")
@@ -133,14 +134,20 @@ class FastTransformerConfig:
     bf16_linears: those of FP8_LINEARS kept in the model's dtype anyway (e.g. ("img_fc2",), which other engines
     found sensitive). fp8_fast_accum: cuBLAS's faster FP8 accumulation on Hopper (torchao's default).
     attention: "auto" (FlashAttention-4, else cuDNN, else SDPA) | "fa4" | "cudnn" | "sdpa".
+    fp8_attention: lossy, off by default: the blocks' attention in FP8 on a Hopper GPU (q, k, v and the softmax
+        probabilities in e4m3; model/fp8_attention.py). "off" | "cudnn" (cuDNN's FP8 SDPA, nvidia-cudnn-frontend)
+        | "fa3" (FlashAttention-3's FP8 forward, tokenspeed-fa3) | "auto" (cuDNN's where it is installed, else
+        FA3's, else the BF16 attention above, and `applied` / the plan say why). A named kernel that cannot run
+        here is refused.
 
-    fp8 and bf16_linears decide how the weights are stored (a saved checkpoint keeps them); fp8_fast_accum and
-    attention only how they run."""
+    fp8 and bf16_linears decide how the weights are stored (a saved checkpoint keeps them); fp8_fast_accum,
+    attention and fp8_attention only how they run."""
 
     fp8: bool = field(default=True, metadata=BUILD)
     bf16_linears: tuple[str, ...] = field(default=(), metadata=BUILD)
     fp8_fast_accum: bool = field(default=True, metadata=BUILD)
     attention: str = field(default="auto", metadata=BUILD)
+    fp8_attention: str = field(default="off", metadata=BUILD)
 
     def __post_init__(self):
         object.__setattr__(self, "bf16_linears", tuple(self.bf16_linears))
@@ -149,6 +156,8 @@ class FastTransformerConfig:
             raise ValueError(f"bf16_linears={unknown}; allowed: {', '.join(FP8_LINEARS)}")
         if self.attention not in ATTENTION_BACKENDS:
             raise ValueError(f"attention={self.attention!r}; allowed: {', '.join(ATTENTION_BACKENDS)}")
+        if self.fp8_attention not in FP8_ATTENTION:
+            raise ValueError(f"fp8_attention={self.fp8_attention!r}; allowed: {', '.join(FP8_ATTENTION)}")
 
     def is_fp8(self, name: str) -> bool:
         return self.fp8 and name in FP8_LINEARS and name not in self.bf16_linears
@@ -239,6 +248,9 @@ class FastConfig(FastTransformerConfig):
         if self.ulysses_degree > 1 and "ulysses" not in parallel:
             raise ValueError(f"ulysses_degree={self.ulysses_degree} needs parallel='ulysses' or 'cfg,ulysses' "
                              f"(parallel={parallel!r})")
+        if "ulysses" in parallel and self.fp8_attention in ("cudnn", "fa3"):
+            raise ValueError(f"fp8_attention={self.fp8_attention!r} with parallel={parallel!r} is not supported (the "
+                             "all-to-all moves BF16 heads): use one of them, or fp8_attention='auto'")
         if "ulysses" in parallel and not self.fused_transformer:
             raise ValueError(f"parallel={parallel!r}: Ulysses runs inside the fused transformer; keep "
                              "fused_transformer=True")

@@ -313,7 +313,9 @@ class FastPipelineMixin(FastLoraPipeline, FastCheckpointPipeline):
         transformer = self.transformer
         fused = isinstance(transformer, FastQwenImageTransformer)
         fp8 = fused and bool(transformer.fast_config.fp8_linears)
-        return Facts(pipeline=self.stock_class.__name__, fused=fused,
+        fp8_attention, why = transformer.fp8_attention if fused else (None, None)
+        return Facts(pipeline=self.stock_class.__name__, fused=fused, fp8_attention=fp8_attention,
+                     fp8_attention_why=why,
                      device="cpu" if transformer is None else transformer.device.type, fp8=fp8,
                      fast_accum=fp8 and transformer.fast_config.fp8_fast_accum,
                      attention=transformer.attention_backend if fused else None,

@@ -32,13 +32,16 @@ class Bound:
     50 steps, with the decoded image's PSNR). Random weights do not reproduce real activations: `full` says what
     was measured there, not what a real checkpoint gives."""
 
-    tiny: float
+    tiny: float | None  # None: it does not run on the CPU
     full: float
     full_psnr_db: float
 
 
 # Measured: tiny 1.5e-3 to 1.1e-2 over the pipelines (test_optimizations.py); full 4.4e-2, 45 dB at 1024^2 (H200).
 FP8_BOUND = Bound(tiny=2e-2, full=0.1, full_psnr_db=38.0)
+# FP8 attention's kernels run on Hopper only. `full`: with the FP8 GEMMs, against stock (benchmarks/RESULTS.md "FP8
+# attention"); each attention call alone sits at ~6e-2 rel-RMS against fp32 on Gaussian operands (BF16: 3.5e-3).
+FP8_ATTENTION_BOUND = Bound(tiny=None, full=0.15, full_psnr_db=34.0)
 
 
 # A step cache's error depends on its threshold or schedule and on the content: no bound holds for every setting.
@@ -63,6 +66,8 @@ class Facts:
     vae_2d: str | None  # None: the VAE decodes an image as 2D convolutions; else why not
     enhancer: bool  # a prompt enhancer rewrites prompts
     parallel: tuple[str, ...] = ()  # the process mesh's labels: "cfg2", "ulysses4"
+    fp8_attention: str | None = None  # the FP8 attention kernel that runs ("cudnn", "fa3"), else None
+    fp8_attention_why: str | None = None  # ... and why not, when "auto" was asked and none can run here
     diffusers_cache: str | None = None  # the config class of a cache enabled by transformer.enable_cache(...)
     cache_rule: str | None = None  # ... the rule making its decisions (native_rule): "first_block", "taylorseer",
     # "pyramid_broadcast", "faster_cache", "sea_cache"
@@ -163,6 +168,16 @@ def plan_fast_accum(config: FastConfig, facts: Facts) -> Plan:
 
 def plan_attention(config: FastConfig, facts: Facts) -> Plan:
     return Plan(values=(facts.attention,)) if config.fused_transformer and facts.attention else NOT_ASKED
+
+
+def plan_fp8_attention(config: FastConfig, facts: Facts) -> Plan:
+    if config.fp8_attention == "off" or not config.fused_transformer:
+        return NOT_ASKED
+    if facts.fp8_attention:
+        return Plan(values=(facts.fp8_attention,))
+    if any(p.startswith("ulysses") for p in facts.parallel):
+        return Plan(why_not="parallel='ulysses' moves BF16 heads between ranks: BF16 attention runs")
+    return Plan(why_not=facts.fp8_attention_why or "needs fused_transformer")
 
 
 def plan_batched_cfg(config: FastConfig, facts: Facts) -> Plan:
@@ -273,6 +288,9 @@ REGISTRY: tuple[Optimization, ...] = (
                  needs=("fused_transformer", "fp8")),
     Optimization("attention", "attention", "exact", "the attention kernel, padded text masked", plan_attention,
                  needs=("fused_transformer",)),
+    Optimization("fp8_attention", "fp8_attention", "lossy",
+                 "the blocks' attention in FP8 on Hopper (q, k, v and the probabilities in e4m3)", plan_fp8_attention,
+                 bound=FP8_ATTENTION_BOUND, needs=("fused_transformer",)),
     Optimization("modulation_table", "modulation_table", "exact",
                  "every step's modulation vectors computed once per schedule", plan_modulation_table,
                  needs=("fused_transformer",), text_to_image_only=True),

@@ -303,6 +303,9 @@ class FastQwenImage21Transformer(LoraAdapters, ModelMixin, ConfigMixin):
         config = {**STOCK_CONFIG, **config}
         fast_config = (FastTransformerConfig.of(fast_config) if isinstance(fast_config, FastTransformerConfig)
                        else FastTransformerConfig.from_dict(fast_config or {}))
+        if fast_config.fp8_attention != "off":
+            raise ValueError(f"fp8_attention={fast_config.fp8_attention!r} is not supported on Qwen-Image-2.1 yet (its "
+                             "attention is block-causal, with a prefix cache): keep fp8_attention='off'")
         if fast_config.bf16_linears:
             raise ValueError(f"bf16_linears={list(fast_config.bf16_linears)} names Qwen-Image-2512's linears; "
                              "Qwen-Image-2.1 runs all of its block linears (qkv, out, gate_up, down) in FP8 with "

@@ -3,7 +3,8 @@
 import argparse
 import math
 
-from ..pipelines.qwen_image.config import ATTENTION_BACKENDS, PARALLEL_MODES, PRESETS, SCHEDULERS, DBCache, FastConfig
+from ..pipelines.qwen_image.config import (ATTENTION_BACKENDS, FP8_ATTENTION, PARALLEL_MODES, PRESETS, SCHEDULERS, DBCache,
+                                         FastConfig)
 from ..pipelines.qwen_image.optimizations import REGISTRY
 from .devices import FAST_PIPELINE_GIB, LOW_MEMORY_GIB
 from .jobs import (ASPECTS, LIGHTNING_CFG, LIGHTNING_STEPS, MAX_SEED, MIN_STEPS, NEGATIVE_PROMPT, QWEN21_CFG,
@@ -94,7 +95,8 @@ def cache_argument(text: str) -> DBCache:
 # The registered optimizations whose option is not a plain switch or value: those have options of their own.
 OWN_OPTIONS = {"memory": "--max-memory", "parallel": "--parallel", None: "--enhance"}
 # How the value of a registered optimization that is not on/off is given.
-VALUE_OPTIONS = {"attention": dict(choices=ATTENTION_BACKENDS), "scheduler": dict(choices=SCHEDULERS),
+VALUE_OPTIONS = {"attention": dict(choices=ATTENTION_BACKENDS), "fp8_attention": dict(choices=FP8_ATTENTION),
+                 "scheduler": dict(choices=SCHEDULERS),
                  "cfg_fraction": dict(type=fraction, metavar="F"), "cache": dict(type=cache_argument, metavar="RULE")}
 # What a value option's help adds about how its value is written.
 VALUE_GRAMMAR = {"cache": "dbcache[:Fn,Bn,threshold] (cache-dit's DBCache; default 8,0,0.08 with 8 warm-up steps) or "

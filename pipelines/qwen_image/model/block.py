@@ -22,7 +22,7 @@ from ....kernels.attn_split_fp8 import attn_split_fp8
 from ....kernels.fp8 import quantize_fp8_rowwise
 from ....kernels.gelu_fp8 import gelu_fp8
 from ....kernels.layer_norm_modulate import layer_norm_modulate, layer_norm_modulate_fp8
-from ....kernels.qkv_pack import qkv_pack
+from ....kernels.qkv_pack import qkv_pack, rms_norm_fp8_scale
 from ....kernels.residual_gate import (
     residual_gate,
     residual_gate_layer_norm_modulate,
@@ -32,6 +32,7 @@ from ..config import FastTransformerConfig
 from ..runtime.context import count_blocks, get_context
 from ..runtime.parallel import Ulysses, UlyssesPlan
 from .attention import TextMask, joint_attention
+from .fp8_attention import fp8_attention
 from .linear import FastLinear, Operand, as_fp8_operand, q_dtype_for
 from .step_caches import past_hooks
 
@@ -58,10 +59,17 @@ def gelu(h: torch.Tensor, fp8: bool) -> Operand:
     return F.gelu(h, approximate="tanh")
 
 
-def split_attention(o: torch.Tensor, img_len: int, img_fp8: bool, txt_fp8: bool) -> tuple[Operand, Operand]:
-    """Joint output [B, S, H, D] -> the image and text operands of the two output projections."""
+def split_attention(o: torch.Tensor, img_len: int, img_fp8: bool, txt_fp8: bool,
+                    o_scale: torch.Tensor | None = None) -> tuple[Operand, Operand]:
+    """Joint output [B, S, H, D] -> the image and text operands of the two output projections. o_scale: o holds FP8
+    codes with this per-tensor scale [1] (cuDNN's FP8 attention): each part's codes as they are, the scale per row,
+    or dequantized for a linear that is not FP8."""
     batch, seq = o.shape[:2]
     o = o.view(batch, seq, -1)
+    if o_scale is not None:
+        parts = (o[:, :img_len].reshape(-1, o.shape[-1]), o[:, img_len:].reshape(-1, o.shape[-1]))
+        return tuple(as_fp8_operand(p, o_scale.expand(p.shape[0], 1).contiguous()) if fp8
+                     else (p.float() * o_scale).to(torch.bfloat16) for p, fp8 in zip(parts, (img_fp8, txt_fp8)))
     if img_fp8 and txt_fp8:
         qi, si, qt, st = attn_split_fp8(o, img_len, q_dtype=q_dtype_for(o.device))
         return as_fp8_operand(qi, si), as_fp8_operand(qt, st)
@@ -131,6 +139,9 @@ class JointInputs:
     ulysses: Ulysses | None = None
     plan: UlyssesPlan | None = None
     graph_key: tuple = ()  # on_buffers: the signature of the buffers, which the block graphs reading them are keyed by
+    fp8_attention: str | None = None  # the FP8 attention kernel (fp8_attention.py), None: `backend` in BF16
+    qk8: torch.Tensor | None = None  # with it: FP8 [2, B, S, H, D], q and k (v stays in qkv[2] until quantized)
+    valid_keys: torch.Tensor | None = None  # with it: int32 [B], each sample's valid keys (the mask's, or all)
 
     def on_buffers(self, graphs) -> "JointInputs":
         """These inputs copied into the buffers that block graphs read (graphs: runner.CallRun.block_buffers), the
@@ -140,12 +151,14 @@ class JointInputs:
         if self.mask is not None:
             tensors.update(seqused_k=self.mask.seqused_k, key_mask=self.mask.key_mask)
         tensors = {name: t for name, t in tensors.items() if t is not None}
+        tensors |= {} if self.valid_keys is None else {"valid_keys": self.valid_keys}
         shared = graphs.block_buffers("joint", tensors)
-        qkv = graphs.block_buffers("qkv", {"qkv": self.qkv}, fill=False)["qkv"]
+        scratch = graphs.block_buffers("qkv", {"qkv": self.qkv} | ({} if self.qk8 is None else {"qk8": self.qk8}),
+                                       fill=False)
         mask = None if self.mask is None else TextMask.of(shared["seqused_k"], shared["key_mask"])
-        return replace(self, mask=mask, qkv=qkv, graph_key=(id(shared), id(qkv)),
+        return replace(self, mask=mask, qkv=scratch["qkv"], qk8=scratch.get("qk8"), graph_key=(id(shared), id(scratch)),
                        **{name: shared.get(name) for name in ("img_freqs", "txt_freqs", "silu_temb", "silu_temb_t",
-                                                             "mod_row")})
+                                                             "mod_row", "valid_keys")})
 
     def rows(self, rows: slice, batch: int) -> "JointInputs":
         """These inputs for the batch rows `rows` of `batch` (an attention-level cache's rule computing some
@@ -155,6 +168,9 @@ class JointInputs:
         if self.ulysses is not None:
             raise ValueError("attention for part of the batch under Ulysses")  # step caches refuse Ulysses first
         mask = None if self.mask is None else TextMask.of(self.mask.seqused_k[rows], self.mask.key_mask[rows])
+        if self.fp8_attention:
+            return replace(self, mask=mask, qkv=self.qkv[:, rows], qk8=self.qk8[:, rows],
+                           valid_keys=self.valid_keys[rows])
         return replace(self, mask=mask, qkv=self.qkv[:, rows])
 
     def attention(self) -> torch.Tensor:
@@ -194,12 +210,19 @@ class JointAttention(AttentionModuleMixin, nn.Module):
         img_x, txt_x = as_operand(hidden_states, scales[0]), as_operand(encoder_hidden_states, scales[1])
         fp8 = block.config.is_fp8
         q, k, v = joint.qkv.unbind(0)
+        qk_scales, o_scale = None, None
+        if joint.fp8_attention:  # q and k into the FP8 buffers, scaled by the RMSNorm bound
+            q, k = joint.qk8.unbind(0)
+            qk_scales = block.qk_fp8_scales()
         qkv_pack(block.img_qkv(img_x).view(batch, img_len, -1), block.norm_q, block.norm_k, joint.img_freqs,
-                 q, k, v, 0, eps=block.eps)
+                 q, k, v, 0, eps=block.eps, qk_scales=qk_scales)
         qkv_pack(block.txt_qkv(txt_x).view(batch, txt_len, -1), block.norm_added_q,
-                 block.norm_added_k, joint.txt_freqs, q, k, v, img_len, eps=block.eps)
-        o = joint.attention()  # [B, L_img + L_txt, H, D]
-        img_o, txt_o = split_attention(o, img_len, fp8("img_out"), fp8("txt_out"))
+                 block.norm_added_k, joint.txt_freqs, q, k, v, img_len, eps=block.eps, qk_scales=qk_scales)
+        if joint.fp8_attention:
+            o, o_scale = fp8_attention(joint.fp8_attention, q, k, v, *qk_scales, joint.valid_keys)
+        else:
+            o = joint.attention()  # [B, L_img + L_txt, H, D]
+        img_o, txt_o = split_attention(o, img_len, fp8("img_out"), fp8("txt_out"), o_scale)
         img = block.img_out(img_o).view(batch, img_len, dim)
         return img, block.txt_out(txt_o).view(batch, txt_len, dim) if text_out else None
 
@@ -248,6 +271,17 @@ class FastBlock(nn.Module):
                            ("norm_added_k", attn.norm_added_k)):
             setattr(fast, name, nn.Parameter(norm.weight.detach().to(device), requires_grad=False))
         return fast
+
+    def qk_fp8_scales(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """FP8 attention's q and k scales [1] (qkv_pack.rms_norm_fp8_scale over both streams' norm weights, which
+        share the joint buffers), computed once for these weights."""
+        weights = (self.norm_q, self.norm_added_q, self.norm_k, self.norm_added_k)
+        key = tuple((w.data_ptr(), w._version) for w in weights)
+        if getattr(self, "_qk_fp8_key", None) != key:
+            self._qk_fp8_scales = (rms_norm_fp8_scale(weights[:2], self.head_dim),
+                                   rms_norm_fp8_scale(weights[2:], self.head_dim))
+            self._qk_fp8_key = key
+        return self._qk_fp8_scales
 
     def modulation(self, silu_temb: torch.Tensor, silu_temb_t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(img [G, 6D], txt [B, 6D]) from the forward's silu(temb) [G, D] and its timestep-t rows [B, D]."""

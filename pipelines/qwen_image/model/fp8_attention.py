@@ -8,6 +8,8 @@ counted out by seqused_k (attention.py).
            output is FP8 only. Its scale is v's: each output row is a convex combination of v's rows, so
            |o| <= max|v|, and o's codes are o / v_scale within +-448 without an amax pass.
 Softmax scale 1/sqrt(D), non-causal, P (the probabilities) quantized with scale 448 inside cuDNN's kernel.
+fp8_attention_ref is the semantics both approximate (dequantized operands, fp32 softmax attention): the GPU tests
+hold each kernel to it, and the CPU tests run the blocks' FP8 wiring with it (it is never a user's choice).
 """
 
 import importlib.util
@@ -15,18 +17,70 @@ import math
 from functools import cache
 
 import torch
+import torch.nn.functional as F
 
-FP8_ATTENTION_KERNELS = ("fa3", "cudnn")
+from ....kernels.quantize_heads import quantize_fp8_heads
+
+INSTALL = "pip install 'qwen-image-fast[fp8-attention]'"
+PACKAGES = {"cudnn": ("nvidia-cudnn-frontend", "cudnn"), "fa3": ("tokenspeed-fa3", "flash_attn_interface")}
 
 
 @cache
-def fa3_available() -> bool:
-    return importlib.util.find_spec("flash_attn_interface") is not None
+def installed(kernel: str) -> bool:
+    return importlib.util.find_spec(PACKAGES[kernel][1]) is not None
 
 
-@cache
-def cudnn_fp8_available() -> bool:
-    return importlib.util.find_spec("cudnn") is not None
+def fp8_attention_kernel(name: str, device: torch.device, dtype: torch.dtype) -> tuple[str | None, str | None]:
+    """FastTransformerConfig.fp8_attention on this device and dtype: (the kernel that runs, None), or (None, why
+    not) for an "auto" that cannot run here ((None, None) for "off"). A named kernel that cannot run: ValueError,
+    or ImportError naming the missing package."""
+    if name == "off":
+        return None, None
+    why = None
+    if device.type != "cuda":
+        why = f"needs a CUDA GPU (the transformer runs on {device})"
+    elif torch.cuda.get_device_capability(device) != (9, 0):
+        why = "runs on Hopper (compute capability 9.0) only; this GPU is {}.{}".format(
+            *torch.cuda.get_device_capability(device))
+    elif dtype != torch.bfloat16:
+        why = f"needs a bfloat16 model, this one is {dtype}"
+    if why is None:
+        candidates = ["cudnn", "fa3"] if name == "auto" else [name]
+        found = [kernel for kernel in candidates if installed(kernel)]
+        if found:
+            return found[0], None
+        why = f"needs {' or '.join(PACKAGES[kernel][0] for kernel in candidates)} ({INSTALL})"
+        if name != "auto":
+            raise ImportError(f"fp8_attention={name!r} {why}")
+    if name != "auto":
+        raise ValueError(f"fp8_attention={name!r} {why}")
+    return None, why
+
+
+def fp8_attention(kernel: str, q8, k8, v, q_scale, k_scale, valid_keys) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The joint attention in FP8 by `kernel`: q8, k8 FP8 [B, S, H, D] (qkv_pack's, with its scales [1]), v in the
+    model's dtype (quantized here: per (sample, head) for FA3, per tensor for cuDNN, amax over the valid keys).
+    Returns (o, None) with o BF16 [B, S, H, D], or (o8, scale [1]) with o ~= o8 * scale (cuDNN's FP8 output)."""
+    v8, v_scales = quantize_fp8_heads(v, valid_keys, per_tensor=kernel == "cudnn", q_dtype=q8.dtype)
+    if kernel == "fa3":
+        return fp8_attention_fa3(q8, k8, v8, q_scale, k_scale, v_scales, valid_keys), None
+    if kernel == "cudnn":
+        v_scale = v_scales[0, 0].reshape(1)
+        return CUDNN(q8, k8, v8, q_scale, k_scale, v_scale, valid_keys, torch.empty_like(q8)), v_scale
+    if kernel == "reference":  # the tests' (module docstring)
+        return fp8_attention_ref(q8, k8, v8, q_scale, k_scale, v_scales, valid_keys).to(v.dtype), None
+    raise ValueError(f"fp8 attention kernel {kernel!r}; allowed: cudnn, fa3")
+
+
+def fp8_attention_ref(q8, k8, v8, q_scale, k_scale, v_scales, valid_keys) -> torch.Tensor:
+    """The semantics the FP8 kernels approximate: the dequantized operands' fp32 softmax attention, keys past
+    valid_keys[b] masked. Returns [B, S, H, D] BF16."""
+    b, s, h, _ = q8.shape
+    q, k = q8.float() * q_scale, k8.float() * k_scale
+    v = v8.float() * v_scales[:, None, :, None]
+    keys = torch.arange(s, device=q8.device)[None, :] < valid_keys[:, None]  # [B, S]
+    out = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)), attn_mask=keys[:, None, None, :])
+    return out.transpose(1, 2).to(torch.bfloat16)
 
 
 def fp8_attention_fa3(q8, k8, v8, q_scale, k_scale, v_scales, seqused_k) -> torch.Tensor:
@@ -95,3 +149,6 @@ class CudnnFp8Attention:
                        t["seq_len_kv"]: seqused_k, t["amax_s"]: c["amax"][:1], t["amax_o"]: c["amax"][1:]},
                       workspace, handle=handle)
         return out8
+
+
+CUDNN = CudnnFp8Attention()

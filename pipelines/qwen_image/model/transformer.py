@@ -32,6 +32,7 @@ from diffusers.models.transformers.transformer_qwenimage import (
     QwenTimestepProjEmbeddings,
 )
 
+from ....kernels._utils import FP8_DTYPE
 from ....kernels.layer_norm_modulate import layer_norm_modulate
 from ....kernels.residual_gate import residual_gate_layer_norm_modulate
 from ..config import FastTransformerConfig
@@ -41,6 +42,7 @@ from ..runtime.offload import has_offload_hooks, on_device, tensors_of
 from ..runtime.parallel import UlyssesPlan
 from .adapters import LoraAdapters, check_carriable, peft_lora_layers
 from .attention import TextMask, resolve_backend
+from .fp8_attention import fp8_attention_kernel
 from .block import FastBlock, JointInputs, Tail, add_tail, clip_float16
 from .checkpoint import CheckpointWeights, FastCheckpoint
 from .lora import BLOCK_SITES, LoraState, lora_scale_of
@@ -156,6 +158,7 @@ class FastQwenImageTransformer(Unsupported, StepCaches, LoraAdapters, ModelMixin
             check_triton_runs_on(device)
         if config.attention != "auto":
             resolve_backend(config.attention, device, stock.dtype)  # a clear error before any conversion
+        fp8_attention_kernel(config.fp8_attention, device, stock.dtype)  # the same for a named FP8 kernel
         stock_config = {name: stock.config[name] for name in STOCK_CONFIG if name in stock.config}
         with torch.device("meta"):
             fast = cls(config, **stock_config)
@@ -206,12 +209,19 @@ class FastQwenImageTransformer(Unsupported, StepCaches, LoraAdapters, ModelMixin
     def attention_backend(self) -> str:
         """The attention that runs on the model's current device and dtype."""
         return resolve_backend(self.fast_config.attention, self.device, self.dtype)
+
+    @property
+    def fp8_attention(self) -> tuple[str | None, str | None]:
+        """(the FP8 attention kernel that runs on the model's current device and dtype, None) or (None, why not)."""
+        return fp8_attention_kernel(self.fast_config.fp8_attention, self.device, self.dtype)
+
     def running(self) -> list[tuple[str, object]]:
         """What a forward runs, as optimizations.py names it (recorded in a call's CallRecord)."""
         fp8 = bool(self.fast_config.fp8_linears)
+        kernel = None if get_context().ulysses is not None else self.fp8_attention[0]  # as begin() decides
         return ([("fused_transformer", True)] + ([("fp8", True)] if fp8 else [])
                 + ([("fp8_fast_accum", True)] if fp8 and self.fast_config.fp8_fast_accum else [])
-                + [("attention", self.attention_backend)])
+                + [("attention", self.attention_backend)] + ([("fp8_attention", kernel)] if kernel else []))
 
     def lora_key(self) -> tuple:
         """What a forward's output depends on beyond its arguments and the weights: the LoRA scale of the forward
@@ -421,12 +431,20 @@ class FastQwenImageTransformer(Unsupported, StepCaches, LoraAdapters, ModelMixin
             img_freqs, txt_freqs = img_freqs[plan.img], txt_freqs[plan.txt]
         block0 = self.transformer_blocks[0]
         rows = plan.local_len if plan else img_len + txt_len
+        mask = None if encoder_hidden_states_mask is None else TextMask(encoder_hidden_states_mask, img_len)
+        fp8_kernel = None if ulysses is not None else self.fp8_attention[0]  # named + Ulysses: FastConfig refuses
+        fp8_buffers = {}
+        if fp8_kernel:  # q, k in FP8 buffers; every key valid when no mask pads the text
+            fp8_buffers = dict(fp8_attention=fp8_kernel, qk8=torch.empty(
+                2, batch, rows, block0.heads, block0.head_dim, dtype=FP8_DTYPE, device=device),
+                valid_keys=mask.seqused_k if mask is not None else torch.full(
+                    (batch,), rows, dtype=torch.int32, device=device))
         joint = JointInputs(
-            mask=None if encoder_hidden_states_mask is None else TextMask(encoder_hidden_states_mask, img_len),
-            img_freqs=torch.view_as_real(img_freqs), txt_freqs=torch.view_as_real(txt_freqs),
+            mask=mask, img_freqs=torch.view_as_real(img_freqs), txt_freqs=torch.view_as_real(txt_freqs),
             silu_temb=silu_temb, silu_temb_t=silu_temb_t,
             mod_row=mod_row, backend=resolve_backend(self.fast_config.attention, device, hidden_states.dtype),
             qkv=hidden_states.new_empty(3, batch, rows, block0.heads, block0.head_dim), ulysses=ulysses, plan=plan,
+            **fp8_buffers,
         )
         if context.block_graphs is not None:  # blocks replaying from graphs read what they share from its buffers
             joint = joint.on_buffers(context.block_graphs)

@@ -1,0 +1,165 @@
+"""FastConfig(fp8_attention=...): the blocks' attention in FP8 (model/fp8_attention.py), lossy and off by default.
+
+CPU: the option's registry entry and its refusals; the blocks' FP8 wiring (q, k into the FP8 buffers with the
+RMSNorm bound's scales, v quantized over the valid keys, the output split into the output projections' operands,
+cuDNN's FP8 output included) run with fp8_attention_ref standing in for the GPU kernels, against stock diffusers.
+GPU: each installed kernel against fp8_attention_ref at the real head shape; the fast transformer with the option
+against stock within its declared bound, in CUDA graphs with batched CFG."""
+
+import pytest
+import torch
+from helpers import assert_close
+
+from qwen_image_fast import FastConfig
+from qwen_image_fast.kernels._utils import FP8_DTYPE, rel_rms_error
+from qwen_image_fast.pipelines.qwen_image.config import FastTransformerConfig
+from qwen_image_fast.pipelines.qwen_image.model import block as block_module
+from qwen_image_fast.pipelines.qwen_image.model import transformer as transformer_module
+from qwen_image_fast.pipelines.qwen_image.model.fp8_attention import (
+    fp8_attention,
+    fp8_attention_kernel,
+    fp8_attention_ref,
+    installed,
+)
+from qwen_image_fast.pipelines.qwen_image.model.transformer import FastQwenImageTransformer
+from qwen_image_fast.pipelines.qwen_image.optimizations import BY_NAME, Facts, plan_fp8_attention
+
+from test_transformer import make_inputs, run, tiny_stock
+
+
+def test_registered_lossy_and_off_by_default():
+    opt = BY_NAME["fp8_attention"]
+    assert opt.kind == "lossy" and opt.bound is not None and opt.bound.tiny is None  # no kernel on the CPU
+    assert FastConfig().fp8_attention == "off" and FastConfig.preset("fast").fp8_attention == "off"
+    with pytest.raises(ValueError, match="fp8_attention='fp4'; allowed: off, auto, cudnn, fa3"):
+        FastConfig(fp8_attention="fp4")
+    with pytest.raises(ValueError, match="fp8_attention='cudnn' with parallel='ulysses' is not supported"):
+        FastConfig(fp8_attention="cudnn", parallel="ulysses")
+
+
+def test_where_it_cannot_run():
+    """auto: the BF16 attention, the plan saying why; a named kernel: refused before any conversion."""
+    cpu = torch.device("cpu")
+    assert fp8_attention_kernel("off", cpu, torch.bfloat16) == (None, None)
+    kernel, why = fp8_attention_kernel("auto", cpu, torch.bfloat16)
+    assert kernel is None and why == "needs a CUDA GPU (the transformer runs on cpu)"
+    facts = Facts(pipeline="QwenImagePipeline", fused=True, device="cpu", fp8=True, fast_accum=True,
+                  attention="sdpa", offload_hooks=False, vae_2d=None, enhancer=False, fp8_attention_why=why)
+    assert plan_fp8_attention(FastConfig(fp8_attention="auto"), facts).why_not == why
+    assert plan_fp8_attention(FastConfig(), facts).values == () and plan_fp8_attention(FastConfig(), facts).why_not is None
+    with pytest.raises(ValueError, match="fp8_attention='fa3' needs a CUDA GPU"):
+        FastQwenImageTransformer.from_diffusers(tiny_stock(), FastTransformerConfig(fp8_attention="fa3"))
+    fast = FastQwenImageTransformer.from_diffusers(tiny_stock(), FastTransformerConfig(fp8_attention="auto"))
+    assert fast.fp8_attention == (None, why) and not any(name == "fp8_attention" for name, _ in fast.running())
+
+
+@pytest.fixture
+def reference_kernel(monkeypatch):
+    """fp8_attention_ref as the model's FP8 kernel on the CPU (the GPU kernels' semantics, module docstring)."""
+    monkeypatch.setattr(transformer_module, "fp8_attention_kernel", lambda name, device, dtype: (
+        ("reference", None) if name != "off" else (None, None)))
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_blocks_fp8_wiring_against_stock(reference_kernel, padded):
+    """With the reference standing in for the kernel: the output within FP8 attention's error of stock (fp32, FP8
+    GEMMs off), and not the BF16 attention's output (the option does something); `running` names the kernel."""
+    stock = tiny_stock()
+    inputs = make_inputs(stock, "wide", padded=padded)
+    fast = FastQwenImageTransformer.from_diffusers(stock, FastTransformerConfig(fp8=False, fp8_attention="auto"))
+    exact = FastQwenImageTransformer.from_diffusers(stock, FastTransformerConfig(fp8=False))
+    ref = run(stock, inputs)
+    error, exact_error = rel_rms_error(run(fast, inputs), ref), rel_rms_error(run(exact, inputs), ref)
+    # measured 5e-3 (FP8 q, k, v on 16-wide heads); padded keys attended would give 2e-2
+    assert exact_error < 1e-5 and 1e-4 < error < 1.2e-2, (error, exact_error)
+    assert ("fp8_attention", "reference") in fast.running()
+
+
+def test_fp8_output_split_as_its_dequantized_values():
+    """cuDNN's FP8 output (codes and one scale): the output projections' FP8 operands are its codes with the scale
+    on every row, a BF16 projection gets the dequantized values."""
+    o8 = (torch.randn(2, 9, 3, 16) * 40).clamp(-448, 448).to(FP8_DTYPE)
+    scale = torch.tensor([0.03])
+    (img_q, img_s), txt = block_module.split_attention(o8, 5, True, False, scale)
+    assert torch.equal(img_q.view(torch.uint8), o8[:, :5].reshape(10, 48).view(torch.uint8))
+    assert img_s.shape == (10, 1) and (img_s == scale).all()
+    assert torch.equal(txt, (o8[:, 5:].reshape(8, 48).float() * scale).to(torch.bfloat16))
+
+
+def test_reference_masks_padded_keys():
+    """fp8_attention_ref: keys past valid_keys never attended (a huge value there changes nothing)."""
+    q8, k8, v8 = ((torch.randn(2, 12, 3, 16) * 50).to(FP8_DTYPE) for _ in range(3))
+    one, scales = torch.full((1,), 0.02), torch.full((2, 3), 0.05)
+    valid = torch.tensor([12, 7], dtype=torch.int32)
+    out = fp8_attention_ref(q8, k8, v8, one, one, scales, valid)
+    v8[1, 7:] = torch.tensor(448.0).to(FP8_DTYPE)
+    assert torch.equal(out, fp8_attention_ref(q8, k8, v8, one, one, scales, valid))
+
+
+# ---- on a GPU
+
+def kernels_here() -> list[str]:
+    return [kernel for kernel in ("cudnn", "fa3") if installed(kernel)]
+
+
+@pytest.mark.gpu
+def test_kernels_against_reference_on_gpu():
+    """Each installed kernel on qkv_pack / quantize_fp8_heads operands at the real head shape (24 x 128, B=2, a
+    padded prompt) against fp8_attention_ref (the same FP8 operands, fp32 softmax): what is left is the kernels'
+    FP8 probabilities (and cuDNN's FP8 output); both far from the BF16 attention's zero."""
+    from qwen_image_fast.kernels.qkv_pack import qkv_pack, rms_norm_fp8_scale
+    from qwen_image_fast.kernels.quantize_heads import quantize_fp8_heads
+
+    assert kernels_here(), "no FP8 attention package installed (pip install 'qwen-image-fast[fp8-attention]')"
+    b, s, h, d = 2, 1100, 24, 128
+    g = torch.Generator("cuda").manual_seed(0)
+    qkv = torch.randn(b, s, 3 * h * d, generator=g, device="cuda").bfloat16()
+    w = (1 + 0.3 * torch.randn(d, generator=g, device="cuda")).bfloat16()
+    freqs = torch.view_as_real(torch.polar(torch.ones(s, d // 2, device="cuda"),
+                                           torch.rand(s, d // 2, generator=g, device="cuda") * 6))
+    q8, k8 = (torch.empty(b, s, h, d, dtype=FP8_DTYPE, device="cuda") for _ in range(2))
+    v = torch.empty(b, s, h, d, dtype=torch.bfloat16, device="cuda")
+    scales = (rms_norm_fp8_scale([w], d), rms_norm_fp8_scale([w], d))
+    qkv_pack(qkv, w, w, freqs, q8, k8, v, 0, qk_scales=scales)
+    valid = torch.tensor([s, s - 77], dtype=torch.int32, device="cuda")
+    for kernel in kernels_here():
+        v8, v_scales = quantize_fp8_heads(v, valid, per_tensor=kernel == "cudnn")
+        ref = fp8_attention_ref(q8, k8, v8, *scales, v_scales, valid).float()
+        out, o_scale = fp8_attention(kernel, q8, k8, v, *scales, valid)
+        out = out.float() * (1 if o_scale is None else o_scale)
+        assert 1e-3 < rel_rms_error(out, ref) < 5e-2, (kernel, rel_rms_error(out, ref))
+
+
+@pytest.mark.gpu
+def test_transformer_within_its_bound_in_graphs_on_gpu():
+    """2 blocks at the real width, bf16, FP8 GEMMs, batched CFG (B=2, a padded prompt), through the runner's CUDA
+    graphs: with fp8_attention="auto" the output stays within the option's bound of stock's and the graph replay
+    equals the eager forward; `running` names the kernel."""
+    from qwen_image_fast.pipelines.qwen_image.optimizations import CallRecord
+    from qwen_image_fast.pipelines.qwen_image.runtime.runner import Runner
+    from diffusers import QwenImageTransformer2DModel
+
+    stock = QwenImageTransformer2DModel(num_layers=2).to("cuda", torch.bfloat16).eval()
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, p in stock.named_parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.02)
+    fast = FastQwenImageTransformer.from_diffusers(stock, FastTransformerConfig(fp8_attention="auto"))
+    kernel = fast.fp8_attention[0]
+    assert kernel == kernels_here()[0] and ("fp8_attention", kernel) in fast.running()
+    mask = torch.ones(2, 218, dtype=torch.long, device="cuda")
+    mask[1, 150:] = 0
+    inputs = dict(hidden_states=torch.randn(2, 4096, 64, device="cuda", dtype=torch.bfloat16),
+                  encoder_hidden_states=torch.randn(2, 218, 3584, device="cuda", dtype=torch.bfloat16),
+                  encoder_hidden_states_mask=mask, timestep=torch.tensor([0.5, 0.5], device="cuda",
+                                                                         dtype=torch.bfloat16),
+                  img_shapes=[[(1, 64, 64)]] * 2)
+    ref, eager = run(stock, inputs), run(fast, inputs)
+    assert rel_rms_error(eager, ref) <= BY_NAME["fp8_attention"].bound.full, rel_rms_error(eager, ref)
+    record = CallRecord()
+    extra = dict(guidance=None, controlnet_block_samples=None, additional_t_cond=None, modulation=None)
+    with Runner().call(fast, record, graphs=True, pair_cfg=False, bucket=1) as call:
+        for _ in range(3):  # eager, captured, replayed
+            assert_close(call.forward("cond", **inputs, **extra), eager, 1e-6, "graph vs eager")
+    assert f"fp8_attention:{kernel}" in record.labels() and "cuda_graphs" in record.labels()
