@@ -83,6 +83,7 @@ def reference(streams, s: int, mask: TextMask) -> torch.Tensor:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shapes", default=",".join(SHAPES))
+    parser.add_argument("--cudnn-plans", action="store_true", help="also time every plan cuDNN ranks")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     env, rows, cudnn_attention = environment(), [], CudnnFp8Attention()
@@ -128,6 +129,18 @@ def main():
             except Exception as e:  # reported, the other kernels still measured
                 print(f"{name} {kernel}: FAILED {type(e).__name__}: {str(e)[:500]}", flush=True)
                 rows.append(dict(base, kernel=kernel, failed=f"{type(e).__name__}: {str(e)[:500]}"))
+        if "cudnn_fp8" in results and args.cudnn_plans:  # every plan cuDNN ranks for this graph, timed
+            sweep = CudnnFp8Attention(all_plans=True)
+            v8, v_scales = quantize_fp8_heads(v_bf16, mask.seqused_k, True)
+            v_scale, out = v_scales[0, 0].reshape(1), torch.empty(B, s, H, D, dtype=FP8_DTYPE, device="cuda")
+            for i, plan_name in enumerate(sweep.plan_names(q8)):
+                try:
+                    ms = bench_ms(lambda: sweep(q8, k8, v8, scales[0], scales[1], v_scale, mask.seqused_k, out, plan=i))
+                    print(f"  cudnn plan {i} {plan_name}: {ms:.3f} ms {flops / ms / 1e9:.0f} TF/s", flush=True)
+                    rows.append(dict(base, kernel="cudnn_fp8_plan", plan=i, plan_name=plan_name, attention_ms=ms,
+                                     tflops=flops / ms / 1e9))
+                except Exception as e:
+                    print(f"  cudnn plan {i} {plan_name}: {type(e).__name__}: {str(e)[:200]}", flush=True)
         for kernel, (ms, out, quant_ms) in results.items():
             row = dict(base, kernel=kernel, attention_ms=ms, tflops=flops / ms / 1e9, v_quant_ms=quant_ms,
                        rel_rms_vs_fp32=error(out), rel_rms_vs_fa4_bf16=rel_rms_error(out.float()[queries],

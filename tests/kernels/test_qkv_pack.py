@@ -154,8 +154,8 @@ def test_qkv_pack_fp8_matches_ref(b, l, h, d, s, seq_offset, dtype, device):
         rows = slice(seq_offset, seq_offset + l)
         for name, got, expected in zip("qk", out, ref):
             got, expected = got[:, rows].float(), expected[:, rows].float()
-            if q_dtype == torch.float32:
-                assert_close(got, expected, 1e-6, f"qkv_pack fp8 {name} pre-cast")
+            if q_dtype == torch.float32:  # a GPU's approximate rsqrt flips a normed value's rounding now and then
+                assert_close(got, expected, 1e-6 if device == "cpu" else 3e-4, f"qkv_pack fp8 {name} pre-cast")
                 assert got.abs().max() <= FP8_MAX
             else:  # e4m3: 3 mantissa bits, a code is up to 2^-3 relative apart
                 differ = got != expected

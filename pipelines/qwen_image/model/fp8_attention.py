@@ -96,11 +96,13 @@ def fp8_attention_fa3(q8, k8, v8, q_scale, k_scale, v_scales, seqused_k) -> torc
 
 
 class CudnnFp8Attention:
-    """cuDNN FP8 SDPA graphs by shape (built once each, on the device of the first call)."""
+    """cuDNN FP8 SDPA graphs by shape (built once each, on the device of the first call). all_plans: every ranked
+    plan built (benchmarks time them: plan_names, execute(..., plan=i)), else the heuristics' first that builds."""
 
     P_SCALE = 448.0  # the probabilities [0, 1] -> e4m3 codes [0, 448]
 
-    def __init__(self):
+    def __init__(self, all_plans: bool = False):
+        self.all_plans = all_plans
         self.graphs: dict[tuple, tuple] = {}
 
     def _graph(self, b: int, s: int, h: int, d: int, device: torch.device):
@@ -125,8 +127,17 @@ class CudnnFp8Attention:
             for amax in (amax_s, amax_o):
                 amax.set_output(True).set_dim([1, 1, 1, 1]).set_stride([1, 1, 1, 1]).set_data_type(
                     cudnn.data_type.FLOAT)
-            graph.build([cudnn.heur_mode.A])
-            workspace = torch.empty(max(graph.get_workspace_size(), 1), dtype=torch.uint8, device=device)
+            if self.all_plans:
+                graph.validate()
+                graph.build_operation_graph()
+                graph.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+                graph.check_support()
+                graph.build_plans(cudnn.build_plan_policy.ALL)
+                size = max(graph.get_workspace_size_plan_at_index(i) for i in range(graph.get_execution_plan_count()))
+            else:
+                graph.build([cudnn.heur_mode.A])
+                size = graph.get_workspace_size()
+            workspace = torch.empty(max(size, 1), dtype=torch.uint8, device=device)
             constants = dict(descale_s=torch.full((1,), 1 / self.P_SCALE, device=device),
                              scale_s=torch.full((1,), self.P_SCALE, device=device),
                              seq_len_q=torch.full((b,), s, dtype=torch.int32, device=device),
@@ -135,19 +146,25 @@ class CudnnFp8Attention:
                                                     **lens), workspace, constants)
         return self.graphs[key]
 
-    def __call__(self, q8, k8, v8, q_scale, k_scale, v_scale, seqused_k, out8) -> torch.Tensor:
+    def plan_names(self, q8) -> list[str]:
+        graph = self._graph(*q8.shape, q8.device)[0]
+        return [graph.get_plan_name_at_index(i) for i in range(graph.get_execution_plan_count())]
+
+    def __call__(self, q8, k8, v8, q_scale, k_scale, v_scale, seqused_k, out8, plan: int | None = None):
         """q8, k8, v8, out8: FP8 [B, S, H, D]; q_scale, k_scale, v_scale: fp32 [1] (v_scale also o's); seqused_k:
-        int32 [B]. Returns out8 (o ~= out8 * v_scale)."""
+        int32 [B]. Returns out8 (o ~= out8 * v_scale). plan: an index of plan_names (all_plans), else the built one."""
         import cudnn
 
-        graph, handle, t, workspace, c = self._graph(*q8.shape[:2], *q8.shape[2:], q8.device)
+        graph, handle, t, workspace, c = self._graph(*q8.shape, q8.device)
         cudnn.set_stream(handle, torch.cuda.current_stream(q8.device).cuda_stream)
-        scale_o = 1.0 / v_scale
-        graph.execute({t["q"]: q8, t["k"]: k8, t["v"]: v8, t["o"]: out8, t["descale_q"]: q_scale,
-                       t["descale_k"]: k_scale, t["descale_v"]: v_scale, t["descale_s"]: c["descale_s"],
-                       t["scale_s"]: c["scale_s"], t["scale_o"]: scale_o, t["seq_len_q"]: c["seq_len_q"],
-                       t["seq_len_kv"]: seqused_k, t["amax_s"]: c["amax"][:1], t["amax_o"]: c["amax"][1:]},
-                      workspace, handle=handle)
+        pack = {t["q"]: q8, t["k"]: k8, t["v"]: v8, t["o"]: out8, t["descale_q"]: q_scale, t["descale_k"]: k_scale,
+                t["descale_v"]: v_scale, t["descale_s"]: c["descale_s"], t["scale_s"]: c["scale_s"],
+                t["scale_o"]: 1.0 / v_scale, t["seq_len_q"]: c["seq_len_q"], t["seq_len_kv"]: seqused_k,
+                t["amax_s"]: c["amax"][:1], t["amax_o"]: c["amax"][1:]}
+        if plan is None:
+            graph.execute(pack, workspace, handle=handle)
+        else:
+            graph.execute_plan_at_index(pack, workspace, plan, handle=handle)
         return out8
 
 
