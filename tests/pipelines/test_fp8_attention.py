@@ -75,6 +75,26 @@ def test_blocks_fp8_wiring_against_stock(reference_kernel, padded):
     assert ("fp8_attention", "reference") in fast.running()
 
 
+def test_with_lora_and_a_step_cache_in_the_pipeline(reference_kernel):
+    """The text-to-image pipeline with FP8 attention (the reference kernel), batched CFG, a LoRA on every block
+    linear and a fixed-schedule step cache: within FP8 attention's error of the same pipeline without it (the LoRA
+    acts in the GEMMs before qkv_pack; a cached step skips the middle blocks whole)."""
+    from test_lora import LORA_A, diffusers_format
+    from test_lora import run as run_cfg
+    from test_pipeline import fast_pipeline
+
+    latents = {}
+    for fp8_attention in ("off", "auto"):
+        pipe = fast_pipeline(FastConfig(fp8=False, fp8_attention=fp8_attention, cache="every:2,1,0"))
+        pipe.load_lora_weights(diffusers_format(LORA_A), adapter_name="a")
+        latents[fp8_attention] = run_cfg(pipe)
+        applied = pipe.applied
+        assert ("fp8_attention:reference" in applied) == (fp8_attention == "auto"), applied
+        assert "batched_cfg" in applied and any(label.startswith("step_cache:") for label in applied), applied
+    error = rel_rms_error(latents["auto"], latents["off"])
+    assert 1e-5 < error < 2e-2, error
+
+
 def test_fp8_output_split_as_its_dequantized_values():
     """cuDNN's FP8 output (codes and one scale): the output projections' FP8 operands are its codes with the scale
     on every row, a BF16 projection gets the dequantized values."""

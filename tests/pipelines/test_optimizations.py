@@ -22,6 +22,7 @@ from qwen_image_fast import FastConfig, optimize
 from qwen_image_fast.kernels import fp8 as fp8_kernels
 from qwen_image_fast.kernels._utils import rel_rms_error
 from qwen_image_fast.pipelines.qwen_image.model import block, vae
+from qwen_image_fast.pipelines.qwen_image.model import transformer as transformer_module
 from qwen_image_fast.pipelines.qwen_image.model.transformer import FastQwenImageTransformer
 from qwen_image_fast.pipelines.qwen_image.optimizations import BY_NAME, EXACT_TOL, REGISTRY
 
@@ -122,6 +123,23 @@ def case_attention(stock_latents, monkeypatch):
     calls = record_calls(monkeypatch, block, "joint_attention")
     assert_close(run(pipe), stock_latents, EXACT_TOL, "attention vs stock")
     assert calls and all(args[-1] == "sdpa" for args, _ in calls), "(c) the backend it names ran"
+
+
+def case_fp8_attention(stock_latents, monkeypatch):
+    """No FP8 attention kernel runs on the CPU: "auto" runs the BF16 attention, saying why, a named kernel is
+    refused. (a), (b), (c) with fp8_attention_ref standing in for the GPU kernels (test_fp8_attention.py; the GPU
+    tests hold the kernels to it and the option to its bound)."""
+    plan = dict(zip((opt.name for opt in REGISTRY), fast(EXACT.replace(fp8_attention="auto")).will_run().values()))
+    assert not plan["fp8_attention"] and "fp8_attention" not in names(fast(EXACT.replace(fp8_attention="auto")).applied)
+    with pytest.raises(ValueError, match="fp8_attention='cudnn' needs a CUDA GPU"):
+        fast(EXACT.replace(fp8_attention="cudnn"))  # never a silent substitute
+    monkeypatch.setattr(transformer_module, "fp8_attention_kernel", lambda name, device, dtype: (
+        ("reference", None) if name != "off" else (None, None)))
+    check_switch(EXACT.replace(fp8_attention="auto"), EXACT, "fp8_attention")
+    calls = record_calls(monkeypatch, block, "fp8_attention")
+    err = rel_rms_error(run(fast(EXACT.replace(fp8_attention="auto"))), stock_latents)
+    assert 0 < err <= 2e-2, err  # the reference's FP8 q, k, v; the kernels' FP8 probabilities only on a GPU
+    assert calls and all(args[0] == "reference" for args, _ in calls), "(c) the FP8 attention ran"
 
 
 def case_modulation_table(stock_latents, monkeypatch):
