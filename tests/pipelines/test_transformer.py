@@ -270,7 +270,7 @@ def test_config_is_the_stock_config_plus_how_linears_are_stored():
     assert {k: fast.config[k] for k in stock_keys} == {k: stock.config[k] for k in stock_keys}
     assert set(fast.config) - set(stock.config) == {"fast_config"}
     assert fast.config.fast_config == {"fp8": True, "bf16_linears": ["img_fc2"], "fp8_fast_accum": True,
-                                       "attention": "auto"}
+                                       "attention": "auto", "fp8_attention": "off"}
     assert fast.dtype == torch.float32 and fast.device == torch.device("cpu")
 
 
