@@ -24,7 +24,7 @@ from qwen_image_fast.pipelines.qwen_image.model.fp8_attention import (
 from qwen_image_fast.pipelines.qwen_image.model.transformer import FastQwenImageTransformer
 from qwen_image_fast.pipelines.qwen_image.optimizations import BY_NAME, Facts, plan_fp8_attention
 
-from test_transformer import make_inputs, run, tiny_stock
+from test_transformer import make_inputs, real_width_stock, run, tiny_stock
 
 
 def test_registered_lossy_and_off_by_default():
@@ -157,14 +157,8 @@ def test_transformer_within_its_bound_in_graphs_on_gpu():
     equals the eager forward; `running` names the kernel."""
     from qwen_image_fast.pipelines.qwen_image.optimizations import CallRecord
     from qwen_image_fast.pipelines.qwen_image.runtime.runner import Runner
-    from diffusers import QwenImageTransformer2DModel
 
-    stock = QwenImageTransformer2DModel(num_layers=2).to("cuda", torch.bfloat16).eval()
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for name, p in stock.named_parameters():
-            if p.dim() == 2:
-                p.normal_(0, 0.02)
+    stock = real_width_stock()
     fast = FastQwenImageTransformer.from_diffusers(stock, FastTransformerConfig(fp8_attention="auto"))
     kernel = fast.fp8_attention[0]
     assert kernel == kernels_here()[0] and ("fp8_attention", kernel) in fast.running()

@@ -189,17 +189,24 @@ def test_forward_signature_and_output_match_diffusers():
     assert isinstance(out, tuple) and out[0].shape == (2, 16, 16)
 
 
+def real_width_stock(num_layers: int = 2) -> QwenImageTransformer2DModel:
+    """diffusers' transformer at the real widths, `num_layers` blocks, bf16 on the GPU, its 2-D weights normal(0,
+    0.02) (seed 0)."""
+    stock = QwenImageTransformer2DModel(num_layers=num_layers).to("cuda", torch.bfloat16).eval()
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in stock.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.02)
+    return stock
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("fp8", [False, True])
 @pytest.mark.parametrize("padded", [False, True])
 def test_real_width_on_gpu(fp8, padded):
     """Real widths (3072 = 24 x 128, MLP 12288, text 3584), 2 blocks, 1024x1024 latents (4096 tokens), bf16."""
-    stock = QwenImageTransformer2DModel(num_layers=2).to("cuda", torch.bfloat16).eval()
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for name, p in stock.named_parameters():
-            if p.dim() == 2:
-                p.normal_(0, 0.02)
+    stock = real_width_stock()
     fast = FastQwenImageTransformer.from_diffusers(stock, FastTransformerConfig(fp8=fp8))
     batch, txt_len = 2, 218
     inputs = dict(
