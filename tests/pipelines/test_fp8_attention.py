@@ -84,12 +84,12 @@ def test_with_lora_and_a_step_cache_in_the_pipeline(reference_kernel):
     from test_pipeline import fast_pipeline
 
     latents = {}
-    for fp8_attention in ("off", "auto"):
-        pipe = fast_pipeline(FastConfig(fp8=False, fp8_attention=fp8_attention, cache="every:2,1,0"))
+    for setting in ("off", "auto"):
+        pipe = fast_pipeline(FastConfig(fp8=False, fp8_attention=setting, cache="every:2,1,0"))
         pipe.load_lora_weights(diffusers_format(LORA_A), adapter_name="a")
-        latents[fp8_attention] = run_cfg(pipe)
+        latents[setting] = run_cfg(pipe)
         applied = pipe.applied
-        assert ("fp8_attention:reference" in applied) == (fp8_attention == "auto"), applied
+        assert ("fp8_attention:reference" in applied) == (setting == "auto"), applied
         assert "batched_cfg" in applied and any(label.startswith("step_cache:") for label in applied), applied
     error = rel_rms_error(latents["auto"], latents["off"])
     assert 1e-5 < error < 2e-2, error
