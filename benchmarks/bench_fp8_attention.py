@@ -15,6 +15,13 @@ FLOPs), the operand preparation (qkv_pack FP8 against BF16, the V quantization) 
 query rows against the reference and against FA4 BF16. Gaussian operands, not a checkpoint's activations: the
 error of real attention patterns (peakier softmax) is not measured here. A kernel that fails is reported with its
 error and the others still run. Appends to results/fp8_attention.jsonl.
+
+--model-activations: instead, q, k, v as the fast transformer's blocks hand them to attention (full width, 3 blocks,
+random weights as bench_transformer's, FP8 GEMMs, BF16 attention) at odd sizes, B = 1, 2, 4, prompts padded to
+several lengths (ACTIVATION_CASES); per block and per sample, each FP8 kernel on those operands (q, k quantized with
+the block's bound scales, v by quantize_fp8_heads) against FlashAttention-4 BF16 on the same operands, over the
+sample's valid query rows. (The model quantizes q and k from the rotation's fp32 output, here from its BF16
+rounding: 2^-9 against e4m3's 2^-4.)
 """
 
 import argparse
@@ -32,10 +39,12 @@ from qwen_image_fast.kernels._utils import FP8_DTYPE, rel_rms_error  # noqa: E40
 from qwen_image_fast.kernels.qkv_pack import qkv_pack, qkv_pack_ref, rms_norm_fp8_scale  # noqa: E402
 from qwen_image_fast.kernels.quantize_heads import quantize_fp8_heads  # noqa: E402
 from qwen_image_fast.pipelines.qwen_image.model.attention import TextMask, joint_attention  # noqa: E402
+from qwen_image_fast.pipelines.qwen_image.config import FastTransformerConfig  # noqa: E402
 from qwen_image_fast.pipelines.qwen_image.model.fp8_attention import (  # noqa: E402
     CudnnFp8Attention,
     fp8_attention_fa3,
 )
+from qwen_image_fast.pipelines.qwen_image.model.transformer import FastQwenImageTransformer  # noqa: E402
 
 B, H, D = 2, 24, 128
 SHAPES = {"t2i_1024": (4096, 218, (218, 150)), "t2i_1328": (6889, 218, (218, 150)),
@@ -80,14 +89,66 @@ def reference(streams, s: int, mask: TextMask) -> torch.Tensor:
     return out.transpose(1, 2)
 
 
+ACTIVATION_CASES = {"1024x768-b1": (1024, 768, (97,)), "832x1248-b2": (832, 1248, (218, 150)),
+                    "1328x1328-b4": (1328, 1328, (218, 180, 120, 64))}
+
+
+def model_activation_rows(env: dict) -> list[dict]:
+    """--model-activations (the docstring)."""
+    from bench_transformer import make_stock
+
+    from qwen_image_fast.pipelines.qwen_image.model import block as block_module
+    from qwen_image_fast.pipelines.qwen_image.model.fp8_attention import fp8_attention, installed
+
+    fast = FastQwenImageTransformer.from_diffusers(make_stock(num_layers=3), FastTransformerConfig())
+    original, captured, rows = block_module.joint_attention, [], []
+
+    def capture(q, k, v, mask, backend):
+        captured.append((q.clone(), k.clone(), v.clone(), mask))
+        return original(q, k, v, mask, backend)
+
+    block_module.joint_attention = capture
+    g = torch.Generator("cuda").manual_seed(0)
+    for case, (width, height, texts) in ACTIVATION_CASES.items():
+        batch, text = len(texts), max(texts)
+        mask = (torch.arange(text, device="cuda")[None, :] < torch.tensor(texts, device="cuda")[:, None]).long()
+        tokens = (height // 16) * (width // 16)
+        inputs = dict(hidden_states=torch.randn(batch, tokens, 64, generator=g, device="cuda").bfloat16(),
+                      encoder_hidden_states=torch.randn(batch, text, 3584, generator=g, device="cuda").bfloat16(),
+                      encoder_hidden_states_mask=mask, img_shapes=[[(1, height // 16, width // 16)]] * batch,
+                      timestep=torch.full((batch,), 0.5, device="cuda", dtype=torch.bfloat16))
+        captured.clear()
+        with torch.no_grad():
+            fast(**inputs)
+        for i, (q, k, v, text_mask) in enumerate(captured):
+            scales = fast.transformer_blocks[i].qk_fp8_scales()
+            q8, k8 = ((t.float() / sc).clamp(-448, 448).to(FP8_DTYPE) for t, sc in zip((q, k), scales))
+            ref = original(q, k, v, text_mask, "fa4").float()
+            for kernel in [name for name in ("cudnn", "fa3") if installed(name)]:
+                out, o_scale = fp8_attention(kernel, q8, k8, v, *scales, text_mask.seqused_k)
+                out = out.float() * (1 if o_scale is None else o_scale)
+                valid = text_mask.key_mask[:, 0, 0, :]
+                errors = [rel_rms_error(out[b][valid[b]], ref[b][valid[b]]) for b in range(batch)]
+                rows.append(dict(env, bench="fp8_attention_activations", case=case, block=i, kernel=kernel,
+                                 seq=q.shape[1], text_lengths=list(texts), per_sample_rel_rms_vs_fa4_bf16=errors))
+                print(f"{case:13s} S={q.shape[1]:5d} block {i} {kernel:5s} per-sample rel-RMS vs FA4 BF16: "
+                      + " ".join(f"{e:.2e}" for e in errors), flush=True)
+    block_module.joint_attention = original
+    return rows
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shapes", default=",".join(SHAPES))
     parser.add_argument("--cudnn-plans", action="store_true", help="also time every plan cuDNN ranks")
+    parser.add_argument("--model-activations", action="store_true", help="per-sample error on the blocks' operands")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     env, rows, cudnn_attention = environment(), [], CudnnFp8Attention()
     print(f"{env['gpu']}  torch {torch.__version__}", flush=True)
+    if args.model_activations:
+        append_results("fp8_attention", model_activation_rows(env), args.out)
+        return
     for name in args.shapes.split(","):
         img, txt, valid = SHAPES[name]
         s = img + txt
