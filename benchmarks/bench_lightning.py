@@ -13,7 +13,8 @@ loaded from it by both pipelines.
 Paths (rows): diffusers without / with the LoRA fused (peft merge in bf16); ours without a LoRA; ours with it
 unfused (low-rank terms beside the FP8 GEMMs); fused after loading (folded into the FP8 weights, requantized from
 the dequantized FP8 weight); fused on the stock model before conversion (quantized once from the merged BF16
-weights). Seconds per image = the pipeline call to latents (text encoding included) + VAE decode, median of 3
+weights); with --fp8-attention KERNEL, that last path with FastConfig(fp8_attention=KERNEL) too, gated by that
+option's bound. Seconds per image = the pipeline call to latents (text encoding included) + VAE decode, median of 3
 after a warm-up call (graph capture); text encoding is also timed alone. Each row of ours is checked first
 against the stock run with the same LoRA state (latent rel-RMS <= 0.1 and image PSNR >= 38 dB); a failed row is
 printed and not recorded. First, the VAE alone: stock decode vs the 2D one (FastConfig.vae_2d_decode) on the same
@@ -40,6 +41,7 @@ from qwen_image_fast import FastConfig, QwenImageFastPipeline, lightning_schedul
 from qwen_image_fast.compare import psnr  # noqa: E402
 from qwen_image_fast.kernels._utils import rel_rms_error  # noqa: E402
 from qwen_image_fast.pipelines.qwen_image.model.vae import decode_image  # noqa: E402
+from qwen_image_fast.pipelines.qwen_image.optimizations import BY_NAME  # noqa: E402
 
 GATE = (0.1, 38.0)  # latent rel-RMS, image PSNR dB: FP8 against bf16 with the same sampler and LoRA state
 
@@ -50,6 +52,8 @@ def main():
     parser.add_argument("--sizes", default="1024,1328")
     parser.add_argument("--steps", default="4,8")
     parser.add_argument("--tokenizer", type=Path, default=None, help="a Qwen2.5 BPE tokenizer folder")
+    parser.add_argument("--fp8-attention", default="off", help="also the fused-bf16 path with "
+                        "FastConfig(fp8_attention=...): auto, cudnn, fa3")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     device = torch.device("cpu" if args.tiny else "cuda")
@@ -108,7 +112,7 @@ def main():
                   + (f", 2D {ms['2d']:.1f} ms" if ok else ""), flush=True)
         del vae32
 
-    def record(impl, path, pipe, ref_key=None, against=None, repeats=3):
+    def record(impl, path, pipe, ref_key=None, against=None, repeats=3, gate=GATE):
         """Every size and step count: a warm-up call, then `repeats` timed ones (median). against: ours without a
         LoRA, timed in turn with each call (the GPU's clock drifts by several % over minutes, which a comparison
         of runs made minutes apart would read as a difference)."""
@@ -135,11 +139,11 @@ def main():
                            ms_per_step=(1000 * seconds - vae_ms - text) / steps,
                            applied=getattr(pipe, "applied", []), module_gib=module_bytes(pipe) / 2**30,
                            latent_rel_err=None if ref is None else rel_rms_error(latents, ref[0]),
-                           psnr=None if ref is None else psnr(images, ref[1]), gate=GATE if ref else None)
+                           psnr=None if ref is None else psnr(images, ref[1]), gate=gate if ref else None)
                 row["ok"] = bool(torch.isfinite(latents).all()) and (ref is None or (
-                    row["latent_rel_err"] <= GATE[0] and row["psnr"] >= GATE[1]))
+                    row["latent_rel_err"] <= gate[0] and row["psnr"] >= gate[1]))
                 if not row["ok"]:
-                    print(f"{impl:9} {path:14} {row['resolution']} {steps} steps: FAILED the check {GATE}: rel_err "
+                    print(f"{impl:9} {path:14} {row['resolution']} {steps} steps: FAILED the check {gate}: rel_err "
                           f"{row['latent_rel_err']}, PSNR {row['psnr']} (no speed reported)", flush=True)
                     continue
                 rows.append(row)
@@ -200,6 +204,18 @@ def main():
         fast = QwenImageFastPipeline.from_pipe(stock, fast_config=FastConfig(), device=device)
         fast.set_progress_bar_config(disable=True)
         record("ours", "fused-bf16", fast, ref_key="fused", against=plain)
+        if args.fp8_attention != "off":  # the same with FP8 attention, gated by that option's bound
+            del fast
+            config = FastConfig(fp8_attention=args.fp8_attention)
+            fast = QwenImageFastPipeline.from_pipe(stock, fast_config=config, device=device)
+            fast.set_progress_bar_config(disable=True)
+            kernel, why_not = fast.transformer.fp8_attention
+            bound = BY_NAME["fp8_attention"].bound
+            if kernel is None:
+                print(f"ours: no FP8 attention runs here ({why_not}): no fused-bf16-fp8-attention row", flush=True)
+            else:
+                record("ours", "fused-bf16-fp8-attention", fast, ref_key="fused", against=plain,
+                       gate=(bound.full, bound.full_psnr_db))
 
     for r in rows:
         if r.get("seconds_no_lora_interleaved"):
