@@ -133,11 +133,12 @@ def test_rms_norm_fp8_scale_bounds_every_input(dtype):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("fp8_v", [False, True])
 @pytest.mark.parametrize("b, l, h, d, s, seq_offset", [(2, 37, 3, 16, 45, 5), (1, 3, 24, 128, 5, 1)])
-def test_qkv_pack_fp8_matches_ref(b, l, h, d, s, seq_offset, dtype, device):
+def test_qkv_pack_fp8_matches_ref(b, l, h, d, s, seq_offset, fp8_v, dtype, device):
     """q and k as FP8 with the bound's scales (the values before the cast: the rotation's fp32 output times
     1 / scale, to the rotation's ulps; e4m3 codes on a GPU, a code apart where those ulps straddle a rounding), v
-    as in BF16 mode, nothing outside the rows written."""
+    as in BF16 mode or, given a scale, as FP8 too (bit-equal), nothing outside the rows written."""
     if device == "cuda":
         l, s = 64 * l, 64 * s
     qkv = torch.randn(b, l, 3 * h * d, device=device).to(dtype)
@@ -145,12 +146,13 @@ def test_qkv_pack_fp8_matches_ref(b, l, h, d, s, seq_offset, dtype, device):
     w_k = (1.0 + 0.3 * torch.randn(d, device=device)).to(dtype)
     freqs = torch.view_as_real(torch.polar(torch.ones(l, d // 2), 6.0 * torch.rand(l, d // 2))).to(device)
     scales = (rms_norm_fp8_scale([w_q], d), rms_norm_fp8_scale([w_k], d))
+    v_scale = (qkv[..., 2 * h * d:].float().abs().amax() * 3 / 448).reshape(1) if fp8_v else None
     for q_dtype in (torch.float32,) + ((FP8_DTYPE,) if device == "cuda" else ()):
         out = [torch.full((b, s, h, d), SENTINEL, dtype=q_dtype, device=device) for _ in range(2)]
-        out.append(torch.full((b, s, h, d), SENTINEL, dtype=dtype, device=device))
+        out.append(torch.full((b, s, h, d), SENTINEL, dtype=q_dtype if fp8_v else dtype, device=device))
         ref = [t.clone() for t in out]
-        qkv_pack(qkv, w_q, w_k, freqs, *out, seq_offset=seq_offset, qk_scales=scales)
-        qkv_pack_ref(qkv, w_q, w_k, freqs, *ref, seq_offset=seq_offset, qk_scales=scales)
+        qkv_pack(qkv, w_q, w_k, freqs, *out, seq_offset=seq_offset, qk_scales=scales, v_scale=v_scale)
+        qkv_pack_ref(qkv, w_q, w_k, freqs, *ref, seq_offset=seq_offset, qk_scales=scales, v_scale=v_scale)
         rows = slice(seq_offset, seq_offset + l)
         for name, got, expected in zip("qk", out, ref):
             got, expected = got[:, rows].float(), expected[:, rows].float()
@@ -161,7 +163,10 @@ def test_qkv_pack_fp8_matches_ref(b, l, h, d, s, seq_offset, dtype, device):
                 differ = got != expected
                 assert differ.float().mean() < 1e-3, f"{name}: {differ.float().mean():.2e} of the codes differ"
                 assert ((got - expected).abs() <= expected.abs() / 8 + 2**-9)[differ].all()
-        assert torch.equal(out[2][:, rows], qkv[..., 2 * h * d:].unflatten(-1, (h, d))), "v must be copied exactly"
+        if fp8_v:  # a product and a clamp: bit-equal (the cast itself only on a GPU)
+            assert torch.equal(out[2][:, rows].float(), ref[2][:, rows].float()), "v's FP8 values"
+        else:
+            assert torch.equal(out[2][:, rows], qkv[..., 2 * h * d:].unflatten(-1, (h, d))), "v copied exactly"
         for name, got in zip("qkv", out):
             outside = torch.cat([got[:, :seq_offset], got[:, seq_offset + l:]], dim=1).float()
             assert (outside == SENTINEL).all(), f"{name}: a row outside [{seq_offset}, {seq_offset + l}) was written"

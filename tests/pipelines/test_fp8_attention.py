@@ -75,6 +75,53 @@ def test_blocks_fp8_wiring_against_stock(reference_kernel, padded):
     assert ("fp8_attention", "reference") in fast.running()
 
 
+def test_v_bound_holds_is_near_tight_and_gives_way_to_a_lora():
+    """v's FP8 scale from the bound (FP8 QKV GEMMs): every v of any FP8 operand within 448 * scale, the worst row
+    (its codes the signs of the widest v row of W_v, at 448) reaching it; with a LoRA adding to v's rows, no bound
+    (quantize_fp8_heads measures v then)."""
+    from qwen_image_fast.kernels.fp8 import quantize_fp8_rowwise_ref
+    from test_lora import diffusers_format
+
+    fast = FastQwenImageTransformer.from_diffusers(tiny_stock(), FastTransformerConfig(fp8=True))
+    block = fast.transformer_blocks[0]
+    inner = block.heads * block.head_dim
+    w = block.img_qkv.weight_q[2 * inner:].float() * block.img_qkv.weight_scale[2 * inner:, None]
+    widest = w.abs().sum(1).argmax()
+    rows = torch.cat([torch.randn(40, w.shape[1]) * torch.logspace(-2, 2, 40)[:, None], 1e3 * torch.sign(w[widest])[None]])
+    x = quantize_fp8_rowwise_ref(rows)
+    x_txt = quantize_fp8_rowwise_ref(torch.randn(7, w.shape[1]))
+    scale = block.v_fp8_scale(x, x_txt)
+    for linear, operand in ((block.img_qkv, x), (block.txt_qkv, x_txt)):
+        v = linear(operand)[:, 2 * inner:].float()
+        assert v.abs().max() <= 448 * scale, (v.abs().max(), 448 * scale)
+    assert block.img_qkv(x)[-1, 2 * inner:].float().abs().max() >= 0.9 * 448 * scale  # the bound is reached
+    assert block.v_fp8_scale(rows, x_txt) is None  # an operand not FP8
+    pipe_lora = diffusers_format(["transformer_blocks.0.attn.add_v_proj"])
+    fast.load_lora_adapter(pipe_lora, adapter_name="v", prefix="transformer")
+    assert block.v_fp8_scale(x, x_txt) is None
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_fp8_gemms_take_the_v_bound(reference_kernel, monkeypatch, lora):
+    """With the FP8 GEMMs the blocks write v as FP8 in qkv_pack from the bound (no quantize_fp8_heads pass), with a
+    LoRA on v they measure it; either way the output stays within the FP8 GEMMs' and attention's error of stock."""
+    from qwen_image_fast.pipelines.qwen_image.model import fp8_attention as fp8_module
+    from test_lora import diffusers_format
+
+    measured = []
+    quantize = fp8_module.quantize_fp8_heads
+    monkeypatch.setattr(fp8_module, "quantize_fp8_heads", lambda *a, **k: measured.append(1) or quantize(*a, **k))
+    stock = tiny_stock()
+    inputs = make_inputs(stock, "wide", padded=True)
+    if lora:
+        stock.load_lora_adapter(diffusers_format([f"transformer_blocks.{i}.attn.to_v" for i in (0, 1)]),
+                                adapter_name="v", prefix="transformer")
+    fast = FastQwenImageTransformer.from_diffusers(stock, FastTransformerConfig(fp8=True, fp8_attention="auto"))
+    error = rel_rms_error(run(fast, inputs), run(stock, inputs))
+    assert 1e-4 < error < 3e-2, error
+    assert bool(measured) == lora
+
+
 def test_with_lora_and_a_step_cache_in_the_pipeline(reference_kernel):
     """The text-to-image pipeline with FP8 attention (the reference kernel), batched CFG, a LoRA on every block
     linear and a fixed-schedule step cache: within FP8 attention's error of the same pipeline without it (the LoRA

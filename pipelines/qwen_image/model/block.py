@@ -22,7 +22,8 @@ from ....kernels.attn_split_fp8 import attn_split_fp8
 from ....kernels.fp8 import quantize_fp8_rowwise
 from ....kernels.gelu_fp8 import gelu_fp8
 from ....kernels.layer_norm_modulate import layer_norm_modulate, layer_norm_modulate_fp8
-from ....kernels.qkv_pack import qkv_pack, rms_norm_fp8_scale
+from ....kernels._utils import FP8_MAX
+from ....kernels.qkv_pack import BOUND_MARGIN, qkv_pack, rms_norm_fp8_scale
 from ....kernels.residual_gate import (
     residual_gate,
     residual_gate_layer_norm_modulate,
@@ -97,6 +98,13 @@ class Tail:
     gate: torch.Tensor  # [G, D]
 
 
+def lora_adds_to_v(linear: FastLinear, inner: int) -> bool:
+    """Whether adapters on a fused QKV linear add to its v rows [2 * inner, 3 * inner) now."""
+    lora = linear.lora
+    return lora is not None and any(
+        row1 > 2 * inner and lora.in_effect(site) for site, (row0, row1) in lora.sites.items())
+
+
 def clip_float16(x: torch.Tensor) -> torch.Tensor:
     """diffusers' block clips its float16 outputs to the finite range (+-65504); other dtypes pass as they are."""
     return x.clip(-65504, 65504) if x.dtype == torch.float16 else x
@@ -140,7 +148,7 @@ class JointInputs:
     plan: UlyssesPlan | None = None
     graph_key: tuple = ()  # on_buffers: the signature of the buffers, which the block graphs reading them are keyed by
     fp8_attention: str | None = None  # the FP8 attention kernel (fp8_attention.py), None: `backend` in BF16
-    qk8: torch.Tensor | None = None  # with it: FP8 [2, B, S, H, D], q and k (v stays in qkv[2] until quantized)
+    qkv8: torch.Tensor | None = None  # with it: FP8 [3, B, S, H, D] (v there when its bound holds, else in qkv[2])
     valid_keys: torch.Tensor | None = None  # with it: int32 [B], each sample's valid keys (the mask's, or all)
 
     def on_buffers(self, graphs) -> "JointInputs":
@@ -153,10 +161,10 @@ class JointInputs:
         tensors = {name: t for name, t in tensors.items() if t is not None}
         tensors |= {} if self.valid_keys is None else {"valid_keys": self.valid_keys}
         shared = graphs.block_buffers("joint", tensors)
-        scratch = graphs.block_buffers("qkv", {"qkv": self.qkv} | ({} if self.qk8 is None else {"qk8": self.qk8}),
+        scratch = graphs.block_buffers("qkv", {"qkv": self.qkv} | ({} if self.qkv8 is None else {"qkv8": self.qkv8}),
                                        fill=False)
         mask = None if self.mask is None else TextMask.of(shared["seqused_k"], shared["key_mask"])
-        return replace(self, mask=mask, qkv=scratch["qkv"], qk8=scratch.get("qk8"), graph_key=(id(shared), id(scratch)),
+        return replace(self, mask=mask, qkv=scratch["qkv"], qkv8=scratch.get("qkv8"), graph_key=(id(shared), id(scratch)),
                        **{name: shared.get(name) for name in ("img_freqs", "txt_freqs", "silu_temb", "silu_temb_t",
                                                              "mod_row", "valid_keys")})
 
@@ -169,7 +177,7 @@ class JointInputs:
             raise ValueError("attention for part of the batch under Ulysses")  # step caches refuse Ulysses first
         mask = None if self.mask is None else TextMask.of(self.mask.seqused_k[rows], self.mask.key_mask[rows])
         if self.fp8_attention:
-            return replace(self, mask=mask, qkv=self.qkv[:, rows], qk8=self.qk8[:, rows],
+            return replace(self, mask=mask, qkv=self.qkv[:, rows], qkv8=self.qkv8[:, rows],
                            valid_keys=self.valid_keys[rows])
         return replace(self, mask=mask, qkv=self.qkv[:, rows])
 
@@ -210,16 +218,19 @@ class JointAttention(AttentionModuleMixin, nn.Module):
         img_x, txt_x = as_operand(hidden_states, scales[0]), as_operand(encoder_hidden_states, scales[1])
         fp8 = block.config.is_fp8
         q, k, v = joint.qkv.unbind(0)
-        qk_scales, o_scale = None, None
-        if joint.fp8_attention:  # q and k into the FP8 buffers, scaled by the RMSNorm bound
-            q, k = joint.qk8.unbind(0)
-            qk_scales = block.qk_fp8_scales()
+        qk_scales, v_scale, o_scale = None, None, None
+        if joint.fp8_attention:  # q and k into the FP8 buffers, scaled by the RMSNorm bound; v too where its holds
+            q, k, v8 = joint.qkv8.unbind(0)
+            qk_scales, v_scale = block.qk_fp8_scales(), block.v_fp8_scale(img_x, txt_x)
+            v = v if v_scale is None else v8
         qkv_pack(block.img_qkv(img_x).view(batch, img_len, -1), block.norm_q, block.norm_k, joint.img_freqs,
-                 q, k, v, 0, eps=block.eps, qk_scales=qk_scales)
+                 q, k, v, 0, eps=block.eps, qk_scales=qk_scales, v_scale=v_scale)
         qkv_pack(block.txt_qkv(txt_x).view(batch, txt_len, -1), block.norm_added_q,
-                 block.norm_added_k, joint.txt_freqs, q, k, v, img_len, eps=block.eps, qk_scales=qk_scales)
+                 block.norm_added_k, joint.txt_freqs, q, k, v, img_len, eps=block.eps, qk_scales=qk_scales,
+                 v_scale=v_scale)
         if joint.fp8_attention:
-            o, o_scale = fp8_attention(joint.fp8_attention, q, k, v, *qk_scales, joint.valid_keys)
+            o, o_scale = fp8_attention(joint.fp8_attention, q, k, v, *qk_scales, joint.valid_keys, v_scale,
+                                       joint.qkv.dtype)
         else:
             o = joint.attention()  # [B, L_img + L_txt, H, D]
         img_o, txt_o = split_attention(o, img_len, fp8("img_out"), fp8("txt_out"), o_scale)
@@ -282,6 +293,31 @@ class FastBlock(nn.Module):
                                    rms_norm_fp8_scale(weights[2:], self.head_dim))
             self._qk_fp8_key = key
         return self._qk_fp8_scales
+
+    def v_fp8_scale(self, img_x: Operand, txt_x: Operand) -> torch.Tensor | None:
+        """FP8 attention's v scale [1] without an amax pass, from a bound: a stream's v = x @ W_v.T + b with x its
+        QKV GEMM's rowwise-FP8 operand (|x_k| <= 448 * its row's scale), so |v| <= 448 * max row scale * max_j
+        ||W_v,j||_1 + max |b_v| (the FP8 weight as it computes; BOUND_MARGIN for the output's rounding), the
+        larger of the two streams' bounds. None where that does not hold: an operand or a weight not FP8, or a
+        LoRA adding to v's rows (then quantize_fp8_heads measures v)."""
+        bounds = []
+        for x, linear in ((img_x, self.img_qkv), (txt_x, self.txt_qkv)):
+            if not isinstance(x, tuple) or not linear.fp8 or lora_adds_to_v(linear, self.heads * self.head_dim):
+                return None
+            weight_l1, bias_max = self._v_weight_bound(linear)
+            bounds.append(x[1].amax() * (FP8_MAX * weight_l1) + bias_max)
+        return (torch.maximum(*bounds) * (BOUND_MARGIN / FP8_MAX)).reshape(1)
+
+    def _v_weight_bound(self, linear: FastLinear) -> tuple[torch.Tensor, torch.Tensor]:
+        """(max_j weight_scale_j * sum_k |weight_q_jk|, max_j |bias_j|) over the QKV linear's v rows, computed once
+        for these weights (fuse_lora rewrites them in place: their version says so)."""
+        key = (linear.weight_q.data_ptr(), linear.weight_q._version, linear.weight_scale._version, linear.bias._version)
+        cached = getattr(linear, "_v_bound", None)
+        if cached is None or cached[0] != key:
+            rows = slice(2 * self.heads * self.head_dim, None)
+            l1 = linear.weight_q[rows].float().abs().sum(dim=1) * linear.weight_scale[rows]
+            linear._v_bound = (key, (l1.max(), linear.bias[rows].float().abs().max()))
+        return linear._v_bound[1]
 
     def modulation(self, silu_temb: torch.Tensor, silu_temb_t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(img [G, 6D], txt [B, 6D]) from the forward's silu(temb) [G, D] and its timestep-t rows [B, D]."""

@@ -57,18 +57,24 @@ def fp8_attention_kernel(name: str, device: torch.device, dtype: torch.dtype) ->
     return None, why
 
 
-def fp8_attention(kernel: str, q8, k8, v, q_scale, k_scale, valid_keys) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The joint attention in FP8 by `kernel`: q8, k8 FP8 [B, S, H, D] (qkv_pack's, with its scales [1]), v in the
-    model's dtype (quantized here: per (sample, head) for FA3, per tensor for cuDNN, amax over the valid keys).
-    Returns (o, None) with o BF16 [B, S, H, D], or (o8, scale [1]) with o ~= o8 * scale (cuDNN's FP8 output)."""
-    v8, v_scales = quantize_fp8_heads(v, valid_keys, per_tensor=kernel == "cudnn", q_dtype=q8.dtype)
+def fp8_attention(kernel: str, q8, k8, v, q_scale, k_scale, valid_keys, v_scale: torch.Tensor | None = None,
+                  dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The joint attention in FP8 by `kernel`: q8, k8 FP8 [B, S, H, D] (qkv_pack's, with its scales [1]); v FP8
+    with v_scale [1] (qkv_pack's, from a bound), or without it in the model's dtype, quantized here (per (sample,
+    head) for FA3, per tensor for cuDNN, amax over the valid keys). Returns (o, None) with o BF16 [B, S, H, D], or
+    (o8, scale [1]) with o ~= o8 * scale (cuDNN's FP8 output). dtype: the model's (bfloat16 for the kernels; the
+    reference's output takes it)."""
+    if v_scale is None:
+        v8, v_scales = quantize_fp8_heads(v, valid_keys, per_tensor=kernel == "cudnn", q_dtype=q8.dtype)
+    else:
+        v8, v_scales = v, v_scale.expand(*v.shape[:1], v.shape[2]).contiguous()
     if kernel == "fa3":
         return fp8_attention_fa3(q8, k8, v8, q_scale, k_scale, v_scales, valid_keys), None
     if kernel == "cudnn":
         v_scale = v_scales[0, 0].reshape(1)
         return CUDNN(q8, k8, v8, q_scale, k_scale, v_scale, valid_keys, torch.empty_like(q8)), v_scale
     if kernel == "reference":  # the tests' (module docstring)
-        return fp8_attention_ref(q8, k8, v8, q_scale, k_scale, v_scales, valid_keys).to(v.dtype), None
+        return fp8_attention_ref(q8, k8, v8, q_scale, k_scale, v_scales, valid_keys).to(dtype), None
     raise ValueError(f"fp8 attention kernel {kernel!r}; allowed: cudnn, fa3")
 
 

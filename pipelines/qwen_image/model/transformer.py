@@ -434,9 +434,9 @@ class FastQwenImageTransformer(Unsupported, StepCaches, LoraAdapters, ModelMixin
         mask = None if encoder_hidden_states_mask is None else TextMask(encoder_hidden_states_mask, img_len)
         fp8_kernel = None if ulysses is not None else self.fp8_attention[0]  # named + Ulysses: FastConfig refuses
         fp8_buffers = {}
-        if fp8_kernel:  # q, k in FP8 buffers; every key valid when no mask pads the text
-            fp8_buffers = dict(fp8_attention=fp8_kernel, qk8=torch.empty(
-                2, batch, rows, block0.heads, block0.head_dim, dtype=FP8_DTYPE, device=device),
+        if fp8_kernel:  # q, k (and v) in FP8 buffers; every key valid when no mask pads the text
+            fp8_buffers = dict(fp8_attention=fp8_kernel, qkv8=torch.empty(
+                3, batch, rows, block0.heads, block0.head_dim, dtype=FP8_DTYPE, device=device),
                 valid_keys=mask.seqused_k if mask is not None else torch.full(
                     (batch,), rows, dtype=torch.int32, device=device))
         joint = JointInputs(
