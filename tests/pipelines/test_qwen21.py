@@ -288,7 +288,8 @@ def test_optimized_pipeline_fp8_and_baseline():
 def test_qwen21_refuses_what_it_cannot_run(tmp_path):
     for config, match in ((FastConfig(scheduler="unipc"), "scheduler='unipc'"),
                           (FastConfig(memory="low"), "memory='low'"),
-                          (FastConfig(bf16_linears=("img_fc2",)), "names Qwen-Image-2512's linears")):
+                          (FastConfig(bf16_linears=("img_fc2",)), "names Qwen-Image-2512's linears"),
+                          (FastConfig(fp8_attention="auto"), "fp8_attention='auto' is not supported on Qwen-Image-2.1")):
         with pytest.raises(ValueError, match=match):
             optimize(tiny_pipeline(), config)
     fast = optimize(tiny_pipeline(), FastConfig(fp8=False))
