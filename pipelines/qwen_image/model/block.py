@@ -300,23 +300,26 @@ class FastBlock(nn.Module):
         ||W_v,j||_1 + max |b_v| (the FP8 weight as it computes; BOUND_MARGIN for the output's rounding), the
         larger of the two streams' bounds. None where that does not hold: an operand or a weight not FP8, or a
         LoRA adding to v's rows (then quantize_fp8_heads measures v)."""
-        bounds = []
+        scales = []
         for x, linear in ((img_x, self.img_qkv), (txt_x, self.txt_qkv)):
             if not isinstance(x, tuple) or not linear.fp8 or lora_adds_to_v(linear, self.heads * self.head_dim):
                 return None
-            weight_l1, bias_max = self._v_weight_bound(linear)
-            bounds.append(x[1].amax() * (FP8_MAX * weight_l1) + bias_max)
-        return (torch.maximum(*bounds) * (BOUND_MARGIN / FP8_MAX)).reshape(1)
+            bias_term, row_term = self._v_weight_bound(linear)
+            scales.append(torch.addcmul(bias_term, x[1].amax().reshape(1), row_term))  # 2 small kernels a stream
+        return torch.maximum(*scales)
 
     def _v_weight_bound(self, linear: FastLinear) -> tuple[torch.Tensor, torch.Tensor]:
-        """(max_j weight_scale_j * sum_k |weight_q_jk|, max_j |bias_j|) over the QKV linear's v rows, computed once
-        for these weights (fuse_lora rewrites them in place: their version says so)."""
+        """v's scale = bias_term + max row scale * row_term, from (max_j |bias_j|, max_j weight_scale_j * sum_k
+        |weight_q_jk|) over the QKV linear's v rows, BOUND_MARGIN and the 448s folded in; [1] each, computed once for
+        these weights (fuse_lora rewrites them in place: their version says so)."""
         key = (linear.weight_q.data_ptr(), linear.weight_q._version, linear.weight_scale._version, linear.bias._version)
         cached = getattr(linear, "_v_bound", None)
         if cached is None or cached[0] != key:
             rows = slice(2 * self.heads * self.head_dim, None)
             l1 = linear.weight_q[rows].float().abs().sum(dim=1) * linear.weight_scale[rows]
-            linear._v_bound = (key, (l1.max(), linear.bias[rows].float().abs().max()))
+            bias_max = linear.bias[rows].float().abs().max()
+            linear._v_bound = (key, ((bias_max * (BOUND_MARGIN / FP8_MAX)).reshape(1),
+                                     (l1.max() * BOUND_MARGIN).reshape(1)))
         return linear._v_bound[1]
 
     def modulation(self, silu_temb: torch.Tensor, silu_temb_t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
