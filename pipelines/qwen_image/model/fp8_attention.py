@@ -1,6 +1,6 @@
-"""FP8 attention on Hopper, on the operands qkv_pack (q, k: FP8 with the RMSNorm bound's per-tensor scales) and
-quantize_fp8_heads (v) wrote into the joint [B, S, H, D] buffers; a padded prompt's keys at the end of each sample,
-counted out by seqused_k (attention.py).
+"""FP8 attention on Hopper, on the operands qkv_pack wrote into the joint [B, S, H, D] buffers (q, k: FP8 with the
+RMSNorm bound's per-tensor scales; v: FP8 with a bound's scale where the block proved one, else quantized here by
+quantize_fp8_heads); a padded prompt's keys at the end of each sample, counted out by seqused_k (attention.py).
 
     fa3    FlashAttention-3's FP8 forward (PyPI `tokenspeed-fa3`, module `flash_attn_interface`): descales per
            (sample, head) [B, H], BF16 output [B, S, H, D] (the output projection's rowwise quantization as today).
@@ -103,7 +103,7 @@ def fp8_attention_fa3(q8, k8, v8, q_scale, k_scale, v_scales, seqused_k) -> torc
 
 class CudnnFp8Attention:
     """cuDNN FP8 SDPA graphs by shape (built once each, on the device of the first call). all_plans: every ranked
-    plan built (benchmarks time them: plan_names, execute(..., plan=i)), else the heuristics' first that builds."""
+    plan built (benchmarks time them: plan_names, then a call with plan=i), else the heuristics' first that builds."""
 
     P_SCALE = 448.0  # the probabilities [0, 1] -> e4m3 codes [0, 448]
 
