@@ -63,6 +63,7 @@ from ..qwen_image.model.block import clip_float16
 from ..qwen_image.model.checkpoint import FastCheckpoint
 from ..qwen_image.model.linear import FastLinear, Operand, as_fp8_operand, q_dtype_for
 from ..qwen_image.model.lora import LoraState, lora_scale_of
+from ..qwen_image.model.unsupported import Unsupported, refuse
 from ..qwen_image.runtime.context import forward_context, get_context, record
 from ..qwen_image.runtime.cuda_graph import GraphCaptureError, Graphs, signature
 
@@ -279,11 +280,7 @@ def attend(q, k, v, t: int, p: int, plan: Attention) -> torch.Tensor:
     return torch.cat([torch.cat(outputs, dim=2).transpose(1, 2), target], dim=1).contiguous()
 
 
-def refuse(method: str, advice: str):
-    raise NotImplementedError(f"FastQwenImage21Transformer.{method}: {advice}")
-
-
-class FastQwenImage21Transformer(LoraAdapters, ModelMixin, ConfigMixin):
+class FastQwenImage21Transformer(Unsupported, LoraAdapters, ModelMixin, ConfigMixin):
     """Drop-in for diffusers' QwenImage21Transformer2DModel: the same forward arguments (kv_cache and kv_cache_mode
     included) and output, its config plus "fast_config", cache_context, LoRAs through diffusers' API (the 2512
     model's adapters.py on this model's sites: LORA_SITES; attention_kwargs={"scale": s} scales them). Stock methods
@@ -291,6 +288,7 @@ class FastQwenImage21Transformer(LoraAdapters, ModelMixin, ConfigMixin):
 
     config_name = "config.json"
     lora_sites, block_class, stock_model_name = LORA_SITES, FastBlock21, "QwenImage21Transformer2DModel"
+    parallel_advice = "render one image per process (FastConfig(parallel=...) is not on Qwen-Image-2.1 yet)"
     _no_split_modules = ["FastBlock21"]
     _supports_gradient_checkpointing = False
 
@@ -386,20 +384,9 @@ class FastQwenImage21Transformer(LoraAdapters, ModelMixin, ConfigMixin):
         return False
 
     def enable_cache(self, config):
-        refuse("enable_cache", "diffusers' step caches are not supported on the fast Qwen-Image-2.1 transformer yet "
-                               "(its prefix KV cache runs by default); keep the stock transformer "
-                               "(FastConfig.preset('baseline')) to use one")
-
-    def set_attention_backend(self, *args, **kwargs):
-        refuse("set_attention_backend", "the fast transformer runs its own attention; choose it with "
-                                        "FastConfig(attention=...) (auto, fa4, cudnn, sdpa)")
-
-    def set_attn_processor(self, *args, **kwargs):
-        refuse("set_attn_processor", "the fast transformer runs its own attention (the block-causal prefill as "
-                                     "diffusers' QwenImage21AttnProcessor, exactly); FastConfig(attention=...)")
-
-    def enable_gradient_checkpointing(self, *args, **kwargs):
-        refuse("enable_gradient_checkpointing", "the fast transformer is inference-only")
+        refuse(self, "enable_cache", "diffusers' step caches are not supported on the fast Qwen-Image-2.1 "
+                                     "transformer yet (its prefix KV cache runs by default); keep the stock "
+                                     "transformer (FastConfig.preset('baseline')) to use one")
 
     # ---- saving and loading (the 2512 model's format: the stock config plus fast_config, FP8 weights as stored)
 

@@ -298,9 +298,17 @@ def test_qwen21_refuses_what_it_cannot_run(tmp_path):
     fast.fast_config = fast.fast_config.replace(cache="dbcache")
     with pytest.raises(ValueError, match="not supported on Qwen-Image-2.1 yet"):
         latents(fast)
-    for method, args in (("enable_cache", (None,)), ("set_attention_backend", ("x",))):
+    # ModelMixin's versions would run on the fast model otherwise (e.g. cast its FP8 weights, compile its forward)
+    for method, args in (("enable_cache", (None,)), ("set_attention_backend", ("x",)), ("set_attn_processor", ("x",)),
+                         ("enable_gradient_checkpointing", ()), ("fuse_qkv_projections", ()),
+                         ("enable_layerwise_casting", ()), ("compile_repeated_blocks", ()), ("dequantize", ()),
+                         ("enable_parallelism", (None,)), ("add_adapter", (None,)), ("save_lora_adapter", ("x",))):
         with pytest.raises(NotImplementedError, match=f"FastQwenImage21Transformer.{method}: .+"):
             getattr(fast.transformer, method)(*args)
+    with pytest.raises(NotImplementedError, match="not on Qwen-Image-2.1 yet"):
+        fast.transformer.enable_parallelism(None)
+    with pytest.raises(NotImplementedError, match="FastQwenImage21Transformer.attn_processors: .+"):
+        fast.transformer.attn_processors  # noqa: B018
 
 
 @pytest.mark.parametrize("condition", [False, True], ids=["text-to-image", "condition-image"])
