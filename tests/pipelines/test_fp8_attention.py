@@ -53,6 +53,16 @@ def test_where_it_cannot_run():
     assert fast.fp8_attention == (None, why) and not any(name == "fp8_attention" for name, _ in fast.running())
 
 
+def test_a_saved_model_loads_without_it_unless_asked(tmp_path):
+    """fp8_attention is how a model runs, not how it is stored: a folder saved with it loads with it off (the
+    loader's choice, as attention's), and on when the loader's fast_config asks."""
+    fast = FastQwenImageTransformer.from_diffusers(tiny_stock(), FastTransformerConfig(fp8_attention="auto"))
+    fast.save_pretrained(tmp_path)
+    assert FastQwenImageTransformer.from_pretrained(tmp_path).fast_config.fp8_attention == "off"
+    asked = FastQwenImageTransformer.from_pretrained(tmp_path, fast_config=FastTransformerConfig(fp8_attention="auto"))
+    assert asked.fast_config.fp8_attention == "auto"
+
+
 @pytest.fixture
 def reference_kernel(monkeypatch):
     """fp8_attention_ref as the model's FP8 kernel on the CPU (the GPU kernels' semantics, module docstring)."""

@@ -79,10 +79,11 @@ class FastCheckpoint:
         self.stored = FastTransformerConfig.from_dict(self.saved["fast_config"])
 
     def run_config(self, fast_config: FastTransformerConfig | None) -> FastTransformerConfig:
-        """How to run it: fast_config (its fp8 and bf16_linears must be the stored ones; fp8_fast_accum and
-        attention may differ), or None: as saved, attention "auto"."""
+        """How to run it: fast_config (its fp8 and bf16_linears must be the stored ones; fp8_fast_accum, attention
+        and fp8_attention may differ), or None: as saved, but attention "auto" and fp8_attention "off" (the
+        loader's to choose, as the pipelines' from_pretrained does: a lossy one is never turned on by a folder)."""
         run = (FastTransformerConfig.of(fast_config) if fast_config is not None
-               else FastTransformerConfig(**{**self.stored.to_dict(), "attention": "auto"}))
+               else FastTransformerConfig(**{**self.stored.to_dict(), "attention": "auto", "fp8_attention": "off"}))
         stored = self.stored
         if (run.fp8, run.bf16_linears) != (stored.fp8, stored.bf16_linears):
             raise ValueError(
