@@ -179,7 +179,6 @@ def qkv_pack_ref(qkv, norm_q_weight, norm_k_weight, freqs, q_out, k_out, v_out, 
         v_out[:, rows] = (v.float() * inv).clamp(-FP8_MAX, FP8_MAX).to(v_out.dtype)
 
 
-
 def rms_norm_fp8_scale(weights: list[torch.Tensor], head_dim: int) -> torch.Tensor:
     """The FP8 scale (value = code * scale) of rms_norm(x) * w then rotated pairwise, for any x and any of
     `weights` (e.g. the image and text streams' norm weights, which share one joint buffer): sqrt(D) * max|w|

@@ -102,7 +102,7 @@ def lora_adds_to_v(linear: FastLinear, inner: int) -> bool:
     """Whether adapters on a fused QKV linear add to its v rows [2 * inner, 3 * inner) now."""
     lora = linear.lora
     return lora is not None and any(
-        row1 > 2 * inner and lora.in_effect(site) for site, (row0, row1) in lora.sites.items())
+        row1 > 2 * inner and lora.in_effect(site) for site, (_, row1) in lora.sites.items())
 
 
 def clip_float16(x: torch.Tensor) -> torch.Tensor:

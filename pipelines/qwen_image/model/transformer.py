@@ -215,10 +215,15 @@ class FastQwenImageTransformer(Unsupported, StepCaches, LoraAdapters, ModelMixin
         """(the FP8 attention kernel that runs on the model's current device and dtype, None) or (None, why not)."""
         return fp8_attention_kernel(self.fast_config.fp8_attention, self.device, self.dtype)
 
+    def fp8_attention_in(self, ulysses) -> str | None:
+        """The FP8 attention kernel a forward runs: none under Ulysses (what "auto" falls back to there; FastConfig
+        refuses a named kernel with it)."""
+        return None if ulysses is not None else self.fp8_attention[0]
+
     def running(self) -> list[tuple[str, object]]:
         """What a forward runs, as optimizations.py names it (recorded in a call's CallRecord)."""
         fp8 = bool(self.fast_config.fp8_linears)
-        kernel = None if get_context().ulysses is not None else self.fp8_attention[0]  # as begin() decides
+        kernel = self.fp8_attention_in(get_context().ulysses)
         return ([("fused_transformer", True)] + ([("fp8", True)] if fp8 else [])
                 + ([("fp8_fast_accum", True)] if fp8 and self.fast_config.fp8_fast_accum else [])
                 + [("attention", self.attention_backend)] + ([("fp8_attention", kernel)] if kernel else []))
@@ -432,8 +437,7 @@ class FastQwenImageTransformer(Unsupported, StepCaches, LoraAdapters, ModelMixin
         block0 = self.transformer_blocks[0]
         rows = plan.local_len if plan else img_len + txt_len
         mask = None if encoder_hidden_states_mask is None else TextMask(encoder_hidden_states_mask, img_len)
-        fp8_kernel = None if ulysses is not None else self.fp8_attention[0]  # named + Ulysses: FastConfig refuses
-        fp8_buffers = {}
+        fp8_kernel, fp8_buffers = self.fp8_attention_in(ulysses), {}
         if fp8_kernel:  # q, k (and v) in FP8 buffers; every key valid when no mask pads the text
             fp8_buffers = dict(fp8_attention=fp8_kernel, qkv8=torch.empty(
                 3, batch, rows, block0.heads, block0.head_dim, dtype=FP8_DTYPE, device=device),
