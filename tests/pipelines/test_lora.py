@@ -36,10 +36,11 @@ def linear_shapes() -> dict[str, tuple[int, int]]:
             if isinstance(m, torch.nn.Linear)}
 
 
-def lightning_format(targets, rank=4, alpha=2.0, seed=0, std=0.6) -> dict[str, torch.Tensor]:
+def lightning_format(targets, rank=4, alpha=2.0, seed=0, std=0.6, shapes=None) -> dict[str, torch.Tensor]:
     """A random LoRA in lightx2v's key format (`{module}.lora_down.weight`, `.lora_up.weight`, `.alpha`), which
-    diffusers' Qwen-Image loader converts, folding alpha / rank into the factors."""
-    shapes = linear_shapes()
+    diffusers' Qwen-Image loader converts, folding alpha / rank into the factors. shapes: module name -> (in, out)
+    features (default: the tiny 2512 transformer's linears)."""
+    shapes = shapes or linear_shapes()
     g = torch.Generator().manual_seed(seed)
     sd = {}
     for name in targets:
@@ -50,9 +51,9 @@ def lightning_format(targets, rank=4, alpha=2.0, seed=0, std=0.6) -> dict[str, t
     return sd
 
 
-def diffusers_format(targets, rank=3, seed=1, std=0.3) -> dict[str, torch.Tensor]:
+def diffusers_format(targets, rank=3, seed=1, std=0.3, shapes=None) -> dict[str, torch.Tensor]:
     """peft / diffusers keys (`transformer.{module}.lora_A.weight`, `.lora_B.weight`), no alpha (scale 1)."""
-    sd = lightning_format(targets, rank, seed=seed, std=std)
+    sd = lightning_format(targets, rank, seed=seed, std=std, shapes=shapes)
     return {f"transformer.{k.replace('lora_down', 'lora_A').replace('lora_up', 'lora_B')}": v
             for k, v in sd.items() if not k.endswith(".alpha")}
 

@@ -386,18 +386,14 @@ LORA_TARGETS = [f"transformer_blocks.{i}.{m}" for i in (0, 1) for m in
                  "img_mlp.out")] + ["img_in", "proj_out", "txt_in.in_layer", "modulation.1"]
 
 
-def random_lora(seed: int, rank: int = 3, std: float = 0.3) -> dict:
-    """peft / diffusers keys (`transformer.{module}.lora_A.weight`, `.lora_B.weight`) on every 2.1 block linear (its
-    fused qkv and gate_up parts separately) and some others."""
+def random_lora(seed: int) -> dict:
+    """peft / diffusers keys (test_lora.diffusers_format) on every 2.1 block linear (its fused qkv and gate_up
+    parts separately) and some others."""
+    from test_lora import diffusers_format
+
     shapes = {n: (m.in_features, m.out_features) for n, m in tiny_stock().named_modules()
               if isinstance(m, torch.nn.Linear)}
-    g = torch.Generator().manual_seed(seed)
-    sd = {}
-    for name in LORA_TARGETS:
-        k, n = shapes[name]
-        sd[f"transformer.{name}.lora_A.weight"] = torch.randn(rank, k, generator=g) * std / k**0.5
-        sd[f"transformer.{name}.lora_B.weight"] = torch.randn(n, rank, generator=g) * std
-    return sd
+    return diffusers_format(LORA_TARGETS, seed=seed, shapes=shapes)
 
 
 def test_lora_matches_stock():
