@@ -1,5 +1,8 @@
+import math
+
 import pytest
 import torch
+from diffusers.hooks.taylorseer_cache import TaylorSeerState
 from diffusers.models.transformers.transformer_qwenimage import QwenImageTransformerBlock
 from helpers import (
     DEVICES,
@@ -165,6 +168,74 @@ def test_mod_row(device):
     assert_matches_ref(y, y_ref, "modulated", **Y_BOUNDS)
 
 
+@pytest.mark.parametrize("max_order", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_x_term_ref_matches_diffusers_taylorseer(dtype, max_order):
+    """x_term=(f, c) as the last term of diffusers' TaylorSeerState.predict: its output is `x + f * c` with x the
+    sum of the lower orders, the same tensor in the same dtype. The state's factors from updates at steps 0, 2 and
+    3, predicted at step 6 (offset 3: c = 3^j / j!)."""
+    b, l, d = 2, 5, 48
+    state = TaylorSeerState(taylor_factors_dtype=dtype, max_order=max_order)
+    for step in (0, 2, 3):
+        state.current_step = step
+        state.update(((torch.randn(b, l, d) * 2).to(dtype),))
+    state.current_step = 6
+    predicted = state.predict()[0]
+    factors = state.taylor_factors[0]
+    assert len(factors) == max_order + 1
+    lower = factors[0] if max_order == 1 else factors[0] + factors[1] * 3.0  # orders below the last, as predict sums
+    coef = torch.tensor([3.0 ** max_order / math.factorial(max_order)])
+    residual, _, gate, _, _ = make_inputs(b, l, d, dtype, "cpu")
+    assert torch.equal(residual_gate_ref(residual, lower, gate, x_term=(factors[max_order], coef)),
+                       residual_gate_ref(residual, predicted, gate))
+
+
+def with_extras(args, prior: bool, term: bool, g=None) -> dict:
+    """prior / x_term keyword arguments for make_inputs' tensors: a pending gated add (its own gate, a strided view
+    of another modulation table) and a Taylor-like term with a device scalar coefficient."""
+    residual = args[0]
+    b, l, d = residual.shape
+    extras = {}
+    if prior:
+        mod = (torch.randn(g or b, 6 * d, device=residual.device) * 0.5).to(residual.dtype)
+        extras["prior"] = ((torch.randn(b, l, d, device=residual.device) * 2).to(residual.dtype), mod[:, 5 * d:])
+    if term:
+        extras["x_term"] = ((torch.randn(b, l, d, device=residual.device) * 0.3).to(residual.dtype),
+                            torch.tensor([2.5], device=residual.device))
+    return extras
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("prior,term", [(True, False), (False, True), (True, True)])
+def test_prior_and_x_term(device, dtype, shape, prior, term):
+    """The optional pending gated add and the term on x, in each form of the kernel, against the references."""
+    args = make_inputs(*shape, dtype, device)
+    extras = with_extras(args, prior, term)
+    assert_exact(residual_gate(*args[:3], **extras), residual_gate_ref(*args[:3], **extras), "residual_gate")
+    r, y = residual_gate_layer_norm_modulate(*args, **extras)
+    r_ref, y_ref = residual_gate_layer_norm_modulate_ref(*args, **extras)
+    assert_exact(r, r_ref, "fused: residual")
+    assert_matches_ref(y, y_ref, "fused: modulated", **Y_BOUNDS)
+    r, q, s = residual_gate_layer_norm_modulate_fp8(*args, q_dtype=torch.float32, **extras)
+    r_ref, q_ref, s_ref = residual_gate_layer_norm_modulate_fp8_ref(*args, q_dtype=torch.float32, **extras)
+    assert_exact(r, r_ref, "fp8: residual")
+    assert_fp8_precast_matches_ref(q, s, q_ref, s_ref, dtype, "fp8", **Y_BOUNDS)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_prior_and_x_term_mod_row(device):
+    b, l, d = 2, 5, 48
+    args = make_inputs(b, l, d, torch.bfloat16, device, g=2 * b)
+    mod_row = torch.randint(0, 2 * b, (b * l,), device=device, dtype=torch.int32)
+    extras = with_extras(args, True, True, g=2 * b)
+    r, y = residual_gate_layer_norm_modulate(*args, mod_row=mod_row, **extras)
+    r_ref, y_ref = residual_gate_layer_norm_modulate_ref(*args, mod_row=mod_row, **extras)
+    assert_exact(r, r_ref, "residual")
+    assert_matches_ref(y, y_ref, "modulated", **Y_BOUNDS)
+
+
 def test_validation_names_the_value():
     residual, x, gate, shift, scale = make_inputs(2, 3, 48, torch.float32, "cpu")
     with pytest.raises(ValueError, match=r"x must have shape \(2, 3, 48\)"):
@@ -173,3 +244,9 @@ def test_validation_names_the_value():
         residual_gate(residual, x.bfloat16(), gate)
     with pytest.raises(ValueError, match="shift has 1 rows"):
         residual_gate_layer_norm_modulate(residual, x, gate, shift[:1], scale)
+    with pytest.raises(ValueError, match=r"x_term\[0\] has dtype torch.bfloat16"):
+        residual_gate(residual, x, gate, x_term=(x.bfloat16(), torch.ones(1)))
+    with pytest.raises(ValueError, match=r"x_term\[1\] must have shape \(1,\), got \(\)"):
+        residual_gate(residual, x, gate, x_term=(x, torch.tensor(1.0)))
+    with pytest.raises(ValueError, match=r"prior\[1\] has 1 rows"):
+        residual_gate(residual, x, gate, prior=(x, gate[:1]))

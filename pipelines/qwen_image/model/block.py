@@ -32,6 +32,7 @@ from ....kernels.residual_gate import (
 from ..config import FastTransformerConfig
 from ..runtime.context import count_blocks, get_context
 from ..runtime.parallel import Ulysses, UlyssesPlan
+from ..runtime.taylorseer import PendingTerm
 from .attention import TextMask, joint_attention
 from .fp8_attention import fp8_attention
 from .linear import FastLinear, Operand, as_fp8_operand, q_dtype_for
@@ -45,12 +46,18 @@ def norm_mod(x, shift, scale, mod_row, fp8: bool) -> Operand:
     return layer_norm_modulate(x, shift, scale, mod_row=mod_row).view(-1, x.shape[-1])
 
 
-def gate_norm_mod(residual, x, gate, shift, scale, mod_row, fp8: bool) -> tuple[torch.Tensor, Operand]:
+def gate_norm_mod(residual, x, gate, shift, scale, mod_row, fp8: bool,
+                  prior: "Tail | None" = None) -> tuple[torch.Tensor, Operand]:
+    """residual [+ prior.gate * prior.out] + gate * x, then LayerNorm + modulation: (new residual, next operand); x
+    a tensor or a TaylorSeer prediction whose last term is still pending, summed here."""
+    extras = {} if prior is None else dict(prior=(prior.out, prior.gate))
+    if isinstance(x, PendingTerm):
+        x, extras["x_term"] = x.x, (x.f, x.c)
     if fp8:
         residual, q, s = residual_gate_layer_norm_modulate_fp8(
-            residual, x, gate, shift, scale, mod_row=mod_row, q_dtype=q_dtype_for(x.device))
+            residual, x, gate, shift, scale, mod_row=mod_row, q_dtype=q_dtype_for(x.device), **extras)
         return residual, as_fp8_operand(q, s)
-    residual, y = residual_gate_layer_norm_modulate(residual, x, gate, shift, scale, mod_row=mod_row)
+    residual, y = residual_gate_layer_norm_modulate(residual, x, gate, shift, scale, mod_row=mod_row, **extras)
     return residual, y.view(-1, y.shape[-1])
 
 
@@ -336,30 +343,31 @@ class FastBlock(nn.Module):
         defer=True: (txt, img, txt_tail, img_tail), the last residual adds left to the next block's first kernel.
         text_out=False (the last block) skips the text stream's output projection and MLP, whose result diffusers
         discards. attention_cache: a TaylorSeer step's (runtime/taylorseer.BlockCache): the attention outputs
-        predicted (the tails added, nothing that only attention reads is run) or computed and stored.
+        predicted (nothing that only attention reads is run; the tails are added by post's kernels) or computed
+        and stored.
         defer=False: diffusers' block output (stock_forward)."""
         if not defer:
             return self.stock_forward(hidden_states, encoder_hidden_states, joint, mods)
         img_mods, txt_mods = mods if mods is not None else self.modulation(joint.silu_temb, joint.silu_temb_t)
         batch = hidden_states.shape[0]
-        if attention_cache is not None and attention_cache.reads_no_inputs:  # attention's outputs from the cache
-            img = add_tail(hidden_states, tails[0], joint.mod_row)
-            txt = add_tail(encoder_hidden_states, tails[1], None)
-            img_attn, txt_attn = attention_cache.outputs(None, batch, text_out)
-        else:
-            img, txt, img_x, txt_x = self.pre(hidden_states, encoder_hidden_states, joint, img_mods, txt_mods, *tails)
-            (img_rows, img_scale), (txt_rows, txt_scale) = batch_first(img_x, batch), batch_first(txt_x, batch)
-            attn = self.attn if attention_cache is None else past_hooks(self.attn)  # the rule runs the hooks' cache
+        if attention_cache is not None and attention_cache.reads_no_inputs:  # attention's outputs from the cache:
+            img_attn, txt_attn = attention_cache.outputs(None, batch, text_out)  # the tails go to post's kernels
+            img, txt, img_tail, txt_tail = self.post(hidden_states, encoder_hidden_states, img_attn, txt_attn, joint,
+                                                     img_mods, txt_mods, text_out, priors=tails)
+            return txt, img, txt_tail, img_tail
+        img, txt, img_x, txt_x = self.pre(hidden_states, encoder_hidden_states, joint, img_mods, txt_mods, *tails)
+        (img_rows, img_scale), (txt_rows, txt_scale) = batch_first(img_x, batch), batch_first(txt_x, batch)
+        attn = self.attn if attention_cache is None else past_hooks(self.attn)  # the rule runs the hooks' cache
 
-            def attend(rows: slice) -> tuple:  # the attention outputs of the batch rows `rows`
-                if rows == slice(None):
-                    return attn(img_rows, txt_rows, joint, self, (img_scale, txt_scale), text_out)
-                scales = tuple(None if s is None else s.view(batch, -1, *s.shape[1:])[rows].flatten(0, 1)
-                               for s in (img_scale, txt_scale))  # FP8 row scales [B * L, ...], batch-major
-                return attn(img_rows[rows], txt_rows[rows], joint.rows(rows, batch), self, scales, text_out)
+        def attend(rows: slice) -> tuple:  # the attention outputs of the batch rows `rows`
+            if rows == slice(None):
+                return attn(img_rows, txt_rows, joint, self, (img_scale, txt_scale), text_out)
+            scales = tuple(None if s is None else s.view(batch, -1, *s.shape[1:])[rows].flatten(0, 1)
+                           for s in (img_scale, txt_scale))  # FP8 row scales [B * L, ...], batch-major
+            return attn(img_rows[rows], txt_rows[rows], joint.rows(rows, batch), self, scales, text_out)
 
-            img_attn, txt_attn = (attend(slice(None)) if attention_cache is None
-                                  else attention_cache.outputs(attend, batch, text_out))
+        img_attn, txt_attn = (attend(slice(None)) if attention_cache is None
+                              else attention_cache.outputs(attend, batch, text_out))
         img, txt, img_tail, txt_tail = self.post(img, txt, img_attn, txt_attn, joint, img_mods, txt_mods, text_out)
         return txt, img, txt_tail, img_tail
 
@@ -372,17 +380,22 @@ class FastBlock(nn.Module):
         txt, txt_x = head(txt, txt_tail, tm.shift1, tm.scale1, None, fp8("txt_qkv"))
         return img, txt, img_x, txt_x
 
-    def post(self, img, txt, img_attn, txt_attn, joint: JointInputs, img_mods, txt_mods, text_out: bool = True):
-        """From the attention outputs [B, L, D]: (img, txt, img_tail, txt_tail), the MLPs' gated residual adds left
-        to the caller (txt_tail None when not text_out)."""
+    def post(self, img, txt, img_attn, txt_attn, joint: JointInputs, img_mods, txt_mods, text_out: bool = True,
+             priors: tuple = (None, None)):
+        """From the attention outputs [B, L, D] (or TaylorSeer predictions with a term pending): (img, txt, img_tail,
+        txt_tail), the MLPs' gated residual adds left to the caller (txt_tail None when not text_out). priors: the
+        previous block's tails when pre() has not added them (the attention came from a cache)."""
         batch, img_len, dim = img.shape
         fp8 = self.config.is_fp8
         im, tm = StreamMods(img_mods), StreamMods(txt_mods)
-        img, img_x = gate_norm_mod(img, img_attn, im.gate1, im.shift2, im.scale2, joint.mod_row, fp8("img_fc1"))
+        img, img_x = gate_norm_mod(img, img_attn, im.gate1, im.shift2, im.scale2, joint.mod_row, fp8("img_fc1"),
+                                   priors[0])
         img_tail = Tail(self.img_fc2(gelu(self.img_fc1(img_x), fp8("img_fc2"))).view(batch, img_len, dim), im.gate2)
         txt_tail = None
-        if text_out:
-            txt, txt_x = gate_norm_mod(txt, txt_attn, tm.gate1, tm.shift2, tm.scale2, None, fp8("txt_fc1"))
+        if not text_out:
+            txt = add_tail(txt, priors[1], None)
+        else:
+            txt, txt_x = gate_norm_mod(txt, txt_attn, tm.gate1, tm.shift2, tm.scale2, None, fp8("txt_fc1"), priors[1])
             txt_tail = Tail(self.txt_fc2(gelu(self.txt_fc1(txt_x), fp8("txt_fc2"))).view(batch, txt.shape[1], dim),
                             tm.gate2)
         return img, txt, img_tail, txt_tail

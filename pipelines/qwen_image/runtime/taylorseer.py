@@ -7,10 +7,12 @@ output projections). A step computes (warm-up, every cache_interval-th step afte
 factors, or predicts the outputs from them. Every module counts the same steps, so a forward decides once:
 - update: the blocks run as usual and each attention output o refreshes its factors:
   f0 <- o, f1 <- (o - f0_prev) / delta, f2 <- (f1_new - f1_prev) / delta ... (delta: steps since the last update),
-  up to max_order and to the orders the last update left; stored in taylor_factors_dtype;
+  up to max_order and to the orders the last update left; stored in taylor_factors_dtype (one pass over o and
+  the factors: kernels/taylor_factors.py);
 - predict: each block takes o = sum_j f_j * offset^j / j! (offset: steps since the last update) instead of its
   attention, and skips what only attention reads (the first LayerNorm + modulation, the QKV GEMMs): the residual
-  streams are what diffusers' block gives.
+  streams are what diffusers' block gives. The sum's last term and the previous block's pending MLP add are
+  summed inside the kernel that adds o to the residual (PendingTerm; kernels/residual_gate.py).
 The factors live in buffers the pipeline's runner keeps per (branches, forward signature), written in place, and
 the per-step numbers (delta, the coefficients) are device scalars: so each variant of a forward (update with k
 orders, predict with k) is one CUDA graph. A paired CFG forward holds both branches' rows: each branch has its own
@@ -22,6 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ....kernels.taylor_factors import taylor_factors_update
 
 @dataclass(frozen=True)
 class TaylorSeerRule:
@@ -63,10 +66,20 @@ class Branch:
 
 
 class Factors:
-    """The Taylor factors of one kind of forward, per block and stream: [order] -> tensor [rows, L, D]."""
+    """The Taylor factors of one kind of forward, per block and stream: [max_order + 1, rows, L, D], f_j in slot j."""
 
     def __init__(self):
-        self.tensors: dict[tuple[int, str], list[torch.Tensor]] = {}
+        self.tensors: dict[tuple[int, str], torch.Tensor] = {}
+
+
+@dataclass
+class PendingTerm:
+    """An attention output x + f * c[0] (diffusers' last `output + factor * coeff` of a prediction) not yet summed:
+    FastBlock.post adds it inside the residual kernel that reads it (kernels/residual_gate.py's x_term)."""
+
+    x: torch.Tensor  # [B, L, D]: the lower orders' sum
+    f: torch.Tensor  # [B, L, D]: the last factor, in x's dtype
+    c: torch.Tensor  # fp32 [1]: its coefficient offset^j / j!
 
 
 @dataclass
@@ -81,26 +94,32 @@ class BlockCache:
     scalars: torch.Tensor  # update: [delta]; predict: [coefficient of order j]
     factors_dtype: torch.dtype | None  # None: the outputs' dtype
     dtype: torch.dtype  # the outputs' (the model's)
+    slots: int  # max_order + 1
 
     @property
     def reads_no_inputs(self) -> bool:
         return self.mode == "predict"
 
     def outputs(self, attend, batch: int, text_out: bool) -> tuple:
-        """(img, txt) attention outputs (txt None when not text_out): predicted, or attend(rows) of every row,
-        stored."""
+        """(img, txt) attention outputs (txt None when not text_out): predicted (each a tensor or a PendingTerm), or
+        attend(rows) of every row, stored."""
         if self.mode == "predict":
             return self._predict("img"), self._predict("txt") if text_out else None
         out = attend(slice(None))
         self.update(*out)
         return out
 
-    def _predict(self, stream: str) -> torch.Tensor:
-        factors = self.factors.tensors[(self.index, stream)]
-        out = factors[0] if factors[0].dtype == self.dtype else factors[0].to(self.dtype)  # f0 * 0! / 0! is f0
-        for j in range(1, self.orders):
-            out = out + factors[j].to(self.dtype) * self.scalars[j]
-        return out
+    def _predict(self, stream: str) -> "torch.Tensor | PendingTerm":
+        """The predicted output: the sum itself for one factor, else the sum of all but the last order with the
+        last term pending (the block's residual kernel adds it: one pass over the rows instead of three)."""
+        factors = [f if f.dtype == self.dtype else f.to(self.dtype) for f in
+                   self.factors.tensors[(self.index, stream)][:self.orders]]
+        out = factors[0]  # f0 * 0! / 0! is f0
+        for j in range(1, self.orders - 1):
+            out = out + factors[j] * self.scalars[j]
+        if self.orders == 1:
+            return out
+        return PendingTerm(out, factors[-1], self.scalars[self.orders - 1:self.orders])
 
     def update(self, img: torch.Tensor, txt: torch.Tensor | None):
         self._update("img", img)
@@ -108,14 +127,11 @@ class BlockCache:
             self._update("txt", txt)
 
     def _update(self, stream: str, out: torch.Tensor):
-        stored = self.factors.tensors.setdefault((self.index, stream), [])
-        new = [out]
-        for j in range(min(self.orders, len(stored))):  # the orders the last update left, up to max_order
-            new.append((new[j] - stored[j].to(out.dtype)) / self.scalars[0])
-        for j, value in enumerate(new):
-            if j == len(stored):  # a first update of this order: eager (a graph captures the variant later)
-                stored.append(torch.empty_like(value, dtype=self.factors_dtype or value.dtype))
-            stored[j].copy_(value)
+        stack = self.factors.tensors.get((self.index, stream))
+        if stack is None:  # the first update (orders 0), eager: a graph captures the variant at a later use
+            stack = torch.empty((self.slots, *out.shape), dtype=self.factors_dtype or out.dtype, device=out.device)
+            self.factors.tensors[(self.index, stream)] = stack
+        taylor_factors_update(out, stack, self.orders, self.scalars)  # the orders the last update left, up to max_order
 
 
 class TaylorSeerRun:
@@ -156,7 +172,7 @@ class TaylorSeerRun:
             scalars = torch.tensor([offset ** j / math.factorial(j) for j in range(orders)], device=device)
         dtype = inputs["hidden_states"].dtype
         out = run((mode, orders), scalars, lambda i, scalars: BlockCache(factors, i, mode, orders, scalars,
-                                                                         rule.factors_dtype, dtype))
+                                                                         rule.factors_dtype, dtype, rule.max_order + 1))
         for x in branches:
             x.decisions.append(computes)
             if computes:
