@@ -22,7 +22,8 @@ from ._utils import FLOAT_DTYPES, TILE_ELEMENTS, check_tensor, round_to
 def _taylor_factors_update_kernel(OUT, F, DELTA, stride_f, N, ORDERS: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < N
-    dtype, f_dtype = OUT.dtype.element_ty, F.dtype.element_ty
+    dtype = OUT.dtype.element_ty
+    f_dtype = F.dtype.element_ty
     new = tl.load(OUT + offs, mask=mask, other=0.0).to(tl.float32)
     delta = tl.load(DELTA).to(tl.float32)
     for j in tl.static_range(ORDERS):
