@@ -172,7 +172,9 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--impls", nargs="+", default=list(IMPLS), choices=IMPLS)
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
-    parser.add_argument("--profile", action="store_true", help="print ours-fp8's top kernels at 1024x1024 B=2")
+    parser.add_argument("--profile", action="store_true",
+                        help="ours-fp8's top kernels and attention TF/s (1024x1024 B=2 padded if among --shapes), "
+                             "with each FP8 attention kernel installed and without")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     torch._dynamo.config.cache_size_limit = 64
@@ -267,8 +269,21 @@ def main():
             for module in ours.transformer_blocks.modules():
                 if hasattr(module, "fast_accum"):
                     module.fast_accum = False
-        if args.profile:
-            profile(ours, inputs.get("1024x1024-b2") or next(iter(inputs.values())), args.out)
+        if args.profile:  # the pipelines' settings (fast accumulation), each attention kernel
+            key = "1024x1024-b2-padded" if "1024x1024-b2-padded" in inputs else next(iter(inputs))
+            run_config = ours.fast_config
+            for kernel in ("off", "cudnn", "fa3"):
+                if kernel != "off" and not installed(kernel):
+                    continue
+                ours.fast_config = dataclasses.replace(run_config, fp8_fast_accum=True, fp8_attention=kernel)
+                for module in ours.transformer_blocks.modules():
+                    if hasattr(module, "fast_accum"):
+                        module.fast_accum = True
+                row = profile(ours, inputs[key], args.out, kernel)
+                append_results("transformer", [dict(env, bench="transformer-profile", resolution=SHAPES[key][0],
+                                                     batch=SHAPES[key][1], padded_text=SHAPES[key][2], **row)],
+                               args.out)
+            ours.fast_config = run_config
         del ours
         free()
         stock.to("cuda")
@@ -289,7 +304,12 @@ def main():
     print_table(rows)
 
 
-def profile(model, inputs, out_dir):
+ATTENTION_KERNEL_NAMES = ("flash", "fmha", "sdpa", "attention")  # FA4's, FA3's and cuDNN's kernels say one of these
+
+
+def profile(model, inputs, out_dir, fp8_attention: str) -> dict:
+    """One eager forward under the profiler: its top kernels, and the attention kernel's mean time and TF/s (the
+    FLOPs flops() counts for attention over the keys each sample has, per call)."""
     from torch.profiler import ProfilerActivity, profile as torch_profile
 
     with torch.no_grad():
@@ -298,10 +318,26 @@ def profile(model, inputs, out_dir):
         with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
             model(**inputs)
             torch.cuda.synchronize()
-    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=20, max_name_column_width=70)
+    events = prof.key_averages()
+    table = events.table(sort_by="cuda_time_total", row_limit=20, max_name_column_width=70)
+    attention = [e for e in events if e.device_type.name == "CUDA" and e.count == LAYERS
+                 and any(word in e.key.lower() for word in ATTENTION_KERNEL_NAMES)]
+    if len(attention) != 1:
+        raise RuntimeError(f"expected one attention kernel run {LAYERS} times, found {[e.key for e in attention]}")
+    batch, img_len = inputs["hidden_states"].shape[:2]
+    mask = inputs["encoder_hidden_states_mask"]
+    txt = [TXT_LEN] * batch if mask is None else mask.sum(1).tolist()
+    attention_flops = sum(4 * (img_len + TXT_LEN) * (img_len + t) * D for t in txt)  # one call, every head
+    ms = attention[0].device_time_total / attention[0].count / 1e3
+    row = dict(fp8_attention=fp8_attention, attention_kernel=attention[0].key, attention_ms=ms,
+               attention_tflops=attention_flops / ms / 1e9,
+               forward_gpu_ms=sum(e.device_time_total for e in events if e.device_type.name == "CUDA") / 1e3)
     print(table)
+    print(f"fp8_attention={fp8_attention}: attention {ms * 1e3:.1f} us a call, {row['attention_tflops']:.0f} TF/s "
+          f"({attention[0].key[:80]}); GPU time of the forward {row['forward_gpu_ms']:.1f} ms", flush=True)
     if out_dir:
-        (out_dir / "profile_ours_fp8.txt").write_text(table)
+        (out_dir / f"profile_ours_fp8_attention_{fp8_attention}.txt").write_text(table)
+    return row
 
 
 def print_table(rows):
