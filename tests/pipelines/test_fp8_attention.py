@@ -152,15 +152,19 @@ def test_with_lora_and_a_step_cache_in_the_pipeline(reference_kernel):
     assert 1e-5 < error < 2e-2, error
 
 
-def test_fp8_output_split_as_its_dequantized_values():
+@pytest.mark.parametrize("head_dim", [16, 5])  # rows of 48 codes (copied 8 a word) and of 15 (a byte at a time)
+def test_fp8_output_split_as_its_dequantized_values(head_dim):
     """cuDNN's FP8 output (codes and one scale): the output projections' FP8 operands are its codes with the scale
     on every row, a BF16 projection gets the dequantized values."""
-    o8 = (torch.randn(2, 9, 3, 16) * 40).clamp(-448, 448).to(FP8_DTYPE)
-    scale = torch.tensor([0.03])
+    o8 = (torch.randn(2, 9, 3, head_dim) * 40).clamp(-448, 448).to(FP8_DTYPE)
+    scale, width = torch.tensor([0.03]), 3 * head_dim
     (img_q, img_s), txt = block_module.split_attention(o8, 5, True, False, scale)
-    assert torch.equal(img_q.view(torch.uint8), o8[:, :5].reshape(10, 48).view(torch.uint8))
+    assert img_q.dtype == FP8_DTYPE and img_q.is_contiguous()
+    assert torch.equal(img_q.view(torch.uint8), o8[:, :5].reshape(10, width).view(torch.uint8))
     assert img_s.shape == (10, 1) and (img_s == scale).all()
-    assert torch.equal(txt, (o8[:, 5:].reshape(8, 48).float() * scale).to(torch.bfloat16))
+    assert torch.equal(txt, (o8[:, 5:].reshape(8, width).float() * scale).to(torch.bfloat16))
+    (_, _), (txt_q, _) = block_module.split_attention(o8, 5, True, True, scale)
+    assert torch.equal(txt_q.view(torch.uint8), o8[:, 5:].reshape(8, width).view(torch.uint8))
 
 
 def test_reference_masks_padded_keys():
