@@ -194,7 +194,8 @@ def main():
                         return cudnn_attention(q8, k8, v8, scales[0], scales[1], v_scale, mask.seqused_k, out)
 
                     def dequant():
-                        return run().float() * v_scale
+                        out8, o_scale = run()
+                        return out8.float() * o_scale
                 results[kernel] = (bench_ms(run), dequant(), quant_ms)
             except Exception as e:  # reported, the other kernels still measured
                 print(f"{name} {kernel}: FAILED {type(e).__name__}: {str(e)[:500]}", flush=True)

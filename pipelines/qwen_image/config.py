@@ -251,6 +251,9 @@ class FastConfig(FastTransformerConfig):
         if "ulysses" in parallel and self.fp8_attention in ("cudnn", "fa3"):
             raise ValueError(f"fp8_attention={self.fp8_attention!r} with parallel={parallel!r} is not supported (the "
                              "all-to-all moves BF16 heads): use one of them, or fp8_attention='auto'")
+        if self.fp8_attention in ("cudnn", "fa3") and not self.fused_transformer:
+            raise ValueError(f"fp8_attention={self.fp8_attention!r} runs inside the fused transformer; keep "
+                             "fused_transformer=True")
         if "ulysses" in parallel and not self.fused_transformer:
             raise ValueError(f"parallel={parallel!r}: Ulysses runs inside the fused transformer; keep "
                              "fused_transformer=True")

@@ -171,13 +171,16 @@ def plan_attention(config: FastConfig, facts: Facts) -> Plan:
 
 
 def plan_fp8_attention(config: FastConfig, facts: Facts) -> Plan:
-    if config.fp8_attention == "off" or not config.fused_transformer:
+    """Ulysses first: the model has a kernel but its forwards run none there (transformer.fp8_attention_in)."""
+    if config.fp8_attention == "off":
         return NOT_ASKED
-    if facts.fp8_attention:
-        return Plan(values=(facts.fp8_attention,))
+    if not config.fused_transformer:  # "auto" only: FastConfig refuses a named kernel without it
+        return Plan(why_not="needs fused_transformer: the stock transformer's attention runs")
     if any(p.startswith("ulysses") for p in facts.parallel):
         return Plan(why_not="parallel='ulysses' moves BF16 heads between ranks: BF16 attention runs")
-    return Plan(why_not=facts.fp8_attention_why or "needs fused_transformer")
+    if facts.fp8_attention:
+        return Plan(values=(facts.fp8_attention,))
+    return Plan(why_not=facts.fp8_attention_why)
 
 
 def plan_batched_cfg(config: FastConfig, facts: Facts) -> Plan:

@@ -172,6 +172,27 @@ def test_qkv_pack_fp8_matches_ref(b, l, h, d, s, seq_offset, fp8_v, dtype, devic
             assert (outside == SENTINEL).all(), f"{name}: a row outside [{seq_offset}, {seq_offset + l}) was written"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_qkv_pack_ref_fp8_branch_is_the_bf16_branch_scaled(dtype):
+    """The reference's FP8 branch ties to its diffusers-checked one (test_qkv_pack_ref_matches_diffusers): its
+    values before the cast, times their scales, are the plain branch's q, k and v (q, k: the rotation kept in fp32
+    instead of rounded to the model's dtype, so to that dtype's rounding; v: to fp32's)."""
+    b, l, h, d, s, offset = 2, 7, 3, 16, 9, 2
+    qkv = torch.randn(b, l, 3 * h * d).to(dtype)
+    w_q, w_k = ((1.0 + 0.3 * torch.randn(d)).to(dtype) for _ in range(2))
+    freqs = torch.view_as_real(torch.polar(torch.ones(l, d // 2), 6.0 * torch.rand(l, d // 2)))
+    scales = (rms_norm_fp8_scale([w_q], d), rms_norm_fp8_scale([w_k], d))
+    v_scale = (qkv[..., 2 * h * d:].float().abs().amax() * 3 / 448).reshape(1)
+    plain = [torch.zeros(b, s, h, d, dtype=dtype) for _ in range(3)]
+    codes = [torch.zeros(b, s, h, d) for _ in range(3)]  # fp32: the values before the e4m3 cast
+    qkv_pack_ref(qkv, w_q, w_k, freqs, *plain, seq_offset=offset)
+    qkv_pack_ref(qkv, w_q, w_k, freqs, *codes, seq_offset=offset, qk_scales=scales, v_scale=v_scale)
+    rows = slice(offset, offset + l)
+    tol = 1e-6 if dtype == torch.float32 else 2**-8
+    for name, expected, got, scale in zip("qkv", plain, codes, (*scales, v_scale)):
+        assert_close(got[:, rows] * scale, expected[:, rows].float(), tol if name != "v" else 1e-6, name)
+
+
 def test_qkv_pack_validation():
     b, l, h, d, s = 1, 4, 2, 16, 6
     qkv, w = torch.randn(b, l, 3 * h * d), torch.ones(d)

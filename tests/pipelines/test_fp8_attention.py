@@ -6,6 +6,8 @@ cuDNN's FP8 output included) run with fp8_attention_ref standing in for the GPU 
 GPU: each installed kernel against fp8_attention_ref at the real head shape; the fast transformer with the option
 against stock within its declared bound, in CUDA graphs with batched CFG."""
 
+import dataclasses
+
 import pytest
 import torch
 from helpers import assert_close
@@ -35,6 +37,21 @@ def test_registered_lossy_and_off_by_default():
         FastConfig(fp8_attention="fp4")
     with pytest.raises(ValueError, match="fp8_attention='cudnn' with parallel='ulysses' is not supported"):
         FastConfig(fp8_attention="cudnn", parallel="ulysses")
+    with pytest.raises(ValueError, match="fp8_attention='fa3' runs inside the fused transformer"):
+        FastConfig(fp8_attention="fa3", fused_transformer=False)
+
+
+def test_plan_says_bf16_where_the_forwards_run_it():
+    """A kernel found on this machine but no FP8 attention in the forwards (Ulysses; the stock transformer): the
+    plan (applied, --dry-run) says BF16 and why, never the kernel."""
+    facts = Facts(pipeline="QwenImagePipeline", fused=True, device="cuda", fp8=True, fast_accum=True,
+                  attention="fa4", offload_hooks=False, vae_2d=None, enhancer=False, fp8_attention="cudnn")
+    assert plan_fp8_attention(FastConfig(fp8_attention="auto"), facts).values == ("cudnn",)
+    ulysses = plan_fp8_attention(FastConfig(fp8_attention="auto", parallel="ulysses"),
+                                 dataclasses.replace(facts, parallel=("ulysses2",)))
+    assert ulysses.values == () and "BF16 attention runs" in ulysses.why_not
+    stock = plan_fp8_attention(FastConfig(fp8_attention="auto", fused_transformer=False), facts)
+    assert stock.values == () and "needs fused_transformer" in stock.why_not
 
 
 def test_where_it_cannot_run():
@@ -209,6 +226,27 @@ def test_kernels_against_reference_on_gpu():
         out, o_scale = fp8_attention(kernel, q8, k8, v, *scales, valid)
         out = out.float() * (1 if o_scale is None else o_scale)
         assert 1e-3 < rel_rms_error(out, ref) < 5e-2, (kernel, rel_rms_error(out, ref))
+
+
+@pytest.mark.gpu
+def test_fp8_output_never_past_its_codes_on_gpu():
+    """cuDNN's FP8 output where its bound is tightest: every v code at 448 (v = max|v| everywhere, so o = v_max
+    exactly; the probabilities' rounding alone moves a row's weights off 1), logits of std ~4 over 1024 keys: a
+    row's weight on a handful of keys, whose codes round by up to 2^-4 each. o stays finite within its codes, and
+    o * o_scale within e4m3's rounding of v_max. FA3's output is BF16: nothing to bound."""
+    if "cudnn" not in kernels_here():
+        pytest.skip("nvidia-cudnn-frontend not installed")
+    g = torch.Generator("cuda").manual_seed(0)
+    b, s, h, d = 2, 1024, 4, 128
+    q8, k8 = ((torch.randn(b, s, h, d, generator=g, device="cuda") * 16).clamp(-448, 448).to(FP8_DTYPE)
+              for _ in range(2))
+    v8 = torch.full((b, s, h, d), 448.0, device="cuda").to(FP8_DTYPE)
+    one, v_scale = torch.ones(1, device="cuda") / 8, torch.full((1,), 0.01, device="cuda")
+    valid = torch.tensor([s, s - 100], dtype=torch.int32, device="cuda")
+    out8, o_scale = fp8_attention("cudnn", q8, k8, v8, one, one, valid, v_scale)
+    out = out8.float()
+    assert out.isfinite().all() and out.abs().max() <= 448, out.abs().max()
+    assert ((out * o_scale - 448 * v_scale) / (448 * v_scale)).abs().max() <= 2**-3, (out * o_scale).aminmax()
 
 
 @pytest.mark.gpu

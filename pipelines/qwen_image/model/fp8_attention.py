@@ -5,8 +5,9 @@ quantize_fp8_heads); a padded prompt's keys at the end of each sample, counted o
     fa3    FlashAttention-3's FP8 forward (PyPI `tokenspeed-fa3`, module `flash_attn_interface`): descales per
            (sample, head) [B, H], BF16 output [B, S, H, D] (the output projection's rowwise quantization as today).
     cudnn  cuDNN's FP8 SDPA (PyPI `nvidia-cudnn-frontend`, a pygraph per shape): per-tensor descales; on Hopper the
-           output is FP8 only. Its scale is v's: each output row is a convex combination of v's rows, so
-           |o| <= max|v|, and o's codes are o / v_scale within +-448 without an amax pass.
+           output is FP8 only. Its scale follows from v's without an amax pass: each output row is a combination
+           of v's rows whose weights, the probabilities as e4m3 codes, each round up by at most 2^-4 of itself,
+           so |o| <= (1 + 2^-4) max|v| and o's codes o / (v_scale * O_HEADROOM) stay within +-448.
 Softmax scale 1/sqrt(D), non-causal, P (the probabilities) quantized with scale 448 inside cuDNN's kernel.
 fp8_attention_ref is the semantics both approximate (dequantized operands, fp32 softmax attention): the GPU tests
 hold each kernel to it, and the CPU tests run the blocks' FP8 wiring with it (it is never a user's choice).
@@ -71,8 +72,7 @@ def fp8_attention(kernel: str, q8, k8, v, q_scale, k_scale, valid_keys, v_scale:
     if kernel == "fa3":
         return fp8_attention_fa3(q8, k8, v8, q_scale, k_scale, v_scales, valid_keys), None
     if kernel == "cudnn":
-        v_scale = v_scales[0, 0].reshape(1)
-        return CUDNN(q8, k8, v8, q_scale, k_scale, v_scale, valid_keys, torch.empty_like(q8)), v_scale
+        return CUDNN(q8, k8, v8, q_scale, k_scale, v_scales[0, 0].reshape(1), valid_keys, torch.empty_like(q8))
     if kernel == "reference":  # the tests' (module docstring)
         return fp8_attention_ref(q8, k8, v8, q_scale, k_scale, v_scales, valid_keys).to(dtype), None
     raise ValueError(f"fp8 attention kernel {kernel!r}; allowed: cudnn, fa3")
@@ -106,6 +106,10 @@ class CudnnFp8Attention:
     plan built (benchmarks time them: plan_names, then a call with plan=i), else the heuristics' first that builds."""
 
     P_SCALE = 448.0  # the probabilities [0, 1] -> e4m3 codes [0, 448]
+    # o's scale over v's: the rounded probabilities of a row can sum past 1 (module docstring), and a subnormal
+    # code rounds by up to 2^-10 / 448 absolute: 1/8 of headroom covers both (e4m3's precision is relative: the
+    # codes lose nothing but the bottom of their range)
+    O_HEADROOM = 1.125
 
     def __init__(self, all_plans: bool = False):
         self.all_plans = all_plans
@@ -156,22 +160,25 @@ class CudnnFp8Attention:
         graph = self._graph(*q8.shape, q8.device)[0]
         return [graph.get_plan_name_at_index(i) for i in range(graph.get_execution_plan_count())]
 
-    def __call__(self, q8, k8, v8, q_scale, k_scale, v_scale, seqused_k, out8, plan: int | None = None):
-        """q8, k8, v8, out8: FP8 [B, S, H, D]; q_scale, k_scale, v_scale: fp32 [1] (v_scale also o's); seqused_k:
-        int32 [B]. Returns out8 (o ~= out8 * v_scale). plan: an index of plan_names (all_plans), else the built one."""
+    def __call__(self, q8, k8, v8, q_scale, k_scale, v_scale, seqused_k, out8,
+                 plan: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """q8, k8, v8, out8: FP8 [B, S, H, D]; q_scale, k_scale, v_scale: fp32 [1]; seqused_k: int32 [B]. Returns
+        (out8, o_scale [1]): o ~= out8 * o_scale, o_scale = v_scale * O_HEADROOM. plan: an index of plan_names
+        (all_plans), else the built one."""
         import cudnn
 
         graph, handle, t, workspace, c = self._graph(*q8.shape, q8.device)
+        o_scale = v_scale * self.O_HEADROOM
         cudnn.set_stream(handle, torch.cuda.current_stream(q8.device).cuda_stream)
         pack = {t["q"]: q8, t["k"]: k8, t["v"]: v8, t["o"]: out8, t["descale_q"]: q_scale, t["descale_k"]: k_scale,
                 t["descale_v"]: v_scale, t["descale_s"]: c["descale_s"], t["scale_s"]: c["scale_s"],
-                t["scale_o"]: 1.0 / v_scale, t["seq_len_q"]: c["seq_len_q"], t["seq_len_kv"]: seqused_k,
+                t["scale_o"]: 1.0 / o_scale, t["seq_len_q"]: c["seq_len_q"], t["seq_len_kv"]: seqused_k,
                 t["amax_s"]: c["amax"][:1], t["amax_o"]: c["amax"][1:]}
         if plan is None:
             graph.execute(pack, workspace, handle=handle)
         else:
             graph.execute_plan_at_index(pack, workspace, plan, handle=handle)
-        return out8
+        return out8, o_scale
 
 
 CUDNN = CudnnFp8Attention()
