@@ -81,6 +81,13 @@ def check_replacement(built: FastConfig, config: FastConfig, pipeline: str, imag
         raise ValueError(image_conditioned_refusal(pipeline, [opt.field for opt in refused]))
 
 
+def init_arguments(pipe) -> dict:
+    """What rebuilds `pipe` with its class's constructor: its components and the optional parameters it was built
+    with (diffusers' `components` leaves those out: QwenImage21Pipeline's sample_sigmas, the checkpoint's grid)."""
+    _, optional = pipe._get_signature_keys(pipe)
+    return pipe.components | {name: pipe.config[name] for name in optional if name in pipe.config}
+
+
 def load_dtype(kwargs: dict, component: str) -> torch.dtype:
     """The dtype diffusers' from_pretrained loads `component` in: dtype / torch_dtype (a dtype, or a dict by
     component with a "default"), else float32, diffusers' own default."""
@@ -234,7 +241,19 @@ class FastCheckpointPipeline:
                 device="cpu" if config.memory == "low" else device, torch_dtype=load_dtype(kwargs, "transformer"),
                 fast_config=config.transformer_config(), variant=kwargs.get("variant"))
         stock = load_stock(cls.stock_class, pretrained_model_name_or_path, *args, **kwargs)
-        return cls._build(stock.components, config, device, **fast_state)
+        return cls._build(init_arguments(stock), config, device, **fast_state)
+
+    @classmethod
+    def from_pipe(cls, pipeline, fast_config=None, device=None, **kwargs):
+        """A fast pipeline sharing `pipeline`'s components (its transformer is left as it is and stays usable).
+        Unlike diffusers' from_pipe, which casts the shared components to float32 unless told otherwise (and so
+        changes the source pipeline too), the dtype stays the source transformer's unless dtype is given."""
+        config = FastConfig.coerce(fast_config)
+        fast_state = cls._before_loading(config, None, device, kwargs)
+        if "torch_dtype" not in kwargs:
+            kwargs.setdefault("dtype", pipeline.transformer.dtype)
+        stock = cls.stock_class.from_pipe(pipeline, **kwargs)
+        return cls._build(init_arguments(stock), config, device, **fast_state)
 
     @classmethod
     def _before_loading(cls, config: FastConfig, path_or_id, device, kwargs: dict) -> dict:
@@ -368,14 +387,3 @@ class FastPipelineMixin(FastLoraPipeline, FastCheckpointPipeline):
     def _fast_transformer(self) -> FastQwenImageTransformer | None:
         return self.transformer if isinstance(self.transformer, FastQwenImageTransformer) else None
 
-    @classmethod
-    def from_pipe(cls, pipeline, fast_config=None, device=None, **kwargs):
-        """A fast pipeline sharing `pipeline`'s components (its transformer is left as it is and stays usable).
-        Unlike diffusers' from_pipe, which casts the shared components to float32 unless told otherwise (and so
-        changes the source pipeline too), the dtype stays the source transformer's unless dtype is given."""
-        config = FastConfig.coerce(fast_config)
-        fast_state = cls._before_loading(config, None, device, kwargs)
-        if "torch_dtype" not in kwargs:
-            kwargs.setdefault("dtype", pipeline.transformer.dtype)
-        stock = cls.stock_class.from_pipe(pipeline, **kwargs)
-        return cls._build(stock.components, config, device, **fast_state)

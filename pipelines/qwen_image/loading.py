@@ -5,7 +5,7 @@ from ..qwen35.enhance import resolve_enhancer
 from ..qwen_image21.pipeline import FastQwenImage21Pipeline
 from .config import FastConfig
 from .family import IMAGE_CONDITIONED
-from .fast_pipeline import model_index
+from .fast_pipeline import init_arguments, model_index
 from .text_to_image import QwenImageFastPipeline
 
 FAST_CLASSES = {cls.stock_class: cls for cls in (QwenImageFastPipeline, *IMAGE_CONDITIONED, FastQwenImage21Pipeline)}
@@ -39,12 +39,13 @@ def optimize(pipe, config: FastConfig | str | None = None, device=None, enhance_
         raise TypeError(f"optimize() takes one of diffusers' {supported()}; got {type(pipe).__name__} (its stock "
                         "pipeline runs as is)")
     if fast_class is QwenImageFastPipeline:
-        fast = fast_class._build(pipe.components, config, device, enhancer=resolve_enhancer(enhance_prompt, device))
+        fast = fast_class._build(init_arguments(pipe), config, device,
+                                 enhancer=resolve_enhancer(enhance_prompt, device))
     elif enhance_prompt is not None and enhance_prompt is not False:
         raise ValueError(f"enhance_prompt is supported by the text-to-image QwenImageFastPipeline only, not by "
                          f"{type(pipe).__name__}")
     else:
-        fast = fast_class._build(pipe.components, config, device)
+        fast = fast_class._build(init_arguments(pipe), config, device)
     pipe.register_modules(transformer=fast.transformer, vae=fast.vae)
     return fast
 

@@ -179,7 +179,10 @@ class PrefixCache:
     def of(self, handle) -> list:
         key = getattr(handle, "fast_prefix_slot", None)
         if key is None or key not in self.slots or self.slots[key][0]() is not handle:
-            raise RuntimeError("KV cache has not been populated yet.")  # diffusers' error for a cache never extracted
+            # diffusers' error for a cache never extracted; and what differs: the fast model keeps the prefix itself
+            raise RuntimeError("KV cache has not been populated yet. (The fast Qwen-Image-2.1 transformer keeps the "
+                               "prefix in its own buffers, filled by its own extract step: a QwenImage21KVCache "
+                               "filled by the stock model, or by hand, cannot be read by it, nor its cache by stock)")
         return self.slots[key][1]
 
 
@@ -328,7 +331,8 @@ class FastQwenImage21Transformer(Unsupported, LoraAdapters, ModelMixin, ConfigMi
         self.prefix_cache = PrefixCache()
         self._cache_name: str | None = None
         self.layouts: dict[tuple, Layout] = {}  # by Layout.key
-        self._last_layout: tuple | None = None  # (img_mask, its version, text mask, its version, shapes, key)
+        # (img_mask, its version, text mask, its version, shapes, (batch, device), key)
+        self._last_layout: tuple | None = None
         self.graphs = Graphs(max_graphs=MAX_LAYOUTS)  # the cached steps' (runtime/cuda_graph.py)
         self._graphs_seen: set = set()  # graph keys run eagerly once
 
@@ -472,8 +476,8 @@ class FastQwenImage21Transformer(Unsupported, LoraAdapters, ModelMixin, ConfigMi
         if (last is not None and last[0]() is img_mask and last[1] == img_mask._version
                 and (last[2]() if last[2] is not None else None) is text_mask
                 and last[3] == (text_mask._version if text_mask is not None else None) and last[4] == repr(img_shapes)
-                and last[5] in self.layouts):
-            return self.layouts[last[5]]
+                and last[5] == (batch, str(device)) and last[6] in self.layouts):
+            return self.layouts[last[6]]
         key = Layout.key(img_shapes, img_mask, text_mask, batch, device)
         if key not in self.layouts:
             if len(self.layouts) >= MAX_LAYOUTS:  # the graphs read the layouts' tensors: both go
@@ -483,7 +487,8 @@ class FastQwenImage21Transformer(Unsupported, LoraAdapters, ModelMixin, ConfigMi
             self.layouts[key] = Layout(self, img_shapes, img_mask, text_mask, batch, device)
         self._last_layout = (weakref.ref(img_mask), img_mask._version,
                              weakref.ref(text_mask) if text_mask is not None else None,
-                             text_mask._version if text_mask is not None else None, repr(img_shapes), key)
+                             text_mask._version if text_mask is not None else None, repr(img_shapes),
+                             (batch, str(device)), key)
         return self.layouts[key]
 
     def _modulation(self, timestep, hidden_states) -> tuple[torch.Tensor, torch.Tensor]:

@@ -22,6 +22,15 @@ from ..qwen_image.runtime.offload import has_offload_hooks
 from .model import FastQwenImage21Transformer
 
 
+def refuse_2512_only(config: FastConfig, pipeline: str):
+    """ValueError for what `pipeline` would otherwise ignore: the text-to-image-only options (diffusers' loop runs),
+    and text_bucket (the runner's padding of prompts: 2.1's text is in the prefix cache, at its own length)."""
+    refuse_text_to_image_only(config, pipeline)
+    if config.text_bucket != FastConfig().text_bucket:
+        raise ValueError(f"text_bucket={config.text_bucket!r}: {pipeline} keeps each prompt at its own length in "
+                         "the prefix KV cache; leave text_bucket at its default")
+
+
 class FastQwenImage21Pipeline(FastLoraPipeline, FastCheckpointPipeline, QwenImage21Pipeline):
     stock_class, fast_transformer_class = QwenImage21Pipeline, FastQwenImage21Transformer
     _last_call: CallRecord | None = None
@@ -39,10 +48,16 @@ class FastQwenImage21Pipeline(FastLoraPipeline, FastCheckpointPipeline, QwenImag
         return pipe
 
     def _set_up(self, config: FastConfig, device):
-        refuse_text_to_image_only(config, type(self).__name__)
+        refuse_2512_only(config, type(self).__name__)
         transformer = self.transformer
-        convert = not isinstance(transformer, FastQwenImage21Transformer) and transformer is not None
-        if config.fused_transformer and convert:
+        if isinstance(transformer, FastQwenImage21Transformer):
+            stored = transformer.fast_config
+            if not config.fused_transformer or stored.fp8 != config.fp8:
+                raise ValueError(
+                    f"the pipeline's transformer is a FastQwenImage21Transformer (fp8={stored.fp8}) but fast_config "
+                    f"asks for fused_transformer={config.fused_transformer}, fp8={config.fp8}: pass a FastConfig "
+                    "that matches it, or build the pipeline from the stock transformer")
+        elif config.fused_transformer and transformer is not None:
             device = torch.device(device) if device is not None else transformer.device
             self.register_modules(transformer=FastQwenImage21Transformer.from_diffusers(
                 transformer, transformer_config_on(config, device), device))
@@ -59,6 +74,7 @@ class FastQwenImage21Pipeline(FastLoraPipeline, FastCheckpointPipeline, QwenImag
     @fast_config.setter
     def fast_config(self, config: FastConfig):
         check_replacement(self._fast_config, config, QwenImage21Pipeline.__name__, image_conditioned=True)
+        refuse_2512_only(config, type(self).__name__)
         self._fast_config = config
 
     def facts(self) -> Facts:

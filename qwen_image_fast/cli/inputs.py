@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING, NamedTuple
 
 from PIL import Image
 
+from ..pipelines.qwen_image.optimizations import refused_by_image_conditioned
+
 if TYPE_CHECKING:
     from .jobs import Job
 
@@ -93,6 +95,13 @@ def image_mode(pipe) -> str:
 
 def check_pipeline_options(pipeline: str, model: str, config, lightning: bool, fmt: str):
     """ValueError for a command option the pipeline class of `model` cannot honour (before anything loads)."""
+    refused = [] if pipeline == "QwenImagePipeline" else refused_by_image_conditioned(config)
+    if refused:  # what the pipeline's own refusal would say after loading, said before
+        from .parser import option_of  # parser imports jobs, which imports this module
+
+        flags = ", ".join(f"{option_of(opt)} {getattr(config, opt.field)}" for opt in refused)
+        raise ValueError(f"{flags}: for text-to-image checkpoints only; {model} is a {pipeline} checkpoint, which "
+                         "runs diffusers' own sampling loop: leave them out")
     if pipeline != QWEN21_PIPELINE:
         return
     if lightning:

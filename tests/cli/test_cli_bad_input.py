@@ -143,6 +143,10 @@ BAD_INPUT = {
                          "--lightning samples for Qwen-Image-2512's Lightning LoRAs"),
     "qwen21-cache": (lambda tmp: qwen21_model(tmp, "--preset", "fast", "--cache", "every:2,1,0"),
                      "--cache: the step caches do not run on Qwen-Image-2.1 yet"),
+    "qwen21-scheduler": (lambda tmp: qwen21_model(tmp, "--preset", "fast", "--scheduler", "unipc",
+                                                  "--cfg-fraction", "0.5"),
+                         "--scheduler unipc, --cfg-fraction 0.5: for text-to-image checkpoints only; {model} is a "
+                         "QwenImage21Pipeline checkpoint, which runs diffusers' own sampling loop: leave them out"),
     "qwen21-jpg": (lambda tmp: qwen21_model(tmp, "--format", "jpg"),
                    "renders RGBA images, and JPEG has no alpha channel: use --format png or webp"),
     "qwen21-size": (lambda tmp: qwen21_model(tmp, "--width", "48", "--height", "64"),

@@ -285,8 +285,61 @@ def test_optimized_pipeline_fp8_and_baseline():
     assert torch.equal(latents(baseline), expected) and baseline.applied == [], baseline.applied
 
 
+def test_sample_sigmas_carried_through_every_build(tmp_path):
+    """A pipeline built with the checkpoint's sampling grid (QwenImage21Pipeline's optional sample_sigmas, which
+    its __call__ samples on when no sigmas are passed): optimize(), from_pipe() and a fast save / from_pretrained
+    keep it, and the latents equal stock's on that grid (diffusers' `components` leaves it out)."""
+    from qwen_image_fast import from_pretrained
+    from qwen_image_fast.pipelines.tiny import tiny_qwen21_components
+
+    grid = [1.0, 0.7, 0.3]
+
+    def with_grid():
+        pipe = tiny_pipeline()
+        return QwenImage21Pipeline(**pipe.components, sample_sigmas=grid)
+
+    expected = latents(with_grid())
+    assert rel_rms_error(expected, latents(tiny_pipeline())) > 1e-3  # the grid changes the result
+    fast = optimize(with_grid(), FastConfig(fp8=False))
+    assert list(fast.config.sample_sigmas) == grid
+    assert_close(latents(fast), expected, 1e-5, "optimize")
+    piped = FastQwenImage21Pipeline.from_pipe(with_grid(), fast_config=FastConfig(fp8=False))
+    assert isinstance(piped, FastQwenImage21Pipeline) and list(piped.config.sample_sigmas) == grid
+    assert_close(latents(piped), expected, 1e-5, "from_pipe")
+    saved = optimize(QwenImage21Pipeline(**tiny_qwen21_components(), sample_sigmas=grid), FastConfig(fp8=False))
+    saved.save_pretrained(tmp_path)
+    assert list(from_pretrained(tmp_path).config.sample_sigmas) == grid
+
+
+def test_a_fast_transformer_given_must_match_the_config():
+    """A pipeline built around a fast transformer already: a fast_config that contradicts it (the stock
+    transformer, or other GEMMs) is refused, as for Qwen-Image-2512, instead of reported and not run."""
+    fast = FastQwenImage21Transformer.from_diffusers(tiny_stock(), FastTransformerConfig(fp8=True))
+    parts = tiny_pipeline().components
+    for config, match in (("baseline", "fused_transformer=False"), (FastConfig(fp8=False), "fp8=False")):
+        with pytest.raises(ValueError, match=f"FastQwenImage21Transformer \\(fp8=True\\).+{match}"):
+            FastQwenImage21Pipeline(**(parts | dict(transformer=fast)), fast_config=config)
+    pipe = FastQwenImage21Pipeline(**(parts | dict(transformer=fast)), fast_config=FastConfig(fp8=True))
+    assert pipe.transformer is fast and "fp8" in pipe.applied
+
+
+def test_a_new_batch_with_the_same_masks_gets_its_own_layout():
+    """The same img_mask tensor and img_shapes with another batch of hidden states (stock reads the layout from
+    row 0 only, so this is valid there): the fast model builds that batch's layout instead of reusing the last."""
+    stock = tiny_stock()
+    fast = FastQwenImage21Transformer.from_diffusers(stock, FastTransformerConfig(fp8=False))
+    args = inputs(2, (5, 5), None)
+    for batch in (2, 1, 2):
+        call = dict(args, hidden_states=args["hidden_states"][:batch],
+                    encoder_hidden_states=args["encoder_hidden_states"][:batch],
+                    timestep=torch.full((batch,), 0.5), return_dict=False)
+        with torch.no_grad():
+            assert_close(fast(**call)[0], stock(**call)[0], 1e-5, f"batch {batch}")
+
+
 def test_qwen21_refuses_what_it_cannot_run(tmp_path):
     for config, match in ((FastConfig(scheduler="unipc"), "scheduler='unipc'"),
+                          (FastConfig(text_bucket=128), "text_bucket=128: FastQwenImage21Pipeline keeps"),
                           (FastConfig(memory="low"), "memory='low'"),
                           (FastConfig(bf16_linears=("img_fc2",)), "names Qwen-Image-2512's linears"),
                           (FastConfig(fp8_attention="auto"), "fp8_attention='auto' is not supported on Qwen-Image-2.1")):
@@ -295,6 +348,8 @@ def test_qwen21_refuses_what_it_cannot_run(tmp_path):
     fast = optimize(tiny_pipeline(), FastConfig(fp8=False))
     with pytest.raises(ValueError, match="already optimized"):
         optimize(fast)
+    with pytest.raises(ValueError, match="text_bucket=8"):
+        fast.fast_config = fast.fast_config.replace(text_bucket=8)
     fast.fast_config = fast.fast_config.replace(cache="dbcache")
     with pytest.raises(ValueError, match="not supported on Qwen-Image-2.1 yet"):
         latents(fast)
