@@ -104,6 +104,8 @@ def decide(config: DBCache | FirstBlockRule, branch: Branch, r: torch.Tensor) ->
         compute = (step - config.warmup) % config.every == 0
     elif 0 <= config.max_cached <= branch.cached or 0 <= config.max_consecutive <= branch.consecutive:
         compute = True
+    elif config.threshold >= 1.0:  # cache-dit's: a threshold of 1 or more takes every step as similar, unmeasured
+        compute = False
     elif branch.ref.shape != r.shape:
         compute = True
     else:
