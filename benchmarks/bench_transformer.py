@@ -153,6 +153,25 @@ class Replayed:
         self.call.__exit__(None, None, None)
 
 
+def each_attention_kernel(ours):
+    """Yields "off" then each FP8 attention kernel installed, `ours` set as the pipelines run it for each (fast
+    accumulation); its own settings back after."""
+    run_config = ours.fast_config
+    linears = [module for module in ours.transformer_blocks.modules() if hasattr(module, "fast_accum")]
+    try:
+        for kernel in ("off", "cudnn", "fa3"):
+            if kernel != "off" and not installed(kernel):
+                continue
+            ours.fast_config = dataclasses.replace(run_config, fp8_fast_accum=True, fp8_attention=kernel)
+            for module in linears:
+                module.fast_accum = True
+            yield kernel
+    finally:
+        ours.fast_config = run_config
+        for module in linears:
+            module.fast_accum = run_config.fp8_fast_accum
+
+
 def free():
     gc.collect()
     torch.cuda.empty_cache()
@@ -252,38 +271,19 @@ def main():
             for module in linears:
                 module.fast_accum = False
         if "ours-fp8attn-graph" in args.impls:  # the pipelines' setting (fast accumulation, graphs) with and without
-            run_config = ours.fast_config
-            for kernel in ("off", "cudnn", "fa3"):  # FP8 attention, each installed kernel
-                if kernel != "off" and not installed(kernel):
-                    continue
-                ours.fast_config = dataclasses.replace(run_config, fp8_fast_accum=True, fp8_attention=kernel)
-                for module in ours.transformer_blocks.modules():
-                    if hasattr(module, "fast_accum"):
-                        module.fast_accum = True
+            for kernel in each_attention_kernel(ours):  # FP8 attention
                 graphed = Replayed(ours)
                 for key in args.shapes:
                     record("ours-fp8attn-graph", ours.attention_backend if kernel == "off" else f"{kernel}-fp8", key,
                            graphed, "fast accumulation, CUDA-graph replay; ours alone")
                 graphed.close()
-            ours.fast_config = run_config
-            for module in ours.transformer_blocks.modules():
-                if hasattr(module, "fast_accum"):
-                    module.fast_accum = False
         if args.profile:  # the pipelines' settings (fast accumulation), each attention kernel
             key = "1024x1024-b2-padded" if "1024x1024-b2-padded" in inputs else next(iter(inputs))
-            run_config = ours.fast_config
-            for kernel in ("off", "cudnn", "fa3"):
-                if kernel != "off" and not installed(kernel):
-                    continue
-                ours.fast_config = dataclasses.replace(run_config, fp8_fast_accum=True, fp8_attention=kernel)
-                for module in ours.transformer_blocks.modules():
-                    if hasattr(module, "fast_accum"):
-                        module.fast_accum = True
+            for kernel in each_attention_kernel(ours):
                 row = profile(ours, inputs[key], args.out, kernel)
                 append_results("transformer", [dict(env, bench="transformer-profile", resolution=SHAPES[key][0],
                                                      batch=SHAPES[key][1], padded_text=SHAPES[key][2], **row)],
                                args.out)
-            ours.fast_config = run_config
         del ours
         free()
         stock.to("cuda")
