@@ -148,12 +148,17 @@ def is_fast_checkpoint(path_or_id) -> bool:
     return list(index.get("transformer", [None, None]))[-1] in names
 
 
-def saved_transformer_options(path_or_id) -> dict:
-    """The fast transformer's stored options (fp8, bf16_linears, fp8_fast_accum) in a folder a fast pipeline saved."""
+def saved_options(path_or_id) -> dict:
+    """The build options a folder a fast pipeline saved was saved with: the fast transformer's stored ones (fp8,
+    bf16_linears, fp8_fast_accum) and, for Qwen-Image-2512's VAE, vae_2d_decode (the VAE class it names)."""
     from .model.checkpoint import local_folder
 
     saved = json.loads((local_folder(path_or_id, "transformer") / "config.json").read_text())["fast_config"]
-    return {name: saved[name] for name in ("fp8", "bf16_linears", "fp8_fast_accum")}
+    options = {name: saved[name] for name in ("fp8", "bf16_linears", "fp8_fast_accum")}
+    vae = list(model_index(path_or_id).get("vae", [None, None]))[-1]
+    if vae in (AutoencoderKLQwenImage.__name__, FastAutoencoderKLQwenImage.__name__):
+        options["vae_2d_decode"] = vae == FastAutoencoderKLQwenImage.__name__
+    return options
 
 
 class FastLoraPipeline:
@@ -229,7 +234,7 @@ class FastCheckpointPipeline:
         diffusers' own default)."""
         fast_checkpoint = "transformer" not in kwargs and is_fast_checkpoint(pretrained_model_name_or_path)
         if fast_config is None and fast_checkpoint:  # the build options the folder was saved with
-            fast_config = FastConfig(**saved_transformer_options(pretrained_model_name_or_path))
+            fast_config = FastConfig(**saved_options(pretrained_model_name_or_path))
         config = FastConfig.coerce(fast_config)
         fast_state = cls._before_loading(config, pretrained_model_name_or_path, device, kwargs)
         if fast_checkpoint:

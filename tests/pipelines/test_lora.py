@@ -201,6 +201,48 @@ def test_fuse_unfuse_unload(no_lora):
     assert fast.get_list_adapters() == {}
 
 
+def test_fuse_twice_and_fuse_while_disabled_as_stock(no_lora):
+    """A second fuse_lora fuses nothing more (peft merges an adapter once); fuse_lora while disabled leaves
+    nothing fused (peft merges, and the disabled layer's next forward unmerges): enabled again, the LoRA runs
+    unfused, as on stock."""
+    stock, fast = pair()
+    for pipe in (stock, fast):
+        pipe.load_lora_weights(lightning_format(LORA_A), adapter_name="a")
+        pipe.fuse_lora()
+        pipe.fuse_lora()
+    same(fast, stock, "fused twice")
+    stock, fast = pair()
+    for pipe in (stock, fast):
+        pipe.load_lora_weights(lightning_format(LORA_A), adapter_name="a")
+        pipe.disable_lora()
+        pipe.fuse_lora(lora_scale=0.5)
+    assert torch.equal(run(fast), no_lora) and not fast.transformer.fused_adapters
+    assert_close(run(stock), no_lora, TOL, "stock disabled after a fuse")
+    for pipe in (stock, fast):
+        pipe.enable_lora()
+    same(fast, stock, "enabled again: the LoRA at lora_scale 0.5, unfused")
+
+
+def test_what_peft_would_do_differently_is_refused():
+    """set_adapters changing a fused adapter's scaling (peft would unmerge at the new one, leaving the difference
+    in the weights) and a delete_adapters after which peft would activate different adapters in different layers
+    (the fast transformer has one active set) are refused with what to do instead."""
+    fast = fast_pipeline()
+    fast.load_lora_weights(lightning_format(LORA_A), adapter_name="a")
+    fast.fuse_lora()
+    fast.set_adapters(["a"], [1.0])  # the same scaling: allowed
+    with pytest.raises(ValueError, match=r"scaling of the fused adapter\(s\) \['a'\]: unfuse_lora\(\) first"):
+        fast.set_adapters(["a"], [0.3])
+    fast.unfuse_lora()
+    fast.load_lora_weights(diffusers_format(NON_BLOCK), adapter_name="c")  # other layers than a's
+    fast.load_lora_weights(diffusers_format(LORA_B), adapter_name="b")
+    with pytest.raises(NotImplementedError, match="peft would activate the first remaining one of each layer"):
+        fast.delete_adapters("b")
+    fast.set_adapters(["a", "c"])
+    fast.delete_adapters("b")
+    assert fast.get_active_adapters() == ["a", "c"]
+
+
 def test_fuse_named_adapters_only():
     stock, fast = pair()
     for pipe in (stock, fast):
@@ -309,8 +351,8 @@ def test_readme_lightning_recipe_matches_stock(tmp_path):
 
 def test_graphs_state_changes_with_adapters():
     fast = fast_pipeline()
-    version = fast.transformer.lora_state.version
     fast.load_lora_weights(lightning_format(LORA_A))
+    version = fast.transformer.lora_state.version
     fast.set_adapters(["default_0"], [0.5])
     assert fast.transformer.lora_state.version > version
 

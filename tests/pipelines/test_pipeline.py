@@ -425,6 +425,17 @@ def test_save_pretrained_round_trip(tmp_path, config):
         QwenImageFastPipeline.from_pretrained(tmp_path, fast_config="baseline")
 
 
+@pytest.mark.parametrize("vae_2d_decode", [True, False])
+def test_saved_folder_loads_with_the_options_it_was_saved_with(tmp_path, vae_2d_decode):
+    """Without fast_config, a saved fast folder loads with its build options: the transformer's stored ones and
+    vae_2d_decode (the VAE class model_index.json names), not the defaults."""
+    config = EXACT.replace(vae_2d_decode=vae_2d_decode)
+    fast_pipeline(config).save_pretrained(tmp_path)
+    loaded = QwenImageFastPipeline.from_pretrained(tmp_path, dtype=torch.float32)
+    assert loaded.fast_config.vae_2d_decode == vae_2d_decode and loaded.fast_config.fp8 == config.fp8
+    assert (type(loaded.vae).__name__ == "FastAutoencoderKLQwenImage") == vae_2d_decode
+
+
 def test_cast_to_bf16_after_optimize_keeps_fp8_and_runs():
     fast = fast_pipeline(FastConfig())
     fp8 = {k: v.clone() for k, v in fast.transformer.state_dict().items() if k.endswith(("weight_q", "weight_scale"))}

@@ -25,10 +25,6 @@ def peft_lora_layers(model: nn.Module) -> dict[str, nn.Module]:
             if hasattr(m, "lora_A") and hasattr(m, "merged_adapters") and hasattr(m, "get_base_layer")}
 
 
-# An activation operand: rows [M, K] in the model's dtype, or rowwise FP8 (q [M, K], scale [M, 1]).
-Operand = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
-
-
 def check_carriable(stock, peft_layers: dict[str, nn.Module]):
     """Raise unless the stock model's peft adapters can be carried over exactly: LoRA on linears (no DoRA, bias,
     embedding), none fused into the weights, every layer in the same active/enabled state."""
@@ -259,6 +255,12 @@ class LoraAdapters:
                                       "pass one float per adapter")
         self._check_adapters(names)
         state = self.lora_state
+        fused = self.fused_adapters
+        rescaled = [name for name, w in zip(names, weights) if name in fused
+                    and (1.0 if w is None else float(w)) != state.weight[name] * state.layer_scale[name]]
+        if rescaled:  # peft would unmerge them at the new scaling, leaving the difference in the weights
+            raise ValueError(f"set_adapters would change the scaling of the fused adapter(s) {rescaled}: "
+                             "unfuse_lora() first, then set_adapters (and fuse_lora again if wanted)")
         state.active = names
         for name, w in zip(names, weights):
             state.weight[name], state.layer_scale[name] = 1.0 if w is None else float(w), 1.0
@@ -291,12 +293,18 @@ class LoraAdapters:
 
     def fuse_lora(self, lora_scale=1.0, safe_fusing=False, adapter_names=None):
         """peft's merge per layer: the active adapters (or adapter_names) at their scaling times lora_scale (which,
-        as in peft, stays on their scaling) are frozen into the layers; see lora.py."""
+        as in peft, stays on their scaling) are frozen into the layers; see lora.py. While disabled nothing stays
+        fused: peft merges, and the disabled layer's next forward unmerges."""
         names = list(self.lora_state.active) if adapter_names is None else list(adapter_names)
         self._check_adapters(names)
         if lora_scale != 1.0:
             for name in self.lora_state.active:
                 self.lora_state.layer_scale[name] *= lora_scale
+        if not self.lora_state.enabled:
+            self._lora_changed()
+            return
+        if names and set(names) <= self.fused_adapters:
+            logger.warning("All adapters are already merged, nothing to do.")  # peft's words
         for lora in self._lora_layers():
             lora.freeze(names, safe_fusing)
         # Folded into FP8 weights unless offload hooks hold their own copies of the weights (group offload with
@@ -362,6 +370,16 @@ class LoraAdapters:
         if fused:
             raise ValueError(f"adapter(s) {sorted(fused)} are fused: unfuse_lora() first, then delete them")
         state = self.lora_state
+        if not [a for a in state.active if a not in names]:  # peft then activates, per layer, its first remaining one
+            remaining = [a for a in state.configs if a not in names]
+            for lora in self._lora_layers():
+                for site, by_adapter in lora.factors.items():
+                    present = [a for a in by_adapter if a not in names]
+                    if present and present[0] != remaining[0]:
+                        raise NotImplementedError(
+                            f"delete_adapters({names}) leaves no active adapter: peft would activate the first "
+                            f"remaining one of each layer, {present[0]!r} at {site} but {remaining[0]!r} elsewhere; "
+                            "the fast transformer keeps one active set: set_adapters(...) to the ones wanted first")
         for name in names:
             for lora in self._lora_layers():
                 lora.delete(name)

@@ -19,7 +19,10 @@ State follows peft's LoRA layer (peft 0.17+ as diffusers drives it):
   and keeps it; attention_kwargs={"scale": s} multiplies it for one forward (the forward context's lora_scale).
 - fuse_lora freezes the adapters in effect, at their scaling then, into each site; a site with frozen adapters
   runs base + those only (peft runs the merged weight and no unmerged adapter); unfuse_lora drops them, restoring
-  the base exactly; a forward while disabled unfuses first, as peft does. An FP8 linear folds its frozen adapters
+  the base exactly; a forward while disabled unfuses first, as peft does (so a fuse_lora while disabled leaves
+  nothing fused). An adapter fused is fused once (peft skips those already merged). peft unmerges at the scaling
+  of the moment, so a set_adapters that changed a fused adapter's scaling would leave part of it in the weights:
+  that is refused (unfuse_lora first). An FP8 linear folds its frozen adapters
   into its weight (FastLinear.fold_lora: requantized, so the fused path costs nothing per forward); a BF16 one
   keeps them as a frozen low-rank product (exact, and its weight may be shared with the stock model).
 """
@@ -147,10 +150,12 @@ class LoraLinear(nn.Module):
                 for a in state.active if a in self.factors[site]]
 
     def freeze(self, adapters: list[str], check_finite: bool):
+        """Freeze these adapters at their scaling now into each site that has them and has not frozen them yet
+        (peft merges an adapter into a layer once: a second fuse_lora leaves it as it is)."""
         for site in self.sites:
             for a in adapters:
                 f = self.factors[site].get(a)
-                if f is None:
+                if f is None or any(name == a for name, _ in self.frozen[site]):
                     continue
                 s = self.state.scaling(a, f.base_scale)
                 if check_finite and not torch.isfinite(getattr(self, f.b) @ getattr(self, f.a) * s).all():
