@@ -125,10 +125,14 @@ def run_render(args) -> int:
             if conflict:
                 raise ValueError(f"--compare-uncached: {conflict}; rendering would overwrite it")
         created = missing_folders(args.out)
-        out_dir = prepare_out_dir(args.out)
-        if uncached is not None:
-            created += missing_folders(args.compare_uncached)
-            uncached_dir = prepare_out_dir(args.compare_uncached)
+        try:
+            out_dir = prepare_out_dir(args.out)
+            if uncached is not None:
+                created += missing_folders(args.compare_uncached)
+                uncached_dir = prepare_out_dir(args.compare_uncached, "--compare-uncached")
+        except ValueError:
+            remove_empty_folders(created)
+            raise
     except ValueError as e:
         args.parser.error(one_line(e))
     loaded = []  # the pipeline, loaded once: --compare-uncached renders with it again, its step cache off
@@ -181,14 +185,21 @@ def run_render(args) -> int:
     except LoadError as e:
         remove_empty_folders(created)
         args.parser.error(one_line(e))
+    except OSError as e:  # a write failed (disk full, a file size limit, permissions): what was finished stays
+        remove_empty_folders(created)
+        args.parser.error(one_line(f"cannot write {e.filename or 'an output file'}: {e.strerror or e}; the images "
+                                   "finished before it are kept (the same command resumes)"))
     except KeyboardInterrupt as e:
         remove_empty_folders(created)
         written, terminated = getattr(e, "written", 0), isinstance(e, Terminated) or getattr(e, "terminated", False)
         what = "terminated (SIGTERM)" if terminated else "interrupted"
         if not out_dir.exists():
             kept = f"nothing was written (the empty folder {out_dir} is removed)"
-        else:
+        elif args.resume:
             kept = f"{written} image(s) finished by this run are kept in {out_dir} (the same command resumes)"
+        else:  # the same command renders every prompt again; without --no-resume, others' settings may refuse it
+            kept = (f"{written} image(s) finished by this run are kept in {out_dir} (with --no-resume a rerun "
+                    "renders every prompt again)")
         print(f"{prefix}{what}; {kept}", file=sys.stderr, flush=True)
         return TERMINATED if terminated else INTERRUPTED
     if uncached is not None:

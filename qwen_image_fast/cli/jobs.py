@@ -55,6 +55,7 @@ class Defaults:
     mask: InputImage | None = None
     strength: float | None = None
     text_size: tuple[int, int] | None = None
+    negative_prompt_given: bool = False  # --negative-prompt on the command line (else the default one)
 
 
 @dataclass(frozen=True)
@@ -84,18 +85,28 @@ def read_prompt_file(path: str | Path) -> list[dict]:
     lines and lines starting with # skipped) -> entries {"line": n, "prompt": ..., ...}. ValueError names the line."""
     path = Path(path)
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
+        lines = path.read_text(encoding="utf-8-sig").splitlines()  # -sig: a byte-order mark is not the prompt's
     except (OSError, UnicodeDecodeError) as e:
         raise ValueError(f"--prompts {path}: cannot read it ({e})") from e
+    jsonl = path.suffix.lower() == ".jsonl"
     entries = []
     for number, line in enumerate(lines, start=1):
-        if not line.strip() or (path.suffix != ".jsonl" and line.lstrip().startswith("#")):
+        if not line.strip() or (not jsonl and line.lstrip().startswith("#")):
             continue
-        entries.append(parse_jsonl_line(path, number, line) if path.suffix == ".jsonl" else
-                       {"line": number, "prompt": line.strip()})
+        if not jsonl and looks_like_json_object(line):
+            raise ValueError(f"--prompts {path}, line {number}: a JSON object in a text prompt file, which would be "
+                             "taken as the prompt itself: name the file .jsonl to read its fields")
+        entries.append(parse_jsonl_line(path, number, line) if jsonl else {"line": number, "prompt": line.strip()})
     if not entries:
         raise ValueError(f"--prompts {path}: no prompts in it (blank lines and # comments are skipped)")
     return entries
+
+
+def looks_like_json_object(line: str) -> bool:
+    try:
+        return isinstance(json.loads(line), dict)
+    except json.JSONDecodeError:
+        return False
 
 
 def command_line_entries(prompts: list[str]) -> list[dict]:
@@ -130,6 +141,9 @@ def parse_jsonl_line(path: Path, number: int, line: str) -> dict:
     for name in ("width", "height"):
         if name in entry and (entry[name] < 16 or entry[name] % 16):
             raise bad(f'"{name}" must be a positive multiple of 16, got {entry[name]}')
+    if ("width" in entry) != ("height" in entry):  # as --width and --height on the command line
+        raise bad(f'"{"width" if "width" in entry else "height"}" without "{"height" if "width" in entry else "width"}"'
+                  ': give both, or neither (the default size)')
     if "steps" in entry and entry["steps"] < MIN_STEPS:
         raise bad(f'"steps" must be >= {MIN_STEPS}, got {entry["steps"]}')
     if "seed" in entry and not 0 <= entry["seed"] <= MAX_SEED:
@@ -148,9 +162,9 @@ def parse_jsonl_line(path: Path, number: int, line: str) -> dict:
         raise bad(f'"strength" must be a number in (0, 1], got {entry["strength"]!r}')
     if "id" in entry:
         entry["id"] = str(entry["id"])
-        if not entry["id"] or not set(entry["id"]) <= ID_CHARACTERS:
-            raise bad(f'"id" {entry["id"]!r} must be non-empty and use only letters, digits, ".", "_", "-" '
-                      "(it names the file)")
+        if not entry["id"] or not set(entry["id"]) <= ID_CHARACTERS or entry["id"].startswith("."):
+            raise bad(f'"id" {entry["id"]!r} must be non-empty, use only letters, digits, ".", "_", "-" and not '
+                      "start with \".\" (it names the file; hidden names are the tool's temporary files)")
     return {"line": number, **entry}
 
 
@@ -175,6 +189,9 @@ def make_jobs(entries: list[dict], defaults: Defaults) -> list[Job]:
                   else defaults.images)
         mask = input_image(entry["mask"], f"{where}: mask") if "mask" in entry else defaults.mask
         cfg = float(entry.get("cfg", defaults.cfg))
+        if "negative_prompt" in entry and cfg <= 1:
+            raise ValueError(f"{where}: a negative_prompt with cfg {cfg:g}, which runs no classifier-free guidance "
+                             "(the negative prompt would be unused): give a cfg > 1, or no negative_prompt")
         width, height = entry.get("width", defaults.width), entry.get("height", defaults.height)
         if width is None and not images and defaults.text_size is not None:
             width, height = defaults.text_size
@@ -202,6 +219,10 @@ def make_jobs(entries: list[dict], defaults: Defaults) -> list[Job]:
                              "ids or seeds")
         seen[job.stem] = where
         jobs.append(job)
+    if defaults.negative_prompt_given and jobs and all(job.cfg <= 1 for job in jobs):
+        raise ValueError(f"--negative-prompt given, but every prompt runs with cfg <= 1 ({jobs[0].cfg:g}): no "
+                         "classifier-free guidance, the negative prompt would be unused; give --cfg > 1, or leave "
+                         "--negative-prompt out")
     return jobs
 
 
@@ -246,7 +267,8 @@ def render_defaults(args, tiny: bool, pipeline: str = "QwenImagePipeline") -> De
            else REAL_CFG)
     images = tuple(read_input_image(path, "--image") for path in args.image)
     mask = read_input_image(args.mask, "--mask") if args.mask is not None else None
-    return Defaults(negative_prompt=args.negative_prompt, seed=args.seed, width=width, height=height, steps=steps,
+    negative = args.negative_prompt if args.negative_prompt is not None else NEGATIVE_PROMPT
+    return Defaults(negative_prompt=negative, negative_prompt_given=args.negative_prompt is not None, seed=args.seed, width=width, height=height, steps=steps,
                     cfg=cfg, images=images, mask=mask, strength=args.strength, text_size=text_size)
 
 

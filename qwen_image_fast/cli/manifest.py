@@ -40,18 +40,28 @@ def append_line(path: Path, record: dict):
         os.fsync(f.fileno())
 
 
+def read_lines(path: Path) -> list[dict]:
+    """A manifest file's lines that name a file and a time; unreadable ones skipped (a kill mid-append can cut the
+    last one, inside a character too); [] when there is no such file."""
+    if not path.exists():
+        return []
+    lines = []
+    for line in path.read_bytes().splitlines():
+        try:
+            record = json.loads(line.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            continue
+        if isinstance(record, dict) and "file" in record and "time" in record:
+            lines.append(record)
+    return lines
+
+
 def read_records(out_dir: Path) -> dict[str, dict]:
     """{file name: its latest manifest line} over manifest.jsonl and the rank shards; unreadable lines skipped."""
     records = {}
     for path in [out_dir / MANIFEST, *sorted(out_dir.glob("manifest.rank*.jsonl"))]:
-        if not path.exists():
-            continue
-        for line in path.read_text(encoding="utf-8").splitlines():
-            try:
-                record = json.loads(line)
-                name, when = record["file"], record["time"]
-            except (json.JSONDecodeError, TypeError, KeyError):
-                continue
+        for record in read_lines(path):
+            name, when = record["file"], record["time"]
             if name not in records or when >= records[name]["time"]:
                 records[name] = record
     return records
@@ -89,12 +99,12 @@ def content_identity(key: str, value):
 
 
 def differing_settings(job: Job, recorded: dict, labels: Labels) -> list[str]:
-    """The settings of `job` that `recorded` (a manifest line or embedded settings) does not have. `loras` and
-    `options` are compared whenever either side has them (images made without, or before the setting existed,
-    record none); LoRAs, input images and masks by content (sha256), not by where their files are."""
+    """The settings of `job` that `recorded` (a manifest line or embedded settings) does not have. The ones by
+    content (LoRAs, input images, masks: sha256, not where their files are) are compared whenever either side has
+    them: an image made with an input image is not a text-only job's, nor one made without it an edit's."""
     wanted = settings_of(job, labels)
     differing = [key for key, value in wanted.items() if key not in BY_CONTENT and recorded.get(key) != value]
-    differing += [key for key in BY_CONTENT if (key in wanted or key in ("loras", "options"))
+    differing += [key for key in BY_CONTENT if (key in wanted or key in recorded)
                   and content_identity(key, wanted.get(key)) != content_identity(key, recorded.get(key))]
     return differing
 

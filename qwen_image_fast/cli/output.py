@@ -136,7 +136,7 @@ def remove_empty_folders(folders: list[Path]):
             return
 
 
-def prepare_out_dir(out_dir: str | Path) -> Path:
+def prepare_out_dir(out_dir: str | Path, option: str = "--out") -> Path:
     out_dir = Path(out_dir)
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -144,5 +144,5 @@ def prepare_out_dir(out_dir: str | Path) -> Path:
         probe.write_bytes(b"")
         probe.unlink()
     except OSError as e:
-        raise ValueError(f"--out {out_dir}: not a writable folder ({e.strerror or e})") from e
+        raise ValueError(f"{option} {out_dir}: not a writable folder ({e.strerror or e})") from e
     return out_dir

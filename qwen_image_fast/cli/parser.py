@@ -7,7 +7,7 @@ from ..pipelines.qwen_image.config import (ATTENTION_BACKENDS, FP8_ATTENTION, PA
                                          FastConfig)
 from ..pipelines.qwen_image.optimizations import REGISTRY
 from .devices import FAST_PIPELINE_GIB, LOW_MEMORY_GIB
-from .jobs import (ASPECTS, LIGHTNING_CFG, LIGHTNING_STEPS, MAX_SEED, MIN_STEPS, NEGATIVE_PROMPT, QWEN21_CFG,
+from .jobs import (ASPECTS, LIGHTNING_CFG, LIGHTNING_STEPS, MAX_SEED, MIN_STEPS, QWEN21_CFG,
                    QWEN21_STEPS, REAL_CFG, REAL_STEPS, TINY_STEPS)
 from .loras import lora_argument
 from .models import DEFAULT_ENHANCER_ID, REAL_MODEL_ID, STOCK_PRESET, TINY_ENHANCER_ID, TINY_MODEL_ID
@@ -185,7 +185,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--strength", type=strength_argument, metavar="S",
         help="img2img / inpainting: how much of the input image is re-noised, in (0, 1] (default: the pipeline's); "
              "JSONL key strength")
-    add("--negative-prompt", default=NEGATIVE_PROMPT, help="default: Qwen-Image-2512's recommended one")
+    add("--negative-prompt", default=None, help="with cfg > 1 (default: Qwen-Image-2512's recommended one); "
+        "refused where no prompt runs with CFG")
     add("--seed", type=int_at_least(0, maximum=MAX_SEED), default=0,
         help="base seed, 0..2**64-1: prompt i gets seed+i (seed+crc32(id) with a JSONL id) unless its line gives one")
     add("--batch-size", type=int_at_least(1), default=1, help="prompts per pipeline call")

@@ -17,7 +17,7 @@ from tqdm import tqdm
 from .inputs import image_mode
 from .jobs import Job
 from .manifest import (MANIFEST, append_line, drop_partial_last_line, is_done, manifest_path, merge_manifests,
-                       read_records)
+                       read_lines, read_records)
 from .models import Labels
 from .output import image_settings, remove_stale_temp_files, save_image, settings_of
 
@@ -164,6 +164,7 @@ def render_jobs(load_pipe: Callable, jobs: list[Job], out_dir: Path, labels: Lab
     prefix = f"rank {rank}: " if world_size > 1 else ""
     ahead = labels.enhancer is None and getattr(pipe, "text_encoder_takes_turns", False)
     encoded, encoded_until = {}, 0
+    started = time.time()  # the manifest lines from here on are this run's
 
     try:
         with tqdm(total=len(pending), desc=f"{prefix}images", unit="img", position=0) as images_bar, \
@@ -212,9 +213,13 @@ def render_jobs(load_pipe: Callable, jobs: list[Job], out_dir: Path, labels: Lab
                 summary.enhance_seconds += enhance_seconds
                 summary.seconds += time.perf_counter() - start
     except KeyboardInterrupt as e:
-        if summary.written:
+        # a signal between a manifest line's append and the count: the lines this run appended say what it finished
+        written = summary.written
+        if leader:
+            written = max(written, sum(1 for line in read_lines(shard_path) if line.get("time", 0) >= started))
+        if written:
             merge_manifests(out_dir)
-        raise Interrupted(summary.written, terminated=isinstance(e, Terminated)) from None
+        raise Interrupted(written, terminated=isinstance(e, Terminated)) from None
     if leader:
         merge_manifests(out_dir)
     return summary

@@ -126,7 +126,20 @@ BAD_INPUT = {
     "jsonl-seed": (jsonl(f'{{"prompt": "a cat", "seed": {2**64}}}'), f'line 1: "seed" must be in 0..{2**64 - 1}'),
     "jsonl-derived-seed": (lambda tmp: ["--seed", str(2**64 - 1), *jsonl('{"prompt": "a cat", "id": "cat"}')(tmp)],
                            "line 1: its seed"),
+    "jsonl-width-alone": (jsonl('{"prompt": "a cat", "width": 64}'),
+                          'line 1: "width" without "height": give both, or neither'),
+    "jsonl-hidden-id": (jsonl('{"prompt": "a cat", "id": ".tmp-00000"}'), "and not start with \".\""),
+    "jsonl-negative-without-cfg": (jsonl('{"prompt": "a cat", "cfg": 1, "negative_prompt": "blurry"}'),
+                                   "line 1: a negative_prompt with cfg 1, which runs no classifier-free guidance"),
+    "negative-without-cfg": (lambda tmp: ["--cfg", "1", "--negative-prompt", "blurry", "a cat"],
+                             "--negative-prompt given, but every prompt runs with cfg <= 1 (1)"),
+    "json-in-a-text-file": (lambda tmp: ["--prompts", str(write_lines(tmp / "p.JSONL.txt", ['{"prompt": "a"}']))],
+                            "line 1: a JSON object in a text prompt file"),
     "unwritable-out": (unwritable_out, "not a writable folder"),
+    "unwritable-compare-uncached": (lambda tmp: ["--preset", "fast", "--cache", "every:2,1,0", "--out",
+                                                 str(tmp / "new" / "o"), "--compare-uncached",
+                                                 str(unwritable_out(tmp)[1]), "a cat"],
+                                    "--compare-uncached {tmp}/a_file/images: not a writable folder"),
     "no-prompt": (lambda tmp: [], "no prompts"),
     "baseline-scheduler": (lambda tmp: ["--scheduler", "unipc", "a cat"],
                            "--preset baseline runs the stock diffusers pipeline"),
@@ -207,8 +220,8 @@ def test_bad_input_exits_2_with_one_line_and_leaves_no_folder(make_args, message
     err = capsys.readouterr().err
     usage, error = err.splitlines()  # argparse's one usage line, then one line saying what is wrong
     assert usage.startswith("usage: qwen-image-fast render") and error.startswith("qwen-image-fast render: error: ")
-    assert message.format(model=tmp_path / "model") in error
-    assert not (tmp_path / "out").exists()
+    assert message.format(model=tmp_path / "model", tmp=tmp_path) in error
+    assert not (tmp_path / "out").exists() and not (tmp_path / "new").exists()
 
 
 def test_help_imports_neither_torch_nor_diffusers_nor_the_model_code():

@@ -73,10 +73,12 @@ def test_resume_renders_only_what_is_missing(tmp_path, capsys):
     args = ["render", *BASELINE, "--out", str(tmp_path), "a cat", "a dog", "a cow"]
     assert main(args) == 0
     kept = {name: (tmp_path / name).stat().st_mtime_ns for name in ("00000-0.png", "00002-2.png")}
-    # As after a kill: one image gone, its manifest line gone, a half-written line and a stale temporary file.
+    # As after a kill: one image gone, its manifest line gone, a half-written line (cut inside a character of the
+    # default negative prompt's UTF-8) and a stale temporary file.
     (tmp_path / "00001-1.png").unlink()
-    lines = (tmp_path / "manifest.jsonl").read_text().splitlines()
-    (tmp_path / "manifest.jsonl").write_text(lines[0] + "\n" + lines[2] + "\n" + lines[1][:40])
+    lines = (tmp_path / "manifest.jsonl").read_bytes().splitlines()
+    cut = next(i for i, byte in enumerate(lines[1]) if byte >= 0x80) + 1  # one byte of a multi-byte character
+    (tmp_path / "manifest.jsonl").write_bytes(lines[0] + b"\n" + lines[2] + b"\n" + lines[1][:cut])
     (tmp_path / ".tmp-00001-1.png").write_bytes(b"\x89PNG half")
     capsys.readouterr()
 
@@ -180,3 +182,27 @@ def test_ctrl_c_before_the_first_image_removes_the_new_folder_and_says_so(tmp_pa
     assert process.returncode == status and "Traceback" not in err
     assert err.splitlines()[-1] == f"{said}; nothing was written (the empty folder {out_dir} is removed)"
     assert not (tmp_path / "new").exists()
+
+
+def test_an_image_made_from_an_input_image_is_not_a_text_only_jobs(tmp_path):
+    """Resume compares input images whichever side has them: an image conditioned on one is not what a text-only
+    job of the same prompt and seed makes (Qwen-Image-2.1 runs both), nor the other way round."""
+    from dataclasses import replace
+
+    from PIL import Image
+
+    from qwen_image_fast.cli.inputs import read_input_image
+    from qwen_image_fast.cli.jobs import Defaults, make_jobs
+    from qwen_image_fast.cli.manifest import differing_settings
+    from qwen_image_fast.cli.models import labels_for
+    from qwen_image_fast.cli.output import settings_of
+    from qwen_image_fast.pipelines.qwen_image.config import FastConfig
+
+    Image.new("RGBA", (8, 8)).save(tmp_path / "a.png")
+    defaults = Defaults(negative_prompt="", seed=0, width=16, height=16, steps=2, cfg=4.0)
+    text = make_jobs([{"prompt": "a"}], defaults)[0]
+    edit = make_jobs([{"prompt": "a"}], replace(defaults, images=(read_input_image(str(tmp_path / "a.png"), "x"),)))[0]
+    labels = labels_for("tiny-random", "baseline", FastConfig())
+    assert "images" in differing_settings(text, settings_of(edit, labels), labels)
+    assert "images" in differing_settings(edit, settings_of(text, labels), labels)
+    assert differing_settings(text, settings_of(text, labels), labels) == []
