@@ -3,7 +3,7 @@ import torch
 from helpers import DEVICES, FP32_TOL, assert_close, assert_matches_ref
 
 from qwen_image_fast.kernels import fp8
-from qwen_image_fast.kernels._utils import FP8_DTYPE, FP8_MAX
+from qwen_image_fast.kernels._utils import FP8_AMAX_EPS, FP8_DTYPE, FP8_MAX
 from qwen_image_fast.kernels.fp8 import (
     FAST_ACCUM_MIN_ROWS,
     dequantize_fp8_rowwise,
@@ -38,7 +38,11 @@ def test_ref_zero_row_has_finite_scale():
 @pytest.mark.parametrize("shape", [(1, 48), (7, 123), (3, 3072)])
 def test_quantize_kernel_matches_ref(device, dtype, shape):
     x = (torch.randn(shape, device=device) * 3).to(dtype)
+    if shape[0] > 1:
+        x[-1] = 0  # an all-zero row (a padded token's): scale FP8_AMAX_EPS / 448, codes 0, no NaN
     q, s = quantize_fp8_rowwise(x, torch.float32)
+    if shape[0] > 1:
+        assert torch.allclose(s[-1], torch.tensor(FP8_AMAX_EPS / FP8_MAX), rtol=1e-6) and q[-1].eq(0).all(), s[-1]
     q_ref, s_ref = quantize_fp8_rowwise_ref(x, torch.float32)
     # a row maximum, two IEEE divisions and one product per element: bit-equal on every device and dtype
     assert torch.equal(s, s_ref), "scale"

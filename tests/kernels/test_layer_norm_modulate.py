@@ -29,6 +29,7 @@ def tiny_block(dtype):
 
 def make_inputs(b, l, d, g, dtype, device):
     x = (torch.randn(b, l, d, device=device) * 2 + 0.5).to(dtype)
+    x[0, -1] = 0  # a zero row (a padded token's): variance 0, 0 / sqrt(0 + eps) (without eps, NaN)
     mod = (torch.randn(g, 6 * d, device=device) * 0.5).to(dtype)  # [G, 6D] like img_mod's output
     shift, scale = mod[:, :d], mod[:, d : 2 * d]  # strided views, as the transformer passes them
     return x, shift, scale

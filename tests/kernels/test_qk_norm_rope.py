@@ -22,9 +22,9 @@ def _seed():
 
 
 def rope_tables(b, s, r, dtype, device):
-    """Random angles -> cos, sin [B, S, R] in dtype, duplicated halves like Qwen3.5's tables."""
-    angles = torch.rand(b, s, r // 2, device=device) * 6.0
-    angles = torch.cat((angles, angles), dim=-1)
+    """Random angles -> cos, sin [B, S, R] in dtype. Each half its own angles: Qwen3.5's tables repeat theirs, but
+    the kernel takes any table, and a kernel reading one half for the other must show here."""
+    angles = torch.rand(b, s, r, device=device) * 6.0
     return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
