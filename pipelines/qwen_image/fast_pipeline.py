@@ -81,6 +81,18 @@ def check_replacement(built: FastConfig, config: FastConfig, pipeline: str, imag
         raise ValueError(image_conditioned_refusal(pipeline, [opt.field for opt in refused]))
 
 
+def check_given_fast_transformer(transformer, config: FastConfig):
+    """ValueError unless a pipeline built around a fast transformer already asks for what it stores (its weights
+    are as they were converted: fused, FP8 or not, which linears kept in BF16)."""
+    stored = transformer.fast_config
+    if not config.fused_transformer or (stored.fp8, stored.bf16_linears) != (config.fp8, config.bf16_linears):
+        raise ValueError(
+            f"the pipeline's transformer is a {type(transformer).__name__} (fp8={stored.fp8}, bf16_linears="
+            f"{list(stored.bf16_linears)}) but fast_config asks for fused_transformer={config.fused_transformer}, "
+            f"fp8={config.fp8}, bf16_linears={list(config.bf16_linears)}: pass a FastConfig that matches it, or "
+            "build the pipeline from the stock transformer")
+
+
 def init_arguments(pipe) -> dict:
     """What rebuilds `pipe` with its class's constructor: its components and the optional parameters it was built
     with (diffusers' `components` leaves those out: QwenImage21Pipeline's sample_sigmas, the checkpoint's grid)."""
@@ -293,13 +305,7 @@ class FastPipelineMixin(FastLoraPipeline, FastCheckpointPipeline):
             refuse_text_to_image_only(config, self.stock_class.__name__)
         transformer = self.transformer  # None: a pipeline built without one (e.g. to encode prompts only)
         if isinstance(transformer, FastQwenImageTransformer):
-            stored = transformer.fast_config
-            if not config.fused_transformer or (stored.fp8, stored.bf16_linears) != (config.fp8, config.bf16_linears):
-                raise ValueError(
-                    f"the pipeline's transformer is a FastQwenImageTransformer (fp8={stored.fp8}, bf16_linears="
-                    f"{list(stored.bf16_linears)}) but fast_config asks for fused_transformer={config.fused_transformer}"
-                    f", fp8={config.fp8}, bf16_linears={list(config.bf16_linears)}: pass a FastConfig that matches "
-                    "it, or build the pipeline from the stock transformer")
+            check_given_fast_transformer(transformer, config)
         elif config.fused_transformer and transformer is not None:
             self.register_modules(transformer=fast_transformer(
                 transformer, config, device, modulation_device="cpu" if config.memory == "low" else None))

@@ -14,8 +14,8 @@ import torch
 from diffusers import QwenImage21Pipeline
 
 from ..qwen_image.config import FastConfig
-from ..qwen_image.fast_pipeline import (FastCheckpointPipeline, FastLoraPipeline, check_replacement,
-                                        refuse_text_to_image_only, transformer_config_on)
+from ..qwen_image.fast_pipeline import (FastCheckpointPipeline, FastLoraPipeline, check_given_fast_transformer,
+                                        check_replacement, refuse_text_to_image_only, transformer_config_on)
 from ..qwen_image.optimizations import QWEN21_VAE, CallRecord, Facts, planned_labels, plans, step_cache_conflict
 from ..qwen_image.runtime.context import forward_context
 from ..qwen_image.runtime.offload import has_offload_hooks
@@ -51,12 +51,7 @@ class FastQwenImage21Pipeline(FastLoraPipeline, FastCheckpointPipeline, QwenImag
         refuse_2512_only(config, type(self).__name__)
         transformer = self.transformer
         if isinstance(transformer, FastQwenImage21Transformer):
-            stored = transformer.fast_config
-            if not config.fused_transformer or stored.fp8 != config.fp8:
-                raise ValueError(
-                    f"the pipeline's transformer is a FastQwenImage21Transformer (fp8={stored.fp8}) but fast_config "
-                    f"asks for fused_transformer={config.fused_transformer}, fp8={config.fp8}: pass a FastConfig "
-                    "that matches it, or build the pipeline from the stock transformer")
+            check_given_fast_transformer(transformer, config)
         elif config.fused_transformer and transformer is not None:
             device = torch.device(device) if device is not None else transformer.device
             self.register_modules(transformer=FastQwenImage21Transformer.from_diffusers(

@@ -268,8 +268,9 @@ def render_defaults(args, tiny: bool, pipeline: str = "QwenImagePipeline") -> De
     images = tuple(read_input_image(path, "--image") for path in args.image)
     mask = read_input_image(args.mask, "--mask") if args.mask is not None else None
     negative = args.negative_prompt if args.negative_prompt is not None else NEGATIVE_PROMPT
-    return Defaults(negative_prompt=negative, negative_prompt_given=args.negative_prompt is not None, seed=args.seed, width=width, height=height, steps=steps,
-                    cfg=cfg, images=images, mask=mask, strength=args.strength, text_size=text_size)
+    return Defaults(negative_prompt=negative, negative_prompt_given=args.negative_prompt is not None, seed=args.seed,
+                    width=width, height=height, steps=steps, cfg=cfg, images=images, mask=mask,
+                    strength=args.strength, text_size=text_size)
 
 
 def shard(jobs: list[Job], rank: int, world_size: int) -> list[Job]:

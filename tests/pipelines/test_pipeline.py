@@ -436,6 +436,19 @@ def test_saved_folder_loads_with_the_options_it_was_saved_with(tmp_path, vae_2d_
     assert (type(loaded.vae).__name__ == "FastAutoencoderKLQwenImage") == vae_2d_decode
 
 
+def test_a_fast_transformer_given_must_match_the_config():
+    """A pipeline built around a fast transformer already: a fast_config asking for the stock transformer, other
+    GEMMs or other BF16 linears than it stores is refused (pipelines/qwen_image21 shares the check); a matching one
+    takes the transformer as it is."""
+    parts = fast_pipeline(EXACT).components  # a FastQwenImageTransformer with fp8=False
+    stored = r"FastQwenImageTransformer \(fp8=False, bf16_linears=\[\]\)"
+    for config, match in (("baseline", "fused_transformer=False"), (FastConfig(), "fp8=True"),
+                          (EXACT.replace(bf16_linears=("img_fc2",)), r"bf16_linears=\['img_fc2'\]")):
+        with pytest.raises(ValueError, match=f"{stored}.+{match}"):
+            QwenImageFastPipeline(**parts, fast_config=config)
+    assert QwenImageFastPipeline(**parts, fast_config=EXACT).transformer is parts["transformer"]
+
+
 def test_cast_to_bf16_after_optimize_keeps_fp8_and_runs():
     fast = fast_pipeline(FastConfig())
     fp8 = {k: v.clone() for k, v in fast.transformer.state_dict().items() if k.endswith(("weight_q", "weight_scale"))}

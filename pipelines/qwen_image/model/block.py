@@ -174,7 +174,8 @@ class JointInputs:
         scratch = graphs.block_buffers("qkv", {"qkv": self.qkv} | ({} if self.qkv8 is None else {"qkv8": self.qkv8}),
                                        fill=False)
         mask = None if self.mask is None else TextMask.of(shared["seqused_k"], shared["key_mask"])
-        return replace(self, mask=mask, qkv=scratch["qkv"], qkv8=scratch.get("qkv8"), graph_key=(id(shared), id(scratch)),
+        return replace(self, mask=mask, qkv=scratch["qkv"], qkv8=scratch.get("qkv8"),
+                       graph_key=(id(shared), id(scratch)),
                        **{name: shared.get(name) for name in ("img_freqs", "txt_freqs", "silu_temb", "silu_temb_t",
                                                              "mod_row", "valid_keys")})
 
