@@ -26,6 +26,7 @@ import torch
 
 from ....kernels.taylor_factors import taylor_factors_update
 
+
 @dataclass(frozen=True)
 class TaylorSeerRule:
     """The settings of a TaylorSeerCacheConfig this module runs (its default pattern: every attention module)."""
@@ -131,7 +132,8 @@ class BlockCache:
         if stack is None:  # the first update (orders 0), eager: a graph captures the variant at a later use
             stack = torch.empty((self.slots, *out.shape), dtype=self.factors_dtype or out.dtype, device=out.device)
             self.factors.tensors[(self.index, stream)] = stack
-        taylor_factors_update(out, stack, self.orders, self.scalars)  # the orders the last update left, up to max_order
+        # self.orders: the orders the last update left, up to max_order
+        taylor_factors_update(out, stack, self.orders, self.scalars)
 
 
 class TaylorSeerRun:
