@@ -64,6 +64,28 @@ def rows_launch(n_rows: int, n_cols: int) -> tuple[tuple[int], dict]:
     return (triton.cdiv(n_rows, block_m),), dict(settings, BLOCK_M=block_m)
 
 
+MAX_CHUNKS = 4  # the chunked row kernels unroll this many [BLOCK_M, CHUNK] tiles at most
+CHUNKED_MIN_COLS = 8192  # rows wider than this are held as chunks; narrower ones as one power-of-two tile
+
+
+def chunked_rows_launch(n_rows: int, n_cols: int) -> tuple[tuple[int], dict]:
+    """Grid and settings for kernels that hold whole rows in registers as NUM_CHUNKS [BLOCK_M, CHUNK] tiles (columns
+    c * CHUNK + arange(CHUNK), see chunk_cols). Up to CHUNKED_MIN_COLS: one tile, as rows_launch. Wider: one row a
+    program in the power-of-two chunks that cover it with the least padding (then the smallest chunk), 8 warps a
+    4096 chunk. 12288, the MLP hidden of the 2512 DiT, Qwen-Image-2.1 and Qwen3.5-9B, is 3 x 4096 instead of a
+    16384 tile whose masked quarter still runs every instruction: the activation + FP8 kernels at that width are
+    bound by their arithmetic nearly as much as by their bytes."""
+    if n_cols <= CHUNKED_MIN_COLS:
+        grid, settings = rows_launch(n_rows, n_cols)
+        return grid, dict(BLOCK_M=settings["BLOCK_M"], CHUNK=settings["BLOCK_N"], NUM_CHUNKS=1,
+                          num_warps=settings["num_warps"])
+    chunk, num_chunks = min(((triton.next_power_of_2(triton.cdiv(n_cols, c)), c) for c in range(1, MAX_CHUNKS + 1)),
+                            key=lambda split: (split[0] * split[1], split[0]))  # least padding, then smallest chunk
+    block_m = 1 << max(0, (TILE_ELEMENTS // (chunk * num_chunks)).bit_length() - 1)  # 1 on a GPU
+    return (triton.cdiv(n_rows, block_m),), dict(BLOCK_M=block_m, CHUNK=chunk, NUM_CHUNKS=num_chunks,
+                                                 num_warps=min(16, max(4, chunk // 512)))
+
+
 def head_block(n_heads: int) -> int:
     """Heads per program for kernels over [BLOCK_H, D] head tiles: 8 heads of 128 dims keep a program's loads wide
     on Hopper."""
@@ -84,6 +106,13 @@ def tile_rows(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
     return rows, cols, (rows[:, None] < M) & (cols[None, :] < N)
+
+
+@triton.jit
+def chunk_cols(rows, M, N, c: tl.constexpr, CHUNK: tl.constexpr):
+    """Columns [CHUNK] of chunk c of the rows [BLOCK_M] (chunked_rows_launch) and its [BLOCK_M, CHUNK] mask."""
+    cols = c * CHUNK + tl.arange(0, CHUNK)
+    return cols, (rows[:, None] < M) & (cols[None, :] < N)
 
 
 # The interpreter runs no PTX: round_to's integer form there.

@@ -16,7 +16,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import FLOAT_DTYPES, FP8_AMAX_EPS, FP8_DTYPE, FP8_MAX, check_tensor, new_output, rows_launch, tile_rows
+from ._utils import (
+    FLOAT_DTYPES, FP8_AMAX_EPS, FP8_DTYPE, FP8_MAX, check_tensor, chunk_cols, new_output, rows_launch, tile_rows,
+)
 
 Q_DTYPES = (FP8_DTYPE, torch.float32)
 
@@ -29,11 +31,32 @@ _FP8_AMAX_EPS = tl.constexpr(FP8_AMAX_EPS)
 @triton.jit
 def fp8_quantize_rows(y):
     """y: [BLOCK_M, BLOCK_N] fp32 with masked lanes = 0. Returns (clamped y / scale, scale [BLOCK_M])."""
-    amax = tl.maximum(tl.max(tl.abs(y), axis=1), _FP8_AMAX_EPS)
+    inv, scale = fp8_row_scales(tl.max(tl.abs(y), axis=1))
+    return fp8_apply_scale(y, inv), scale
+
+
+@triton.jit
+def fp8_row_scales(amax):
+    """amax: [BLOCK_M] of |y| over whole rows. Returns (448 / a, a / 448) for a = max(amax, eps): what y is
+    multiplied by before the cast, and the scale the GEMM takes. Rows held in chunks reduce their amax over the
+    chunks first (tl.maximum of each chunk's), then scale each chunk with fp8_apply_scale."""
+    amax = tl.maximum(amax, _FP8_AMAX_EPS)
     fp8_max = _FP8_MAX + 0.0 * amax  # [BLOCK_M]
     # IEEE divisions, as the reference's tensor / tensor (Triton's `/` is div.full.f32 on NVIDIA GPUs, 2 ulp)
-    inv = tl.div_rn(fp8_max, amax)
-    return tl.clamp(y * inv[:, None], -_FP8_MAX, _FP8_MAX), tl.div_rn(amax, fp8_max)
+    return tl.div_rn(fp8_max, amax), tl.div_rn(amax, fp8_max)
+
+
+@triton.jit
+def fp8_apply_scale(y, inv):
+    """y: [BLOCK_M, BLOCK_N] fp32, inv [BLOCK_M] from fp8_row_scales -> the clamped values the e4m3 cast takes."""
+    return tl.clamp(y * inv[:, None], -_FP8_MAX, _FP8_MAX)
+
+
+@triton.jit
+def fp8_store_chunk(Q, rows, M, N, c: tl.constexpr, CHUNK: tl.constexpr, y, inv):
+    """Stores chunk c (chunk_cols) of rows [BLOCK_M] of a row-major [M, N] Q: y [BLOCK_M, CHUNK] scaled by inv."""
+    cols, mask = chunk_cols(rows, M, N, c, CHUNK)
+    tl.store(Q + rows[:, None] * N + cols[None, :], fp8_apply_scale(y, inv).to(Q.dtype.element_ty), mask=mask)
 
 
 @triton.jit

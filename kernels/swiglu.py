@@ -12,8 +12,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import FLOAT_DTYPES, FP8_DTYPE, TILE_ELEMENTS, check_tensor, new_output, round_to, rows_launch, tile_rows
-from .fp8 import check_q_dtype, fp8_quantize_rows, quantize_fp8_rowwise_ref
+from ._utils import (
+    FLOAT_DTYPES, FP8_DTYPE, TILE_ELEMENTS, check_tensor, chunk_cols, chunked_rows_launch, new_output, round_to,
+)
+from .fp8 import check_q_dtype, fp8_row_scales, fp8_store_chunk, quantize_fp8_rowwise_ref
 
 
 @triton.jit
@@ -39,13 +41,39 @@ def _silu_mul_kernel(
 
 
 @triton.jit
-def _silu_mul_fp8_kernel(GU, Q, S, stride_gu, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    rows, cols, mask = tile_rows(M, N, BLOCK_M, BLOCK_N)  # whole rows: the quantization's amax is per row
+def _silu_mul_chunk(GU, rows, stride_gu, M, N, c: tl.constexpr, CHUNK: tl.constexpr):
+    """silu_mul of chunk c of the rows, fp32 [BLOCK_M, CHUNK] (masked lanes: silu(0) * 0 = 0)."""
+    cols, mask = chunk_cols(rows, M, N, c, CHUNK)
     gu_row = GU + rows[:, None] * stride_gu + cols[None, :]
     gate = tl.load(gu_row, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(gu_row + N, mask=mask, other=0.0).to(tl.float32)
-    q, scale = fp8_quantize_rows(silu_mul_tile(gate, up, GU.dtype.element_ty))  # masked lanes: silu(0) * 0 = 0
-    tl.store(Q + rows[:, None] * N + cols[None, :], q.to(Q.dtype.element_ty), mask=mask)
+    return silu_mul_tile(gate, up, GU.dtype.element_ty)
+
+
+@triton.jit
+def _silu_mul_fp8_kernel(GU, Q, S, stride_gu, M, N, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr,
+                         NUM_CHUNKS: tl.constexpr):
+    # whole rows in registers as NUM_CHUNKS tiles (chunked_rows_launch): the quantization's amax is per row
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    y0 = _silu_mul_chunk(GU, rows, stride_gu, M, N, 0, CHUNK)
+    amax = tl.max(tl.abs(y0), axis=1)
+    if NUM_CHUNKS > 1:
+        y1 = _silu_mul_chunk(GU, rows, stride_gu, M, N, 1, CHUNK)
+        amax = tl.maximum(amax, tl.max(tl.abs(y1), axis=1))
+    if NUM_CHUNKS > 2:
+        y2 = _silu_mul_chunk(GU, rows, stride_gu, M, N, 2, CHUNK)
+        amax = tl.maximum(amax, tl.max(tl.abs(y2), axis=1))
+    if NUM_CHUNKS > 3:
+        y3 = _silu_mul_chunk(GU, rows, stride_gu, M, N, 3, CHUNK)
+        amax = tl.maximum(amax, tl.max(tl.abs(y3), axis=1))
+    inv, scale = fp8_row_scales(amax)
+    fp8_store_chunk(Q, rows, M, N, 0, CHUNK, y0, inv)
+    if NUM_CHUNKS > 1:
+        fp8_store_chunk(Q, rows, M, N, 1, CHUNK, y1, inv)
+    if NUM_CHUNKS > 2:
+        fp8_store_chunk(Q, rows, M, N, 2, CHUNK, y2, inv)
+    if NUM_CHUNKS > 3:
+        fp8_store_chunk(Q, rows, M, N, 3, CHUNK, y3, inv)
     tl.store(S + rows, scale, mask=rows < M)
 
 
@@ -81,7 +109,7 @@ def silu_mul_fp8(gate_up: torch.Tensor, q_dtype=FP8_DTYPE) -> tuple[torch.Tensor
     q = new_output((m, n), q_dtype, gate_up.device)
     s = new_output((m, 1), torch.float32, gate_up.device)
     if m and n:
-        grid, settings = rows_launch(m, n)
+        grid, settings = chunked_rows_launch(m, n)
         _silu_mul_fp8_kernel[grid](GU=gu, Q=q, S=s, stride_gu=gu.stride(0), M=m, N=n, **settings)
     return q, s
 

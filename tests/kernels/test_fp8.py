@@ -1,9 +1,12 @@
 import pytest
 import torch
+import triton
 from helpers import DEVICES, FP32_TOL, assert_close, assert_matches_ref
 
 from qwen_image_fast.kernels import fp8
-from qwen_image_fast.kernels._utils import FP8_AMAX_EPS, FP8_DTYPE, FP8_MAX
+from qwen_image_fast.kernels._utils import (
+    CHUNKED_MIN_COLS, FP8_AMAX_EPS, FP8_DTYPE, FP8_MAX, MAX_CHUNKS, chunked_rows_launch,
+)
 from qwen_image_fast.kernels.fp8 import (
     FAST_ACCUM_MIN_ROWS,
     dequantize_fp8_rowwise,
@@ -208,3 +211,19 @@ def test_fp8_linear_validates():
         fp8_linear(torch.zeros(4, 32, dtype=torch.bfloat16), torch.ones(4, 1), w_q[:, :32], torch.ones(16))
     with pytest.raises(ValueError, match=r"^torch\._scaled_mm needs K and N divisible by 16, got K=40"):
         fp8_linear(torch.zeros(4, 40, dtype=FP8_DTYPE), torch.ones(4, 1), w_q[:, :40], torch.ones(16))
+
+
+@pytest.mark.parametrize("n_cols", [*range(1, 70000, 997), 3072, 8192, 8193, 12288, 16384, 24576, 65536])
+def test_chunked_rows_launch_covers_each_row_once(n_cols):
+    """Every column in exactly one chunk, no chunk wholly padding, at most MAX_CHUNKS, no more padding than one
+    power-of-two tile, and none at the MLP hidden width 12288 (3 x 4096)."""
+    grid, s = chunked_rows_launch(100, n_cols)
+    chunk, num_chunks, block_m = s["CHUNK"], s["NUM_CHUNKS"], s["BLOCK_M"]
+    assert chunk & (chunk - 1) == 0 and block_m & (block_m - 1) == 0 and 1 <= num_chunks <= MAX_CHUNKS
+    assert (num_chunks - 1) * chunk < n_cols <= num_chunks * chunk
+    assert num_chunks * chunk <= triton.next_power_of_2(n_cols)
+    assert grid == (triton.cdiv(100, block_m),)
+    if n_cols <= CHUNKED_MIN_COLS:
+        assert num_chunks == 1
+    if n_cols == 12288:
+        assert (chunk, num_chunks) == (4096, 3)

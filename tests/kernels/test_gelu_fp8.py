@@ -37,9 +37,11 @@ def test_ref_matches_diffusers_feedforward_activation(dtype):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("shape", [(1, 192), (5, 123), (2, 12288)])  # 12288: the DiT MLP hidden
-def test_kernel_matches_ref(device, dtype, shape):
-    h = (torch.randn(shape, device=device) * 3).to(dtype)
+# 12288: the DiT MLP hidden, 3 chunks of 4096; 9000: 3 chunks, the last ragged; 16000: 4, the last ragged
+@pytest.mark.parametrize("shape", [(1, 192), (5, 123), (2, 12288), (3, 9000), (2, 16000)])
+@pytest.mark.parametrize("strided", [False, True], ids=["packed", "strided"])
+def test_kernel_matches_ref(device, dtype, shape, strided):
+    h = (torch.randn(shape[0], shape[1] + (7 if strided else 0), device=device) * 3).to(dtype)[:, : shape[1]]
     q, s = gelu_fp8(h, torch.float32)
     q_ref, s_ref = gelu_fp8_ref(h, torch.float32)
     # Upstream's 0.5 h (1 + tanh(u)) cancels for negative h (1 + tanh(u) is 0.3 at h = -1, 0.04 at -2: its fp32
@@ -68,3 +70,16 @@ def test_large_inputs_stay_finite():
 def test_rejects_1d():
     with pytest.raises(ValueError, match="h must have 2 dims"):
         gelu_fp8(torch.randn(16))
+
+
+@pytest.mark.parametrize("n", [9000, 12288, 16000])
+def test_row_amax_spans_every_chunk(n):
+    """Row i's largest activation sits in chunk i (rows wider than 8192 run as up to four 4096-column chunks): a
+    scale taken from fewer chunks clips it."""
+    h = torch.randn(4, n)
+    for i, col in enumerate([5, 4100, 8200, n - 1]):
+        h[i, col] = 9.0
+    q, s = gelu_fp8(h, torch.float32)
+    q_ref, s_ref = gelu_fp8_ref(h, torch.float32)
+    assert_close(s, s_ref, 1e-6)
+    assert_close(q * s, q_ref * s_ref, 1e-5)

@@ -9,6 +9,7 @@ from diffusers.models.transformers.transformer_qwenimage21 import QwenImage21Swi
 from helpers import (
     DEVICES,
     DTYPES,
+    assert_close,
     assert_e4m3_codes_match,
     assert_fp8_precast_matches_ref,
     assert_matches_ref,
@@ -62,8 +63,10 @@ def test_fp8_ref_matches_qwen_image21_feedforward(dtype):
     assert torch.equal(q, q_ref) and torch.equal(s, s_ref)
 
 
-@pytest.mark.parametrize("lead, i, strided", [((1,), 37, False), ((5,), 123, True), ((2, 3), 1000, True)],
-                         ids=["M1-I37", "M5-I123-strided", "2x3-I1000-strided"])
+@pytest.mark.parametrize("lead, i, strided", [((1,), 37, False), ((5,), 123, True), ((2, 3), 1000, True),
+                                             ((3,), 9000, True), ((2,), 16000, False)],
+                         ids=["M1-I37", "M5-I123-strided", "2x3-I1000-strided", "M3-I9000-3chunks-strided",
+                              "M2-I16000-4chunks"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("device", DEVICES)
 def test_silu_mul_fp8_matches_ref(device, dtype, lead, i, strided):
@@ -119,3 +122,15 @@ def test_silu_mul_validation():
     with pytest.raises(ValueError, match="contiguous in its last dim"):
         silu_mul(torch.randn(8, 2).t())
     assert silu_mul(torch.randn(0, 8)).shape == (0, 4)
+
+
+@pytest.mark.parametrize("i", [9000, 12288, 16000])
+def test_silu_mul_fp8_row_amax_spans_every_chunk(i):
+    """Row r's largest product sits in chunk r (rows wider than 8192 run as up to four 4096-column chunks)."""
+    x = gate_up((4,), i, torch.float32, "cpu")
+    for r, col in enumerate([5, 4100, 8200, i - 1]):
+        x[r, col] = x[r, i + col] = 9.0
+    q, s = silu_mul_fp8(x, torch.float32)
+    q_ref, s_ref = silu_mul_fp8_ref(x, torch.float32)
+    assert_close(s, s_ref, 1e-6)
+    assert_close(q * s, q_ref * s_ref, 1e-5)
