@@ -5,7 +5,8 @@ torch.compile(reference), with the error vs the reference beside each timing.
 
 Shapes: DiT rows B=2 x (4096 image + 218 text) = 8628 by 3072, the 12288-wide MLP hidden, 24 heads x 128;
 Qwen3.5 hidden 4096, 16 query heads x 256 with 64 rotary dims, gated norm over 32 value heads x 128, SwiGLU over
-an 8192 x 2 x 12288 gate|up, the Gated-DeltaNet decode step at B=1 and B=64 (16 key / 32 value heads x 128), the
+an 8192 x 2 x 12288 gate|up (bf16 out, and FP8 as Qwen-Image-2.1's MLP), the Gated-DeltaNet decode step at B=1
+and B=64 (16 key / 32 value heads x 128), the
 attention decode step at B=1 and 8 (16 / 4 heads x 256; in-place states and caches: checked on fresh copies, timed in
 place).
 Bytes are the fewest an op must move (each input read once, each output written once); GB/s is also given as
@@ -55,7 +56,7 @@ from qwen_image_fast.kernels.rms_norm import (  # noqa: E402
     rms_norm,
     rms_norm_ref,
 )
-from qwen_image_fast.kernels.swiglu import silu_mul, silu_mul_ref  # noqa: E402
+from qwen_image_fast.kernels.swiglu import silu_mul, silu_mul_fp8, silu_mul_fp8_ref, silu_mul_ref  # noqa: E402
 
 BF16 = torch.bfloat16
 B, L_IMG, L_TXT, D, H, HD, MLP = 2, 4096, 218, 3072, 24, 128, 12288
@@ -185,6 +186,8 @@ def make_cases() -> list[Case]:
         Case("quantize_fp8_rowwise", f"{ROWS}x{D}", (x_dit.view(-1, D),), quantize_fp8_rowwise,
              quantize_fp8_rowwise_ref, fp8_outputs=True),
         Case("silu_mul", "8192x(2x12288)", (rnd(8192, 2 * 12288, scale=2.0),), silu_mul, silu_mul_ref),
+        Case("silu_mul_fp8", "8192x(2x12288)", (rnd(8192, 2 * 12288, scale=2.0),), silu_mul_fp8, silu_mul_fp8_ref,
+             fp8_outputs=True),
         Case("rms_norm_rope (q view of [query|gate])", "1x8192x16x256 of 512 (R=64)",
              (rnd(1, 8192, 16, 512)[..., :256], w_head.repeat(2) - 1, cos_sin[0], cos_sin[1]),
              rms_norm_rope, rms_norm_rope_ref, moved=2 * 8192 * 16 * 256 * 2 + 2 * nbytes(cos_sin[0])),
