@@ -334,12 +334,26 @@ def profile(model, inputs, out_dir, fp8_attention: str) -> dict:
     row = dict(fp8_attention=fp8_attention, attention_kernel=attention[0].key, attention_ms=ms,
                attention_tflops=attention_flops / ms / 1e9,
                forward_gpu_ms=sum(e.device_time_total for e in events if e.device_type.name == "CUDA") / 1e3)
+    block = block_kernels(prof, attention[0].key)
+    row["block_kernels"], row["block_gpu_us"] = len(block), sum(us for _, us in block)
     print(table)
     print(f"fp8_attention={fp8_attention}: attention {ms * 1e3:.1f} us a call, {row['attention_tflops']:.0f} TF/s "
-          f"({attention[0].key[:80]}); GPU time of the forward {row['forward_gpu_ms']:.1f} ms", flush=True)
+          f"({attention[0].key[:80]}); GPU time of the forward {row['forward_gpu_ms']:.1f} ms; one block: "
+          f"{len(block)} kernels and memsets, {row['block_gpu_us']:.0f} us", flush=True)
     if out_dir:
-        (out_dir / f"profile_ours_fp8_attention_{fp8_attention}.txt").write_text(table)
+        (out_dir / f"profile_ours_fp8_attention_{fp8_attention}.txt").write_text(
+            table + "\nOne block, from its attention kernel to the next block's, in launch order (us, name):\n"
+            + "\n".join(f"{us:9.1f}  {name[:150]}" for name, us in block) + "\n")
     return row
+
+
+def block_kernels(prof, attention_key: str) -> list[tuple[str, float]]:
+    """The GPU kernels and memsets of the profiled forward from the middle block's attention kernel up to the next
+    block's, in start order: (name, microseconds)."""
+    gpu = sorted((e for e in prof.events() if e.device_type.name == "CUDA"), key=lambda e: e.time_range.start)
+    starts = [i for i, e in enumerate(gpu) if e.name == attention_key]
+    first, last = starts[LAYERS // 2], starts[LAYERS // 2 + 1]
+    return [(e.name, e.time_range.elapsed_us()) for e in gpu[first:last]]
 
 
 def print_table(rows):
