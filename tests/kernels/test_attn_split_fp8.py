@@ -3,6 +3,7 @@ import torch
 from diffusers.models.transformers.transformer_qwenimage import QwenImageTransformerBlock
 from helpers import DEVICES, DTYPES, assert_close
 
+from qwen_image_fast.kernels._utils import FP8_DTYPE
 from qwen_image_fast.kernels.attn_split_fp8 import attn_split_fp8, attn_split_fp8_ref
 from qwen_image_fast.kernels.fp8 import dequantize_fp8_rowwise, quantize_fp8_rowwise_ref
 
@@ -48,6 +49,32 @@ def test_kernel_matches_ref(device, dtype, b, s, split, d):
         q1_ref, s1_ref, q2_ref, s2_ref = attn_split_fp8_ref(o, split)
         assert torch.equal(q1.view(torch.uint8), q1_ref.view(torch.uint8)) and torch.equal(s1, s1_ref), "e4m3 first"
         assert torch.equal(q2.view(torch.uint8), q2_ref.view(torch.uint8)) and torch.equal(s2, s2_ref), "e4m3 second"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("b,s,split,d", [(1, 1, 0, 48), (1, 2, 1, 48), (2, 37, 5, 123), (2, 5, 3, 3072)])
+def test_codes_with_one_scale_match_ref(device, b, s, split, d):
+    """o as e4m3 codes with one scale (cuDNN's FP8 attention output): each stream's codes copied bit for bit,
+    o_scale on every row."""
+    o = (torch.randn(b, s, d, device=device) * 60).clamp(-448, 448).to(FP8_DTYPE)
+    o_scale = torch.tensor([0.0371], device=device)
+    out = attn_split_fp8(o, split, o_scale=o_scale)
+    ref = attn_split_fp8_ref(o, split, o_scale=o_scale)
+    for name, got, want in zip(("q1", "s1", "q2", "s2"), out, ref):
+        assert got.shape == want.shape and got.dtype == want.dtype, name
+        assert torch.equal(got.view(torch.uint8) if got.dtype == FP8_DTYPE else got,
+                           want.view(torch.uint8) if want.dtype == FP8_DTYPE else want), name
+    assert (ref[1] == o_scale).all() and (ref[3] == o_scale).all()
+
+
+def test_codes_refusals():
+    o8 = torch.randn(1, 4, 16).to(FP8_DTYPE)
+    with pytest.raises(ValueError, match="q_dtype=torch.float32 with o_scale"):
+        attn_split_fp8(o8, 2, torch.float32, o_scale=torch.ones(1))
+    with pytest.raises(ValueError, match="o has dtype torch.float32; allowed: torch.float8_e4m3fn"):
+        attn_split_fp8(o8.float(), 2, o_scale=torch.ones(1))
+    with pytest.raises(ValueError, match=r"o_scale must have shape \(1,\)"):
+        attn_split_fp8(o8, 2, o_scale=torch.ones(2))
 
 
 def test_rejects_bad_split():

@@ -107,6 +107,7 @@ def test_v_bound_holds_is_near_tight_and_gives_way_to_a_lora():
     (its codes the signs of the widest v row of W_v, at 448) reaching it; with a LoRA adding to v's rows, no bound
     (quantize_fp8_heads measures v then)."""
     from qwen_image_fast.kernels.fp8 import quantize_fp8_rowwise_ref
+    from qwen_image_fast.pipelines.qwen_image.model import fp8_attention as fp8_module
     from test_lora import diffusers_format
 
     fast = FastQwenImageTransformer.from_diffusers(tiny_stock(), FastTransformerConfig(fp8=True))
@@ -117,15 +118,19 @@ def test_v_bound_holds_is_near_tight_and_gives_way_to_a_lora():
     rows = torch.cat([torch.randn(40, w.shape[1]) * torch.logspace(-2, 2, 40)[:, None], 1e3 * torch.sign(w[widest])[None]])
     x = quantize_fp8_rowwise_ref(rows)
     x_txt = quantize_fp8_rowwise_ref(torch.randn(7, w.shape[1]))
-    scale = block.v_fp8_scale(x, x_txt)
+    scales = block.v_fp8_scales(x, x_txt)
+    scale = scales[:1]
+    # cuDNN's output scale and its reciprocal come with it (one kernel), from CudnnFp8Attention's headroom
+    o_scale = scale * fp8_module.CudnnFp8Attention.O_HEADROOM
+    assert torch.equal(scales[1:2], o_scale) and torch.equal(scales[2:], 1 / o_scale), scales
     for linear, operand in ((block.img_qkv, x), (block.txt_qkv, x_txt)):
         v = linear(operand)[:, 2 * inner:].float()
         assert v.abs().max() <= 448 * scale, (v.abs().max(), 448 * scale)
     assert block.img_qkv(x)[-1, 2 * inner:].float().abs().max() >= 0.9 * 448 * scale  # the bound is reached
-    assert block.v_fp8_scale(rows, x_txt) is None  # an operand not FP8
+    assert block.v_fp8_scales(rows, x_txt) is None  # an operand not FP8
     pipe_lora = diffusers_format(["transformer_blocks.0.attn.add_v_proj"])
     fast.load_lora_adapter(pipe_lora, adapter_name="v", prefix="transformer")
-    assert block.v_fp8_scale(x, x_txt) is None
+    assert block.v_fp8_scales(x, x_txt) is None
 
 
 @pytest.mark.parametrize("lora", [False, True])

@@ -22,6 +22,7 @@ from ....kernels.attn_split_fp8 import attn_split_fp8
 from ....kernels.fp8 import quantize_fp8_rowwise
 from ....kernels.gelu_fp8 import gelu_fp8
 from ....kernels.layer_norm_modulate import layer_norm_modulate, layer_norm_modulate_fp8
+from ....kernels.output_bound import output_bound_scales
 from ....kernels._utils import FP8_MAX
 from ....kernels.qkv_pack import BOUND_MARGIN, qkv_pack, rms_norm_fp8_scale
 from ....kernels.residual_gate import (
@@ -34,7 +35,7 @@ from ..runtime.context import count_blocks, get_context
 from ..runtime.parallel import Ulysses, UlyssesPlan
 from ..runtime.taylorseer import PendingTerm
 from .attention import TextMask, joint_attention
-from .fp8_attention import fp8_attention
+from .fp8_attention import CudnnFp8Attention, fp8_attention
 from .linear import FastLinear, Operand, as_fp8_operand, q_dtype_for
 from .step_caches import past_hooks
 
@@ -74,13 +75,10 @@ def split_attention(o: torch.Tensor, img_len: int, img_fp8: bool, txt_fp8: bool,
     or dequantized for a linear that is not FP8."""
     batch, seq = o.shape[:2]
     o = o.view(batch, seq, -1)
-    if o_scale is not None:  # B > 1: each part's rows are copied out (a GEMM operand is one [M, K] matrix), 8 codes
-        # a word where they fit one (torch copies a strided FP8 slice a byte at a time: 4x slower than this)
-        words = o.view(torch.int64) if o.shape[-1] % 8 == 0 and o.storage_offset() % 8 == 0 else o
-        parts = tuple(part.reshape(-1, words.shape[-1]).view(o.dtype) for part in (words[:, :img_len],
-                                                                                    words[:, img_len:]))
-        return tuple(as_fp8_operand(p, o_scale.expand(p.shape[0], 1).contiguous()) if fp8
-                     else (p.float() * o_scale).to(torch.bfloat16) for p, fp8 in zip(parts, (img_fp8, txt_fp8)))
+    if o_scale is not None:  # each part's codes copied out (a GEMM operand is one [M, K] matrix), o_scale per row
+        qi, si, qt, st = attn_split_fp8(o, img_len, o_scale=o_scale)
+        return tuple(as_fp8_operand(q, s) if fp8 else (q.float() * o_scale).to(torch.bfloat16)
+                     for q, s, fp8 in ((qi, si, img_fp8), (qt, st, txt_fp8)))
     if img_fp8 and txt_fp8:
         qi, si, qt, st = attn_split_fp8(o, img_len, q_dtype=q_dtype_for(o.device))
         return as_fp8_operand(qi, si), as_fp8_operand(qt, st)
@@ -229,11 +227,11 @@ class JointAttention(AttentionModuleMixin, nn.Module):
         img_x, txt_x = as_operand(hidden_states, scales[0]), as_operand(encoder_hidden_states, scales[1])
         fp8 = block.config.is_fp8
         q, k, v = joint.qkv.unbind(0)
-        qk_scales, v_scale, o_scale = None, None, None
+        qk_scales, v_bound, v_scale, o_scale = None, None, None, None
         if joint.fp8_attention:  # q and k into the FP8 buffers, scaled by the RMSNorm bound; v too where its holds
             q, k, v8 = joint.qkv8.unbind(0)
-            qk_scales, v_scale = block.qk_fp8_scales(), block.v_fp8_scale(img_x, txt_x)
-            v = v if v_scale is None else v8
+            qk_scales, v_bound = block.qk_fp8_scales(), block.v_fp8_scales(img_x, txt_x)
+            v, v_scale = (v, None) if v_bound is None else (v8, v_bound[:1])
         qkv_pack(block.img_qkv(img_x).view(batch, img_len, -1), block.norm_q, block.norm_k, joint.img_freqs,
                  q, k, v, 0, eps=block.eps, qk_scales=qk_scales, v_scale=v_scale)
         qkv_pack(block.txt_qkv(txt_x).view(batch, txt_len, -1), block.norm_added_q,
@@ -241,7 +239,7 @@ class JointAttention(AttentionModuleMixin, nn.Module):
                  v_scale=v_scale)
         if joint.fp8_attention:
             o, o_scale = fp8_attention(joint.fp8_attention, q, k, v, *qk_scales, joint.valid_keys, v_scale,
-                                       joint.qkv.dtype)
+                                       joint.qkv.dtype, None if v_bound is None else (v_bound[1:2], v_bound[2:]))
         else:
             o = joint.attention()  # [B, L_img + L_txt, H, D]
         img_o, txt_o = split_attention(o, img_len, fp8("img_out"), fp8("txt_out"), o_scale)
@@ -305,19 +303,20 @@ class FastBlock(nn.Module):
             self._qk_fp8_key = key
         return self._qk_fp8_scales
 
-    def v_fp8_scale(self, img_x: Operand, txt_x: Operand) -> torch.Tensor | None:
-        """FP8 attention's v scale [1] without an amax pass, from a bound: a stream's v = x @ W_v.T + b with x its
-        QKV GEMM's rowwise-FP8 operand (|x_k| <= 448 * its row's scale), so |v| <= 448 * max row scale * max_j
-        ||W_v,j||_1 + max |b_v| (the FP8 weight as it computes; BOUND_MARGIN for the output's rounding), the
-        larger of the two streams' bounds. None where that does not hold: an operand or a weight not FP8, or a
-        LoRA adding to v's rows (then quantize_fp8_heads measures v)."""
-        scales = []
+    def v_fp8_scales(self, img_x: Operand, txt_x: Operand) -> torch.Tensor | None:
+        """FP8 attention's v scale without an amax pass, from a bound: a stream's v = x @ W_v.T + b with x its QKV
+        GEMM's rowwise-FP8 operand (|x_k| <= 448 * its row's scale), so |v| <= 448 * max row scale * max_j
+        ||W_v,j||_1 + max |b_v| (the FP8 weight as it computes; BOUND_MARGIN for the output's rounding), the larger
+        of the two streams' bounds. Returns fp32 [3]: (v's scale, cuDNN's output scale v_scale * O_HEADROOM, its
+        reciprocal), one kernel (kernels/output_bound.py). None where the bound does not hold: an operand or a
+        weight not FP8, or a LoRA adding to v's rows (then quantize_fp8_heads measures v)."""
+        terms = []
         for x, linear in ((img_x, self.img_qkv), (txt_x, self.txt_qkv)):
             if not isinstance(x, tuple) or not linear.fp8 or lora_adds_to_v(linear, self.heads * self.head_dim):
                 return None
-            bias_term, row_term = self._v_weight_bound(linear)
-            scales.append(torch.addcmul(bias_term, x[1].amax().reshape(1), row_term))  # 2 small kernels a stream
-        return torch.maximum(*scales)
+            terms.append(self._v_weight_bound(linear))
+        return output_bound_scales([img_x[1].reshape(-1, 1), txt_x[1].reshape(-1, 1)], terms,
+                                   CudnnFp8Attention.O_HEADROOM)
 
     def _v_weight_bound(self, linear: FastLinear) -> tuple[torch.Tensor, torch.Tensor]:
         """v's scale = bias_term + max row scale * row_term, from (max_j |bias_j|, max_j weight_scale_j * sum_k

@@ -59,20 +59,25 @@ def fp8_attention_kernel(name: str, device: torch.device, dtype: torch.dtype) ->
 
 
 def fp8_attention(kernel: str, q8, k8, v, q_scale, k_scale, valid_keys, v_scale: torch.Tensor | None = None,
-                  dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, torch.Tensor | None]:
+                  dtype: torch.dtype = torch.bfloat16,
+                  o_scales: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The joint attention in FP8 by `kernel`: q8, k8 FP8 [B, S, H, D] (qkv_pack's, with its scales [1]); v FP8
     with v_scale [1] (qkv_pack's, from a bound), or without it in the model's dtype, quantized here (per (sample,
     head) for FA3, per tensor for cuDNN, amax over the valid keys). Returns (o, None) with o BF16 [B, S, H, D], or
     (o8, scale [1]) with o ~= o8 * scale (cuDNN's FP8 output). dtype: the model's (bfloat16 for the kernels; the
-    reference's output takes it)."""
+    reference's output takes it). o_scales: cuDNN's (v_scale * O_HEADROOM, its reciprocal) [1] each where the
+    caller computed them with v_scale (kernels/output_bound.py), else computed here."""
     if v_scale is None:
         v8, v_scales = quantize_fp8_heads(v, valid_keys, per_tensor=kernel == "cudnn", q_dtype=q8.dtype)
+        v_scale = v_scales[0, 0].reshape(1)
     else:
-        v8, v_scales = v, v_scale.expand(*v.shape[:1], v.shape[2]).contiguous()
+        v8, v_scales = v, None
+    if kernel == "cudnn":
+        return CUDNN(q8, k8, v8, q_scale, k_scale, v_scale, valid_keys, torch.empty_like(q8), o_scales=o_scales)
+    if v_scales is None:  # FA3 and the reference take a scale per (sample, head)
+        v_scales = v_scale.expand(*v.shape[:1], v.shape[2]).contiguous()
     if kernel == "fa3":
         return fp8_attention_fa3(q8, k8, v8, q_scale, k_scale, v_scales, valid_keys), None
-    if kernel == "cudnn":
-        return CUDNN(q8, k8, v8, q_scale, k_scale, v_scales[0, 0].reshape(1), valid_keys, torch.empty_like(q8))
     if kernel == "reference":  # the tests' (module docstring)
         return fp8_attention_ref(q8, k8, v8, q_scale, k_scale, v_scales, valid_keys).to(dtype), None
     raise ValueError(f"fp8 attention kernel {kernel!r}; allowed: cudnn, fa3")
@@ -160,19 +165,20 @@ class CudnnFp8Attention:
         graph = self._graph(*q8.shape, q8.device)[0]
         return [graph.get_plan_name_at_index(i) for i in range(graph.get_execution_plan_count())]
 
-    def __call__(self, q8, k8, v8, q_scale, k_scale, v_scale, seqused_k, out8,
-                 plan: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(self, q8, k8, v8, q_scale, k_scale, v_scale, seqused_k, out8, plan: int | None = None,
+                 o_scales: tuple | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """q8, k8, v8, out8: FP8 [B, S, H, D]; q_scale, k_scale, v_scale: fp32 [1]; seqused_k: int32 [B]. Returns
         (out8, o_scale [1]): o ~= out8 * o_scale, o_scale = v_scale * O_HEADROOM. plan: an index of plan_names
-        (all_plans), else the built one."""
+        (all_plans), else the built one. o_scales: (o_scale, 1 / o_scale) [1] each, computed with v_scale by the
+        caller (one kernel for the lot: kernels/output_bound.py), else here."""
         import cudnn
 
         graph, handle, t, workspace, c = self._graph(*q8.shape, q8.device)
-        o_scale = v_scale * self.O_HEADROOM
+        o_scale, inv_o_scale = (v_scale * self.O_HEADROOM, None) if o_scales is None else o_scales
         cudnn.set_stream(handle, torch.cuda.current_stream(q8.device).cuda_stream)
         pack = {t["q"]: q8, t["k"]: k8, t["v"]: v8, t["o"]: out8, t["descale_q"]: q_scale, t["descale_k"]: k_scale,
                 t["descale_v"]: v_scale, t["descale_s"]: c["descale_s"], t["scale_s"]: c["scale_s"],
-                t["scale_o"]: 1.0 / o_scale, t["seq_len_q"]: c["seq_len_q"], t["seq_len_kv"]: seqused_k,
+                t["scale_o"]: 1.0 / o_scale if inv_o_scale is None else inv_o_scale, t["seq_len_q"]: c["seq_len_q"], t["seq_len_kv"]: seqused_k,
                 t["amax_s"]: c["amax"][:1], t["amax_o"]: c["amax"][1:]}
         if plan is None:
             graph.execute(pack, workspace, handle=handle)
