@@ -80,6 +80,56 @@ def test_ref_gate_is_upstream_rounding(dtype):
     assert torch.equal(gated, (o.float() * torch.sigmoid(gate.float()).to(dtype).float()).to(dtype))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_ref_matches_qwen35_attention_decode_step(monkeypatch, dtype):
+    """One decode step of transformers' Qwen3_5Attention (the gated full-attention layer: q_proj's [query | gate]
+    per head, grouped KV heads, the new key appended to the past ones, output * sigmoid(gate)): the reference given
+    the same query, key, value, past keys in a cache and gate gives what upstream feeds its o_proj."""
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as upstream
+    from transformers.models.qwen3_5.configuration_qwen3_5 import Qwen3_5TextConfig
+
+    bsz, h, kvh, d, past = 2, 8, 2, 16, 11  # Qwen3.5-9B: 16 query heads over 4 KV heads of 256
+    config = Qwen3_5TextConfig(hidden_size=64, num_attention_heads=h, num_key_value_heads=kvh, head_dim=d)
+    config._attn_implementation = "eager"
+    attn = upstream.Qwen3_5Attention(config, layer_idx=0).to(dtype).eval()
+    seen = {}
+
+    def eager(module, query, key, value, *args, **kwargs):  # [B, H, 1, D], [B, KVH, past + 1, D] (cache appended)
+        seen.update(query=query, key=key, value=value)
+        return eager_upstream(module, query, key, value, *args, **kwargs)
+
+    eager_upstream = upstream.eager_attention_forward
+    monkeypatch.setattr(upstream, "eager_attention_forward", eager)
+    attn.q_proj.register_forward_hook(lambda m, args, out: seen.update(q_proj=out))
+    attn.o_proj.register_forward_pre_hook(lambda m, args: seen.update(gated=args[0]))
+
+    class PastKeys:  # what transformers' DynamicCache does for a full-attention layer
+        def __init__(self):
+            self.k = torch.randn(bsz, kvh, past, d).to(dtype)
+            self.v = torch.randn(bsz, kvh, past, d).to(dtype)
+
+        def update(self, k, v, layer_idx):
+            return torch.cat([self.k, k], dim=2), torch.cat([self.v, v], dim=2)
+
+    cache = PastKeys()
+    cos, sin = torch.randn(bsz, 1, d).to(dtype), torch.randn(bsz, 1, d).to(dtype)
+    with torch.no_grad():
+        attn(torch.randn(bsz, 1, 64).to(dtype), (cos, sin), None, past_key_values=cache)
+
+    gate = seen["q_proj"].view(bsz, h, 2 * d)[..., d:]  # [B, H, D]: each head's second half, as upstream chunks it
+    max_len = past + 5
+    k_cache = torch.full((bsz, max_len, kvh, d), float("nan")).to(dtype)  # [B, L, KVH, D], garbage past the step
+    v_cache = k_cache.clone()
+    k_cache[:, :past], v_cache[:, :past] = cache.k.transpose(1, 2), cache.v.transpose(1, 2)
+    o = decode_attention_ref(seen["query"][:, :, 0], seen["key"][:, :, -1], seen["value"][:, :, -1], k_cache, v_cache,
+                             torch.full((bsz,), past), gate)
+    assert torch.equal(k_cache[:, : past + 1].transpose(1, 2), seen["key"])  # the step's key written at `past`
+    # bf16: upstream's eager attention rounds its scores and probabilities to bf16 (4.4e-3 here), the reference
+    # and the kernel keep them in fp32
+    assert_close(o.reshape(bsz, 1, h * d), seen["gated"], 1e-6 if dtype == torch.float32 else 8e-3,
+                 "reference vs Qwen3_5Attention")
+
+
 # Hop 2: the kernel against the reference.
 
 SHAPES = [  # (B, H, KVH, D, L, positions, strided caches)
