@@ -10,7 +10,7 @@ the text, and with --condition a 1024^2 condition image's 4096 tokens, block-cau
 cached steps (the target's tokens against the cached prefix; ours replayed from CUDA graphs, as in a pipeline call,
 and eagerly). Per row: ms per prefill and per cached step, the 40 steps' transformer time, ours against stock, the
 cached step against its floor (the block linears' FLOPs at the FP8 GEMM rate measured here, 8192x4096x12288
-rowwise, plus the attention alone, timed), and the error of ours against stock (rel-RMS of a cached step's output,
+rowwise with fast accumulation where ours runs its GEMMs so, plus the attention alone, timed), and the error of ours against stock (rel-RMS of a cached step's output,
 bf16 stock as the reference) beside what FP8 rounding done in PyTorch on the stock model moves it (emulate_fp8).
 
 --pipeline: stock QwenImage21Pipeline against optimize() of the same components, end to end (one call: text
@@ -257,11 +257,15 @@ def pipeline_rows(args, env: dict) -> list[dict]:
 
 def transformer_rows(args, env: dict) -> list[dict]:
     """The transformer alone (the docstring)."""
-    fp8_tflops = matmul_tflops(8192, 12288, 4096, fp8=True)
     stock = stock_model()
     fast = FastQwenImage21Transformer.from_diffusers(stock, FastTransformerConfig(fp8=not args.no_fp8,
                                                                                  attention=args.attention))
-    print(f"FP8 GEMM 8192x4096x12288: {fp8_tflops:.0f} TF/s; attention backend {fast.attention_backend}", flush=True)
+    # the floor at the rate of the GEMMs as ours runs them (fast accumulation by default)
+    fast_accum = fast.fast_config.fp8 and fast.fast_config.fp8_fast_accum
+    fp8_tflops = matmul_tflops(8192, 12288, 4096, fp8=True, fast_accum=fast_accum)
+    env.update(fp8_gemm_tflops=fp8_tflops, fp8_gemm_fast_accum=fast_accum)
+    print(f"FP8 GEMM 8192x4096x12288{' (fast accumulation)' if fast_accum else ''}: {fp8_tflops:.0f} TF/s; "
+          f"attention backend {fast.attention_backend}", flush=True)
     rows = []
     cases = [(int(s), False) for s in args.sizes.split(",")] + ([(1024, True)] if args.condition else [])
     for size, condition in cases:

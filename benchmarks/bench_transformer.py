@@ -6,7 +6,8 @@ FP8 vs ours, one process, the same random weights (normal(0, 0.02), biases 0, no
 Per row: median ms per forward (>= 5 runs after warm-up), achieved TF/s (linear FLOPs of every token plus
 attention over the keys each sample really has), rel-RMS error of the output vs diffusers-eager, peak GiB
 allocated while it ran (everything resident at the time: the notes column says what else was). Also measures
-the floor of each shape: linear FLOPs at the rowwise-FP8 _scaled_mm rate of this GPU plus attention alone.
+the floor of each shape: linear FLOPs at the rowwise-FP8 _scaled_mm rate of this GPU (with fast accumulation for
+the rows that run their GEMMs so) plus attention alone.
 Appends to results/transformer.jsonl.
 """
 
@@ -107,13 +108,17 @@ def attention_floor_ms(inputs: dict, backend: str) -> float:
     return LAYERS * bench_ms(lambda: joint_attention(q, k, v, text_mask, backend))
 
 
-def fp8_gemm_tflops() -> float:
+def fp8_gemm_tflops(fast_accum: bool = False) -> float:
     """Rowwise-FP8 _scaled_mm at the DiT's fc1 shape (8192 tokens x 3072 -> 12288)."""
     a = torch.randn(8192, D, device="cuda").to(torch.float8_e4m3fn)
     b = torch.randn(4 * D, D, device="cuda").to(torch.float8_e4m3fn)
     sa, sb = torch.rand(8192, 1, device="cuda") + 0.5, torch.rand(1, 4 * D, device="cuda") + 0.5
-    ms = bench_ms(lambda: torch._scaled_mm(a, b.t(), scale_a=sa, scale_b=sb, out_dtype=BF16))
+    ms = bench_ms(lambda: torch._scaled_mm(a, b.t(), scale_a=sa, scale_b=sb, out_dtype=BF16,
+                                           use_fast_accum=fast_accum))
     return 2 * 8192 * D * 4 * D / ms / 1e9
+
+
+FAST_ACCUM_IMPLS = ("ours-fp8-fastacc", "ours-fp8attn-graph")  # their floor: the fast-accumulation GEMM rate
 
 
 def time_forward(model, inputs, runs: int = 7) -> tuple[float, torch.Tensor, float]:
@@ -198,19 +203,22 @@ def main():
     args = parser.parse_args()
     torch._dynamo.config.cache_size_limit = 64
     env = environment()
-    env["fp8_gemm_tflops"] = fp8_gemm_tflops()
-    print(f"{env['gpu']}: rowwise-FP8 _scaled_mm {env['fp8_gemm_tflops']:.0f} TF/s at 8192x3072x12288")
+    env["fp8_gemm_tflops"], env["fp8_gemm_tflops_fast_accum"] = fp8_gemm_tflops(), fp8_gemm_tflops(fast_accum=True)
+    print(f"{env['gpu']}: rowwise-FP8 _scaled_mm {env['fp8_gemm_tflops']:.0f} TF/s at 8192x3072x12288, "
+          f"{env['fp8_gemm_tflops_fast_accum']:.0f} with fast accumulation")
 
     inputs = {key: make_inputs(key) for key in args.shapes}
     rows, refs, floors = [], {}, {}
     fa4_or_cudnn = resolve_backend("auto", torch.device("cuda"))
-    for key in args.shapes:  # linear FLOPs at this GPU's FP8 GEMM rate + attention measured alone
+    for key in args.shapes:  # linear FLOPs at this GPU's FP8 GEMM rate (each accumulation) + attention alone
         batch, img_len = inputs[key]["hidden_states"].shape[:2]
-        linear_ms = LINEAR_FLOPS_PER_TOKEN * batch * (img_len + TXT_LEN) / env["fp8_gemm_tflops"] / 1e9
-        floors[key] = linear_ms + attention_floor_ms(inputs[key], fa4_or_cudnn)
+        attention_ms = attention_floor_ms(inputs[key], fa4_or_cudnn)
+        floors[key] = {fast: LINEAR_FLOPS_PER_TOKEN * batch * (img_len + TXT_LEN) / env[rate] / 1e9 + attention_ms
+                       for fast, rate in ((False, "fp8_gemm_tflops"), (True, "fp8_gemm_tflops_fast_accum"))}
 
     def record(impl, attention, key, model, notes=""):
         resolution, batch, padded = SHAPES[key]
+        floor = floors[key][impl in FAST_ACCUM_IMPLS]
         t0 = time.time()
         ms, out, peak = time_forward(model, inputs[key])
         if impl == "diffusers-eager":
@@ -218,11 +226,11 @@ def main():
         err = rel_rms_error(out, refs[key])
         row = dict(env, bench="transformer", impl=impl, attention=attention, resolution=resolution, batch=batch,
                    padded_text=padded, ms=ms, tflops=flops(inputs[key]) / ms / 1e9, rel_err=err, peak_gib=peak,
-                   floor_ms=floors[key], ms_over_floor=ms / floors[key], notes=notes)
+                   floor_ms=floor, ms_over_floor=ms / floor, notes=notes)
         rows.append(row)
         append_results("transformer", [row], args.out)
         print(f"{impl:22} {attention:8} {key:20} {ms:8.1f} ms {row['tflops']:6.0f} TF/s  rel_err {err:.2e}  "
-              f"peak {peak:5.1f} GiB  floor {floors[key]:6.1f} ms  ({time.time() - t0:.0f} s) {notes}", flush=True)
+              f"peak {peak:5.1f} GiB  floor {floor:6.1f} ms  ({time.time() - t0:.0f} s) {notes}", flush=True)
         del out
 
     stock = make_stock()

@@ -31,14 +31,16 @@ def copy_bandwidth_gbps(n_bytes: int = 2 << 30) -> float:
     return 2 * n_bytes / ms / 1e6
 
 
-def matmul_tflops(m: int, n: int, k: int, fp8: bool) -> float:
-    """TF/s of one large GEMM on random data: bf16 torch.mm, or rowwise-FP8 torch._scaled_mm."""
+def matmul_tflops(m: int, n: int, k: int, fp8: bool, fast_accum: bool = False) -> float:
+    """TF/s of one large GEMM on random data: bf16 torch.mm, or rowwise-FP8 torch._scaled_mm (fast_accum: Hopper's
+    faster FP8 accumulation, as the models run their GEMMs by default)."""
     a = torch.randn(m, k, device="cuda")
     b = torch.randn(n, k, device="cuda")
     if fp8:
         a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn)
         sa, sb = torch.ones(m, 1, device="cuda"), torch.ones(1, n, device="cuda")
-        ms = bench_ms(lambda: torch._scaled_mm(a8, b8.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16))
+        ms = bench_ms(lambda: torch._scaled_mm(a8, b8.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16,
+                                               use_fast_accum=fast_accum))
     else:
         a16, b16 = a.bfloat16(), b.bfloat16()
         ms = bench_ms(lambda: a16 @ b16.t())

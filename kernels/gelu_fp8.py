@@ -62,6 +62,8 @@ def gelu_fp8(h: torch.Tensor, q_dtype=FP8_DTYPE) -> tuple[torch.Tensor, torch.Te
     check_tensor("h", h, dtypes=FLOAT_DTYPES, ndim=2)
     check_q_dtype(q_dtype)
     m, n = h.shape
+    if n == 0:
+        raise ValueError(f"h has shape {tuple(h.shape)}: a row needs at least one column for its FP8 scale")
     q = new_output((m, n), q_dtype, h.device)
     s = new_output((m, 1), torch.float32, h.device)
     if m:

@@ -22,9 +22,11 @@ BLOCK = 2048  # row scales read per iteration: one or two for a 1024^2 image's 4
 def _operand_bound(S, M, BIAS_TERM, ROW_TERM, BLOCK: tl.constexpr):
     offs = tl.arange(0, BLOCK)
     amax = tl.zeros([BLOCK], tl.float32)
-    for start in range(0, M, BLOCK):
-        amax = tl.maximum(amax, tl.load(S + start + offs, mask=start + offs < M, other=0.0))
-    return tl.load(BIAS_TERM) + tl.max(amax, axis=0) * tl.load(ROW_TERM)
+    for start in range(0, M, BLOCK):  # a NaN row scale (NaN activations) makes the bound NaN, as torch's amax
+        amax = tl.maximum(amax, tl.load(S + start + offs, mask=start + offs < M, other=0.0),
+                          propagate_nan=tl.PropagateNan.ALL)
+    amax = tl.where(tl.sum((amax != amax).to(tl.int32), axis=0) > 0, float("nan"), tl.max(amax, axis=0))
+    return tl.load(BIAS_TERM) + amax * tl.load(ROW_TERM)
 
 
 @triton.jit
@@ -32,7 +34,7 @@ def _output_bound_scales_kernel(S1, M1, BIAS1, ROW1, S2, M2, BIAS2, ROW2, OUT, h
                                 BLOCK: tl.constexpr):
     scale = _operand_bound(S1, M1, BIAS1, ROW1, BLOCK)
     if TWO:
-        scale = tl.maximum(scale, _operand_bound(S2, M2, BIAS2, ROW2, BLOCK))
+        scale = tl.maximum(scale, _operand_bound(S2, M2, BIAS2, ROW2, BLOCK), propagate_nan=tl.PropagateNan.ALL)
     consumer = scale * headroom
     tl.store(OUT, scale)
     tl.store(OUT + 1, consumer)

@@ -106,9 +106,12 @@ def silu_mul_fp8(gate_up: torch.Tensor, q_dtype=FP8_DTYPE) -> tuple[torch.Tensor
     silu_mul(gate_up) quantized per row, M the rows of gate_up."""
     gu, m, n = _rows(gate_up)
     check_q_dtype(q_dtype)
+    if n == 0:
+        raise ValueError(f"gate_up has shape {tuple(gate_up.shape)}: a row needs at least one column for its FP8 "
+                         "scale")
     q = new_output((m, n), q_dtype, gate_up.device)
     s = new_output((m, 1), torch.float32, gate_up.device)
-    if m and n:
+    if m:
         grid, settings = chunked_rows_launch(m, n)
         _silu_mul_fp8_kernel[grid](GU=gu, Q=q, S=s, stride_gu=gu.stride(0), M=m, N=n, **settings)
     return q, s

@@ -52,11 +52,12 @@ def test_kernel_matches_ref(device, dtype, b, s, split, d):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("b,s,split,d", [(1, 1, 0, 48), (1, 2, 1, 48), (2, 37, 5, 123), (2, 5, 3, 3072)])
+@pytest.mark.parametrize("b,s,split,d", [(1, 1, 0, 48), (1, 2, 1, 48), (2, 37, 5, 123), (2, 5, 3, 3072),
+                                         (3, 6, 6, (3, 16))])  # split = S; d as (heads, head_dim): [B, S, H, Dh]
 def test_codes_with_one_scale_match_ref(device, b, s, split, d):
     """o as e4m3 codes with one scale (cuDNN's FP8 attention output): each stream's codes copied bit for bit,
     o_scale on every row."""
-    o = (torch.randn(b, s, d, device=device) * 60).clamp(-448, 448).to(FP8_DTYPE)
+    o = (torch.randn(b, s, *((d,) if isinstance(d, int) else d), device=device) * 60).clamp(-448, 448).to(FP8_DTYPE)
     o_scale = torch.tensor([0.0371], device=device)
     out = attn_split_fp8(o, split, o_scale=o_scale)
     ref = attn_split_fp8_ref(o, split, o_scale=o_scale)

@@ -37,8 +37,9 @@ def test_ref_matches_diffusers_feedforward_activation(dtype):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES)
-# 12288: the DiT MLP hidden, 3 chunks of 4096; 9000: 3 chunks, the last ragged; 16000: 4, the last ragged
-@pytest.mark.parametrize("shape", [(1, 192), (5, 123), (2, 12288), (3, 9000), (2, 16000)])
+# 12288: the DiT MLP hidden, 3 chunks of 4096; 9000: 3 chunks, the last ragged; 16000: 4, the last ragged; 9 rows:
+# several programs of chunked rows under the interpreter too (4 rows a program there), the last one partial
+@pytest.mark.parametrize("shape", [(1, 192), (5, 123), (2, 12288), (3, 9000), (9, 9000), (2, 16000)])
 @pytest.mark.parametrize("strided", [False, True], ids=["packed", "strided"])
 def test_kernel_matches_ref(device, dtype, shape, strided):
     h = (torch.randn(shape[0], shape[1] + (7 if strided else 0), device=device) * 3).to(dtype)[:, : shape[1]]
@@ -65,6 +66,13 @@ def test_large_inputs_stay_finite():
     q, s = gelu_fp8(h, torch.float32)
     q_ref, s_ref = gelu_fp8_ref(h, torch.float32)
     assert_close(q * s, q_ref * s_ref, 1e-6)
+
+
+def test_no_columns_refused():
+    """A row of no columns has no FP8 scale (upstream's amax of nothing raises too)."""
+    with pytest.raises(ValueError, match=r"h has shape \(3, 0\): a row needs at least one column"):
+        gelu_fp8(torch.randn(3, 0))
+    assert gelu_fp8(torch.randn(0, 5))[0].shape == (0, 5)
 
 
 def test_rejects_1d():

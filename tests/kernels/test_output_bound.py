@@ -45,3 +45,13 @@ def test_refusals():
         output_bound_scales([torch.ones(4, 2)[:, :1]], [t], 1.0)
     with pytest.raises(ValueError, match=r"terms\[0\].row_term has dtype torch.float64"):
         output_bound_scales([s], [(torch.zeros(1), torch.ones(1, dtype=torch.float64))], 1.0)
+
+
+@pytest.mark.parametrize("which", [0, 1])
+def test_nan_row_scale_gives_nan(which):
+    """NaN activations give a NaN row scale; the bound is then NaN, as torch's amax makes it, never a finite
+    scale from the other rows."""
+    scales, terms = operands("cpu", (3000, 40))
+    scales[which][which * 7] = float("nan")
+    assert torch.isnan(output_bound_scales(scales, terms, 1.125)).all()
+    assert torch.isnan(output_bound_scales_ref(scales, terms, 1.125)).all()

@@ -174,7 +174,7 @@ def test_with_lora_and_a_step_cache_in_the_pipeline(reference_kernel):
     assert 1e-5 < error < 2e-2, error
 
 
-@pytest.mark.parametrize("head_dim", [16, 5])  # rows of 48 codes (copied 8 a word) and of 15 (a byte at a time)
+@pytest.mark.parametrize("head_dim", [16, 5])  # rows of 48 codes and of 15 (a width no vector load divides)
 def test_fp8_output_split_as_its_dequantized_values(head_dim):
     """cuDNN's FP8 output (codes and one scale): the output projections' FP8 operands are its codes with the scale
     on every row, a BF16 projection gets the dequantized values."""
@@ -187,6 +187,15 @@ def test_fp8_output_split_as_its_dequantized_values(head_dim):
     assert torch.equal(txt, (o8[:, 5:].reshape(8, width).float() * scale).to(torch.bfloat16))
     (_, _), (txt_q, _) = block_module.split_attention(o8, 5, True, True, scale)
     assert torch.equal(txt_q.view(torch.uint8), o8[:, 5:].reshape(8, width).view(torch.uint8))
+
+
+def test_output_scales_need_their_v_scale():
+    """o_scales were computed with a v scale: given without it (v measured here, another scale), refused."""
+    q8 = (torch.randn(1, 4, 2, 16) * 50).to(FP8_DTYPE)
+    one = torch.ones(1)
+    with pytest.raises(ValueError, match="o_scales come with the v_scale they were computed with"):
+        fp8_attention("reference", q8, q8, torch.randn(1, 4, 2, 16), one, one, torch.tensor([4], dtype=torch.int32),
+                      None, torch.bfloat16, (one, one))
 
 
 def test_reference_masks_padded_keys():

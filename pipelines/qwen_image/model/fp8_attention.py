@@ -68,6 +68,8 @@ def fp8_attention(kernel: str, q8, k8, v, q_scale, k_scale, valid_keys, v_scale:
     reference's output takes it). o_scales: cuDNN's (v_scale * O_HEADROOM, its reciprocal) [1] each where the
     caller computed them with v_scale (kernels/output_bound.py), else computed here."""
     if v_scale is None:
+        if o_scales is not None:  # they were computed with a v scale; v measured here has another
+            raise ValueError("o_scales come with the v_scale they were computed with; v_scale is None")
         v8, v_scales = quantize_fp8_heads(v, valid_keys, per_tensor=kernel == "cudnn", q_dtype=q8.dtype)
         v_scale = v_scales[0, 0].reshape(1)
     else:
@@ -175,10 +177,11 @@ class CudnnFp8Attention:
 
         graph, handle, t, workspace, c = self._graph(*q8.shape, q8.device)
         o_scale, inv_o_scale = (v_scale * self.O_HEADROOM, None) if o_scales is None else o_scales
+        inv_o_scale = 1.0 / o_scale if inv_o_scale is None else inv_o_scale
         cudnn.set_stream(handle, torch.cuda.current_stream(q8.device).cuda_stream)
         pack = {t["q"]: q8, t["k"]: k8, t["v"]: v8, t["o"]: out8, t["descale_q"]: q_scale, t["descale_k"]: k_scale,
                 t["descale_v"]: v_scale, t["descale_s"]: c["descale_s"], t["scale_s"]: c["scale_s"],
-                t["scale_o"]: 1.0 / o_scale if inv_o_scale is None else inv_o_scale, t["seq_len_q"]: c["seq_len_q"], t["seq_len_kv"]: seqused_k,
+                t["scale_o"]: inv_o_scale, t["seq_len_q"]: c["seq_len_q"], t["seq_len_kv"]: seqused_k,
                 t["amax_s"]: c["amax"][:1], t["amax_o"]: c["amax"][1:]}
         if plan is None:
             graph.execute(pack, workspace, handle=handle)
