@@ -25,6 +25,19 @@ def small_condition_images():
         yield
 
 
+@pytest.fixture(autouse=True)
+def _release_gpu_memory(request):
+    """After each GPU test, what it left unreferenced is freed and the allocator's cache emptied: the GPU tests run
+    in one process, and on an 80 GiB card the step caches' test (two pipelines per config, ten configs) ran out of
+    memory after the others had run."""
+    yield
+    if "gpu" in request.keywords and torch.cuda.is_available():
+        import gc
+
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return
