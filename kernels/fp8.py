@@ -60,6 +60,28 @@ def fp8_store_chunk(Q, rows, M, N, c: tl.constexpr, CHUNK: tl.constexpr, y, inv)
 
 
 @triton.jit
+def fp8_store_row_chunks(Q, S, rows, M, N, CHUNK: tl.constexpr, NUM_CHUNKS: tl.constexpr, y0, y1, y2, y3):
+    """Whole rows [BLOCK_M] held as chunks y0..y3 [BLOCK_M, CHUNK] fp32 (chunked_rows_launch; masked lanes 0, the
+    chunks past NUM_CHUNKS unread): their rowwise-FP8 codes into Q [M, N], their scales into S [M]."""
+    amax = tl.max(tl.abs(y0), axis=1)
+    if NUM_CHUNKS > 1:
+        amax = tl.maximum(amax, tl.max(tl.abs(y1), axis=1))
+    if NUM_CHUNKS > 2:
+        amax = tl.maximum(amax, tl.max(tl.abs(y2), axis=1))
+    if NUM_CHUNKS > 3:
+        amax = tl.maximum(amax, tl.max(tl.abs(y3), axis=1))
+    inv, scale = fp8_row_scales(amax)
+    fp8_store_chunk(Q, rows, M, N, 0, CHUNK, y0, inv)
+    if NUM_CHUNKS > 1:
+        fp8_store_chunk(Q, rows, M, N, 1, CHUNK, y1, inv)
+    if NUM_CHUNKS > 2:
+        fp8_store_chunk(Q, rows, M, N, 2, CHUNK, y2, inv)
+    if NUM_CHUNKS > 3:
+        fp8_store_chunk(Q, rows, M, N, 3, CHUNK, y3, inv)
+    tl.store(S + rows, scale, mask=rows < M)
+
+
+@triton.jit
 def _quantize_fp8_rowwise_kernel(X, Q, S, stride_x, stride_q, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     rows, cols, mask = tile_rows(M, N, BLOCK_M, BLOCK_N)
     x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)

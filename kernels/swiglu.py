@@ -15,7 +15,7 @@ import triton.language as tl
 from ._utils import (
     FLOAT_DTYPES, FP8_DTYPE, TILE_ELEMENTS, check_tensor, chunk_cols, chunked_rows_launch, new_output, round_to,
 )
-from .fp8 import check_q_dtype, fp8_row_scales, fp8_store_chunk, quantize_fp8_rowwise_ref
+from .fp8 import check_q_dtype, fp8_store_row_chunks, quantize_fp8_rowwise_ref
 
 
 @triton.jit
@@ -56,25 +56,14 @@ def _silu_mul_fp8_kernel(GU, Q, S, stride_gu, M, N, BLOCK_M: tl.constexpr, CHUNK
     # whole rows in registers as NUM_CHUNKS tiles (chunked_rows_launch): the quantization's amax is per row
     rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
     y0 = _silu_mul_chunk(GU, rows, stride_gu, M, N, 0, CHUNK)
-    amax = tl.max(tl.abs(y0), axis=1)
+    y1, y2, y3 = y0, y0, y0  # stand-ins for the chunks a narrower row does not have (never read)
     if NUM_CHUNKS > 1:
         y1 = _silu_mul_chunk(GU, rows, stride_gu, M, N, 1, CHUNK)
-        amax = tl.maximum(amax, tl.max(tl.abs(y1), axis=1))
     if NUM_CHUNKS > 2:
         y2 = _silu_mul_chunk(GU, rows, stride_gu, M, N, 2, CHUNK)
-        amax = tl.maximum(amax, tl.max(tl.abs(y2), axis=1))
     if NUM_CHUNKS > 3:
         y3 = _silu_mul_chunk(GU, rows, stride_gu, M, N, 3, CHUNK)
-        amax = tl.maximum(amax, tl.max(tl.abs(y3), axis=1))
-    inv, scale = fp8_row_scales(amax)
-    fp8_store_chunk(Q, rows, M, N, 0, CHUNK, y0, inv)
-    if NUM_CHUNKS > 1:
-        fp8_store_chunk(Q, rows, M, N, 1, CHUNK, y1, inv)
-    if NUM_CHUNKS > 2:
-        fp8_store_chunk(Q, rows, M, N, 2, CHUNK, y2, inv)
-    if NUM_CHUNKS > 3:
-        fp8_store_chunk(Q, rows, M, N, 3, CHUNK, y3, inv)
-    tl.store(S + rows, scale, mask=rows < M)
+    fp8_store_row_chunks(Q, S, rows, M, N, CHUNK, NUM_CHUNKS, y0, y1, y2, y3)
 
 
 def _rows(gate_up: torch.Tensor) -> tuple[torch.Tensor, int, int]:
