@@ -68,7 +68,8 @@ class FastQwenImage21Pipeline(FastLoraPipeline, FastCheckpointPipeline, QwenImag
 
     @fast_config.setter
     def fast_config(self, config: FastConfig):
-        check_replacement(self._fast_config, config, QwenImage21Pipeline.__name__, image_conditioned=True)
+        # its text-to-image-only options are refuse_2512_only's, as when the pipeline is built
+        check_replacement(self._fast_config, config, QwenImage21Pipeline.__name__, image_conditioned=False)
         refuse_2512_only(config, type(self).__name__)
         self._fast_config = config
 

@@ -351,6 +351,8 @@ def test_qwen21_refuses_what_it_cannot_run(tmp_path):
         optimize(fast)
     with pytest.raises(ValueError, match="text_bucket=8"):
         fast.fast_config = fast.fast_config.replace(text_bucket=8)
+    with pytest.raises(ValueError, match="scheduler='unipc': supported by the text-to-image QwenImageFastPipeline"):
+        fast.fast_config = fast.fast_config.replace(scheduler="unipc")
     fast.fast_config = fast.fast_config.replace(cache="dbcache")
     with pytest.raises(ValueError, match="not supported on Qwen-Image-2.1 yet"):
         latents(fast)

@@ -176,8 +176,10 @@ class CudnnFp8Attention:
         import cudnn
 
         graph, handle, t, workspace, c = self._graph(*q8.shape, q8.device)
-        o_scale, inv_o_scale = (v_scale * self.O_HEADROOM, None) if o_scales is None else o_scales
-        inv_o_scale = 1.0 / o_scale if inv_o_scale is None else inv_o_scale
+        if o_scales is None:
+            o_scale = v_scale * self.O_HEADROOM
+            o_scales = (o_scale, 1.0 / o_scale)
+        o_scale, inv_o_scale = o_scales
         cudnn.set_stream(handle, torch.cuda.current_stream(q8.device).cuda_stream)
         pack = {t["q"]: q8, t["k"]: k8, t["v"]: v8, t["o"]: out8, t["descale_q"]: q_scale, t["descale_k"]: k_scale,
                 t["descale_v"]: v_scale, t["descale_s"]: c["descale_s"], t["scale_s"]: c["scale_s"],
