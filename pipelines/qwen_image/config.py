@@ -206,8 +206,8 @@ class FastConfig(FastTransformerConfig):
     ulysses_degree: ranks per Ulysses group; 0 = every rank CFG leaves. With world = dp x cfg x ulysses, dp > 1
         groups each denoise their own images (the CLI splits the prompts among them).
     modulation_table: every block's modulation vectors for every step computed once per schedule and looked up in
-        the loop, bit-identical to computing them in each forward (model/modulation.py); not while offload hooks
-        move the weights. Text-to-image only.
+        the loop, equal to computing them in each forward up to the GEMM's summation order (model/modulation.py);
+        not while offload hooks move the weights. Text-to-image only.
     memory: "fast" (every weight on the GPU) | "low" (runtime/offload.py: the modulation weights stay on the host,
         where tables are built from; the text encoder and the transformer's block linears take turns on the GPU in
         one shared buffer). Needs modulation_table; not with parallel. Text-to-image only.

@@ -305,9 +305,10 @@ class FastQwenImageTransformer(Unsupported, StepCaches, LoraAdapters, ModelMixin
                          lora_scale: float = 1.0) -> torch.Tensor:
         """[N, layout.size]: row n is the modulation of a forward given timestep=timesteps[n] ([N, B], on the
         model's device, exactly as passed to forward), guidance=guidance[n] (None or [N, B]), additional_t_cond and
-        attention_kwargs={"scale": lora_scale}; pass it as forward(..., modulation=table[n]). Built one step and one
-        block at a time, each block's img_mod / txt_mod put on the model's device while it is used (they may live
-        on the host: FastConfig.memory="low"). The last few tables are kept (modulation.py says what the key holds)."""
+        attention_kwargs={"scale": lora_scale}; pass it as forward(..., modulation=table[n]). Built one block at a
+        time over every step's rows, each block's img_mod / txt_mod put on the model's device while it is used (they
+        may live on the host: FastConfig.memory="low"). The last few tables are kept (modulation.py says what the key
+        holds)."""
         device, dtype = self.device, self.dtype
         layout = self.modulation_layout(timesteps.shape[1])
         weights = tuple((t.data_ptr(), t._version) for m in self._modulation_modules() for t in tensors_of(m))
@@ -315,19 +316,20 @@ class FastQwenImageTransformer(Unsupported, StepCaches, LoraAdapters, ModelMixin
                str(dtype), str(device), self.lora_state.version, float(lora_scale), weights)
 
         def build() -> torch.Tensor:
-            table = torch.empty(timesteps.shape[0], layout.size, dtype=dtype, device=device)
+            steps = timesteps.shape[0]
+            table = torch.empty(steps, layout.size, dtype=dtype, device=device)
             with forward_context(lora_scale=float(lora_scale)):
                 inputs = [self.time_embedding(timesteps[n], None if guidance is None else guidance[n],
-                                              additional_t_cond, dtype) for n in range(timesteps.shape[0])]
-                for n, (_, silu_temb_t) in enumerate(inputs):
-                    layout.out(table[n]).copy_(self.norm_out.linear(silu_temb_t))
+                                              additional_t_cond, dtype) for n in range(steps)]
+                silu_temb = torch.cat([rows for rows, _ in inputs])  # [N x G, D], step-major as the table
+                silu_temb_t = torch.cat([rows for _, rows in inputs])  # [N x B, D]
+                layout.out(table).copy_(self.norm_out.linear(silu_temb_t).view(steps, layout.batch, -1))
                 for i, block in enumerate(self.transformer_blocks):
                     with on_device([block.img_mod, block.txt_mod], device):
-                        for n, (silu_temb, silu_temb_t) in enumerate(inputs):
-                            img, txt = layout.block(table[n], i)
-                            mods = block.modulation(silu_temb, silu_temb_t)
-                            img.copy_(mods[0])
-                            txt.copy_(mods[1])
+                        img, txt = layout.block(table, i)  # [N, G, 6D], [N, B, 6D]
+                        mods = block.modulation(silu_temb, silu_temb_t)
+                        img.copy_(mods[0].view(img.shape))
+                        txt.copy_(mods[1].view(txt.shape))
             return table
 
         return self.modulation_tables.get(key, build)
