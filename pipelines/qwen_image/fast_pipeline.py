@@ -377,11 +377,12 @@ class FastPipelineMixin(FastLoraPipeline, FastCheckpointPipeline):
         return None if self._last_call is None else self._last_call.blocks_fraction
 
     @contextlib.contextmanager
-    def _fast_call(self, attention_kwargs: dict | None = None, will_run: dict[str, bool] | None = None, **context):
+    def _fast_call(self, attention_kwargs: dict | None = None, will_run: dict[str, bool] | None = None,
+                   facts: Facts | None = None, **context):
         """The runner of one call (CUDA graphs and batched CFG as the registry plans them: will_run, default
-        self.will_run()) and its record, which `applied` reads once the call has returned. context: more of the
-        forward context (runtime/context.py)."""
-        facts = self.facts()
+        self.will_run()) and its record, which `applied` reads once the call has returned. facts: self.facts() if the
+        caller has them; context: more of the forward context (runtime/context.py)."""
+        facts = facts if facts is not None else self.facts()
         will_run = will_run or self.will_run(facts)
         conflict = step_cache_conflict(self.fast_config, facts)
         if conflict:

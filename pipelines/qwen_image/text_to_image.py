@@ -283,7 +283,8 @@ class QwenImageFastPipeline(FastPipelineMixin, QwenImagePipeline):
 
         if self._turns is not None:  # the block linears' turn on the GPU (the text encoder's ends)
             self._turns.use("transformer")
-        will_run = self.will_run()
+        facts = self.facts()
+        will_run = self.will_run(facts)
         batched = do_true_cfg and will_run["batched_cfg"]
         cfg_steps = math.ceil(config.cfg_fraction * len(timesteps)) if do_true_cfg else 0
         scale = self._attention_kwargs.get("scale", 1.0)
@@ -295,7 +296,7 @@ class QwenImageFastPipeline(FastPipelineMixin, QwenImagePipeline):
 
         # 6. Denoising loop (and 7. the decode: the runner's call records what both ran)
         sampler.set_begin_index(0)
-        with self._fast_call(self._attention_kwargs, will_run, **context) as run:
+        with self._fast_call(self._attention_kwargs, will_run, facts, **context) as run:
             with self.progress_bar(total=num_inference_steps) as progress_bar:
                 for i, t in enumerate(timesteps):
                     if self.interrupt:

@@ -53,7 +53,8 @@ class Graphs:
     def drop_if_weights_moved(self, model):
         """A graph reads the weights at the addresses they had at capture: after `.to(...)` moved them, or LoRA
         adapters changed (their packed factors are rebuilt), capture anew (and free the stale graphs)."""
-        addresses = tuple(t.data_ptr() for t in (*model.parameters(), *model.buffers()))
+        addresses = tuple(t.data_ptr() for module in model.modules()  # every module's own tensors, one walk
+                          for t in (*module._parameters.values(), *module._buffers.values()) if t is not None)
         lora = getattr(model, "lora_state", None)
         addresses += (lora.version,) if lora is not None else ()
         if addresses != self.weights_at:

@@ -44,9 +44,10 @@ def has_offload_hooks(model: nn.Module) -> bool:
     """accelerate's (model / sequential CPU offload) or diffusers' (group offload, or any other but its step caches')
     hooks: they move weights between forwards (a captured graph would read stale addresses), and group offload with
     streams keeps its own host copies."""
-    for module in model.modules():
-        registry = getattr(module, "_diffusers_hook", None)
-        if hasattr(module, "_hf_hook") or (registry is not None and set(registry.hooks) - step_cache_hook_names()):
+    for module in model.modules():  # both set as plain instance attributes; vars() skips Module.__getattr__'s miss
+        attributes = vars(module)
+        registry = attributes.get("_diffusers_hook")
+        if "_hf_hook" in attributes or (registry is not None and set(registry.hooks) - step_cache_hook_names()):
             return True
     return False
 
