@@ -20,6 +20,8 @@ from diffusers import AutoencoderKLQwenImage, ModelMixin  # noqa: F401 (ModelMix
 from diffusers.models.autoencoders.autoencoder_kl_qwenimage import QwenImageCausalConv3d
 from diffusers.models.autoencoders.vae import DecoderOutput
 
+from ....kernels._utils import INTERPRETED
+from ....kernels.channel_norm import channel_norm
 from ..runtime.context import record
 from ..runtime.offload import has_offload_hooks
 
@@ -83,11 +85,19 @@ def rms_norm(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
     return normalized * norm.scale * norm.gamma.view(-1, 1, 1) + bias
 
 
+def norm_activation(x: torch.Tensor, norm: nn.Module, nonlinearity: nn.Module) -> torch.Tensor:
+    """nonlinearity(norm(x)) on [B, C, H, W]: with SiLU (the decoder's), one kernel where Triton runs
+    (kernels/channel_norm.py, the same casts; on a CPU without the interpreter upstream's ops), else as upstream."""
+    if isinstance(nonlinearity, nn.SiLU) and (x.is_cuda or INTERPRETED):
+        return channel_norm(x.contiguous(), norm.gamma, norm.scale, norm.bias, silu=True)
+    return nonlinearity(rms_norm(x, norm))
+
+
 def residual(x: torch.Tensor, block: nn.Module) -> torch.Tensor:
     """QwenImageResidualBlock (its dropout does nothing: why_not_2d)."""
     h = x if isinstance(block.conv_shortcut, nn.Identity) else conv(x, block.conv_shortcut)
-    x = conv(block.nonlinearity(rms_norm(x, block.norm1)), block.conv1)
-    x = conv(block.nonlinearity(rms_norm(x, block.norm2)), block.conv2)
+    x = conv(norm_activation(x, block.norm1, block.nonlinearity), block.conv1)
+    x = conv(norm_activation(x, block.norm2, block.nonlinearity), block.conv2)
     return x + h
 
 
@@ -106,5 +116,5 @@ def decode_image(vae, latents: torch.Tensor) -> torch.Tensor:
             x = residual(x, resnet)
         if up_block.upsamplers is not None:
             x = up_block.upsamplers[0].resample(x)  # nearest-exact 2x in fp32, then a 2D convolution
-    x = conv(decoder.nonlinearity(rms_norm(x, decoder.norm_out)), decoder.conv_out)
+    x = conv(norm_activation(x, decoder.norm_out, decoder.nonlinearity), decoder.conv_out)
     return x.clamp(-1.0, 1.0).unsqueeze(2)
