@@ -1,5 +1,6 @@
 """Channel-first RMS normalization of images, optionally followed by SiLU, in one pass: diffusers'
-`QwenImageRMS_norm(dim, channel_first=True, images=True)` and the decoder's `nonlinearity` after it, with their casts:
+`QwenImageRMS_norm(dim, channel_first=True)` and the decoder's `nonlinearity` after it, with their casts (the
+decoder's norms take [B, C, T, H, W] with images=False; on one frame that is this on [B, C, H, W]):
 
     n = F.normalize(x.float(), dim=1).to(x.dtype)   (fp32 x: no casts)   x / max(||x||_2 over C, 1e-12)
     y = n * scale * gamma + bias                      each product and the sum rounded to x.dtype
@@ -7,9 +8,9 @@
 
 on x [B, C, H, W] contiguous, gamma [C], bias [C] or 0.0 (a float), scale a float (upstream's sqrt(C)). In eager
 PyTorch that is ~9 passes over the image (upcast, norm, divide, downcast, three products and sums, SiLU); here one
-read and one write. A program takes BLOCK_P pixels of one image: the first loop over the channels sums the squares,
-the second reloads the same [C, BLOCK_P] tile (from L2) and writes it normalized. Rows of channels are strided by
-H * W, so the pixels are the contiguous axis of each load.
+write and one read from memory where the tile stays in L2. A program takes BLOCK_P pixels of one image: the first
+loop over the channels sums the squares, the second reloads the same [C, BLOCK_P] tile and writes it normalized.
+Rows of channels are strided by H * W, so the pixels are the contiguous axis of each load.
 """
 
 import torch
@@ -32,13 +33,13 @@ def _channel_norm_kernel(X, GAMMA, BIAS, Y, C, P, scale, eps, HAS_BIAS: tl.const
     dtype = Y.dtype.element_ty
     squares = tl.zeros([BLOCK_P], dtype=tl.float32)
     for c0 in range(0, C, BLOCK_C):
-        channels = c0 + tl.arange(0, BLOCK_C)
+        channels = (c0 + tl.arange(0, BLOCK_C)).to(tl.int64)  # channels * P: past int32 in a large image
         mask = (channels[:, None] < C) & (pixels[None, :] < P)
         x = tl.load(X + image + channels[:, None] * P + pixels[None, :], mask=mask, other=0.0).to(tl.float32)
         squares += tl.sum(x * x, axis=0)
     denominator = tl.maximum(tl.sqrt_rn(squares), eps)[None, :]  # [1, BLOCK_P]
     for c0 in range(0, C, BLOCK_C):
-        channels = c0 + tl.arange(0, BLOCK_C)
+        channels = (c0 + tl.arange(0, BLOCK_C)).to(tl.int64)
         mask = (channels[:, None] < C) & (pixels[None, :] < P)
         offsets = image + channels[:, None] * P + pixels[None, :]
         x = tl.load(X + offsets, mask=mask, other=0.0).to(tl.float32)

@@ -19,29 +19,35 @@ def _seed():
     torch.manual_seed(0)
 
 
-def norm_module(c: int, bias: bool, dtype) -> QwenImageRMS_norm:
-    norm = QwenImageRMS_norm(c, channel_first=True, images=True, bias=bias).to(dtype)
+def norm_module(c: int, bias: bool, dtype, images: bool = True) -> QwenImageRMS_norm:
+    """images=False: the decoder's norms (on [B, C, T, H, W]); True: the attention block's (on [B, C, H, W])."""
+    norm = QwenImageRMS_norm(c, channel_first=True, images=images, bias=bias).to(dtype)
     with torch.no_grad():
-        norm.gamma.copy_(1 + 0.5 * torch.randn(c, 1, 1))
+        norm.gamma.copy_(1 + 0.5 * torch.randn(norm.gamma.shape))
         if bias:
-            norm.bias.copy_(0.3 * torch.randn(c, 1, 1))
+            norm.bias.copy_(0.3 * torch.randn(norm.bias.shape))
     return norm
 
 
 @pytest.mark.parametrize("bias", [False, True], ids=["no-bias", "bias"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 def test_ref_matches_the_decoders_norm_and_silu(dtype, bias):
-    """The VAE decoder's `nonlinearity(norm(x))` (diffusers' QwenImageResidualBlock, norm_out), bit for bit."""
-    norm, silu = norm_module(24, bias, dtype), get_activation("silu")  # 96 .. 384 channels
-    x = (3 * torch.randn(2, 24, 5, 7)).to(dtype)
+    """The VAE decoder's `nonlinearity(norm(x))` (diffusers' QwenImageResidualBlock, norm_out: images=False, one
+    frame of [B, C, T, H, W]), and the 2D form, bit for bit."""
+    silu = get_activation("silu")
+    x = (3 * torch.randn(2, 24, 5, 7)).to(dtype)  # 96 .. 384 channels
     with torch.no_grad():
+        norm = norm_module(24, bias, dtype, images=False)
+        frame = silu(norm(x.unsqueeze(2))).squeeze(2)
+        assert torch.equal(channel_norm_ref(x, norm.gamma, norm.scale, norm.bias, silu=True), frame)
+        norm = norm_module(24, bias, dtype)
         assert torch.equal(channel_norm_ref(x, norm.gamma, norm.scale, norm.bias), norm(x))
         assert torch.equal(channel_norm_ref(x, norm.gamma, norm.scale, norm.bias, silu=True), silu(norm(x)))
 
 
 @pytest.mark.parametrize("b, c, h, w", [(1, 3, 4, 5), (2, 17, 9, 11), (1, 40, 3, 45)],
                          ids=["C3", "C17-two-channel-loads", "C40-three-pixel-blocks"])
-@pytest.mark.parametrize("bias, silu", [(False, True), (True, False)], ids=["silu", "bias"])
+@pytest.mark.parametrize("bias, silu", [(False, True), (True, False), (True, True)], ids=["silu", "bias", "both"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("device", DEVICES)
 def test_channel_norm_matches_ref(device, dtype, bias, silu, b, c, h, w):

@@ -1,6 +1,8 @@
 """The VAE decode of one image as 2D convolutions (pipelines/qwen_image/model/vae.py) against diffusers'
 AutoencoderKLQwenImage.decode, and where FastAutoencoderKLQwenImage chooses it."""
 
+import copy
+
 import numpy as np
 import pytest
 import torch
@@ -53,6 +55,23 @@ def test_decode_image_matches_the_stock_decode_fp32(vae):
     out.copy_(decode_image(vae, z))
     assert out.shape == ref.shape
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
+
+
+def test_decode_image_without_the_kernel_matches_the_stock_decode(vae, monkeypatch):
+    """The channel norm + SiLU as upstream's ops, where Triton does not run (a CPU without its interpreter)."""
+    from qwen_image_fast.pipelines.qwen_image.model import vae as vae_module
+
+    monkeypatch.setattr(vae_module, "INTERPRETED", False)
+    monkeypatch.setattr(vae_module, "channel_norm", None)  # not called
+    z = latents(vae)
+    torch.testing.assert_close(decode_image(vae, z), vae.decode(z).sample, atol=1e-5, rtol=0)
+
+
+def test_decode_image_fp64_matches_the_stock_decode(vae):
+    """fp64 (no kernel takes it): upstream's ops, as stock's."""
+    vae64 = copy.deepcopy(vae).to(torch.float64)
+    z = latents(vae64).double()
+    torch.testing.assert_close(decode_image(vae64, z), vae64.decode(z).sample, atol=1e-12, rtol=0)
 
 
 def test_decode_image_bf16_and_slicing(vae):

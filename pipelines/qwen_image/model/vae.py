@@ -20,7 +20,7 @@ from diffusers import AutoencoderKLQwenImage, ModelMixin  # noqa: F401 (ModelMix
 from diffusers.models.autoencoders.autoencoder_kl_qwenimage import QwenImageCausalConv3d
 from diffusers.models.autoencoders.vae import DecoderOutput
 
-from ....kernels._utils import INTERPRETED
+from ....kernels._utils import FLOAT_DTYPES, INTERPRETED
 from ....kernels.channel_norm import channel_norm
 from ..runtime.context import record
 from ..runtime.offload import has_offload_hooks
@@ -86,9 +86,9 @@ def rms_norm(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
 
 
 def norm_activation(x: torch.Tensor, norm: nn.Module, nonlinearity: nn.Module) -> torch.Tensor:
-    """nonlinearity(norm(x)) on [B, C, H, W]: with SiLU (the decoder's), one kernel where Triton runs
-    (kernels/channel_norm.py, the same casts; on a CPU without the interpreter upstream's ops), else as upstream."""
-    if isinstance(nonlinearity, nn.SiLU) and (x.is_cuda or INTERPRETED):
+    """nonlinearity(norm(x)) on [B, C, H, W]: with SiLU (the decoder's) in fp32 / fp16 / bf16, one kernel where
+    Triton runs (kernels/channel_norm.py, the same casts), else upstream's ops (a CPU without the interpreter, fp64)."""
+    if isinstance(nonlinearity, nn.SiLU) and x.dtype in FLOAT_DTYPES and (x.is_cuda or INTERPRETED):
         return channel_norm(x.contiguous(), norm.gamma, norm.scale, norm.bias, silu=True)
     return nonlinearity(rms_norm(x, norm))
 
