@@ -18,11 +18,11 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ._utils import FLOAT_DTYPES, INTERPRETED, check_tensor, new_output, round_to
+from ._utils import FLOAT_DTYPES, check_tensor, new_output, round_to
 
 EPS = 1e-12  # F.normalize's default
 BLOCK_C = 16  # channels a load: [BLOCK_C, BLOCK_P] tiles
-BLOCK_P = 64 if INTERPRETED else 256  # pixels a program: 512 contiguous bytes of bf16 a channel on a GPU
+BLOCK_P = 256  # pixels a program: 512 contiguous bytes of bf16 a channel
 
 
 @triton.jit
