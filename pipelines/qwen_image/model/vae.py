@@ -21,7 +21,7 @@ from diffusers.models.autoencoders.autoencoder_kl_qwenimage import QwenImageCaus
 from diffusers.models.autoencoders.vae import DecoderOutput
 
 from ....kernels._utils import FLOAT_DTYPES, INTERPRETED
-from ....kernels.channel_norm import channel_norm
+from ....kernels.channel_norm import channel_norm, channel_norm_ref
 from ..runtime.context import record
 from ..runtime.offload import has_offload_hooks
 
@@ -77,20 +77,12 @@ def conv(x: torch.Tensor, layer: QwenImageCausalConv3d) -> torch.Tensor:
     return F.conv2d(x, layer.weight[:, :, -1], layer.bias, stride=layer.stride[1:], padding=(h_pad, w_pad))
 
 
-def rms_norm(x: torch.Tensor, norm: nn.Module) -> torch.Tensor:
-    """QwenImageRMS_norm (channel first) on [B, C, H, W], with its casts."""
-    fp32 = x.dtype in (torch.float16, torch.bfloat16)
-    normalized = F.normalize(x.float() if fp32 else x, dim=1).to(x.dtype)
-    bias = norm.bias.view(-1, 1, 1) if isinstance(norm.bias, torch.Tensor) else norm.bias
-    return normalized * norm.scale * norm.gamma.view(-1, 1, 1) + bias
-
-
 def norm_activation(x: torch.Tensor, norm: nn.Module, nonlinearity: nn.Module) -> torch.Tensor:
     """nonlinearity(norm(x)) on [B, C, H, W]: with SiLU (the decoder's) in fp32 / fp16 / bf16, one kernel where
-    Triton runs (kernels/channel_norm.py, the same casts), else upstream's ops (a CPU without the interpreter, fp64)."""
+    Triton runs (kernels/channel_norm.py), else its reference, upstream's ops (a CPU without the interpreter, fp64)."""
     if isinstance(nonlinearity, nn.SiLU) and x.dtype in FLOAT_DTYPES and (x.is_cuda or INTERPRETED):
         return channel_norm(x.contiguous(), norm.gamma, norm.scale, norm.bias, silu=True)
-    return nonlinearity(rms_norm(x, norm))
+    return nonlinearity(channel_norm_ref(x, norm.gamma, norm.scale, norm.bias))
 
 
 def residual(x: torch.Tensor, block: nn.Module) -> torch.Tensor:
