@@ -51,33 +51,11 @@ def pytest_collection_modifyitems(config, items):
 def stand_in_graphs(monkeypatch):
     """CUDA graphs on the CPU: the registry lets them run, and a stand-in for the capture records it and replays
     by running the captured function on the captured static inputs (the GPU tests of test_pipeline.py and
-    test_family.py replay real graphs). Returns the batch of each capture and of each replay, in order."""
-    from qwen_image_fast.pipelines.qwen_image import optimizations
-    from qwen_image_fast.pipelines.qwen_image.runtime.cuda_graph import Graphs
+    test_family.py replay real graphs); it also checks that the graph store owns every tensor a captured forward
+    reads from outside (graph_stand_in.py), and the test fails at its end if one was not. Returns the log: the
+    batch of each capture and of each replay, in order."""
+    from graph_stand_in import install
 
-    log = {"captures": [], "replays": [], "capturing": False}
-
-    def capture(run, inputs, static=None, pool=None):
-        if static is None:
-            static = {name: v.clone() for name, v in inputs.items() if isinstance(v, torch.Tensor)}
-        log["capturing"] = True  # what runs now is the capture, not a forward (a real capture launches nothing)
-        try:
-            out = run(**inputs | static)
-        finally:
-            log["capturing"] = False
-        log["captures"].append(inputs["hidden_states"].shape[0])
-
-        class Graph:
-            def replay(self):
-                log["replays"].append(inputs["hidden_states"].shape[0])
-                new = run(**inputs | static)
-                for into, value in zip(*((out, new) if isinstance(out, tuple) else ((out,), (new,)))):
-                    if into is not None:
-                        into.copy_(value)
-
-        return Graph(), static, out
-
-    monkeypatch.setattr(Graphs, "capture", staticmethod(capture))
-    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
-    monkeypatch.setattr(optimizations, "no_graphs_reason", lambda facts: None)
-    return log
+    log = install(monkeypatch.setattr)
+    yield log
+    assert not log["unowned"], f"a captured forward read tensors its graph does not own: {log['unowned']}"

@@ -1,7 +1,10 @@
 """One rank of a parallel render of the tiny pipeline: `torchrun --nproc_per_node N tests/parallel_worker.py OUT
-PARALLEL [ULYSSES_DEGREE [CACHE]]` (gloo on the CPU; CACHE: a FastConfig.cache rule). Each image group's first rank saves every case's latents and what ran
-to OUT/rank<R>.pt; test_parallel.py compares them with the single-process fast pipeline."""
+PARALLEL [--ulysses DEGREE] [--cache RULE] [--graphs]` (gloo on the CPU; RULE: a FastConfig.cache rule; --graphs:
+CUDA graphs through the CPU stand-in of graph_stand_in.py, which also checks what the captured forwards read). Each
+image group's first rank saves every case's latents and what ran to OUT/rank<R>.pt; test_parallel.py compares
+them with stock diffusers and the single-process fast pipeline."""
 
+import argparse
 import os
 import sys
 
@@ -17,6 +20,9 @@ from diffusers import QwenImagePipeline  # noqa: E402
 from qwen_image_fast import FastConfig, optimize  # noqa: E402
 from qwen_image_fast.pipelines.tiny import tiny_pipeline  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from graph_stand_in import install  # noqa: E402
+
 # 4 heads so that 2 and 4 Ulysses ranks divide them; image token counts (VAE scale 4, 2x2 patches) 15, 35 and 16:
 # 15 and 35 divide neither 4 nor 2
 TRANSFORMER = {"num_attention_heads": 4}
@@ -25,22 +31,32 @@ CASES = [
     dict(prompt="a cat", negative_prompt="low quality, deformed hands, oversaturated, waxy skin",
          num_images_per_prompt=2, height=56, width=40),
     dict(prompt=["a cat", "a dog riding a skateboard down a hill"], negative_prompt="bad", height=32, width=32),
+    # the first case's shapes again (text padded to the same bucket with graphs), other prompts and step count: with
+    # --graphs it replays graphs captured two calls before
+    dict(prompt="a lighthouse on a cliff in a storm", negative_prompt="ugly, blurry", height=40, width=24,
+         num_inference_steps=3),
 ]
 STEPS = 2
 
 
 def render(pipe, case: dict, seed: int) -> torch.Tensor:
-    return pipe(**case, num_inference_steps=STEPS, true_cfg_scale=4.0, output_type="latent",
+    return pipe(**{"num_inference_steps": STEPS} | case, true_cfg_scale=4.0, output_type="latent",
                 generator=torch.Generator().manual_seed(seed)).images
 
 
 def main():
-    out, parallel = sys.argv[1], sys.argv[2]
-    ulysses = int(sys.argv[3]) if len(sys.argv) > 3 else 0
-    cache = sys.argv[4] if len(sys.argv) > 4 else None
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out")
+    parser.add_argument("parallel")
+    parser.add_argument("--ulysses", type=int, default=0)
+    parser.add_argument("--cache", default=None)
+    parser.add_argument("--graphs", action="store_true")
+    args = parser.parse_args()
+    graphs = install(setattr) if args.graphs else None
     dist.init_process_group("gloo")
     pipe = optimize(tiny_pipeline(QwenImagePipeline, 0, TRANSFORMER),
-                    FastConfig(fp8=False, cuda_graphs=False, parallel=parallel, ulysses_degree=ulysses, cache=cache))
+                    FastConfig(fp8=False, cuda_graphs=args.graphs, parallel=args.parallel,
+                               ulysses_degree=args.ulysses, cache=args.cache))
     pipe.set_progress_bar_config(disable=True)
     forwards, img_in = [], pipe.transformer.img_in.forward  # the rows this rank computes: batch, image tokens
 
@@ -54,8 +70,8 @@ def main():
         results["latents"].append(render(pipe, case, seed))
         results["applied"].append(pipe.applied)
     if pipe.parallel.is_image_leader:
-        torch.save(results | {"dp_rank": pipe.parallel.dp_rank, "forward": forwards[0]},
-                   os.path.join(out, f"rank{dist.get_rank()}.pt"))
+        torch.save(results | {"dp_rank": pipe.parallel.dp_rank, "forward": forwards[0], "graphs": graphs},
+                   os.path.join(args.out, f"rank{dist.get_rank()}.pt"))
     dist.destroy_process_group()
 
 

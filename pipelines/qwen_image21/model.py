@@ -65,7 +65,7 @@ from ..qwen_image.model.linear import FastLinear, Operand, as_fp8_operand, q_dty
 from ..qwen_image.model.lora import LoraState, lora_scale_of
 from ..qwen_image.model.unsupported import Unsupported, refuse
 from ..qwen_image.runtime.context import forward_context, get_context, record
-from ..qwen_image.runtime.cuda_graph import GraphCaptureError, Graphs, signature
+from ..qwen_image.runtime.cuda_graph import GraphCaptureError, Graphs, read_by_graph, signature
 
 STOCK_CONFIG = {name: p.default for name, p in
                 inspect.signature(QwenImage21Transformer2DModel.__init__).parameters.items() if name != "self"}
@@ -503,6 +503,8 @@ class FastQwenImage21Transformer(Unsupported, LoraAdapters, ModelMixin, ConfigMi
     def _cached_step(self, layout: Layout, kvs: list, backend: str, hidden_states, timestep) -> torch.Tensor:
         """A cached step from the target's latents [B, T, C] and timestep: every token reads its sample's row."""
         batch = hidden_states.shape[0]
+        # the layout's tables and masks and the prefix buffers, made before the step: a graph of it keeps them
+        read_by_graph(layout.freqs, layout.seqused_k, layout.key_mask, *(t for kv in kvs for t in kv))
         modulation, temb = self._modulation(timestep, hidden_states)
         rows = Rows(modulation[:batch], None, layout.freqs[layout.prefix:], 0, layout.target)
         plan = Attention(backend, layout.seqused_k, layout.key_mask)

@@ -50,10 +50,12 @@ def image_tokens(height: int, width: int) -> int:
     return (height // scale) * (width // scale)
 
 
-def launch(tmp_path, nproc: int, parallel: str, ulysses: int = 0, cache: str | None = None) -> dict[int, dict]:
+def launch(tmp_path, nproc: int, parallel: str, ulysses: int = 0, cache: str | None = None,
+           graphs: bool = False) -> dict[int, dict]:
     """torchrun the worker; {rank: what that image group leader saved}."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-               str(WORKER), str(tmp_path), parallel, str(ulysses), *([cache] if cache else [])]
+               str(WORKER), str(tmp_path), parallel, f"--ulysses={ulysses}", *([f"--cache={cache}"] if cache else []),
+               *(["--graphs"] if graphs else [])]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -85,6 +87,22 @@ def test_parallel_against_stock(tmp_path, stock_latents, single_process_applied,
         assert batch == (1 if "cfg" in parallel else 2) and tokens == even_sizes(image_tokens(40, 24), 2)[0], (
             batch, tokens)
     assert [results["dp_rank"] for results in saved.values()] == list(range(len(leaders)))
+
+
+@pytest.mark.parametrize("parallel", ["cfg", "ulysses"])
+def test_parallel_graphs_over_calls_in_a_row(tmp_path, stock_latents, parallel):
+    """Two ranks, CUDA graphs (the CPU stand-in), the cases one call after another (other prompts, text lengths,
+    sizes, batches and step counts; the last replays graphs the first call captured): every call equals stock, and
+    every tensor a captured forward read from outside is owned by the graph store (graph_stand_in.py). A Ulysses
+    layout made anew each call, its index tensors not kept by the graph that reads them, is what crashed the
+    second call on two GPUs (an index out of bounds in the replay)."""
+    [results] = launch(tmp_path, 2, parallel, graphs=True).values()
+    for case, got, want in zip(CASES, results["latents"], stock_latents):
+        assert_close(got, want, EXACT_TOL, f"{parallel}, {case}")
+    log = results["graphs"]
+    assert not log["unowned"], f"read by a graph that does not own them: {log['unowned']}"
+    assert log["captures"] and len(log["replays"]) > len(CASES), log  # graphs captured, and replayed across calls
+    assert all("cuda_graphs" in applied for applied in results["applied"]), results["applied"]
 
 
 @pytest.mark.parametrize("cache", ["every:2,1,0", "dbcache:1,0,0.71,w=0"])

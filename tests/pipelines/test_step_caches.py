@@ -236,18 +236,18 @@ def capture_leaves_rule_buffers(monkeypatch, pipe):
 
     stand_in = Graphs.capture
 
-    def capture(*args, **kwargs):
+    def capture(store, *args, **kwargs):
         runner = pipe.runner
         buffers = [t for f in runner.taylor_factors.values() for ts in f.tensors.values() for t in ts]
         buffers += [t for last in runner.last_attention.values() for t in last.tensors.values()]
         buffers += [t for slots in runner.attention_slots.values() for ts in slots.tensors.values() for t in ts]
         kept = [t.clone() for t in buffers]
-        result = stand_in(*args, **kwargs)
+        result = stand_in(store, *args, **kwargs)
         for t, value in zip(buffers, kept):
             t.copy_(value)
         return result
 
-    monkeypatch.setattr(Graphs, "capture", staticmethod(capture))
+    monkeypatch.setattr(Graphs, "capture", capture)
 
 
 def graphed_rule_cases() -> dict:

@@ -32,6 +32,7 @@ from ....kernels.residual_gate import (
 )
 from ..config import FastTransformerConfig
 from ..runtime.context import count_blocks, get_context
+from ..runtime.cuda_graph import read_by_graph
 from ..runtime.parallel import Ulysses, UlyssesPlan
 from ..runtime.taylorseer import PendingTerm
 from .attention import TextMask, joint_attention
@@ -231,6 +232,7 @@ class JointAttention(AttentionModuleMixin, nn.Module):
         if joint.fp8_attention:  # q and k into the FP8 buffers, scaled by the RMSNorm bound; v too where its holds
             q, k, v8 = joint.qkv8.unbind(0)
             qk_scales, v_bound = block.qk_fp8_scales(), block.v_fp8_scales(img_x, txt_x)
+            read_by_graph(*qk_scales)  # cached for these weights, made before the forward
             v, v_scale = (v, None) if v_bound is None else (v8, v_bound[:1])
         qkv_pack(block.img_qkv(img_x).view(batch, img_len, -1), block.norm_q, block.norm_k, joint.img_freqs,
                  q, k, v, 0, eps=block.eps, qk_scales=qk_scales, v_scale=v_scale)
@@ -315,6 +317,7 @@ class FastBlock(nn.Module):
             if not isinstance(x, tuple) or not linear.fp8 or lora_adds_to_v(linear, self.heads * self.head_dim):
                 return None
             terms.append(self._v_weight_bound(linear))
+            read_by_graph(*terms[-1])  # cached for these weights, made before the forward
         return output_bound_scales([img_x[1].reshape(-1, 1), txt_x[1].reshape(-1, 1)], terms,
                                    CudnnFp8Attention.O_HEADROOM)
 

@@ -36,6 +36,7 @@ from diffusers.utils import logging
 
 from ....kernels.fp8 import fp8_linear, quantize_fp8_rowwise_ref
 from ..runtime.context import get_context
+from ..runtime.cuda_graph import read_by_graph
 
 logger = logging.get_logger(__name__)
 
@@ -183,6 +184,7 @@ class LoraLinear(nn.Module):
             if any(k[0] != key[0] for k in store):
                 store.clear()
             store[key] = build()
+        read_by_graph(*(store[key] or ()))  # a graph captured at this scale keeps reading them
         return store[key]
 
     def frozen_delta(self, n_out: int) -> torch.Tensor | None:

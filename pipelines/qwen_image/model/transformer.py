@@ -38,6 +38,7 @@ from ....kernels.residual_gate import residual_gate_layer_norm_modulate
 from ..config import FastTransformerConfig
 from ..runtime.cfg_pairing import pad_text
 from ..runtime.context import forward_context, get_context
+from ..runtime.cuda_graph import read_by_graph
 from ..runtime.offload import has_offload_hooks, on_device, tensors_of
 from ..runtime.parallel import UlyssesPlan
 from .adapters import LoraAdapters, check_carriable, peft_lora_layers
@@ -55,6 +56,7 @@ from .unsupported import Unsupported
 STOCK_CONFIG = {name: p.default for name, p in inspect.signature(QwenImageTransformer2DModel.__init__).parameters.items()
                 if name != "self"}
 # The modules of the stock model the fast one takes as they are (from_diffusers shares them).
+MAX_ROTARY = 64  # rotary tables kept per model, one per image shapes and text length (a graph keeps its own)
 SHARED_MODULES = ("time_text_embed", "txt_norm", "img_in", "txt_in", "norm_out", "proj_out")
 
 
@@ -127,6 +129,7 @@ class FastQwenImageTransformer(Unsupported, StepCaches, LoraAdapters, ModelMixin
         self.zero_cond_t = config["zero_cond_t"]
         self.requires_grad_(False)
         self._mod_rows: dict = {}  # zero_cond_t: each image token's modulation row, per shape
+        self._rotary: dict = {}  # pos_embed's tables per shape (_rotary_tables)
         self.modulation_tables = ModulationTables()
         self.lora_state = LoraState()
         self.weight_source: CheckpointWeights | None = None  # the BF16 masters of the FP8 weights (fuse_lora)
@@ -267,6 +270,18 @@ class FastQwenImageTransformer(Unsupported, StepCaches, LoraAdapters, ModelMixin
             rows = torch.arange(batch, dtype=torch.int32)[:, None] + batch * index
             self._mod_rows[key] = rows[:, img].flatten().to(device)
         return self._mod_rows[key]
+
+    def _rotary_tables(self, img_shapes, txt_len: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """pos_embed's (image, text) rotary tables for these shapes, kept here (at most MAX_ROTARY shapes, the oldest
+        dropped): diffusers' QwenEmbedRope caches its image tables in an lru_cache shared by every model, whose
+        entries a long-running process evicts while a CUDA graph may still read them (a graph keeps what it read:
+        cuda_graph.read_by_graph)."""
+        key = (repr(img_shapes), txt_len, str(device))
+        if key not in self._rotary:
+            if len(self._rotary) >= MAX_ROTARY:
+                del self._rotary[next(iter(self._rotary))]
+            self._rotary[key] = self.pos_embed(img_shapes, max_txt_seq_len=txt_len, device=device)
+        return self._rotary[key]
 
     # ---- the modulation table (modulation.py)
 
@@ -433,7 +448,8 @@ class FastQwenImageTransformer(Unsupported, StepCaches, LoraAdapters, ModelMixin
                              f"takes a row of modulation_table(...) ({layout.size},) {hidden_states.dtype}")
         else:
             silu_temb = silu_temb_t = None
-        img_freqs, txt_freqs = self.pos_embed(img_shapes, max_txt_seq_len=txt_len, device=device)
+        img_freqs, txt_freqs = self._rotary_tables(img_shapes, txt_len, device)
+        read_by_graph(img_freqs, txt_freqs, mod_row, *(plan.tensors() if plan else ()))  # made before, kept by caches
         if plan:
             img_freqs, txt_freqs = img_freqs[plan.img], txt_freqs[plan.txt]
         block0 = self.transformer_blocks[0]

@@ -12,11 +12,31 @@ Pieces of a forward between which Python runs (a block under diffusers' step-cac
 into one shared memory pool: a piece's intermediates are dead once it returns, and its output is copied out right
 after its replay, so any replay order is safe; the input buffers of one piece kind and signature are shared by the
 pieces of every block (each is filled just before its replay).
+
+A graph reads memory by address, so whatever it reads must live as long as it does. Its static inputs, its output
+and its intermediates are its own; the weights are checked for moves before each call (drop_if_weights_moved); what
+else a forward reads that it did not make during the capture (rotary tables and index tensors from a model's
+caches, a Ulysses layout, step-cache buffers) the forward names with `read_by_graph`, and the graph captured around
+it holds a reference to each for as long as it is kept. Without that, a cache that drops or rebuilds such a tensor
+frees its memory while a kept graph still reads it: whatever is allocated there next is read in its place, an index
+out of bounds at best, a wrong image and no error at worst.
 """
 
 from collections import OrderedDict
+from contextvars import ContextVar
 
 import torch
+
+# While a graph is captured: the tensors made outside it that its forward said it reads (read_by_graph)
+_CAPTURE_READS: ContextVar[list | None] = ContextVar("qwen_image_fast_capture_reads", default=None)
+
+
+def read_by_graph(*tensors):
+    """Tensors a forward reads that were made outside it (a cache's tables or indices): a graph captured around
+    this forward keeps them alive for as long as it is kept. Outside a capture, nothing."""
+    kept = _CAPTURE_READS.get()
+    if kept is not None:
+        kept.extend(t for t in tensors if t is not None)
 
 
 class GraphCaptureError(RuntimeError):
@@ -35,8 +55,9 @@ class Graphs:
 
     def __init__(self, max_graphs: int = 4, shared: bool = False):
         self.max_graphs, self.shared = max_graphs, shared
-        self.graphs: OrderedDict[tuple, tuple] = OrderedDict()  # key -> (graph, static inputs, output)
-        self.weights_at: tuple = ()
+        # key -> (graph, static inputs, output, the tensors made outside it that it reads: read_by_graph)
+        self.graphs: OrderedDict[tuple, tuple] = OrderedDict()
+        self.weights_at: tuple = ()  # (the weights' data_ptrs, the LoRA adapters' version)
         self.pool = None  # shared: the memory pool of every capture
         self.inputs: dict[tuple, dict] = {}  # shared: (input kind, signature) -> static input buffers
 
@@ -56,10 +77,10 @@ class Graphs:
         addresses = tuple(t.data_ptr() for module in model.modules()  # every module's own tensors, one walk
                           for t in (*module._parameters.values(), *module._buffers.values()) if t is not None)
         lora = getattr(model, "lora_state", None)
-        addresses += (lora.version,) if lora is not None else ()
-        if addresses != self.weights_at:
+        weights_at = (addresses, lora.version if lora is not None else None)
+        if weights_at != self.weights_at:
             self.clear()
-            self.weights_at = addresses
+            self.weights_at = weights_at
 
     def filled(self, kind: str, tensors: dict, fill: bool = True) -> dict:
         """The shared buffers of `kind` and the tensors' signature (created as copies the first time), holding
@@ -84,14 +105,17 @@ class Graphs:
                                      fill=False)
                 if self.pool is None:
                     self.pool = torch.cuda.graph_pool_handle()
+            reads = _CAPTURE_READS.set([])
             try:
-                self.graphs[key] = self.capture(run, inputs, static, self.pool)
+                self.graphs[key] = (*self.capture(run, inputs, static, self.pool), tuple(_CAPTURE_READS.get()))
             except Exception as e:
                 raise GraphCaptureError(f"{type(e).__name__}: {e}") from e
+            finally:
+                _CAPTURE_READS.reset(reads)
             if len(self.graphs) > self.max_graphs:
                 self.graphs.popitem(last=False)
         self.graphs.move_to_end(key)
-        graph, static, out = self.graphs[key]
+        graph, static, out, _ = self.graphs[key]
         for name, buf in static.items():
             buf.copy_(inputs[name])
         graph.replay()

@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .cuda_graph import read_by_graph
+
 
 @dataclass(frozen=True)
 class FasterCacheRule:
@@ -101,6 +103,7 @@ class BlockCache:
     def _approximate(self, stream: str, parity: int, weight: torch.Tensor) -> torch.Tensor:
         """FasterCacheBlockHook._compute_approximated_attention_output: t1 + (t1 - t2) * w."""
         slots = self.slots.tensors[(self.index, stream)]
+        read_by_graph(*slots)  # the runner's buffers, which a graph of this forward reads
         t2, t1 = slots[parity], slots[1 - parity]
         return t1 + (t1 - t2) * weight
 
@@ -108,6 +111,7 @@ class BlockCache:
         slots = self.slots.tensors.get((self.index, stream))
         if slots is None or slots[0].shape != tensor.shape:  # first forward of a shape: eager
             self.slots.tensors[(self.index, stream)] = slots = [torch.empty_like(tensor), torch.empty_like(tensor)]
+        read_by_graph(*slots)  # the runner's buffers, which a graph of this forward writes
         for p in ((0, 1) if fill_both else (parity,)):
             slots[p].copy_(tensor)
 

@@ -103,6 +103,8 @@ class ParallelMesh:
                 group = dist.new_group(ranks[j::u])
                 if (d, j) == (self.dp_rank, self.ulysses_rank):
                     self.cfg_group = group
+        # one Ulysses group for the pipeline's life: its layouts (index tensors) are built once per shape
+        self._ulysses = Ulysses(self.ulysses_group, u, self.ulysses_rank) if u > 1 else None
 
     @classmethod
     def build(cls, parallel: str, ulysses_degree: int, heads: int | None) -> "ParallelMesh":
@@ -124,7 +126,7 @@ class ParallelMesh:
                 + ([f"parallel:ulysses{self.shape.ulysses}"] if self.shape.ulysses > 1 else []))
 
     def ulysses(self) -> "Ulysses | None":
-        return Ulysses(self.ulysses_group, self.shape.ulysses, self.ulysses_rank) if self.shape.ulysses > 1 else None
+        return self._ulysses
 
     def broadcast_latents(self, latents: torch.Tensor) -> torch.Tensor:
         """The image group's leader's starting latents on every rank of the group (a generator=None call draws
@@ -161,9 +163,14 @@ class UlyssesPlan:
         self.to_gathered = torch.argsort(self.to_joint)
         self.img_sizes, self.degree, self.local_len = img_sizes, degree, self.sizes[rank]
 
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The index tensors the all-to-alls read (a CUDA graph of a forward keeps them: cuda_graph.read_by_graph)."""
+        return self.to_joint, self.to_gathered
+
 
 class Ulysses:
-    """The all-to-alls of one Ulysses group (its process group, degree P, this rank's index in it)."""
+    """The all-to-alls of one Ulysses group (its process group, degree P, this rank's index in it), and the layouts
+    of the shapes it has run (a CUDA graph of a forward also keeps the one it read: UlyssesPlan.tensors)."""
 
     def __init__(self, group, degree: int, rank: int):
         self.group, self.degree, self.rank = group, degree, rank

@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .cuda_graph import read_by_graph
+
 
 @dataclass(frozen=True)
 class PyramidBroadcastRule:
@@ -75,6 +77,7 @@ class BlockCache:
         rows = batch // n
         value = (self.last.tensors.get((self.index, "img")),
                  self.last.tensors.get((self.index, "txt")) if text_out else None)
+        read_by_graph(*value)  # the runner's buffers, which a graph of this forward reads
         parts = []
         for k, computes in enumerate(self.decisions):
             if computes:
@@ -93,6 +96,7 @@ class BlockCache:
             if kept is None or kept.shape != tensor.shape:  # first forward of a shape: eager
                 self.last.tensors[(self.index, stream)] = tensor.clone()
             elif kept is not tensor:
+                read_by_graph(kept)  # the runner's buffer, which a graph of this forward writes
                 kept.copy_(tensor)
 
 

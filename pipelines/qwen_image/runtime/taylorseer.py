@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ....kernels.taylor_factors import taylor_factors_update
+from .cuda_graph import read_by_graph
 
 
 @dataclass(frozen=True)
@@ -113,8 +114,9 @@ class BlockCache:
     def _predict(self, stream: str) -> "torch.Tensor | PendingTerm":
         """The predicted output: the sum itself for one factor, else the sum of all but the last order with the
         last term pending (the block's residual kernel adds it: one pass over the rows instead of three)."""
-        factors = [f if f.dtype == self.dtype else f.to(self.dtype) for f in
-                   self.factors.tensors[(self.index, stream)][:self.orders]]
+        stack = self.factors.tensors[(self.index, stream)]
+        read_by_graph(stack)  # the runner's buffer, which a graph of this forward reads
+        factors = [f if f.dtype == self.dtype else f.to(self.dtype) for f in stack[:self.orders]]
         out = factors[0]  # f0 * 0! / 0! is f0
         for j in range(1, self.orders - 1):
             out = out + factors[j] * self.scalars[j]
@@ -132,6 +134,7 @@ class BlockCache:
         if stack is None:  # the first update (orders 0), eager: a graph captures the variant at a later use
             stack = torch.empty((self.slots, *out.shape), dtype=self.factors_dtype or out.dtype, device=out.device)
             self.factors.tensors[(self.index, stream)] = stack
+        read_by_graph(stack)  # the runner's buffer, which a graph of this forward writes
         # self.orders: the orders the last update left, up to max_order
         taylor_factors_update(out, stack, self.orders, self.scalars)
 
