@@ -1,25 +1,31 @@
-"""One image on several GPUs (GPU, NCCL): the fast pipeline on 1 GPU vs CFG-parallel, Ulysses and both.
+"""One image on several GPUs (GPU, NCCL): the fast pipeline on 1 GPU vs CFG-parallel, Ulysses and both, each with
+BF16 attention (FlashAttention-4 where installed) and with FP8 attention (cuDNN) where it combines.
 
     torchrun --nproc_per_node 2 benchmarks/bench_parallel.py [--tokenizer DIR] [--sizes 1024,1328] [--out DIR]
+    torchrun --nproc_per_node 2 benchmarks/bench_parallel.py --tiny     # CPU, gloo, tiny components: logic only
 
 Every rank builds the same full-size random transformer and VAE (bench_transformer.make_stock, seeded) and
-bench_pipeline's 1-layer text encoder, converts once, then builds one QwenImageFastPipeline per mode around the
-converted transformer (FastConfig(parallel=...)), each with its own CUDA graphs. Modes for world size 2: cfg,
-ulysses; 4: ulysses (4 ranks), cfg,ulysses (2 x 2). The 1-GPU rows run the same pipeline without a mesh on every
-rank at once (each GPU alone), timed on rank 0; a 1-GPU row without batched CFG calibrates how far two correct
-runs drift apart over 50 steps.
+bench_pipeline's 1-layer text encoder, converts once per attention setting, then builds one QwenImageFastPipeline
+per mode around the converted transformer (FastConfig(parallel=...)), each with its own CUDA graphs. Modes for
+world size 2: cfg, ulysses; 4: ulysses (4 ranks), cfg,ulysses (2 x 2). FP8 attention with Ulysses is refused by
+FastConfig (BF16 heads move between ranks): the refusal is printed in place of the row. The 1-GPU rows run the same
+pipeline without a mesh on every rank at once (each GPU alone), timed on rank 0; a 1-GPU row without batched CFG
+calibrates how far two correct runs drift apart over 50 steps.
 
-Per row (1024^2 and 1328^2, 50 Euler steps, true_cfg_scale=4, negative prompt): seconds per image (text encoding +
-denoising + VAE decode), ms per step, speed-up and scaling efficiency (speed-up / GPUs) vs 1 GPU, the share of
-the GPU time spent in NCCL kernels (torch.profiler over 3 eager steps on rank 0; a collective's kernel also counts
-the time it waits for the slower rank), and two distances from the 1-GPU run: the first step's update (one Euler
-step from the same starting latents: the guided velocity, where two correct runs differ by bf16 rounding only) and
-the latents after 50 steps (random weights amplify any rounding difference over the steps: compare with the
-unbatched 1-GPU row). A row beyond STEP_GATE or FINAL_GATE is printed and not recorded. Rank 0 appends to
-results/parallel.jsonl.
+Per row (50 Euler steps, true_cfg_scale=4, negative prompt): seconds per image (text encoding + denoising + VAE
+decode), ms per step, speed-up and scaling efficiency (speed-up / GPUs) vs 1 GPU with the same attention, and where
+the GPU time of 3 graphed steps goes on each rank (torch.profiler, the graphs' kernels included): NCCL kernels and
+the rest, per rank. A collective's kernel also counts the time it waits for the slower rank, so a rank that computes
+less shows more NCCL time: `rank_compute_ms` / `rank_nccl_ms` tell waiting (unequal compute) from transfer. Then
+two distances from the 1-GPU run: the first step's update (one Euler step from the same starting latents) and the
+latents after 50 steps (random weights amplify any rounding difference: compare with the unbatched 1-GPU row). A
+row beyond STEP_GATE or FINAL_GATE is printed and not recorded. Ulysses' all-to-all is also timed alone at a
+block's shapes against an all-gather of the same bytes (`alltoall_probe`: achieved GB/s of each). Rank 0 appends
+to results/parallel.jsonl.
 """
 
 import argparse
+import gc
 import os
 import sys
 import time
@@ -55,8 +61,8 @@ def call(pipe, size: int, steps: int, device) -> tuple[torch.Tensor, float, floa
     return latents, t1 - t0, time.perf_counter() - t1
 
 
-def first_update(pipe, size: int, start: torch.Tensor) -> torch.Tensor:
-    """The first of 50 Euler steps from `start` (packed latents; the loop is interrupted after it): latents minus
+def first_update(pipe, size: int, start: torch.Tensor, steps: int = STEPS) -> torch.Tensor:
+    """The first of `steps` Euler steps from `start` (packed latents; the loop is interrupted after it): latents minus
     start, the first guided velocity times the step's sigma change."""
     seen = {}
 
@@ -66,7 +72,7 @@ def first_update(pipe, size: int, start: torch.Tensor) -> torch.Tensor:
         return {}
 
     pipe(prompt=PROMPT, negative_prompt=NEGATIVE, true_cfg_scale=4.0, width=size, height=size,
-         num_inference_steps=STEPS, latents=start.clone(), output_type="latent", callback_on_step_end=first_step_only)
+         num_inference_steps=steps, latents=start.clone(), output_type="latent", callback_on_step_end=first_step_only)
     return seen["latents"] - start.float()
 
 
@@ -78,78 +84,150 @@ def same_on_every_rank(pipe):
             dist.broadcast(tensor, src=0)
 
 
-def nccl_share(components: dict, mode: str, size: int, device) -> float:
-    """Fraction of the GPU kernel time of 3 denoising steps spent in NCCL kernels (rank 0's view), run eagerly
-    (the profiler sees each kernel; the graphs replay the same ones)."""
+def gpu_time_split(pipe, size: int, steps: int, device) -> dict:
+    """Per rank, ms per step of GPU kernel time in NCCL and in everything else over `steps` graphed steps of a warm
+    pipeline (its graphs captured), gathered on every rank; on the CPU (gloo) the profiler's CPU ops instead."""
     from torch.profiler import ProfilerActivity, profile
 
-    pipe = QwenImageFastPipeline(**components, fast_config=FastConfig(parallel=mode, cuda_graphs=False))
-    pipe.set_progress_bar_config(disable=True)
-    call(pipe, size, 1, device)
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        call(pipe, size, 3, device)
-    events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
-    total = sum(e.self_device_time_total for e in events)
-    nccl = sum(e.self_device_time_total for e in events if "nccl" in e.key.lower())
-    return nccl / total if total else float("nan")
+    activity = ProfilerActivity.CUDA if device.type == "cuda" else ProfilerActivity.CPU
+    with profile(activities=[activity]) as prof:
+        call(pipe, size, steps, device)
+    events = [e for e in prof.key_averages() if e.device_type.name == activity.name]
+    total = sum(e.self_device_time_total if device.type == "cuda" else e.self_cpu_time_total for e in events)
+    comm = sum(e.self_device_time_total if device.type == "cuda" else e.self_cpu_time_total for e in events
+               if "nccl" in e.key.lower() or "gloo" in e.key.lower())
+    mine = torch.tensor([(total - comm) / 1e3 / steps, comm / 1e3 / steps], dtype=torch.float64)
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    return dict(rank_compute_ms=[t[0].item() for t in every], rank_nccl_ms=[t[1].item() for t in every],
+                nccl_share=(every[0][1] / every[0].sum()).item())
+
+
+def alltoall_probe(size: int, device, dtype) -> dict:
+    """Ulysses' all-to-all of one block's stacked Q/K/V (batched CFG: B = 2, 24 heads x 128, `size`^2 image tokens
+    and 218 text tokens split over the ranks) alone, against an all-gather of the same bytes per rank: ms and GB/s
+    (bytes each rank sends and receives)."""
+    world = dist.get_world_size()
+    rows = ((size // 16) ** 2 + 218) // world
+    qkv = torch.randn(world * rows, 3, 2, 24 // world, 128, device=device).to(dtype)
+    recv = torch.empty_like(qkv)
+    moved = qkv.numel() * qkv.element_size() * (world - 1) / world  # sent (and received) by each rank
+
+    def a2a():
+        dist.all_to_all_single(recv, qkv)
+
+    gathered = torch.empty(world * qkv.numel() // world, dtype=dtype, device=device)
+    part = qkv.flatten()[:qkv.numel() // world]
+
+    def gather():
+        dist.all_gather_into_tensor(gathered, part)
+
+    result = {}
+    for name, fn in (("all_to_all", a2a), ("all_gather", gather)):
+        for _ in range(3):
+            fn()
+        sync(device)
+        t0 = time.perf_counter()
+        for _ in range(10):
+            fn()
+        sync(device)
+        ms = (time.perf_counter() - t0) / 10 * 1e3
+        result[name] = dict(ms=ms, gb_per_s=moved / ms / 1e6)
+    return result
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tiny", action="store_true", help="tiny random components on the CPU over gloo (logic check)")
     parser.add_argument("--sizes", default="1024,1328")
     parser.add_argument("--tokenizer", type=Path, default=None, help="a Qwen2.5 BPE tokenizer folder")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     local_rank = int(os.environ["LOCAL_RANK"])
-    torch.cuda.set_device(local_rank)
-    device = torch.device("cuda", local_rank)
-    dist.init_process_group("nccl", device_id=device)
+    if args.tiny:
+        device, dtype = torch.device("cpu"), torch.float32
+        dist.init_process_group("gloo")
+    else:
+        torch.cuda.set_device(local_rank)
+        device, dtype = torch.device("cuda", local_rank), torch.bfloat16
+        dist.init_process_group("nccl", device_id=device)
     world, rank = dist.get_world_size(), dist.get_rank()
     if world not in MODES:
         raise SystemExit(f"world size {world}; this benchmark runs on {sorted(MODES)} GPUs")
-    env = environment() if rank == 0 else {}
+    env = environment() if rank == 0 and not args.tiny else {}
 
-    stock = full_size_stock_pipeline(args.tokenizer)
-    same_on_every_rank(stock)
-    base = optimize(stock, FastConfig())
-    components = {name: getattr(base, name) for name in ("scheduler", "vae", "text_encoder", "tokenizer",
-                                                         "transformer")}
+    if args.tiny:
+        from qwen_image_fast.pipelines.tiny import tiny_pipeline
+
+        stock, sizes, steps = tiny_pipeline(transformer_config={"num_attention_heads": 4}), [32], 3
+    else:
+        stock, sizes, steps = full_size_stock_pipeline(args.tokenizer), list(map(int, args.sizes.split(","))), STEPS
+        same_on_every_rank(stock)
     rows = []
-    for size in map(int, args.sizes.split(",")):
-        start = torch.randn(1, (size // 16) ** 2, 64, device=device, generator=torch.Generator(device).manual_seed(1),
-                            dtype=torch.bfloat16)  # packed starting latents, the same on every rank
-        reference, one_gpu_s, one_gpu_update = None, None, None
-        for label, mode, config in [("1gpu", "none", FastConfig()),
-                                    ("1gpu-unbatched", "none", FastConfig(batched_cfg=False))] + [
-                                       (mode, mode, FastConfig(parallel=mode)) for mode in MODES[world]]:
-            pipe = QwenImageFastPipeline(**components, fast_config=config)
-            pipe.set_progress_bar_config(disable=True)
-            call(pipe, size, 2, device)  # warm-up: graphs captured, NCCL communicators set up
-            update = first_update(pipe, size, start)
-            latents, denoise_s, decode_s = call(pipe, size, STEPS, device)
-            seconds = denoise_s + decode_s
-            share = nccl_share(components, mode, size, device) if mode != "none" else 0.0
-            gpus = 1 if mode == "none" else world
-            if label == "1gpu":
-                reference, one_gpu_s, one_gpu_update = latents.float(), seconds, update
-            err, step_err = rel_rms_error(latents.float(), reference), rel_rms_error(update, one_gpu_update)
-            row = dict(bench="parallel", size=size, steps=STEPS, mode=label, gpus=gpus, world=world,
-                       s_per_image=seconds, ms_per_step=1000 * denoise_s / STEPS, vae_s=decode_s,
-                       speedup_vs_1gpu=one_gpu_s / seconds, scaling_efficiency=one_gpu_s / seconds / gpus,
-                       nccl_share=share, first_step_rel_rms_vs_1gpu=step_err, latent_rel_rms_vs_1gpu=err,
-                       applied=pipe.applied)
-            if rank == 0:
-                print(f"{size} {label:14s} {seconds:6.2f} s  {row['ms_per_step']:6.1f} ms/step  "
-                      f"x{row['speedup_vs_1gpu']:.2f} (eff {row['scaling_efficiency']:.2f})  NCCL {100 * share:4.1f}%"
-                      f"  vs 1 GPU: first step {step_err:.2e}, 50 steps {err:.2e}  {pipe.applied}", flush=True)
-                if step_err > STEP_GATE or err > FINAL_GATE:
-                    print(f"  FAILED the gates {STEP_GATE} / {FINAL_GATE}: not recorded", flush=True)
-                else:
-                    rows.append(env | row)
-            del pipe
+    for attention in ("off",) if args.tiny else ("off", "cudnn"):  # one converted transformer at a time (H100 memory)
+        converted = QwenImageFastPipeline.from_pipe(
+            stock, fast_config=FastConfig(fp8=not args.tiny, fp8_attention=attention), device=device)
+        components = {name: getattr(converted, name) for name in ("scheduler", "vae", "text_encoder", "tokenizer",
+                                                                  "transformer")}
+        for size in sizes:
+            start = torch.randn(1, (size // 16) ** 2, 64, device=device,
+                                generator=torch.Generator(device).manual_seed(1), dtype=dtype)  # the same on every rank
+            if args.tiny:  # the tiny VAE's scale: 4, then 2x2 patches of 4 channels
+                start = torch.randn(1, (size // 8) ** 2, 16, generator=torch.Generator().manual_seed(1))
+            probe = alltoall_probe(32 if args.tiny else size, device, dtype)
+            if rank == 0 and attention == "off":
+                print(f"{size} Ulysses all-to-all of a block's Q/K/V alone: " + ", ".join(
+                    f"{name} {r['ms']:.3f} ms ({r['gb_per_s']:.0f} GB/s)" for name, r in probe.items()), flush=True)
+            reference, one_gpu_s, one_gpu_update = None, None, None
+            modes = [("1gpu", "none", {}), ("1gpu-unbatched", "none", dict(batched_cfg=False))] + [
+                (mode, mode, {}) for mode in MODES[world]]
+            for label, mode, changes in modes:
+                try:
+                    config = converted.fast_config.replace(parallel=mode, **changes)
+                except ValueError as e:
+                    if rank == 0:
+                        print(f"{size} {label:14s} fp8_attention={attention}: refused: {e}", flush=True)
+                    continue
+                pipe = QwenImageFastPipeline(**components, fast_config=config)
+                pipe.set_progress_bar_config(disable=True)
+                call(pipe, size, 2, device)  # warm-up: graphs captured, NCCL communicators set up
+                update = first_update(pipe, size, start, steps)
+                latents, denoise_s, decode_s = call(pipe, size, steps, device)
+                seconds = denoise_s + decode_s
+                split = gpu_time_split(pipe, size, 3, device) if mode != "none" else {}
+                gpus = 1 if mode == "none" else world
+                if label == "1gpu":
+                    reference, one_gpu_s, one_gpu_update = latents.float(), seconds, update
+                err, step_err = rel_rms_error(latents.float(), reference), rel_rms_error(update, one_gpu_update)
+                row = dict(bench="parallel", size=size, steps=steps, mode=label, gpus=gpus, world=world,
+                           fp8_attention=attention, s_per_image=seconds, ms_per_step=1000 * denoise_s / steps,
+                           vae_s=decode_s, speedup_vs_1gpu=one_gpu_s / seconds,
+                           scaling_efficiency=one_gpu_s / seconds / gpus, nccl_share=split.get("nccl_share", 0.0),
+                           rank_compute_ms=split.get("rank_compute_ms"), rank_nccl_ms=split.get("rank_nccl_ms"),
+                           alltoall_probe=probe if "ulysses" in mode else None,
+                           first_step_rel_rms_vs_1gpu=step_err, latent_rel_rms_vs_1gpu=err, applied=pipe.applied)
+                if rank == 0:
+                    ranks = "" if not split else "  per rank compute/NCCL ms per step " + " ".join(
+                        f"{c:.1f}/{n:.1f}" for c, n in zip(split["rank_compute_ms"], split["rank_nccl_ms"]))
+                    print(f"{size} {label:14s} fp8_attention={attention:5s} {seconds:6.2f} s  "
+                          f"{row['ms_per_step']:6.1f} ms/step  x{row['speedup_vs_1gpu']:.2f} "
+                          f"(eff {row['scaling_efficiency']:.2f})  NCCL {100 * row['nccl_share']:4.1f}%{ranks}  "
+                          f"vs 1 GPU: first step {step_err:.2e}, {steps} steps {err:.2e}  {pipe.applied}", flush=True)
+                    if step_err > STEP_GATE or err > FINAL_GATE:
+                        print(f"  FAILED the gates {STEP_GATE} / {FINAL_GATE}: not recorded", flush=True)
+                    else:
+                        rows.append(env | row)
+                del pipe
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+        del converted, components
+        gc.collect()
+        if device.type == "cuda":
             torch.cuda.empty_cache()
-    if rank == 0:
+    if rank == 0 and not args.tiny:
         append_results("parallel", rows, args.out)
+    elif rank == 0:
+        print(f"tiny run: {len(rows)} rows passed their gates (not recorded)", flush=True)
     dist.destroy_process_group()
 
 

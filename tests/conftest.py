@@ -38,13 +38,52 @@ def _release_gpu_memory(request):
         torch.cuda.empty_cache()
 
 
+def pytest_addoption(parser):
+    parser.addoption("--gpu-shard", default=None, metavar="K/N",
+                     help="run the K-th of N parts of the selected tests (every N-th in collection order, from the "
+                          "K-th): the GPU suite in parts that each fit a 10-minute GPU run (benchmarks/gpu_tests.py)")
+    parser.addoption("--report-json", default=None, metavar="FILE",
+                     help="write each test's outcome, duration and skip reason to FILE (benchmarks/gpu_tests.py)")
+
+
 def pytest_collection_modifyitems(config, items):
+    shard = config.getoption("--gpu-shard")
+    if shard:
+        k, n = (int(x) for x in shard.split("/"))
+        if not 1 <= k <= n:
+            raise pytest.UsageError(f"--gpu-shard {shard}: K must be in 1..N")
+        config.hook.pytest_deselected(items=[item for i, item in enumerate(items) if i % n != k - 1])
+        items[:] = [item for i, item in enumerate(items) if i % n == k - 1]
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+_outcomes: dict = {}
+
+
+def pytest_runtest_logreport(report):
+    """--report-json: a test's outcome is its call's, or its setup's or teardown's where that failed or skipped."""
+    entry = _outcomes.setdefault(report.nodeid, {"outcome": "passed", "duration_s": 0.0})
+    entry["duration_s"] += report.duration
+    if report.failed:
+        entry["outcome"] = "error" if report.when != "call" else "failed"
+        entry.setdefault("message", str(report.longrepr)[-2000:])
+    elif report.skipped and entry["outcome"] == "passed":
+        entry["outcome"] = "skipped"
+        entry["reason"] = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+
+
+def pytest_sessionfinish(session):
+    path = session.config.getoption("--report-json", None)
+    if path:
+        import json
+
+        with open(path, "w") as f:
+            json.dump({"shard": session.config.getoption("--gpu-shard"), "tests": _outcomes}, f, indent=1)
 
 
 @pytest.fixture
