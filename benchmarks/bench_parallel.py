@@ -96,7 +96,7 @@ def gpu_time_split(pipe, size: int, steps: int, device) -> dict:
     total = sum(e.self_device_time_total if device.type == "cuda" else e.self_cpu_time_total for e in events)
     comm = sum(e.self_device_time_total if device.type == "cuda" else e.self_cpu_time_total for e in events
                if "nccl" in e.key.lower() or "gloo" in e.key.lower())
-    mine = torch.tensor([(total - comm) / 1e3 / steps, comm / 1e3 / steps], dtype=torch.float64)
+    mine = torch.tensor([(total - comm) / 1e3 / steps, comm / 1e3 / steps], dtype=torch.float64, device=device)
     every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(every, mine)
     return dict(rank_compute_ms=[t[0].item() for t in every], rank_nccl_ms=[t[1].item() for t in every],

@@ -51,7 +51,7 @@ def main():
     torch.cuda.set_device(local_rank)
     dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
     components = tiny_pipeline(QwenImagePipeline, 0, TRANSFORMER).to("cuda", torch.bfloat16).components
-    config = FastConfig(**MODES[mode])
+    config = FastConfig(attention="cudnn", **MODES[mode])  # no JIT compile per process (FlashAttention-4's)
     parallel = QwenImageFastPipeline(**components, fast_config=config)
     parallel.set_progress_bar_config(disable=True)
     got, applied = run_calls(parallel)
