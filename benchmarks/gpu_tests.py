@@ -36,7 +36,8 @@ def run(args) -> int:
     gpus = list(range(torch.cuda.device_count())) or [None]
     meta = dict(gpu=torch.cuda.get_device_name() if gpus[0] is not None else "cpu", gpus=len(gpus) if gpus[0]
                 is not None else 0, torch=torch.__version__, commit=os.environ.get("BENCH_COMMIT"),
-                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
+                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                pytest_args=args.pytest_args)
     (args.out / "meta.json").write_text(json.dumps(meta))
     select = ["tests/test_package.py"] if args.tiny else ["-m", "gpu", "tests"]
     procs = []
@@ -79,6 +80,7 @@ def record(args) -> dict:
     reasons = collections.Counter(t.get("reason", "") for t in tests.values() if t["outcome"] == "skipped")
     row = dict(bench="gpu_tests", date=(meta or {}).get("date"), commit=(meta or {}).get("commit"),
                gpu=(meta or {}).get("gpu"), gpus=(meta or {}).get("gpus"), torch=(meta or {}).get("torch"), parts=n,
+               pytest_args=(meta or {}).get("pytest_args"), note=args.note,
                passed=counts["passed"], failed=counts["failed"] + counts["error"], skipped=counts["skipped"],
                skipped_reasons=dict(reasons), test_seconds=round(sum(t["duration_s"] for t in tests.values()), 1),
                failures={nodeid: t.get("message", "")[-400:] for nodeid, t in tests.items()
@@ -101,6 +103,7 @@ def main():
     rec = sub.add_parser("record")
     rec.add_argument("dirs", type=Path, nargs="+")
     rec.add_argument("--dry-run", action="store_true", help=f"print the row, append nothing to {RESULTS.name}/")
+    rec.add_argument("--note", default=None, help="what the row should say beside the counts (how it was run)")
     args = parser.parse_args()
     if args.command == "run":
         args.shards = [int(k) for k in args.shards.split(",")] if args.shards else list(range(1, args.of + 1))

@@ -6,6 +6,7 @@ runs the same calls through a one-GPU pipeline of the same components and config
 batched CFG where CFG-parallel runs the branches apart). Rank 0 saves OUT/result.pt: each call's latents on both,
 and what ran; test_parallel_gpu.py compares them."""
 
+import gc
 import os
 import sys
 
@@ -18,11 +19,14 @@ from qwen_image_fast.pipelines.tiny import tiny_pipeline
 
 # the real head layout and width (num_layers: 60)
 TRANSFORMER = dict(num_layers=4, num_attention_heads=24, attention_head_dim=128, axes_dims_rope=(16, 56, 56))
+# CFG-parallel on cuDNN attention (no JIT compile in each process, as FlashAttention-4's); Ulysses on FlashAttention-4:
+# cuDNN's SDPA splits its work by the head count, and 12 heads a rank against 24 on one GPU round differently (a 2 x
+# H200 run: 0.047 apart in bf16), where FlashAttention-4 computes each head alike (bench_parallel: bit-equal)
 MODES = {
-    "cfg": dict(parallel="cfg"),
-    "ulysses": dict(parallel="ulysses"),
-    "cfg-fp8-attention": dict(parallel="cfg", fp8_attention="cudnn"),
-    "cfg-step-cache": dict(parallel="cfg", cache="every:2,1,0"),
+    "cfg": dict(parallel="cfg", attention="cudnn"),
+    "ulysses": dict(parallel="ulysses", attention="fa4"),
+    "cfg-fp8-attention": dict(parallel="cfg", attention="cudnn", fp8_attention="cudnn"),
+    "cfg-step-cache": dict(parallel="cfg", attention="cudnn", cache="every:2,1,0"),
 }
 CALLS = [
     dict(prompt="a red fox asleep in fresh snow at dawn", negative_prompt="blurry", height=256, width=256,
@@ -51,11 +55,15 @@ def main():
     torch.cuda.set_device(local_rank)
     dist.init_process_group("nccl", device_id=torch.device("cuda", local_rank))
     components = tiny_pipeline(QwenImagePipeline, 0, TRANSFORMER).to("cuda", torch.bfloat16).components
-    config = FastConfig(attention="cudnn", **MODES[mode])  # no JIT compile per process (FlashAttention-4's)
+    config = FastConfig(**MODES[mode])
     parallel = QwenImageFastPipeline(**components, fast_config=config)
     parallel.set_progress_bar_config(disable=True)
     got, applied = run_calls(parallel)
     graphs = len(parallel.runner.graphs)
+    # graphs that captured NCCL collectives (Ulysses' all-to-alls) must go before the process group, else
+    # destroy_process_group hangs in ncclCommDestroy (pytorch issue 115388; seen here on 2 x H200)
+    del parallel
+    gc.collect()
     if dist.get_rank() == 0:
         # CFG-parallel runs each branch as a batch-1 forward: one GPU does too without batched CFG (the same
         # kernels on the same shapes); Ulysses batches the branches on each rank, as one GPU does by default
