@@ -102,7 +102,7 @@ def main():
             with torch.no_grad():
                 ref = vae32.decode(z.float()).sample
                 err = {"stock": rel_rms_error(vae.decode(z).sample, ref), "2d": rel_rms_error(decode_image(vae, z), ref)}
-                ms = {name: 1000 * statistics.median(timed(fn) for _ in range(5)) for name, fn in
+                ms = {name: 1000 * statistics.median(timed(fn) for _ in range(1 if args.tiny else 5)) for name, fn in
                       (("stock", lambda: vae.decode(z)), ("2d", lambda: decode_image(vae, z)))}
             ok = err["2d"] <= 1.5 * err["stock"] + 1e-5  # + fp32 noise (an fp32 VAE: stock's error is 0)
             op_row(f"VAE decode {width}x{height} (2D; stock in stock_s)", ms["2d"] / 1000 if ok else None,
@@ -121,14 +121,14 @@ def main():
                 for warm in (pipe, against) if against else (pipe,):
                     call(warm, resolution, steps, seed=1)  # warm-up: graph capture, VAE autotuning
                 runs, plain = [], []
-                for _ in range(repeats):
+                for _ in range(1 if args.tiny else repeats):  # tiny: the logic once
                     runs.append(call(pipe, resolution, steps))
                     if against:
                         plain.append(sum(call(against, resolution, steps)[2:]))
                 latents, images = runs[0][0], runs[0][1]
                 seconds = statistics.median(r[2] + r[3] for r in runs)
                 vae_ms = 1000 * statistics.median(r[3] for r in runs)
-                text = statistics.median(text_ms(pipe) for _ in range(3))
+                text = statistics.median(text_ms(pipe) for _ in range(1 if args.tiny else 3))
                 key = (resolution, steps)
                 if ref_key is None:
                     refs[(path, *key)] = (latents, images)

@@ -4,12 +4,15 @@ model before conversion) against stock + LoRA, beside ours against stock without
 forward time with and without the LoRA.
 
     python3 benchmarks/bench_lora.py [--out DIR]
+    python3 benchmarks/bench_lora.py --tiny  # CPU smoke run of this script's logic
 
 A full-size random transformer (bench_transformer.make_stock) and a random LoRA at the Lightning release's shapes:
 the 12 block linears of each of the 60 blocks, rank 64, alpha 8 (scale 1/8), in lightx2v's key format (lora_down /
 lora_up / alpha), loaded through diffusers' QwenImage loader into the stock model (peft) and into ours. 1024^2,
 B=1 (Lightning runs without CFG). No time is recorded for a path that fails its error bound (GATES). Appends to
 results/lora.jsonl.
+--tiny: the tiny pipeline's transformer (pipelines/tiny.py, fp32, FP8 block linears) on the CPU, a rank-4 LoRA, 4x4
+image tokens; rows printed, not recorded.
 """
 
 import argparse
@@ -23,13 +26,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_transformer import make_inputs, make_stock  # noqa: E402
-from common import append_results, bench_ms, environment  # noqa: E402
+from common import append_results, bench_ms, environment, sync  # noqa: E402
 from diffusers import QwenImagePipeline  # noqa: E402
 
 from qwen_image_fast.kernels._utils import rel_rms_error  # noqa: E402
 from qwen_image_fast.pipelines.qwen_image.config import FastTransformerConfig  # noqa: E402
 from qwen_image_fast.pipelines.qwen_image.model.checkpoint import CheckpointWeights  # noqa: E402
 from qwen_image_fast.pipelines.qwen_image.model.transformer import FastQwenImageTransformer  # noqa: E402
+from qwen_image_fast.pipelines.tiny import tiny_components  # noqa: E402
 
 TARGETS = ["attn.to_q", "attn.to_k", "attn.to_v", "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj",
            "attn.to_out.0", "attn.to_add_out", "img_mlp.net.0.proj", "img_mlp.net.2", "txt_mlp.net.0.proj",
@@ -59,12 +63,31 @@ def lightning_lora(model, rank=64, alpha=8.0, seed=5) -> dict:
 GATES = {"unfused": 1.1, "fused-bf16": 1.1, "fused-fp8-master": 1.1, "fused-fp8": 2 ** 0.5}
 
 
+def tiny_inputs(model, side=4, text_len=8, seed=1) -> dict:
+    """make_inputs("1024x1024-b1")'s layout at the tiny model's widths (side x side image tokens, B=1, no mask)."""
+    g = torch.Generator().manual_seed(seed)
+    return dict(
+        hidden_states=torch.randn(1, side * side, model.config.in_channels, generator=g),
+        encoder_hidden_states=torch.randn(1, text_len, model.config.joint_attention_dim, generator=g),
+        encoder_hidden_states_mask=None,
+        timestep=torch.full((1,), 0.6),
+        img_shapes=[[(1, side, side)]],
+    )
+
+
 def main():
     parser = argparse.ArgumentParser()
+    parser.add_argument("--tiny", action="store_true", help="the tiny transformer on the CPU (logic check)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
-    inputs = make_inputs("1024x1024-b1")
-    stock = make_stock()
+    device = torch.device("cpu" if args.tiny else "cuda")
+    if args.tiny:
+        stock = tiny_components()["transformer"]
+        shape, inputs, rank = "tiny-4x4-b1", tiny_inputs(stock), 4
+    else:
+        shape, inputs, rank = "1024x1024-b1", make_inputs("1024x1024-b1"), 64
+        stock = make_stock()
+    targets = len(TARGETS) * len(stock.transformer_blocks)
     config = FastTransformerConfig(fp8_fast_accum=True)
 
     def forward(model):
@@ -74,11 +97,11 @@ def main():
     ref_plain = forward(stock)
     checkpoint = Path(tempfile.mkdtemp())  # the stock weights on disk: the BF16 masters a fold can re-read
     stock.save_pretrained(checkpoint)
-    fast = FastQwenImageTransformer.from_diffusers(stock, config, device="cuda")
+    fast = FastQwenImageTransformer.from_diffusers(stock, config, device=device)
     ours = {"no-lora": forward(fast)}
     ms = {"no-lora": bench_ms(lambda: fast(**inputs, return_dict=False))}
 
-    lora = lightning_lora(stock)
+    lora = lightning_lora(stock, rank=rank)
     state_dict = QwenImagePipeline.lora_state_dict(dict(lora))  # diffusers' conversion (alpha folded)
     stock.load_lora_adapter(dict(state_dict), prefix="transformer", adapter_name="lightning")
     ref_lora = forward(stock)
@@ -89,10 +112,10 @@ def main():
     fuse_s = {}
     for path, source in (("fused-fp8", None), ("fused-fp8-master", CheckpointWeights(checkpoint, stock.dtype))):
         fast.weight_source = source  # None: no folder known, the fold requantizes the dequantized FP8 weights
-        torch.cuda.synchronize()
+        sync(device)
         start = time.perf_counter()
         fast.fuse_lora()
-        torch.cuda.synchronize()
+        sync(device)
         fuse_s[path] = time.perf_counter() - start
         ours[path] = forward(fast)
         ms[path] = bench_ms(lambda: fast(**inputs, return_dict=False))
@@ -102,7 +125,7 @@ def main():
     del fast
     stock.fuse_lora()
     stock.unload_lora()  # the merged bf16 weights stay
-    fast = FastQwenImageTransformer.from_diffusers(stock, config, device="cuda")
+    fast = FastQwenImageTransformer.from_diffusers(stock, config, device=device)
     del stock
     torch.cuda.empty_cache()
     ours["fused-bf16"] = forward(fast)
@@ -114,7 +137,7 @@ def main():
     for path, gate in GATES.items():
         err = rel_rms_error(ours[path], ref_lora)
         ok = err / err_plain <= gate
-        row = dict(environment(), bench="lora", shape="1024x1024-b1", rank=64, alpha=8.0, targets=len(TARGETS) * 60,
+        row = dict(environment(), bench="lora", shape=shape, rank=rank, alpha=8.0, targets=targets,
                    path=path, lora_effect=lora_effect, err_no_lora=err_plain, err_lora=err, ratio=err / err_plain,
                    gate=gate, ok=ok, ms_no_lora=ms["no-lora"], ms_lora=ms[path] if ok else None,
                    fuse_s=fuse_s.get(path))
@@ -122,7 +145,11 @@ def main():
               f"{'ok' if ok else 'FAILED'}" + (f"; forward (eager) {ms[path]:.1f} ms against {ms['no-lora']:.1f} "
                                                f"without ({100 * (ms[path] / ms['no-lora'] - 1):+.1f}%)" if ok else ""))
         rows.append(row)
-    append_results("lora", rows, args.out)
+    if args.tiny:
+        for row in rows:
+            print(row, flush=True)
+    else:
+        append_results("lora", rows, args.out)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 pipeline, with and without the modulation table.
 
     python3 benchmarks/bench_memory.py --tokenizer DIR --size 1024 [--cap-gib 24] [--out DIR]
+    python3 benchmarks/bench_memory.py --tiny [--vae-only]  # CPU smoke run of this script's logic
 
 Components: the full-size transformer and VAE with random weights and a full-size Qwen2.5-VL-7B-shaped text encoder
 (28 layers, MLP 18944, vocab 152064, random weights; its vision tower is 1 small layer: text-to-image never runs it
@@ -20,6 +21,9 @@ calls with the embeddings (one transformer turn). Also the one-off cost of a mod
 from GPU weights (fast) and from the host (low).
 Checks before any time is reported: the table's latents equal the no-table latents bit for bit, and low's equal
 fast's (the same GEMMs on the same weights; the weights only moved).
+--tiny: the tiny random pipeline (pipelines/tiny.py, fp32, FP8 on) on the CPU at 16x16, 2 steps, no warm-up call, 1
+prompt for the 8 (--vae-only: the tiny VAE, 16x16 for 1:1); what only CUDA has is skipped (the cap, peak counters:
+None, pinned host memory); the table held to fp32's last bits (TINY_TABLE_TOL); rows printed, not recorded.
 Appends to results/memory.jsonl.
 """
 
@@ -36,91 +40,114 @@ from bench_pipeline import NEGATIVE, PROMPT, full_size_stock_pipeline  # noqa: E
 from common import append_results, environment, sync  # noqa: E402
 
 from qwen_image_fast import FastConfig, QwenImageFastPipeline  # noqa: E402
+from qwen_image_fast.kernels._utils import rel_rms_error  # noqa: E402
+from qwen_image_fast.pipelines.tiny import TINY_VAE, tiny_pipeline  # noqa: E402
 
 PROMPTS = [f"{PROMPT}, view {k}" for k in range(8)]
 STEPS = 50
 GIB = 2**30
+# A table runs each block's modulation GEMM once over every step's rows, a forward over its own rows: the same sums,
+# in an order a GEMM may pick by row count (model/modulation.py). BF16 on the GPU comes out bit-equal
+# (results/memory.jsonl); fp32 on the CPU does not, so --tiny holds the table's latents to fp32's last bits (rel-RMS,
+# as tests/pipelines/test_modulation.py's TABLE_TOL).
+TINY_TABLE_TOL = 1e-6
 
 
-def call(pipe, size, prompt=PROMPT, steps=STEPS, **kwargs):
+def call(pipe, size, steps, device, prompt=PROMPT, **kwargs):
     """(latents, images) of one call; prompt embeddings in kwargs replace the prompt."""
     text = {} if "prompt_embeds" in kwargs else dict(prompt=prompt, negative_prompt=NEGATIVE)
     latents = pipe(**text, true_cfg_scale=4.0, width=size, height=size, num_inference_steps=steps,
-                   generator=torch.Generator("cuda").manual_seed(0), output_type="latent", **kwargs).images
+                   generator=torch.Generator(device).manual_seed(0), output_type="latent", **kwargs).images
     return latents, pipe.decode_latents(latents, size, size, output_type="pt")
 
 
-def timed(fn):
-    sync(torch.device("cuda"))
+def timed(fn, device):
+    sync(device)
     t0 = time.perf_counter()
     out = fn()
-    sync(torch.device("cuda"))
+    sync(device)
     return out, time.perf_counter() - t0
 
 
-def one_and_eight(pipe, size, pre_encode: bool, eight: bool = True):
-    """(latents of one image, s for 1 image, s per image over 8 prompts (None when not eight))."""
-    call(pipe, size, steps=2)  # warm-up: graphs for this size, kernels
-    (latents, _), one = timed(lambda: call(pipe, size))
+def one_and_eight(pipe, size, steps, device, prompts, pre_encode: bool, eight: bool = True):
+    """(latents of one image, s for 1 image, s per image over the prompts (None when not eight))."""
+    if device.type == "cuda":  # warm-up: graphs for this size, kernels (neither on --tiny's CPU)
+        call(pipe, size, 2, device)
+    (latents, _), one = timed(lambda: call(pipe, size, steps, device), device)
 
     def run_eight():
         if not pre_encode:
-            for p in PROMPTS:
-                call(pipe, size, prompt=p)
+            for p in prompts:
+                call(pipe, size, steps, device, prompt=p)
             return
-        device = torch.device("cuda")
         negative = pipe.encode_prompt(NEGATIVE, device=device)
-        encoded = [pipe.encode_prompt(p, device=device) for p in PROMPTS]  # the text encoder's one turn
+        encoded = [pipe.encode_prompt(p, device=device) for p in prompts]  # the text encoder's one turn
         for embeds, mask in encoded:
-            call(pipe, size, prompt_embeds=embeds, prompt_embeds_mask=mask, negative_prompt_embeds=negative[0],
-                 negative_prompt_embeds_mask=negative[1])
+            call(pipe, size, steps, device, prompt_embeds=embeds, prompt_embeds_mask=mask,
+                 negative_prompt_embeds=negative[0], negative_prompt_embeds_mask=negative[1])
 
     if not eight:
         return latents, one, None
-    _, total = timed(run_eight)
-    return latents, one, total / len(PROMPTS)
+    _, total = timed(run_eight, device)
+    return latents, one, total / len(prompts)
 
 
-def table_cost(pipe, size) -> float:
-    """Seconds to build the modulation tables of a new 50-step schedule at this size (the batched-CFG one)."""
+def table_cost(pipe, steps, device) -> float:
+    """Seconds to build the modulation tables of a new schedule of `steps` steps (the batched-CFG one)."""
     transformer = pipe.transformer
     transformer.modulation_tables.clear()
-    steps = torch.linspace(1.0, 0.02, STEPS, device="cuda", dtype=transformer.dtype)[:, None].expand(-1, 2)
-    _, seconds = timed(lambda: transformer.modulation_table(steps))
+    schedule = torch.linspace(1.0, 0.02, steps, device=device, dtype=transformer.dtype)[:, None].expand(-1, 2)
+    _, seconds = timed(lambda: transformer.modulation_table(schedule), device)
     transformer.modulation_tables.clear()
     return seconds
 
 
-def vae_decode_rows(env) -> list[dict]:
+def vae_decode_rows(env, device, tiny: bool) -> list[dict]:
     """The VAE decode of one image at every official size (cli.jobs.ASPECTS) as the pipeline runs it (the 2D decode):
-    seconds and the peak it adds over what was allocated before (max_memory_allocated and reserved rise)."""
+    seconds and the peak it adds over what was allocated before (max_memory_allocated and reserved rise; None on the
+    CPU). tiny: the tiny VAE (fp32) at each aspect, tiny sizes."""
     from diffusers import AutoencoderKLQwenImage
 
     from qwen_image_fast.pipelines.qwen_image.model.vae import decode_image
-    from qwen_image_fast.cli.jobs import ASPECTS
+    from qwen_image_fast.cli.jobs import ASPECTS, tiny_aspect
 
-    vae = AutoencoderKLQwenImage().to("cuda", torch.bfloat16).eval()
+    vae = (AutoencoderKLQwenImage(**TINY_VAE) if tiny else AutoencoderKLQwenImage().to(device, torch.bfloat16)).eval()
+    scale = 2 ** len(vae.config.temperal_downsample)  # 8 (the tiny VAE's: 4)
+    cuda = device.type == "cuda"
     rows = []
-    for aspect, (width, height) in ASPECTS.items():
-        latents = torch.randn(1, vae.config.z_dim, 1, height // 8, width // 8, device="cuda", dtype=torch.bfloat16)
+    for aspect, size in ASPECTS.items():
+        # tiny: a quarter of a test model's size (tiny_aspect's 64x64 takes ~2 s a decode in Triton's interpreter),
+        # multiples of the tiny VAE's 4x: 16x16 for 1:1
+        width, height = [side // 4 for side in tiny_aspect(*size)] if tiny else size
+        latents = torch.randn(1, vae.config.z_dim, 1, height // scale, width // scale, device=device, dtype=vae.dtype)
         with torch.no_grad():
             decode_image(vae, latents)  # warm-up
             gc.collect()
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats()
-            allocated, reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
-            image, seconds = timed(lambda: decode_image(vae, latents))
+            if cuda:
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats()
+                allocated, reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+            image, seconds = timed(lambda: decode_image(vae, latents), device)
+        allocated_rise = (torch.cuda.max_memory_allocated() - allocated) / GIB if cuda else None
+        reserved_rise = (torch.cuda.max_memory_reserved() - reserved) / GIB if cuda else None
         rows.append(dict(env, bench="memory", variant="vae decode", resolution=f"{width}x{height}", aspect=aspect,
-                         vae_s=seconds, vae_peak_allocated_rise_gib=(torch.cuda.max_memory_allocated() - allocated) / GIB,
-                         vae_peak_reserved_rise_gib=(torch.cuda.max_memory_reserved() - reserved) / GIB,
-                         ok=bool(torch.isfinite(image).all())))
+                         vae_s=seconds, vae_peak_allocated_rise_gib=allocated_rise,
+                         vae_peak_reserved_rise_gib=reserved_rise, ok=bool(torch.isfinite(image).all())))
         print({k: v for k, v in rows[-1].items() if k not in env}, flush=True)
         del image
     return rows
 
 
+def peak_gib(device, reserved: bool = False) -> float | None:
+    """CUDA's peak allocated (or reserved) GiB since its last reset; None on the CPU (--tiny), which keeps none."""
+    if device.type != "cuda":
+        return None
+    return (torch.cuda.max_memory_reserved() if reserved else torch.cuda.max_memory_allocated()) / GIB
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tiny", action="store_true", help="tiny random components on the CPU (logic check)")
     parser.add_argument("--tokenizer", type=Path)
     parser.add_argument("--vae-only", action="store_true",
                         help="only the VAE decode's time and peak at every official size (no pipeline)")
@@ -130,32 +157,45 @@ def main():
                         help="the unconstrained table row for 1 image only (a shorter run)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
+    device = torch.device("cpu" if args.tiny else "cuda")
+    cuda = device.type == "cuda"
+    if args.tiny:
+        print("--tiny skips what only CUDA has: the memory cap (torch.cuda.set_per_process_memory_fraction), the "
+              "peak memory counters (peaks reported as None) and pinned host buffers (low's weights take turns from "
+              "plain host memory)", flush=True)
     if args.vae_only:
-        append_results("memory", vae_decode_rows(environment()), args.out)
+        rows = vae_decode_rows(environment(), device, args.tiny)
+        if not args.tiny:
+            append_results("memory", rows, args.out)
         return
-    if args.tokenizer is None:
-        parser.error("--tokenizer DIR is needed (all but --vae-only)")
-    size = args.size
-    env = dict(environment(), bench="memory", resolution=f"{size}x{size}", steps=STEPS, true_cfg_scale=4.0,
-               text_encoder="Qwen2.5-VL-7B text shapes (28 layers), random")
-    stock = full_size_stock_pipeline(args.tokenizer, full_text_encoder=True)
-    fast = QwenImageFastPipeline.from_pipe(stock, fast_config=FastConfig(modulation_table=False), device="cuda")
+    if args.tokenizer is None and not args.tiny:
+        parser.error("--tokenizer DIR is needed (all but --vae-only and --tiny)")
+    if args.tiny:  # 16x16: 2x2 tokens (the tiny VAE's 4x, then 2x2 patches); 1 prompt stands for the 8
+        size, steps, prompts, text_encoder = 16, 2, PROMPTS[:1], "tiny Qwen2.5-VL (pipelines/tiny.py), random"
+    else:
+        size, steps, prompts, text_encoder = args.size, STEPS, PROMPTS, "Qwen2.5-VL-7B text shapes (28 layers), random"
+    env = dict(environment(), bench="memory", resolution=f"{size}x{size}", steps=steps, true_cfg_scale=4.0,
+               text_encoder=text_encoder)
+    stock = tiny_pipeline() if args.tiny else full_size_stock_pipeline(args.tokenizer, full_text_encoder=True)
+    fast = QwenImageFastPipeline.from_pipe(stock, fast_config=FastConfig(modulation_table=False), device=device)
     del stock
     gc.collect()
     torch.cuda.empty_cache()  # the stock BF16 blocks (only the shared modules stay)
-    torch.cuda.reset_peak_memory_stats()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
     fast.set_progress_bar_config(disable=True)
     rows = []
 
-    plain_latents, plain_one, plain_eight = one_and_eight(fast, size, pre_encode=False)
+    plain_latents, plain_one, plain_eight = one_and_eight(fast, size, steps, device, prompts, pre_encode=False)
     rows.append(dict(variant="fast, no table", one_image_s=plain_one, per_image_of_8_s=plain_eight))
     fast.fast_config = FastConfig()  # the same pipeline with the table (a loop setting)
-    table_latents, table_one, table_eight = one_and_eight(fast, size, pre_encode=False,
+    table_latents, table_one, table_eight = one_and_eight(fast, size, steps, device, prompts, pre_encode=False,
                                                           eight=not args.table_one_image)
-    table_equal = torch.equal(table_latents, plain_latents)
+    table_equal = (torch.equal(table_latents, plain_latents) if cuda else
+                   rel_rms_error(table_latents, plain_latents) <= TINY_TABLE_TOL)
     rows.append(dict(variant="fast", one_image_s=table_one, per_image_of_8_s=table_eight,
-                     table_s=table_cost(fast, size), equal_to_no_table=table_equal))
-    peak_unconstrained = torch.cuda.max_memory_allocated() / GIB
+                     table_s=table_cost(fast, steps, device), equal_to_no_table=table_equal))
+    peak_unconstrained = peak_gib(device)
 
     components = {name: getattr(fast, name) for name in ("scheduler", "vae", "text_encoder", "tokenizer", "transformer")}
     del fast
@@ -166,16 +206,16 @@ def main():
     del components
     gc.collect()
     torch.cuda.empty_cache()
-    total = torch.cuda.get_device_properties(0).total_memory
-    torch.cuda.set_per_process_memory_fraction(args.cap_gib * GIB / total)
-    torch.cuda.reset_peak_memory_stats()
-    low_latents, low_one, low_eight = one_and_eight(low, size, pre_encode=True)
+    if cuda:
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(args.cap_gib * GIB / total)
+        torch.cuda.reset_peak_memory_stats()
+    low_latents, low_one, low_eight = one_and_eight(low, size, steps, device, prompts, pre_encode=True)
     low_equal = torch.equal(low_latents, table_latents)
-    rows.append(dict(variant="low", one_image_s=low_one, per_image_of_8_s=low_eight, table_s=table_cost(low, size),
-                     equal_to_fast=low_equal, cap_gib=args.cap_gib,
-                     peak_allocated_gib=torch.cuda.max_memory_allocated() / GIB,
-                     peak_reserved_gib=torch.cuda.max_memory_reserved() / GIB, turns=low._turns.loads,
-                     applied=low.applied))
+    rows.append(dict(variant="low", one_image_s=low_one, per_image_of_8_s=low_eight,
+                     table_s=table_cost(low, steps, device), equal_to_fast=low_equal,
+                     cap_gib=args.cap_gib if cuda else None, peak_allocated_gib=peak_gib(device),
+                     peak_reserved_gib=peak_gib(device, reserved=True), turns=low._turns.loads, applied=low.applied))
     rows[0]["peak_allocated_gib"] = peak_unconstrained
     ok = table_equal and low_equal
     for row in rows:
@@ -185,7 +225,8 @@ def main():
         print(f"FAILED: table latents equal to no-table: {table_equal}; low equal to fast: {low_equal} "
               "(no speed recorded)", flush=True)
         sys.exit(1)
-    append_results("memory", rows, args.out)
+    if not args.tiny:
+        append_results("memory", rows, args.out)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 FP8 vs ours, one process, the same random weights (normal(0, 0.02), biases 0, norm weights 1) and inputs.
 
     python3 benchmarks/bench_transformer.py [--impls ...] [--shapes ...] [--out DIR]
+    python3 benchmarks/bench_transformer.py --tiny  # CPU smoke run of this script's logic
 
 Per row: median ms per forward (>= 5 runs after warm-up), achieved TF/s (linear FLOPs of every token plus
 attention over the keys each sample really has), rel-RMS error of the output vs diffusers-eager, peak GiB
@@ -9,11 +10,16 @@ allocated while it ran (everything resident at the time: the notes column says w
 the floor of each shape: linear FLOPs at the rowwise-FP8 _scaled_mm rate of this GPU (with fast accumulation for
 the rows that run their GEMMs so) plus attention alone.
 Appends to results/transformer.jsonl.
+
+--tiny: pipelines/tiny.py's transformer in fp32 on the CPU (Triton's interpreter), one small padded shape, the rows
+printed, not appended; what needs a GPU (cuDNN attention, CUDA graphs, torchao's FP8, the profiler's kernel table)
+and torch.compile (minutes of inductor on the CPU) are skipped with a line saying why.
 """
 
 import argparse
 import dataclasses
 import gc
+import json
 import sys
 import time
 from pathlib import Path
@@ -21,7 +27,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import append_results, bench_ms, environment  # noqa: E402
+from common import append_results, bench_ms, environment, sync  # noqa: E402
 
 from qwen_image_fast.kernels._utils import rel_rms_error  # noqa: E402
 from qwen_image_fast.pipelines.qwen_image.model.attention import TextMask, joint_attention, resolve_backend  # noqa: E402
@@ -30,11 +36,9 @@ from qwen_image_fast.pipelines.qwen_image.runtime.runner import Runner  # noqa: 
 from qwen_image_fast.pipelines.qwen_image.config import FastTransformerConfig  # noqa: E402
 from qwen_image_fast.pipelines.qwen_image.model.fp8_attention import installed  # noqa: E402
 from qwen_image_fast.pipelines.qwen_image.model.transformer import FastQwenImageTransformer  # noqa: E402
+from qwen_image_fast.pipelines.tiny import TINY_TRANSFORMER  # noqa: E402
 
 BF16 = torch.bfloat16
-TXT_LEN, PADDED_TXT_LEN = 218, 150
-D, LAYERS = 3072, 60
-LINEAR_FLOPS_PER_TOKEN = 2 * 12 * D * D * LAYERS  # QKV 3D^2 + out D^2 + MLP 8D^2 per block and token
 # (resolution, batch, padded): padded = the last sample's prompt has 150 of 218 tokens (batched CFG)
 SHAPES = {
     "1024x1024-b1": ("1024x1024", 1, False),
@@ -45,19 +49,60 @@ SHAPES = {
 }
 IMPLS = ("diffusers-eager", "ours-bf16", "ours-fp8", "ours-fp8-cudnn", "ours-fp8-graph", "ours-fp8-fastacc",
          "ours-fp8attn-graph", "diffusers-compile", "torchao-fp8-compile")
+# --tiny on the CPU: the impls it skips, and why
+CPU_SKIPS = {"ours-fp8-cudnn": "cuDNN attention needs a CUDA GPU", "ours-fp8-graph": "CUDA graphs need a GPU",
+             "ours-fp8attn-graph": "CUDA graphs need a GPU, FP8 attention a Hopper one",
+             "diffusers-compile": "inductor compiles even the tiny blocks for ~35 s on the CPU",
+             "torchao-fp8-compile": "torchao's rowwise FP8 needs a CUDA GPU with FP8 tensor cores"}
 
 
-def make_stock(seed: int = 0, **config):
-    """Full-size QwenImageTransformer2DModel (config: constructor overrides, e.g. zero_cond_t=True), random
-    weights, built straight on the GPU in bf16."""
+@dataclasses.dataclass(frozen=True)
+class Sizes:
+    """What the model, inputs, FLOP counts and floors are built from: the real transformer and prompt on the GPU in
+    BF16 (the defaults), or --tiny's."""
+
+    layers: int = 60
+    heads: int = 24
+    head_dim: int = 128
+    in_channels: int = 64  # the packed latents: 2x2 patches of the VAE's 16 channels
+    joint_dim: int = 3584  # the text encoder's hidden size
+    txt_len: int = 218
+    padded_txt_len: int = 150  # the last sample's valid text tokens in a padded shape
+    gemm_tokens: int = 8192  # fp8_gemm_tflops's rows
+    shapes: dict = dataclasses.field(default_factory=lambda: SHAPES)
+    config: dict = dataclasses.field(default_factory=dict)  # QwenImageTransformer2DModel's constructor overrides
+    device: str = "cuda"
+    dtype: torch.dtype = BF16
+
+    @property
+    def d(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def linear_flops_per_token(self) -> int:
+        return 2 * 12 * self.d * self.d * self.layers  # QKV 3D^2 + out D^2 + MLP 8D^2 per block and token
+
+
+FULL = Sizes()
+# --tiny: pipelines/tiny.py's transformer (its real sizes in its comments) in fp32 on the CPU, one padded B=2 shape
+TINY = Sizes(layers=TINY_TRANSFORMER["num_layers"], heads=TINY_TRANSFORMER["num_attention_heads"],
+             head_dim=TINY_TRANSFORMER["attention_head_dim"], in_channels=TINY_TRANSFORMER["in_channels"],
+             joint_dim=TINY_TRANSFORMER["joint_attention_dim"], config=TINY_TRANSFORMER,
+             txt_len=12, padded_txt_len=8, gemm_tokens=64,  # 218, 150, 8192
+             shapes={"64x96-b2-padded": ("64x96", 2, True)}, device="cpu", dtype=torch.float32)
+
+
+def make_stock(seed: int = 0, sizes: Sizes = FULL, **config):
+    """QwenImageTransformer2DModel at `sizes` (full size unless --tiny; config: constructor overrides, e.g.
+    zero_cond_t=True), random weights, built straight on the sizes' device and dtype (the GPU, bf16)."""
     from diffusers import QwenImageTransformer2DModel
     from diffusers.models.transformers.transformer_qwenimage import QwenEmbedRope
 
     with torch.device("meta"):
-        model = QwenImageTransformer2DModel(**config)
-    model = model.to(BF16).to_empty(device="cuda")
+        model = QwenImageTransformer2DModel(**{**sizes.config, **config})
+    model = model.to(sizes.dtype).to_empty(device=sizes.device)
     model.pos_embed = QwenEmbedRope(theta=10000, axes_dim=list(model.config.axes_dims_rope), scale_rope=True)
-    g = torch.Generator(device="cuda").manual_seed(seed)
+    g = torch.Generator(device=sizes.device).manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("bias"):
@@ -69,60 +114,72 @@ def make_stock(seed: int = 0, **config):
     return model.eval()
 
 
-def make_inputs(shape_key: str, seed: int = 1) -> dict:
-    resolution, batch, padded = SHAPES[shape_key]
+def make_inputs(shape_key: str, seed: int = 1, sizes: Sizes = FULL) -> dict:
+    resolution, batch, padded = sizes.shapes[shape_key]
     w, h = map(int, resolution.split("x"))
     lh, lw = h // 16, w // 16  # VAE /8, then 2x2 patches
-    g = torch.Generator(device="cuda").manual_seed(seed)
+    device, dtype = sizes.device, sizes.dtype
+    g = torch.Generator(device=device).manual_seed(seed)
     inputs = dict(
-        hidden_states=torch.randn(batch, lh * lw, 64, generator=g, device="cuda").to(BF16),
-        encoder_hidden_states=torch.randn(batch, TXT_LEN, 3584, generator=g, device="cuda").to(BF16),
+        hidden_states=torch.randn(batch, lh * lw, sizes.in_channels, generator=g, device=device).to(dtype),
+        encoder_hidden_states=torch.randn(batch, sizes.txt_len, sizes.joint_dim, generator=g, device=device).to(dtype),
         encoder_hidden_states_mask=None,
-        timestep=torch.full((batch,), 0.6, device="cuda", dtype=BF16),
+        timestep=torch.full((batch,), 0.6, device=device, dtype=dtype),
         img_shapes=[[(1, lh, lw)]] * batch,
     )
     if padded:
-        mask = torch.ones(batch, TXT_LEN, dtype=torch.long, device="cuda")
-        mask[-1, PADDED_TXT_LEN:] = 0
+        mask = torch.ones(batch, sizes.txt_len, dtype=torch.long, device=device)
+        mask[-1, sizes.padded_txt_len:] = 0
         inputs["encoder_hidden_states_mask"] = mask
     return inputs
 
 
-def flops(inputs: dict) -> float:
+def flops(inputs: dict, sizes: Sizes) -> float:
     batch, img_len = inputs["hidden_states"].shape[:2]
     mask = inputs["encoder_hidden_states_mask"]
-    txt = [TXT_LEN] * batch if mask is None else mask.sum(1).tolist()
-    seq = img_len + TXT_LEN
-    linear = LINEAR_FLOPS_PER_TOKEN * batch * seq
-    attention = sum(4 * seq * (img_len + t) * D * LAYERS for t in txt)
+    txt = [sizes.txt_len] * batch if mask is None else mask.sum(1).tolist()
+    seq = img_len + sizes.txt_len
+    linear = sizes.linear_flops_per_token * batch * seq
+    attention = sum(4 * seq * (img_len + t) * sizes.d * sizes.layers for t in txt)
     return linear + attention
 
 
-def attention_floor_ms(inputs: dict, backend: str) -> float:
-    """60 x one joint attention at this shape, alone."""
+def attention_floor_ms(inputs: dict, backend: str, sizes: Sizes) -> float:
+    """`layers` x one joint attention at this shape, alone."""
     batch, img_len = inputs["hidden_states"].shape[:2]
-    seq = img_len + TXT_LEN
-    q, k, v = (torch.randn(batch, seq, 24, 128, device="cuda", dtype=BF16) for _ in range(3))
+    seq = img_len + sizes.txt_len
+    q, k, v = (torch.randn(batch, seq, sizes.heads, sizes.head_dim, device=sizes.device, dtype=sizes.dtype)
+               for _ in range(3))
     mask = inputs["encoder_hidden_states_mask"]
     text_mask = None if mask is None else TextMask(mask, img_len)
-    return LAYERS * bench_ms(lambda: joint_attention(q, k, v, text_mask, backend))
+    return sizes.layers * bench_ms(lambda: joint_attention(q, k, v, text_mask, backend))
 
 
-def fp8_gemm_tflops(fast_accum: bool = False) -> float:
-    """Rowwise-FP8 _scaled_mm at the DiT's fc1 shape (8192 tokens x 3072 -> 12288)."""
-    a = torch.randn(8192, D, device="cuda").to(torch.float8_e4m3fn)
-    b = torch.randn(4 * D, D, device="cuda").to(torch.float8_e4m3fn)
-    sa, sb = torch.rand(8192, 1, device="cuda") + 0.5, torch.rand(1, 4 * D, device="cuda") + 0.5
+def fp8_gemm_tflops(sizes: Sizes, fast_accum: bool = False) -> float:
+    """Rowwise-FP8 _scaled_mm at the DiT's fc1 shape (gemm_tokens x D -> 4D: 8192 x 3072 -> 12288)."""
+    m, d, device = sizes.gemm_tokens, sizes.d, sizes.device
+    a = torch.randn(m, d, device=device).to(torch.float8_e4m3fn)
+    b = torch.randn(4 * d, d, device=device).to(torch.float8_e4m3fn)
+    sa, sb = torch.rand(m, 1, device=device) + 0.5, torch.rand(1, 4 * d, device=device) + 0.5
     ms = bench_ms(lambda: torch._scaled_mm(a, b.t(), scale_a=sa, scale_b=sb, out_dtype=BF16,
                                            use_fast_accum=fast_accum))
-    return 2 * 8192 * D * 4 * D / ms / 1e9
+    return 2 * m * d * 4 * d / ms / 1e9
 
 
 FAST_ACCUM_IMPLS = ("ours-fp8-fastacc", "ours-fp8attn-graph")  # their floor: the fast-accumulation GEMM rate
 
 
 def time_forward(model, inputs, runs: int = 7) -> tuple[float, torch.Tensor, float]:
-    """(median ms over `runs` after 2 warm-ups, output, peak GiB allocated)."""
+    """(median ms over `runs` after 2 warm-ups, output, peak GiB allocated). On the CPU (--tiny): bench_ms's wall
+    clock, no peak (0)."""
+    if inputs["hidden_states"].device.type == "cpu":
+        last = {}  # the output of bench_ms's last call: no extra forward in the interpreter
+
+        def forward():
+            last["out"] = model(**inputs).sample
+
+        with torch.no_grad():
+            return bench_ms(forward), last["out"], 0.0
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     with torch.no_grad():
@@ -194,6 +251,7 @@ def quantize_torchao(stock):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tiny", action="store_true", help="tiny random transformer on the CPU (logic check)")
     parser.add_argument("--impls", nargs="+", default=list(IMPLS), choices=IMPLS)
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
     parser.add_argument("--profile", action="store_true",
@@ -201,23 +259,31 @@ def main():
                              "with each FP8 attention kernel installed and without")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
+    sizes, impls, shapes = FULL, args.impls, args.shapes
+    if args.tiny:
+        sizes, impls, shapes = TINY, [i for i in args.impls if i not in CPU_SKIPS], list(TINY.shapes)
+        for impl in [i for i in args.impls if i in CPU_SKIPS]:
+            print(f"{impl}: skipped on the CPU ({CPU_SKIPS[impl]})")
+    device = torch.device(sizes.device)
     torch._dynamo.config.cache_size_limit = 64
     env = environment()
-    env["fp8_gemm_tflops"], env["fp8_gemm_tflops_fast_accum"] = fp8_gemm_tflops(), fp8_gemm_tflops(fast_accum=True)
-    print(f"{env['gpu']}: rowwise-FP8 _scaled_mm {env['fp8_gemm_tflops']:.0f} TF/s at 8192x3072x12288, "
-          f"{env['fp8_gemm_tflops_fast_accum']:.0f} with fast accumulation")
+    env["fp8_gemm_tflops"] = fp8_gemm_tflops(sizes)
+    env["fp8_gemm_tflops_fast_accum"] = fp8_gemm_tflops(sizes, fast_accum=True)
+    print(f"{env['gpu']}: rowwise-FP8 _scaled_mm {env['fp8_gemm_tflops']:.0f} TF/s at {sizes.gemm_tokens}x{sizes.d}x"
+          f"{4 * sizes.d}, {env['fp8_gemm_tflops_fast_accum']:.0f} with fast accumulation")
 
-    inputs = {key: make_inputs(key) for key in args.shapes}
+    inputs = {key: make_inputs(key, sizes=sizes) for key in shapes}
     rows, refs, floors = [], {}, {}
-    fa4_or_cudnn = resolve_backend("auto", torch.device("cuda"))
-    for key in args.shapes:  # linear FLOPs at this GPU's FP8 GEMM rate (each accumulation) + attention alone
+    fa4_or_cudnn = resolve_backend("auto", device, sizes.dtype)
+    for key in shapes:  # linear FLOPs at this GPU's FP8 GEMM rate (each accumulation) + attention alone
         batch, img_len = inputs[key]["hidden_states"].shape[:2]
-        attention_ms = attention_floor_ms(inputs[key], fa4_or_cudnn)
-        floors[key] = {fast: LINEAR_FLOPS_PER_TOKEN * batch * (img_len + TXT_LEN) / env[rate] / 1e9 + attention_ms
+        attention_ms = attention_floor_ms(inputs[key], fa4_or_cudnn, sizes)
+        linear_flops = sizes.linear_flops_per_token * batch * (img_len + sizes.txt_len)
+        floors[key] = {fast: linear_flops / env[rate] / 1e9 + attention_ms
                        for fast, rate in ((False, "fp8_gemm_tflops"), (True, "fp8_gemm_tflops_fast_accum"))}
 
     def record(impl, attention, key, model, notes=""):
-        resolution, batch, padded = SHAPES[key]
+        resolution, batch, padded = sizes.shapes[key]
         floor = floors[key][impl in FAST_ACCUM_IMPLS]
         t0 = time.time()
         ms, out, peak = time_forward(model, inputs[key])
@@ -225,89 +291,95 @@ def main():
             refs[key] = out
         err = rel_rms_error(out, refs[key])
         row = dict(env, bench="transformer", impl=impl, attention=attention, resolution=resolution, batch=batch,
-                   padded_text=padded, ms=ms, tflops=flops(inputs[key]) / ms / 1e9, rel_err=err, peak_gib=peak,
-                   floor_ms=floor, ms_over_floor=ms / floor, notes=notes)
+                   padded_text=padded, ms=ms, tflops=flops(inputs[key], sizes) / ms / 1e9, rel_err=err,
+                   peak_gib=peak, floor_ms=floor, ms_over_floor=ms / floor, notes=notes)
         rows.append(row)
-        append_results("transformer", [row], args.out)
+        if args.tiny:
+            print(json.dumps(row))  # the line a GPU run appends
+        else:
+            append_results("transformer", [row], args.out)
         print(f"{impl:22} {attention:8} {key:20} {ms:8.1f} ms {row['tflops']:6.0f} TF/s  rel_err {err:.2e}  "
               f"peak {peak:5.1f} GiB  floor {floor:6.1f} ms  ({time.time() - t0:.0f} s) {notes}", flush=True)
         del out
 
-    stock = make_stock()
-    for key in args.shapes:  # the reference every row is compared with
+    stock = make_stock(sizes=sizes)
+    for key in shapes:  # the reference every row is compared with
         record("diffusers-eager", "sdpa-default", key, stock, "stock model only")
-    if "ours-bf16" in args.impls:
+    if "ours-bf16" in impls:
         ours = FastQwenImageTransformer.from_diffusers(stock, FastTransformerConfig(fp8=False))
-        for key in args.shapes:
+        for key in shapes:
             record("ours-bf16", ours.attention_backend, key, ours, "shares the stock's weights but fused QKV")
         del ours
         free()
-    if any(impl.startswith("ours-fp8") for impl in args.impls):
+    if any(impl.startswith("ours-fp8") for impl in impls):
         stock.to("cpu")  # build from a CPU model: never two BF16 copies on the GPU
         free()
-        torch.cuda.reset_peak_memory_stats()
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
         t0 = time.time()
         ours = FastQwenImageTransformer.from_diffusers(stock, FastTransformerConfig(fp8=True, fp8_fast_accum=False),
-                                                       device="cuda")
-        torch.cuda.synchronize()
+                                                       device=device)
+        sync(device)
         build = dict(build_s=time.time() - t0, build_peak_gib=torch.cuda.max_memory_allocated() / 2**30,
                      resident_gib=torch.cuda.memory_allocated() / 2**30)
         print(f"ours-fp8 built from a CPU model in {build['build_s']:.0f} s: peak {build['build_peak_gib']:.1f} GiB,"
               f" resident {build['resident_gib']:.1f} GiB (FP8 block linears + BF16 img_mod/txt_mod/embedders)")
         env.update(build)
-        if "ours-fp8" in args.impls:
-            for key in args.shapes:
+        if "ours-fp8" in impls:
+            for key in shapes:
                 record("ours-fp8", ours.attention_backend, key, ours, "ours alone on the GPU")
-        if "ours-fp8-cudnn" in args.impls:
+        if "ours-fp8-cudnn" in impls:
             run_config = ours.fast_config
             ours.fast_config = dataclasses.replace(run_config, attention="cudnn")
-            for key in args.shapes:
+            for key in shapes:
                 record("ours-fp8", "cudnn", key, ours, "ours alone on the GPU")
             ours.fast_config = run_config
-        if "ours-fp8-graph" in args.impls:
+        if "ours-fp8-graph" in impls:
             graphed = Replayed(ours)
-            for key in args.shapes:
+            for key in shapes:
                 record("ours-fp8-graph", ours.attention_backend, key, graphed, "CUDA-graph replay; ours alone")
             graphed.close()
             del graphed
-        if "ours-fp8-fastacc" in args.impls:
+        if "ours-fp8-fastacc" in impls:
             linears = [m for m in ours.transformer_blocks.modules() if hasattr(m, "fast_accum")]
             for module in linears:
                 module.fast_accum = True
-            for key in args.shapes:
+            for key in shapes:
                 record("ours-fp8-fastacc", ours.attention_backend, key, ours, "use_fast_accum=True; ours alone")
             for module in linears:
                 module.fast_accum = False
-        if "ours-fp8attn-graph" in args.impls:  # the pipelines' setting (fast accumulation, graphs) with and without
+        if "ours-fp8attn-graph" in impls:  # the pipelines' setting (fast accumulation, graphs) with and without
             for kernel in each_attention_kernel(ours):  # FP8 attention
                 graphed = Replayed(ours)
-                for key in args.shapes:
+                for key in shapes:
                     record("ours-fp8attn-graph", ours.attention_backend if kernel == "off" else f"{kernel}-fp8", key,
                            graphed, "fast accumulation, CUDA-graph replay; ours alone")
                 graphed.close()
-        if args.profile:  # the pipelines' settings (fast accumulation), each attention kernel
+        if args.profile and args.tiny:
+            print("--profile: skipped on the CPU (the CUDA profiler's kernel table needs a GPU)")
+        elif args.profile:  # the pipelines' settings (fast accumulation), each attention kernel
             key = "1024x1024-b2-padded" if "1024x1024-b2-padded" in inputs else next(iter(inputs))
             for kernel in each_attention_kernel(ours):
-                row = profile(ours, inputs[key], args.out, kernel)
+                row = profile(ours, inputs[key], args.out, kernel, sizes)
                 append_results("transformer", [dict(env, bench="transformer-profile", resolution=SHAPES[key][0],
                                                      batch=SHAPES[key][1], padded_text=SHAPES[key][2], **row)],
                                args.out)
         del ours
         free()
-        stock.to("cuda")
+        stock.to(device)
         free()
-    if "diffusers-compile" in args.impls:
+    if "diffusers-compile" in impls:
         stock.compile_repeated_blocks(fullgraph=True)
-        for key in args.shapes:
+        for key in shapes:
             record("diffusers-compile", "sdpa-default", key, stock, "compile_repeated_blocks(fullgraph=True)")
         del stock
         free()
         torch._dynamo.reset()
-        stock = make_stock()
-    if "torchao-fp8-compile" in args.impls:
+        stock = make_stock(sizes=sizes)
+    if "torchao-fp8-compile" in impls:
         quantize_torchao(stock)
         stock.compile_repeated_blocks(fullgraph=True)
-        for key in args.shapes:
+        for key in shapes:
             record("torchao-fp8-compile", "sdpa-default", key, stock, "PerRow on block attn+MLP linears")
     print_table(rows)
 
@@ -315,7 +387,7 @@ def main():
 ATTENTION_KERNEL_NAMES = ("flash", "fmha", "sdpa", "attention")  # FA4's, FA3's and cuDNN's kernels say one of these
 
 
-def profile(model, inputs, out_dir, fp8_attention: str) -> dict:
+def profile(model, inputs, out_dir, fp8_attention: str, sizes: Sizes) -> dict:
     """One eager forward under the profiler: its top kernels, and the attention kernel's mean time and TF/s (the
     FLOPs flops() counts for attention over the keys each sample has, per call)."""
     from torch.profiler import ProfilerActivity, profile as torch_profile
@@ -328,21 +400,21 @@ def profile(model, inputs, out_dir, fp8_attention: str) -> dict:
             torch.cuda.synchronize()
     events = prof.key_averages()
     table = events.table(sort_by="cuda_time_total", row_limit=20, max_name_column_width=70)
-    attention = sorted((e for e in events if e.device_type.name == "CUDA" and e.count == LAYERS
+    attention = sorted((e for e in events if e.device_type.name == "CUDA" and e.count == sizes.layers
                         and any(word in e.key.lower() for word in ATTENTION_KERNEL_NAMES)),
                        key=lambda e: e.device_time_total)  # FA3 runs a small scheduling kernel before its own
     if not attention:
-        raise RuntimeError(f"no attention kernel run {LAYERS} times in the profile")
+        raise RuntimeError(f"no attention kernel run {sizes.layers} times in the profile")
     attention = attention[-1:]
     batch, img_len = inputs["hidden_states"].shape[:2]
     mask = inputs["encoder_hidden_states_mask"]
-    txt = [TXT_LEN] * batch if mask is None else mask.sum(1).tolist()
-    attention_flops = sum(4 * (img_len + TXT_LEN) * (img_len + t) * D for t in txt)  # one call, every head
+    txt = [sizes.txt_len] * batch if mask is None else mask.sum(1).tolist()
+    attention_flops = sum(4 * (img_len + sizes.txt_len) * (img_len + t) * sizes.d for t in txt)  # one call, every head
     ms = attention[0].device_time_total / attention[0].count / 1e3
     row = dict(fp8_attention=fp8_attention, attention_kernel=attention[0].key, attention_ms=ms,
                attention_tflops=attention_flops / ms / 1e9,
                forward_gpu_ms=sum(e.device_time_total for e in events if e.device_type.name == "CUDA") / 1e3)
-    block = block_kernels(prof, attention[0].key)
+    block = block_kernels(prof, attention[0].key, sizes.layers)
     row["block_kernels"], row["block_gpu_us"] = len(block), sum(us for _, us in block)
     print(table)
     print(f"fp8_attention={fp8_attention}: attention {ms * 1e3:.1f} us a call, {row['attention_tflops']:.0f} TF/s "
@@ -355,12 +427,12 @@ def profile(model, inputs, out_dir, fp8_attention: str) -> dict:
     return row
 
 
-def block_kernels(prof, attention_key: str) -> list[tuple[str, float]]:
+def block_kernels(prof, attention_key: str, layers: int) -> list[tuple[str, float]]:
     """The GPU kernels and memsets of the profiled forward from the middle block's attention kernel up to the next
     block's, in start order: (name, microseconds)."""
     gpu = sorted((e for e in prof.events() if e.device_type.name == "CUDA"), key=lambda e: e.time_range.start)
     starts = [i for i, e in enumerate(gpu) if e.name == attention_key]
-    first, last = starts[LAYERS // 2], starts[LAYERS // 2 + 1]
+    first, last = starts[layers // 2], starts[layers // 2 + 1]
     return [(e.name, e.time_range.elapsed_us()) for e in gpu[first:last]]
 
 

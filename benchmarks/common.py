@@ -5,6 +5,7 @@ import hashlib
 import json
 import os
 import subprocess
+import time
 from pathlib import Path
 
 import torch
@@ -19,13 +20,27 @@ def sync(device: torch.device):
 
 
 def bench_ms(fn, warmup_ms: int = 50, rep_ms: int = 300) -> float:
-    """Median milliseconds of fn() with CUDA events (triton.testing.do_bench), after warm-up."""
+    """Median milliseconds of fn() with CUDA events (triton.testing.do_bench), after warm-up. Without a GPU (a
+    script's --tiny run on the CPU, a check of its logic): the median of three calls after one, by the wall clock."""
+    if not torch.cuda.is_available():
+        fn()
+        times = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return sorted(times)[1] * 1e3
     return triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
+
+
+def default_device() -> torch.device:
+    """cuda where there is a GPU, else the CPU (--tiny runs)."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def copy_bandwidth_gbps(n_bytes: int = 2 << 30) -> float:
     """Device-to-device copy of a 2 GiB buffer: (bytes read + bytes written) / time."""
-    src = torch.empty(n_bytes, dtype=torch.uint8, device="cuda").random_()
+    src = torch.empty(n_bytes, dtype=torch.uint8, device=default_device()).random_()
     dst = torch.empty_like(src)
     ms = bench_ms(lambda: dst.copy_(src))
     return 2 * n_bytes / ms / 1e6
@@ -34,11 +49,12 @@ def copy_bandwidth_gbps(n_bytes: int = 2 << 30) -> float:
 def matmul_tflops(m: int, n: int, k: int, fp8: bool, fast_accum: bool = False) -> float:
     """TF/s of one large GEMM on random data: bf16 torch.mm, or rowwise-FP8 torch._scaled_mm (fast_accum: Hopper's
     faster FP8 accumulation, as the models run their GEMMs by default)."""
-    a = torch.randn(m, k, device="cuda")
-    b = torch.randn(n, k, device="cuda")
+    device = default_device()
+    a = torch.randn(m, k, device=device)
+    b = torch.randn(n, k, device=device)
     if fp8:
         a8, b8 = a.to(torch.float8_e4m3fn), b.to(torch.float8_e4m3fn)
-        sa, sb = torch.ones(m, 1, device="cuda"), torch.ones(1, n, device="cuda")
+        sa, sb = torch.ones(m, 1, device=device), torch.ones(1, n, device=device)
         ms = bench_ms(lambda: torch._scaled_mm(a8, b8.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16,
                                                use_fast_accum=fast_accum))
     else:
@@ -70,7 +86,7 @@ def environment() -> dict:
         # results/*.jsonl are appended by the runs themselves: not a code change
         "dirty": bool(git("status", "--porcelain", "--untracked-files=no", "--", ".", ":!benchmarks/results")),
         "diff_sha1": hashlib.sha1(diff.encode()).hexdigest()[:12] if diff else None,  # ties a dirty run to its code
-        "gpu": torch.cuda.get_device_name(),
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "torch": torch.__version__,
         "triton": triton.__version__,
         "diffusers": version("diffusers"),

@@ -12,9 +12,13 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def latest(name: str, key) -> dict:
+    """The newest row of results/<name>.jsonl per key, among the rows of bench `name` (transformer.jsonl also
+    holds bench_transformer --profile's "transformer-profile" rows, of other fields)."""
     rows = {}
     for line in (RESULTS / f"{name}.jsonl").read_text().splitlines():
         row = json.loads(line)
+        if row.get("bench", name) != name:
+            continue
         k = key(row)
         if k not in rows or row.get("date", "") >= rows[k].get("date", ""):  # the newest run wins
             rows[k] = row

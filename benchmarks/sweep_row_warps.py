@@ -2,8 +2,10 @@
 pick. Prints GB/s per setting; the checked outputs are compared with the default setting's.
 
     python3 benchmarks/sweep_row_warps.py
+    python3 benchmarks/sweep_row_warps.py --tiny     # CPU smoke run of this script's logic (TRITON_INTERPRET=1)
 """
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -19,21 +21,28 @@ from qwen_image_fast.kernels._utils import rel_rms_error, rows_launch  # noqa: E
 
 
 def main():
-    b, s, d = 2, 4314, 3072
-    x = torch.randn(b, s, d, device="cuda", dtype=torch.bfloat16)
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tiny", action="store_true", help="tiny shapes on the CPU (logic check; TRITON_INTERPRET=1)")
+    args = parser.parse_args()
+    device = "cpu" if args.tiny else "cuda"
+    # B x (image + text tokens) x D; --tiny: one program of the interpreter's row tile
+    b, s, d, l_img = (2, 32, 256, 24) if args.tiny else (2, 4314, 3072, 4096)
+    x = torch.randn(b, s, d, device=device, dtype=torch.bfloat16)
     res = torch.randn_like(x) * 4
-    mod = torch.randn(b, 6 * d, device="cuda", dtype=torch.bfloat16) * 0.5
+    mod = torch.randn(b, 6 * d, device=device, dtype=torch.bfloat16) * 0.5
     shift, scale, gate = mod[:, :d], mod[:, d : 2 * d], mod[:, 2 * d : 3 * d]
-    copy_bw = copy_bandwidth_gbps()
+    copy_bw = copy_bandwidth_gbps(16 << 20 if args.tiny else 2 << 30)
     ops = {
         "layer_norm_modulate_fp8": (ln_mod, lambda: ln_mod.layer_norm_modulate_fp8(x, shift, scale), 3 * x.numel()),
         "layer_norm_modulate": (ln_mod, lambda: ln_mod.layer_norm_modulate(x, shift, scale), 4 * x.numel()),
         "residual_gate_layer_norm_modulate_fp8": (
             res_mod, lambda: res_mod.residual_gate_layer_norm_modulate_fp8(res, x, gate, shift, scale),
             7 * x.numel()),
-        "attn_split_fp8": (attn_split_mod, lambda: attn_split_mod.attn_split_fp8(x, 4096), 3 * x.numel()),
+        "attn_split_fp8": (attn_split_mod, lambda: attn_split_mod.attn_split_fp8(x, l_img), 3 * x.numel()),
     }
     print(f"copy {copy_bw:.0f} GB/s")
+    if args.tiny:
+        print("--tiny: the interpreter ignores num_warps: every setting runs the same program (a check of the script)")
     for name, (module, fn, n_bytes) in ops.items():
         default = [t.float() for t in fn()]
         line = []

@@ -1,0 +1,61 @@
+"""Every script in benchmarks/ runs in its tiny CPU mode (tiny components or shapes, Triton's interpreter, seconds),
+so that a refused argument or a changed API fails here instead of in a GPU run days later. A tiny run records
+nothing: benchmarks/results/ is the same after it. The GPU runs themselves are not checked here (the device tool)."""
+
+import hashlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+MODULES = {"common.py"}  # imported by the scripts, never run
+# script -> its tiny command's arguments ({tmp}: a fresh folder). Tools that only ever run on the CPU take their
+# usual arguments: summarize.py (tables of the recorded rows), qwen_bpe_tokenizer.py (a tokenizer folder).
+TINY = {
+    "bench_cache.py": ["--tiny"],
+    "bench_checkpoint.py": ["--tiny"],
+    "bench_edit.py": ["--tiny"],
+    "bench_fp8_attention.py": ["--tiny"],
+    "bench_gemv.py": ["--tiny"],
+    "bench_kernels.py": ["--tiny"],
+    "bench_lightning.py": ["--tiny"],
+    "bench_lora.py": ["--tiny"],
+    "bench_memory.py": ["--tiny"],
+    "bench_parallel.py": ["--tiny"],  # under torchrun, 2 processes on gloo
+    "bench_pipeline.py": ["--tiny"],
+    "bench_qwen21.py": ["--pipeline", "--tiny"],
+    "bench_text.py": ["--tiny"],
+    "bench_transformer.py": ["--tiny"],
+    "compare_stock_vs_fast.py": ["--model", "tiny-random", "--out", "{tmp}"],
+    "gpu_tests.py": ["run", "--tiny", "--of", "2", "--out", "{tmp}"],
+    "qwen_bpe_tokenizer.py": ["{tmp}/tokenizer"],
+    "summarize.py": [],
+    "sweep_fa4_tiles.py": ["--tiny"],
+    "sweep_gemm_epilogue.py": ["--tiny"],
+    "sweep_row_warps.py": ["--tiny"],
+}
+
+
+def results_digest() -> dict[str, str]:
+    return {p.name: hashlib.sha1(p.read_bytes()).hexdigest() for p in sorted((BENCHMARKS / "results").iterdir())}
+
+
+def test_every_script_has_a_tiny_command():
+    scripts = {p.name for p in BENCHMARKS.glob("*.py")} - MODULES
+    assert scripts == set(TINY), f"without a tiny command: {sorted(scripts - set(TINY))}; gone: {sorted(set(TINY) - scripts)}"
+
+
+@pytest.mark.parametrize("script", sorted(TINY))
+def test_tiny_mode_runs_and_records_nothing(script, tmp_path):
+    args = [a.replace("{tmp}", str(tmp_path)) for a in TINY[script]]
+    launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+                if script == "bench_parallel.py" else [sys.executable])
+    env = {**os.environ, "TRITON_INTERPRET": "1", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    before = results_digest()
+    done = subprocess.run([*launcher, str(BENCHMARKS / script), *args], cwd=BENCHMARKS.parent, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, (done.stdout[-2000:], done.stderr[-3000:])
+    assert results_digest() == before, f"{script} --tiny wrote to benchmarks/results/"
