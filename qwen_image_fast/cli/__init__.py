@@ -30,8 +30,8 @@ import sys
 import threading
 from pathlib import Path
 
-from .devices import (cap_memory, check_cfg_parallel, check_triton_on_cpu, distributed_env, image_group_shape,
-                      memory_setting, resolve_device, start_mesh)
+from .devices import (cap_memory, check_cfg_parallel, check_kernels_on, check_triton_on_cpu, distributed_env,
+                      image_group_shape, memory_setting, resolve_device, start_mesh)
 from .inputs import check_pipeline_inputs, check_pipeline_options, sizes_from_image
 from .jobs import TINY_SIZE, TINY_STEPS, command_line_entries, make_jobs, read_prompt_file, render_defaults, shard
 from .loras import resolve_lora
@@ -84,6 +84,7 @@ def run_render(args) -> int:
         device = resolve_device(args.device, rank, local_rank)
         model, why = resolve_model(args.model, device)  # auto: tiny-random, or the real model when cached
         config = command_config(args)
+        check_kernels_on(device, config)
         pipeline = pipeline_class(model)
         shape = image_group_shape(args, model, pipeline, rank, world_size)
         if shape is not None:
@@ -219,9 +220,13 @@ def uncached_labels(args, config, labels, world_size: int):
                          "--cache RULE")
     if world_size > 1:
         raise ValueError("--compare-uncached runs in one process; render each folder with several, then compare")
-    if Path(args.compare_uncached).resolve() == Path(args.out).resolve():
+    uncached, out = Path(args.compare_uncached).resolve(), Path(args.out).resolve()
+    if uncached == out:
         raise ValueError(f"--compare-uncached {args.compare_uncached} is --out: give the uncached images their own "
                          "folder")
+    if uncached.is_relative_to(out) or out.is_relative_to(uncached):  # one set of images inside the other's folder
+        raise ValueError(f"--compare-uncached {args.compare_uncached} and --out {args.out}: one folder is inside the "
+                         "other; give the uncached images a folder beside --out")
     return dataclasses.replace(labels, config=config.replace(cache=None))
 
 

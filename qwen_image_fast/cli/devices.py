@@ -44,6 +44,18 @@ def resolve_device(name: str | None, rank: int, local_rank: int | None):
     return torch.device("cuda", index)
 
 
+def check_kernels_on(device, config):
+    """--attention / --fp8-attention naming a kernel that runs on a CUDA GPU alone, refused on another device before
+    any model loads (the model's own check comes after loading has begun, and names the model, not the option)."""
+    if device.type == "cuda":
+        return
+    for option, value, allowed in (("--attention", config.attention, "auto or sdpa"),
+                                   ("--fp8-attention", config.fp8_attention, "off or auto")):
+        if value in ("fa4", "cudnn", "fa3"):
+            raise ValueError(f"{option} {value} runs on a CUDA GPU, and this run's device is {device}: use {option} "
+                             f"{allowed} there")
+
+
 def check_triton_on_cpu(device, labels: Labels, enhance: str | None = None):
     """The fused transformer's and the prompt enhancer's Triton kernels run on the CPU only under Triton's
     interpreter, which must be on before triton is first imported."""

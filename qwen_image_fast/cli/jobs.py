@@ -37,6 +37,7 @@ MAX_SEED = 2**64 - 1
 JSONL_FIELDS = {"prompt", "negative_prompt", "seed", "width", "height", "steps", "cfg", "id", "images", "mask",
                 "strength"}
 ID_CHARACTERS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
+PROMPT_FILE_SUFFIXES = {".txt", "", ".jsonl"}  # what read_prompt_file reads (text: one prompt a line)
 
 
 @dataclass(frozen=True)
@@ -84,6 +85,9 @@ def read_prompt_file(path: str | Path) -> list[dict]:
     """A .jsonl file (objects with "prompt" and optional JSONL_FIELDS) or a text file (one prompt a line; blank
     lines and lines starting with # skipped) -> entries {"line": n, "prompt": ..., ...}. ValueError names the line."""
     path = Path(path)
+    if path.suffix.lower() not in PROMPT_FILE_SUFFIXES:  # a .csv read as text would render its header as a prompt
+        raise ValueError(f"--prompts {path}: a {path.suffix} file, which render does not read; allowed: .txt (or no "
+                         "suffix: one prompt a line) and .jsonl (one JSON object a line)")
     try:
         lines = path.read_text(encoding="utf-8-sig").splitlines()  # -sig: a byte-order mark is not the prompt's
     except (OSError, UnicodeDecodeError) as e:
@@ -102,6 +106,16 @@ def read_prompt_file(path: str | Path) -> list[dict]:
     return entries
 
 
+def lone_surrogate(text: str) -> str | None:
+    """Where `text` holds a lone UTF-16 surrogate (a JSON "\\ud800" escape, or argv bytes that are not UTF-8), which no
+    tokenizer takes: "U+D800 at character 2"; else None."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return f"U+{ord(text[e.start]):04X} at character {e.start}"
+    return None
+
+
 def looks_like_json_object(line: str) -> bool:
     try:
         return isinstance(json.loads(line), dict)
@@ -115,6 +129,9 @@ def command_line_entries(prompts: list[str]) -> list[dict]:
         if not prompt.strip():
             raise ValueError(f"prompt {number} is {'empty' if not prompt else 'only whitespace'}: give a non-empty "
                              "prompt")
+        if lone_surrogate(prompt):
+            raise ValueError(f"prompt {number} holds a lone surrogate ({lone_surrogate(prompt)}), which is not text: "
+                             "give it as UTF-8")
     return [{"prompt": prompt} for prompt in prompts]
 
 
@@ -135,6 +152,10 @@ def parse_jsonl_line(path: Path, number: int, line: str) -> dict:
         raise bad('"prompt" must be a non-empty string')
     if "negative_prompt" in entry and not isinstance(entry["negative_prompt"], str):
         raise bad('"negative_prompt" must be a string')
+    for name in ("prompt", "negative_prompt"):
+        if name in entry and lone_surrogate(entry[name]):
+            raise bad(f'"{name}" holds a lone surrogate ({lone_surrogate(entry[name])}), which is not text (a '
+                      '"\\ud800"-style escape without its pair): write the character itself, or both halves')
     for name in ("seed", "width", "height", "steps"):
         if name in entry and (not isinstance(entry[name], int) or isinstance(entry[name], bool)):
             raise bad(f'"{name}" must be an integer, got {entry[name]!r}')
