@@ -155,7 +155,9 @@ class QwenImageFastPipeline(FastPipelineMixin, QwenImagePipeline):
             raise ValueError(f"negative_prompt has {len(negative_prompt)} entries but prompt has {len(prompt)}; "
                              "pass one negative prompt per prompt, or a single string for all")
         if not isinstance(num_inference_steps, int) or num_inference_steps < 1:
-            raise ValueError(f"num_inference_steps={num_inference_steps!r}; allowed: an integer >= 1")
+            least = 2 if getattr(self.scheduler.config, "shift_terminal", None) else 1  # check_not_one_step
+            raise ValueError(f"num_inference_steps={num_inference_steps!r}; allowed: an integer >= {least}"
+                             + (" (this scheduler's shift_terminal refuses 1 step too)" if least == 2 else ""))
         if not isinstance(num_images_per_prompt, int) or num_images_per_prompt < 1:
             raise ValueError(f"num_images_per_prompt={num_images_per_prompt!r}; allowed: an integer >= 1")
 

@@ -49,7 +49,9 @@ def read_input_image(path: str, what: str) -> InputImage:
             image.load()
             size = image.size
     except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as e:
-        raise ValueError(f"{what} {path}: not a readable image ({e})") from e
+        # PIL names the in-memory buffer it was given ("cannot identify image file <_io.BytesIO object at 0x...>")
+        why = "not a format PIL reads" if isinstance(e, Image.UnidentifiedImageError) else str(e)
+        raise ValueError(f"{what} {path}: not a readable image ({why})") from e
     return InputImage(path=str(path), sha256=hashlib.sha256(data).hexdigest(), size=size)
 
 

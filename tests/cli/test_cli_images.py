@@ -40,7 +40,7 @@ def checkpoints(tmp_path_factory):
 EDIT_BAD_INPUT = {
     "image-missing": (lambda c: ["--model", c / "edit", "--image", c / "none.png"], "--image {c}/none.png: cannot read"),
     "image-unreadable": (lambda c: ["--model", c / "edit", "--image", c / "not_an_image.png"],
-                         "--image {c}/not_an_image.png: not a readable image"),
+                         "--image {c}/not_an_image.png: not a readable image (not a format PIL reads)"),
     "image-with-text-to-image-model": (lambda c: ["--image", c / "a.png"],
                                        "--image given, but tiny-random is a text-to-image model"),
     "edit-without-image": (lambda c: ["--model", c / "edit"], "QwenImageEditPlusPipeline ({c}/edit) needs an input"),

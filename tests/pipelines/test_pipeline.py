@@ -157,8 +157,12 @@ def test_bad_input_names_the_value():
         run(pipe, prompt=[])
     with pytest.raises(ValueError, match="negative_prompt has 1 entries but prompt has 2"):
         run(pipe, prompt=["a", "b"], negative_prompt=["c"])
-    with pytest.raises(ValueError, match="num_inference_steps=0; allowed: an integer >= 1"):
+    # the tiny scheduler keeps Qwen-Image's shift_terminal, which refuses 1 step as well (check_not_one_step)
+    with pytest.raises(ValueError, match=r"num_inference_steps=0; allowed: an integer >= 2 \(this scheduler's "
+                                         r"shift_terminal refuses 1 step too\)"):
         run(pipe, prompt="a", num_inference_steps=0)
+    with pytest.raises(ValueError, match="num_inference_steps=1: FlowMatchEulerDiscreteScheduler's shift_terminal"):
+        run(pipe, prompt="a", num_inference_steps=1)
     with pytest.raises(ValueError, match="scheduler='ddim'; allowed: euler, dpm\\+\\+2m, unipc"):
         FastConfig(scheduler="ddim")
     with pytest.raises(ValueError, match="sigmas is not supported with scheduler='dpm\\+\\+2m'"):
