@@ -95,10 +95,10 @@ def gpu_time_split(pipe, size: int, steps: int, device) -> dict:
     activity = ProfilerActivity.CUDA if device.type == "cuda" else ProfilerActivity.CPU
     with profile(activities=[activity]) as prof:
         call(pipe, size, steps, device)
-    events = [e for e in prof.key_averages() if e.device_type.name == activity.name]
-    total = sum(e.self_device_time_total if device.type == "cuda" else e.self_cpu_time_total for e in events)
-    comm = sum(e.self_device_time_total if device.type == "cuda" else e.self_cpu_time_total for e in events
-               if "nccl" in e.key.lower() or "gloo" in e.key.lower())
+    times = [(e.key, e.self_device_time_total if device.type == "cuda" else e.self_cpu_time_total)
+             for e in prof.key_averages() if e.device_type.name == activity.name]  # us
+    total = sum(t for _, t in times)
+    comm = sum(t for key, t in times if "nccl" in key.lower() or "gloo" in key.lower())
     mine = torch.tensor([(total - comm) / 1e3 / steps, comm / 1e3 / steps], dtype=torch.float64, device=device)
     every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(every, mine)
@@ -119,8 +119,8 @@ def alltoall_probe(size: int, device, dtype) -> dict:
     def a2a():
         dist.all_to_all_single(recv, qkv)
 
-    gathered = torch.empty(world * qkv.numel() // world, dtype=dtype, device=device)
     part = qkv.flatten()[:qkv.numel() // world]
+    gathered = torch.empty(world * part.numel(), dtype=dtype, device=device)
 
     def gather():
         dist.all_gather_into_tensor(gathered, part)
@@ -173,10 +173,11 @@ def main():
         components = {name: getattr(converted, name) for name in ("scheduler", "vae", "text_encoder", "tokenizer",
                                                                   "transformer")}
         for size in sizes:
-            start = torch.randn(1, (size // 16) ** 2, 64, device=device,
-                                generator=torch.Generator(device).manual_seed(1), dtype=dtype)  # the same on every rank
-            if args.tiny:  # the tiny VAE's scale: 4, then 2x2 patches of 4 channels
-                start = torch.randn(1, (size // 8) ** 2, 16, generator=torch.Generator().manual_seed(1))
+            # packed starting latents, the same on every rank: 2x2 patches of the VAE's latents (16 channels at 8x;
+            # the tiny VAE's 4 channels at 4x)
+            tokens, channels = ((size // 8) ** 2, 16) if args.tiny else ((size // 16) ** 2, 64)
+            start = torch.randn(1, tokens, channels, device=device, generator=torch.Generator(device).manual_seed(1),
+                                dtype=dtype)
             probe = alltoall_probe(32 if args.tiny else size, device, dtype)
             if rank == 0 and attention == "off":
                 print(f"{size} Ulysses all-to-all of a block's Q/K/V alone: " + ", ".join(
@@ -201,7 +202,8 @@ def main():
                 gpus = 1 if mode == "none" else world
                 if mode == "none":
                     one_gpu[label] = latents.float(), update
-                one_gpu_s = one_gpu_s if label != "1gpu" else seconds
+                if label == "1gpu":
+                    one_gpu_s = seconds
                 # CFG-parallel runs each branch at batch 1 (the unbatched 1-GPU row), Ulysses both in one batch; the
                 # unbatched row against the batched one is exact in BF16, and within FP8 attention's declared bound
                 # with it (its per-tensor v scale is taken over the batch's rows)

@@ -58,14 +58,19 @@ def dynamic_shift(scheduler_config, image_seq_len: int) -> float:
                            scheduler_config.get("max_shift", 1.15))
 
 
+def fewest_steps(scheduler) -> int:
+    """The fewest steps a call may take with this scheduler: 2 with a shift_terminal (check_not_one_step), else 1."""
+    return 2 if getattr(scheduler.config, "shift_terminal", None) else 1
+
+
 def check_not_one_step(scheduler, num_inference_steps, sigmas=None):
     """ValueError for a call whose sigmas end at 1 with Qwen-Image's scheduler config (shift_terminal 0.02): it
     stretches 1 - sigma by its last value; the stock pipelines' sigmas linspace(1, 1/N, N) end at 1 when N = 1, so
     the stretch divides 0 by 0 and stock diffusers denoises with NaN, a black image. Ours refuses that call."""
-    shift_terminal = getattr(scheduler.config, "shift_terminal", None)
     last = sigmas[-1] if sigmas is not None and len(sigmas) else 1 / num_inference_steps if num_inference_steps else 0
-    if not shift_terminal or last != 1:
+    if fewest_steps(scheduler) == 1 or last != 1:
         return
+    shift_terminal = scheduler.config.shift_terminal
     raise ValueError(
         f"num_inference_steps={num_inference_steps}{'' if sigmas is None else f', sigmas={list(sigmas)}'}: "
         f"{type(scheduler).__name__}'s shift_terminal={shift_terminal} stretches 1 - sigma by its last value, 0 here "

@@ -32,7 +32,7 @@ from .fast_pipeline import FastPipelineMixin
 from .runtime.memory import place_low_memory
 from .runtime.offload import TakingTurns
 from .runtime.parallel import MeshShape, ParallelMesh
-from .samplers import check_not_one_step, dynamic_shift, make_scheduler, set_timesteps
+from .samplers import check_not_one_step, dynamic_shift, fewest_steps, make_scheduler, set_timesteps
 
 logger = logging.getLogger(__name__)
 
@@ -155,7 +155,7 @@ class QwenImageFastPipeline(FastPipelineMixin, QwenImagePipeline):
             raise ValueError(f"negative_prompt has {len(negative_prompt)} entries but prompt has {len(prompt)}; "
                              "pass one negative prompt per prompt, or a single string for all")
         if not isinstance(num_inference_steps, int) or num_inference_steps < 1:
-            least = 2 if getattr(self.scheduler.config, "shift_terminal", None) else 1  # check_not_one_step
+            least = fewest_steps(self.scheduler)
             raise ValueError(f"num_inference_steps={num_inference_steps!r}; allowed: an integer >= {least}"
                              + (" (this scheduler's shift_terminal refuses 1 step too)" if least == 2 else ""))
         if not isinstance(num_images_per_prompt, int) or num_images_per_prompt < 1:

@@ -55,8 +55,8 @@ from .unsupported import Unsupported
 # The stock model's constructor arguments and defaults: its config, which ours keeps (plus "fast_config").
 STOCK_CONFIG = {name: p.default for name, p in inspect.signature(QwenImageTransformer2DModel.__init__).parameters.items()
                 if name != "self"}
-# The modules of the stock model the fast one takes as they are (from_diffusers shares them).
 MAX_ROTARY = 64  # rotary tables kept per model, one per image shapes and text length (a graph keeps its own)
+# The modules of the stock model the fast one takes as they are (from_diffusers shares them).
 SHARED_MODULES = ("time_text_embed", "txt_norm", "img_in", "txt_in", "norm_out", "proj_out")
 
 
