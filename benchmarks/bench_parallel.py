@@ -1,7 +1,8 @@
 """One image on several GPUs (GPU, NCCL): the fast pipeline on 1 GPU vs CFG-parallel, Ulysses and both, each with
 BF16 attention (FlashAttention-4 where installed) and with FP8 attention (cuDNN) where it combines.
 
-    torchrun --nproc_per_node 2 benchmarks/bench_parallel.py [--tokenizer DIR] [--sizes 1024,1328] [--out DIR]
+    torchrun --nproc_per_node 2 benchmarks/bench_parallel.py [--tokenizer DIR] [--sizes 1024,1328]
+        [--fp8-attention off,cudnn] [--out DIR]
     torchrun --nproc_per_node 2 benchmarks/bench_parallel.py --tiny     # CPU, gloo, tiny components: logic only
 
 Every rank builds the same full-size random transformer and VAE (bench_transformer.make_stock, seeded) and
@@ -144,8 +145,11 @@ def main():
     parser.add_argument("--tiny", action="store_true", help="tiny random components on the CPU over gloo (logic check)")
     parser.add_argument("--sizes", default="1024,1328")
     parser.add_argument("--tokenizer", type=Path, default=None, help="a Qwen2.5 BPE tokenizer folder")
+    parser.add_argument("--fp8-attention", default="off,cudnn",
+                        help="the FP8-attention settings to run, one conversion each (off: BF16 attention)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
+    attentions = ("off",) if args.tiny else tuple(args.fp8_attention.split(","))
     local_rank = int(os.environ["LOCAL_RANK"])
     if args.tiny:
         device, dtype = torch.device("cpu"), torch.float32
@@ -167,7 +171,7 @@ def main():
         stock, sizes, steps = full_size_stock_pipeline(args.tokenizer), list(map(int, args.sizes.split(","))), STEPS
         same_on_every_rank(stock)
     rows = []
-    for attention in ("off",) if args.tiny else ("off", "cudnn"):  # one converted transformer at a time (H100 memory)
+    for attention in attentions:  # one converted transformer at a time (H100 memory)
         converted = QwenImageFastPipeline.from_pipe(
             stock, fast_config=FastConfig(fp8=not args.tiny, fp8_attention=attention), device=device)
         components = {name: getattr(converted, name) for name in ("scheduler", "vae", "text_encoder", "tokenizer",

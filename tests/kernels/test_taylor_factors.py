@@ -47,12 +47,23 @@ def test_kernel_matches_ref(device, dtype, factors_dtype, shape, orders):
     out = (torch.randn(shape, device=device) * 3).to(dtype)
     factors = (torch.randn((4, *shape), device=device) * 2).to(factors_dtype)
     factors[orders:] = float("nan")
-    expected = factors.clone()
+    expected, before = factors.clone(), factors.clone()
     delta = torch.tensor([3.0], device=device)
     taylor_factors_update(out, factors, orders, delta)
     taylor_factors_update_ref(out, expected, orders, delta)
-    assert torch.equal(factors[:orders + 1], expected[:orders + 1]), (factors - expected).abs().max()
+    got, want = factors[:orders + 1], expected[:orders + 1]
+    assert torch.equal(got, want), first_difference(got, want, out, before)
     assert factors[orders + 1:].isnan().all()
+
+
+def first_difference(got, want, out, before) -> str:
+    """Where the kernel and the reference first differ, with the inputs there (the slots past the new factors are
+    NaN in both, so a max-abs difference over the whole tensor says nothing)."""
+    differ = ~((got == want) | (got.isnan() & want.isnan()))
+    k, *at = differ.nonzero()[0].tolist()
+    return (f"{int(differ.sum())} values differ; first: factor {k} at {tuple(at)}: kernel {got[(k, *at)].item()!r}, "
+            f"reference {want[(k, *at)].item()!r}; out {out[tuple(at)].item()!r}, factors before "
+            f"{[before[(j, *at)].item() for j in range(before.shape[0])]}")
 
 
 def test_validation_names_the_value():
