@@ -28,6 +28,11 @@ def _taylor_factors_update_kernel(OUT, F, DELTA, stride_f, N, ORDERS: tl.constex
     delta = tl.load(DELTA).to(tl.float32)
     for j in tl.static_range(ORDERS):
         prev = round_to(tl.load(F + j * stride_f + offs, mask=mask, other=0.0).to(tl.float32), dtype)
+        # the load and the store of slot j need not give an element to the same thread (Triton lays out each memory
+        # op by its own pointer's alignment and dtype): without the barrier a thread could overwrite an old factor
+        # another thread has yet to read (an H200 read `out` back as f_0 in 32-64 elements of a tile, 24 of 5400
+        # seeded cases, fp16 out with fp32 factors, the suite's test failing only as timing allowed)
+        tl.debug_barrier()
         tl.store(F + j * stride_f + offs, round_to(new, f_dtype).to(f_dtype), mask=mask)
         new = round_to(tl.math.div_rn(round_to(new - prev, dtype), delta), dtype)  # IEEE division, as torch's
     tl.store(F + ORDERS * stride_f + offs, round_to(new, f_dtype).to(f_dtype), mask=mask)

@@ -56,6 +56,26 @@ def test_kernel_matches_ref(device, dtype, factors_dtype, shape, orders):
     assert factors[orders + 1:].isnan().all()
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("orders", [1, 2])
+def test_in_place_update_over_many_launches(orders):
+    """The in-place update read back its own new factors in a few warps where Triton gave a slot's load and store
+    to different threads (an H200: 24 of 5400 seeded cases, fp16 out with fp32 factors): 200 launches at an
+    unaligned tile (stride 13653) make that a near-certain failure, where one launch found it as timing allowed."""
+    shape = (3, 37, 123)
+    delta = torch.tensor([3.0], device="cuda")
+    for seed in range(200):
+        torch.manual_seed(seed)
+        out = (torch.randn(shape, device="cuda") * 3).half()
+        factors = torch.randn((4, *shape), device="cuda") * 2
+        factors[orders:] = float("nan")
+        expected, before = factors.clone(), factors.clone()
+        taylor_factors_update(out, factors, orders, delta)
+        taylor_factors_update_ref(out, expected, orders, delta)
+        got, want = factors[:orders + 1], expected[:orders + 1]
+        assert torch.equal(got, want), f"seed {seed}: " + first_difference(got, want, out, before)
+
+
 def first_difference(got, want, out, before) -> str:
     """Where the kernel and the reference first differ, with the inputs there (the slots past the new factors are
     NaN in both, so a max-abs difference over the whole tensor says nothing)."""
