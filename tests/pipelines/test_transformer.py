@@ -156,20 +156,6 @@ def test_policy_keeps_named_linears_in_bf16():
     assert err <= err_emulated * 1.02, (err, err_emulated)
 
 
-@pytest.mark.parametrize("fast_accum", [True, False])
-def test_fast_accumulation_in_the_image_stream_only(fast_accum, tmp_path):
-    """fp8_fast_accum reaches the image stream's linears; the text stream's (a few dozen rows) accumulate exactly at
-    every row count, so that Ulysses' half of the text rows rounds as one GPU's whole (block.fast_accum_in). Built
-    from diffusers and loaded from a saved fast checkpoint alike."""
-    config = FastTransformerConfig(fp8=True, fp8_fast_accum=fast_accum)
-    fast = FastQwenImageTransformer.from_diffusers(tiny_stock(num_layers=2), config)
-    fast.save_pretrained(tmp_path)
-    for model in (fast, FastQwenImageTransformer.from_pretrained(tmp_path, fast_config=config)):
-        for blk in model.transformer_blocks:
-            assert {name: getattr(blk, name).fast_accum for name in FP8_LINEARS} == {
-                name: fast_accum and name.startswith("img_") for name in FP8_LINEARS}
-
-
 def test_config_validation():
     with pytest.raises(ValueError, match=r"bf16_linears=\['img_mlp'\]; allowed: img_qkv"):
         FastTransformerConfig(bf16_linears=("img_mlp",))

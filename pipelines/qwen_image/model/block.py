@@ -249,15 +249,6 @@ class JointAttention(AttentionModuleMixin, nn.Module):
         return img, block.txt_out(txt_o).view(batch, txt_len, dim) if text_out else None
 
 
-def fast_accum_in(stream: str, config: FastTransformerConfig) -> bool:
-    """fp8_fast_accum in the image stream only. The text stream's GEMMs have a few dozen rows (about 1% of a block's
-    FLOPs) and take the exact accumulation, so that a GEMM's accumulation never depends on its row count:
-    fp8_linear turns fast accumulation off below FAST_ACCUM_MIN_ROWS (cuBLASLt has no such kernel for K=12288
-    there), and Ulysses gives each rank half the text rows, which can put one GPU's rows and a rank's on either side
-    of it (the two-GPU test: Ulysses 0.04-0.06 from one GPU in bf16 latents)."""
-    return config.fp8_fast_accum and stream == "img"
-
-
 class FastBlock(nn.Module):
     """One dual-stream block, fused: per stream one QKV linear [3*H*D, D], the output linear, the MLP's two; the
     QK-norm weights [D_head]; img_mod / txt_mod as in diffusers (nn.Sequential(SiLU, Linear(D, 6D))); `attn`, the
@@ -273,7 +264,7 @@ class FastBlock(nn.Module):
         for stream in ("img", "txt"):
             for name, (k, n) in shapes.items():
                 setattr(self, f"{stream}_{name}", FastLinear(k, n, config.is_fp8(f"{stream}_{name}"),
-                                                             fast_accum_in(stream, config)))
+                                                             config.fp8_fast_accum))
         self.norm_q, self.norm_k = nn.Parameter(torch.empty(head_dim)), nn.Parameter(torch.empty(head_dim))
         self.norm_added_q, self.norm_added_k = nn.Parameter(torch.empty(head_dim)), nn.Parameter(torch.empty(head_dim))
         self.attn = JointAttention()
@@ -296,7 +287,7 @@ class FastBlock(nn.Module):
             for name, weight, bias in (("qkv", qkv_w, qkv_b), ("out", out.weight, out.bias),
                                        ("fc1", fc1.weight, fc1.bias), ("fc2", fc2.weight, fc2.bias)):
                 setattr(fast, f"{stream}_{name}", FastLinear.from_weight(
-                    weight, bias, config.is_fp8(f"{stream}_{name}"), device, fast_accum_in(stream, config)))
+                    weight, bias, config.is_fp8(f"{stream}_{name}"), device, config.fp8_fast_accum))
             del qkv_w, qkv_b
         for name, norm in (("norm_q", attn.norm_q), ("norm_k", attn.norm_k), ("norm_added_q", attn.norm_added_q),
                            ("norm_added_k", attn.norm_added_k)):
