@@ -1,4 +1,5 @@
-"""The command line: `qwen-image-fast render ...` and `qwen-image-fast compare ...` (also `python -m qwen_image_fast`).
+"""The command line: `qwen-image-fast render ...`, `qwen-image-fast compare ...` and `qwen-image-fast serve ...`
+(server/; also `python -m qwen_image_fast`).
 
 Bad input exits with status 2, argparse's usage line and one line saying what is wrong, before any model is loaded
 and before the output folder is created; a model that then fails to load exits the same way and leaves no folder
@@ -280,6 +281,10 @@ def raise_terminated(signum, frame):
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "serve":  # uvicorn handles the signals: SIGTERM drains (server/main.py)
+        from ..server.main import run_serve
+
+        return run_serve(args)
     # SIGTERM handled as Ctrl-C (its handler can only be set in the main thread; restored when done)
     previous = (signal.signal(signal.SIGTERM, raise_terminated)
                 if threading.current_thread() is threading.main_thread() else None)

@@ -238,4 +238,51 @@ def build_parser() -> argparse.ArgumentParser:
     add("--min-psnr", type=finite_float(minimum=0.0), metavar="DB",
         help="exit 1 if a pair is below this PSNR (dB, finite, >= 0)")
     compare_parser.set_defaults(parser=compare_parser)
+
+    serve_parser = commands.add_parser(
+        "serve", help="serve OpenAI's Images API over HTTP", usage="%(prog)s --model M [options]",
+        description="Serve /v1/images/generations (a text-to-image model) or /v1/images/edits (an edit model) with "
+                    "OpenAI's fields and SGLang's / vLLM-Omni's diffusion fields, batching compatible requests into "
+                    "one pipeline call; /v1/models, /health, /metrics, and a page at /.")
+    add = serve_parser.add_argument
+    add("--model", default=REAL_MODEL_ID, help=f"hub id or local folder (default {REAL_MODEL_ID}); {TINY_MODEL_ID}: "
+        "a tiny random model (its images are noise); auto: the real model if cached and a GPU is there")
+    add("--preset", choices=PRESETS, default=PRESETS[0],
+        help=f"{PRESETS[0]}: every optimization; {STOCK_PRESET}: the stock diffusers pipeline")
+    add("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    add("--port", type=int_at_least(1, maximum=65535), default=8000)
+    add("--lora", type=named_lora_argument, action="append", default=[], metavar="NAME=PATH",
+        help="a LoRA .safetensors file loaded at start as adapter NAME (unfused: requests pick any subset at any "
+             "weights); repeatable")
+    add("--lora-dir", metavar="DIR", help="a folder of LoRA files a request may also name (its path inside DIR "
+        "without .safetensors; loaded the first time one is named); nothing outside it")
+    add("--max-batch", type=int_at_least(1), default=4, help="images per pipeline call at most (default 4)")
+    add("--max-wait-ms", type=finite_float(minimum=0.0), default=20.0,
+        help="how long the oldest request waits for company before its batch runs (default 20)")
+    add("--max-queue", type=int_at_least(1), default=64, help="requests waiting at most; more get 429 (default 64)")
+    add("--api-key", help="require Authorization: Bearer KEY on every route but /health (default: the "
+        "QWEN_IMAGE_FAST_API_KEY environment variable, else none)")
+    add("--engines", type=int_at_least(1), help="engine processes (default: one per visible GPU; one on the CPU)")
+    add("--device", help="cpu, cuda or cuda:N for every engine (default: engine i on GPU i, else the CPU)")
+    add("--max-side", type=multiple_of_16, default=2048, help="the longest image side a request may ask for "
+        "(default 2048; less where the model's rotary table ends)")
+    add("--request-timeout", type=positive_float, default=600.0, metavar="S",
+        help="a request not answered within S seconds gets 504 (its queued images dropped; default 600)")
+    add("--drain-timeout", type=positive_float, default=600.0, metavar="S",
+        help="on SIGTERM, how long requests in flight may take to finish (default 600)")
+    add("--max-body-mb", type=positive_float, default=64.0, help="largest request body, uploads included (default 64)")
+    add("--lightning", action="store_true", help="few-step sampling for a Lightning LoRA (as render's)")
+    add("--max-memory", type=positive_float, metavar="GIB", help="GPU memory each engine may use (as render's)")
+    add_optimization_options(add)
+    serve_parser.set_defaults(parser=serve_parser)
     return parser
+
+
+def named_lora_argument(text: str) -> tuple[str, str]:
+    """NAME=PATH -> (NAME, PATH); the name is what requests use."""
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"must be NAME=PATH, got {text!r}")
+    if not all(c.isalnum() or c in "-_." for c in name):
+        raise argparse.ArgumentTypeError(f"the name {name!r} may hold letters, digits, - _ and . only")
+    return name, path

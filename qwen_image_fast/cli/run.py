@@ -104,10 +104,10 @@ def encode_ahead(pipe, batches: list[list[Job]], first: int) -> tuple[dict[int, 
 
 
 def run_batch(pipe, batch: list[Job], on_step, prompts: list[str] | None = None,
-              encoded: dict | None = None) -> list[Image.Image]:
+              encoded: dict | None = None, extra: dict | None = None) -> list[Image.Image]:
     """One pipeline call (prompts: what to render instead of the jobs' own, e.g. their rewrites; encoded: the jobs'
-    prompts already encoded, encode_ahead). One CPU generator per image: the same seed gives the same latents at any
-    batch size and on any device."""
+    prompts already encoded, encode_ahead; extra: more arguments of the call, e.g. the server's guidance_scale). One
+    CPU generator per image: the same seed gives the same latents at any batch size and on any device."""
     import torch
 
     first = batch[0]
@@ -130,6 +130,7 @@ def run_batch(pipe, batch: list[Job], on_step, prompts: list[str] | None = None,
         generator=[torch.Generator("cpu").manual_seed(job.seed) for job in batch],
         callback_on_step_end=on_step,
         **inputs,
+        **(extra or {}),
     ).images
 
 

@@ -1,0 +1,180 @@
+"""One engine: a process of its own that loads the pipeline on one device, warms it up, and runs batches (one
+pipeline call each) sent down a pipe, answering each with its images encoded and what ran.
+
+A process, not a thread, so that a crash, an out-of-memory kill or kill -9 takes down one engine and not the
+server: the server sees the pipe close, answers that engine's requests with 503 and starts it again (engines.py).
+
+LoRAs stay unfused: every adapter is loaded once (those named at start, and the --lora-dir files when a request
+first names them), and each batch sets the ones it asks for at its weights (set_adapters; disable_lora for none);
+the base weights are never touched, so switching costs no reload.
+"""
+
+import io
+import time
+import traceback
+from dataclasses import dataclass, field
+
+from ..cli.output import EXIF_IMAGE_DESCRIPTION, PNG_DESCRIPTION, image_settings, to_json
+from .protocol import OUTPUT_FORMATS
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """What an engine loads (picklable: it crosses to the spawned process)."""
+
+    model: str
+    preset: str
+    config: object  # FastConfig
+    device: str
+    loras: tuple[tuple[str, str], ...] = ()  # (name, file) loaded at start
+    lora_dir: str | None = None
+    lightning: bool = False
+    max_memory: float | None = None
+    warm_up: dict = field(default_factory=dict)  # the pipeline call that warms it up (run_batch's settings)
+
+
+@dataclass(frozen=True)
+class Work:
+    """One image of a batch: its text, seed, how to encode it, and the settings it records."""
+
+    prompt: str
+    negative_prompt: str | None
+    seed: int
+    output_format: str
+    output_compression: int
+    settings: dict
+
+
+@dataclass(frozen=True)
+class Batch:
+    """One pipeline call: what every image of it shares, and the images."""
+
+    id: int
+    width: int | None
+    height: int | None
+    steps: int
+    cfg: float
+    guidance_scale: float | None
+    loras: tuple[tuple[str, float], ...]
+    works: tuple[Work, ...]
+    step_cache: bool = True  # False: this call without the engine's step cache
+    images: tuple[bytes, ...] = ()
+    mask: bytes | None = None
+
+
+class UploadedImage:
+    """An uploaded input image, as run_batch takes cli.inputs.InputImage: load(mode), record()."""
+
+    def __init__(self, data: bytes):
+        import hashlib
+
+        self.data, self.sha256 = data, hashlib.sha256(data).hexdigest()
+
+    def load(self, mode: str):
+        from PIL import Image
+
+        with Image.open(io.BytesIO(self.data)) as image:
+            return image.convert(mode)
+
+    def record(self) -> dict:
+        return {"sha256": self.sha256}
+
+
+def encode(image, fmt: str, compression: int, settings: dict) -> bytes:
+    """The image in `fmt` with its settings embedded as render embeds them (PNG iTXt, JPEG/WebP EXIF)."""
+    from PIL.PngImagePlugin import PngInfo
+
+    out = io.BytesIO()
+    if fmt == "png":
+        info = PngInfo()
+        info.add_itxt(PNG_DESCRIPTION, to_json(settings))
+        image.save(out, format="PNG", pnginfo=info)
+    else:
+        exif = image.getexif()
+        exif[EXIF_IMAGE_DESCRIPTION] = to_json(settings, ensure_ascii=True)
+        image.convert("RGB" if fmt == "jpeg" else image.mode).save(
+            out, format=OUTPUT_FORMATS[fmt], exif=exif, quality=compression)
+    return out.getvalue()
+
+
+def load(spec: EngineSpec):
+    import torch
+
+    from ..cli.devices import cap_memory
+    from ..cli.models import load_pipeline
+
+    device = torch.device(spec.device)
+    cap_memory(spec.max_memory, device)
+    pipe = load_pipeline(spec.model, spec.preset, spec.config, device, lightning=spec.lightning)
+    for name, file in spec.loras:
+        pipe.load_lora_weights(file, adapter_name=name)
+    if spec.loras:
+        pipe.disable_lora()
+    return pipe
+
+
+def set_loras(pipe, loras: tuple[tuple[str, float], ...], lora_dir: str | None):
+    """The batch's adapters at their weights, loading a --lora-dir one the first time it is named."""
+    from pathlib import Path
+
+    loaded = set(pipe.get_list_adapters().get("transformer", [])) if hasattr(pipe, "get_list_adapters") else set()
+    for name, _ in loras:
+        if name not in loaded:
+            pipe.load_lora_weights(str(Path(lora_dir) / f"{name}.safetensors"), adapter_name=name)
+            loaded.add(name)
+    if not loras:
+        if loaded:
+            pipe.disable_lora()
+        return
+    pipe.enable_lora()
+    pipe.set_adapters([name for name, _ in loras], [weight for _, weight in loras])
+
+
+def run(pipe, batch: Batch, lora_dir: str | None, config=None) -> list:
+    """The batch's images (PIL), one pipeline call: cli.run.run_batch, the call render makes. config: the engine's
+    FastConfig (None: the stock pipeline), its step cache dropped for a batch that asks so (as render's
+    --compare-uncached runs its uncached pass)."""
+    from ..cli.jobs import Job
+    from ..cli.run import run_batch
+
+    set_loras(pipe, batch.loras, lora_dir)
+    if config is not None:
+        pipe.fast_config = config if batch.step_cache else config.replace(cache=None)
+    inputs = tuple(UploadedImage(data) for data in batch.images)
+    jobs = [Job(index=i, id=None, prompt=w.prompt, negative_prompt=w.negative_prompt, seed=w.seed,
+                width=batch.width, height=batch.height, steps=batch.steps, cfg=batch.cfg, images=inputs,
+                mask=UploadedImage(batch.mask) if batch.mask is not None else None)
+            for i, w in enumerate(batch.works)]
+    extra = {} if batch.guidance_scale is None else {"guidance_scale": batch.guidance_scale}
+    return run_batch(pipe, jobs, None, extra=extra)
+
+
+def engine_main(conn, spec: EngineSpec, index: int):
+    """The engine process: ("ready", info) once loaded and warmed up (or ("failed", why)), then for each Batch
+    received ("done", id, [bytes], applied, seconds) or ("error", id, why); None or a closed pipe ends it."""
+    try:
+        pipe = load(spec)
+        config = getattr(pipe, "fast_config", None)
+        if spec.warm_up:
+            run(pipe, Batch(id=-1, loras=(), **spec.warm_up), spec.lora_dir, config)
+        conn.send(("ready", {"applied": list(getattr(pipe, "applied", []) or []), "index": index}))
+    except Exception as e:
+        conn.send(("failed", f"{type(e).__name__}: {e}"))
+        return
+    while True:
+        try:
+            batch = conn.recv()
+        except EOFError:
+            return
+        if batch is None:
+            return
+        t0 = time.perf_counter()
+        try:
+            images = run(pipe, batch, spec.lora_dir, config)
+            applied = list(getattr(pipe, "applied", []) or [])
+            encoded = [encode(image, w.output_format, w.output_compression,
+                              image_settings(w.settings, None, applied)) for image, w in zip(images, batch.works)]
+            conn.send(("done", batch.id, encoded, applied, time.perf_counter() - t0))
+        except Exception as e:
+            traceback.print_exc()
+            conn.send(("error", batch.id, f"{type(e).__name__}: {e}"))
