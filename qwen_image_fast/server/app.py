@@ -181,7 +181,7 @@ def create_app(state: ServerState, lifespan=None) -> FastAPI:
                 for i in range(parsed.n)]
         state.metrics.images += parsed.n
         return {"created": int(time.time()), "data": data, "output_format": parsed.output_format,
-                "size": size_of_image(done.results[0]), "applied": done.applied,
+                "size": size_of_image(done.results[0]), "applied": done.applied, "batch_sizes": done.batch_sizes,
                 "seed": parsed.seed, "seed_given": parsed.seed_given}
 
     async def json_body(request: Request) -> dict:

@@ -14,6 +14,7 @@ import time
 import traceback
 from dataclasses import dataclass, field
 
+from ..cli import shrunk_inputs
 from ..cli.output import EXIF_IMAGE_DESCRIPTION, PNG_DESCRIPTION, image_settings, to_json
 from .protocol import OUTPUT_FORMATS
 
@@ -31,6 +32,7 @@ class EngineSpec:
     lightning: bool = False
     max_memory: float | None = None
     warm_up: dict = field(default_factory=dict)  # the pipeline call that warms it up (run_batch's settings)
+    shrink_inputs: int | None = None  # a test-size edit model: condition images at 1/this of their area, as render
 
 
 @dataclass(frozen=True)
@@ -151,7 +153,11 @@ def run(pipe, batch: Batch, lora_dir: str | None, config=None) -> list:
 
 def engine_main(conn, spec: EngineSpec, index: int):
     """The engine process: ("ready", info) once loaded and warmed up (or ("failed", why)), then for each Batch
-    received ("done", id, [bytes], applied, seconds) or ("error", id, why); None or a closed pipe ends it."""
+    received ("done", id, [bytes], applied, seconds) or ("error", id, why); None or a closed pipe ends it. Ctrl-C
+    reaches the server's whole process group: the server drains, so an engine ignores SIGINT and ends when told."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         pipe = load(spec)
         config = getattr(pipe, "fast_config", None)
@@ -170,7 +176,8 @@ def engine_main(conn, spec: EngineSpec, index: int):
             return
         t0 = time.perf_counter()
         try:
-            images = run(pipe, batch, spec.lora_dir, config)
+            with shrunk_inputs(spec.shrink_inputs):
+                images = run(pipe, batch, spec.lora_dir, config)
             applied = list(getattr(pipe, "applied", []) or [])
             encoded = [encode(image, w.output_format, w.output_compression,
                               image_settings(w.settings, None, applied)) for image, w in zip(images, batch.works)]

@@ -81,7 +81,8 @@ def run_serve(args) -> int:
     from ..cli.inputs import PIPELINE_INPUTS, check_pipeline_options
     from ..cli.models import check_model, pipeline_class, resolve_model
     from ..cli.parser import command_config
-    from ..cli.sizes import ModelShape
+    from ..cli import condition_area_divisor
+    from ..cli.sizes import SHRINKS_INPUTS, ModelShape
     from .engine import EngineSpec, Work
     from .metrics import Metrics
     from .scheduler import Scheduler
@@ -108,9 +109,11 @@ def run_serve(args) -> int:
         width=served.default_size[0], height=served.default_size[1], steps=served.min_steps, cfg=served.default_cfg,
         guidance_scale=None, works=(Work("warm-up", served.default_negative if served.default_cfg > 1 else None, 0,
                                          "png", 100, {}),))
+    shrink = (condition_area_divisor() if shape is not None and shape.test_size and pipeline in SHRINKS_INPUTS
+              else None)
     specs = [EngineSpec(model=model, preset=args.preset, config=config, device=d, loras=tuple(args.lora),
                         lora_dir=args.lora_dir, lightning=args.lightning, max_memory=args.max_memory,
-                        warm_up=warm_up) for d in devices]
+                        warm_up=warm_up, shrink_inputs=shrink) for d in devices]
     metrics = Metrics()
     scheduler = Scheduler(specs, args.max_batch, args.max_wait_ms / 1000, args.max_queue, metrics)
     return serve_forever(args, served, scheduler, metrics, settings, api_key)

@@ -27,6 +27,7 @@ class Item:
     next_image: int = 0  # images before it have been sent to engines
     results: dict = field(default_factory=dict)  # image index -> encoded bytes
     applied: list = field(default_factory=list)
+    batch_sizes: list = field(default_factory=list)  # images in each pipeline call its images ran in
     started: float | None = None  # when its first batch started
 
     @property
@@ -175,6 +176,8 @@ class Scheduler:
         batch = Batch(id=next(self.batch_ids), width=request.width, height=request.height, steps=request.steps,
                       cfg=request.cfg, guidance_scale=request.guidance_scale, loras=request.loras,
                       works=tuple(works), step_cache=request.step_cache, images=request.images, mask=request.mask)
+        for item, _ in parts:
+            item.batch_sizes.append(len(works))
         try:
             engine.submit(batch, parts)
         except OSError:  # the engine's pipe is gone: its reader reports it stopped, which fails these

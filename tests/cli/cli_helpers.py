@@ -1,4 +1,4 @@
-"""What the CLI tests share: the tiny model's arguments, reading what a render wrote, a tiny LoRA file.
+"""What the CLI tests share: the tiny model's arguments, reading what a render wrote (a tiny LoRA file: helpers.py).
 
 Most runs use --preset baseline (the stock pipeline: ~0.03 s an image); the fast preset's Triton kernels run under
 the interpreter. Subprocesses (kill -9, several ranks) inherit the environment (TRITON_INTERPRET, HF_HUB_OFFLINE).
@@ -32,27 +32,6 @@ def pixels(path) -> np.ndarray:
 
 def write_lines(path, lines):
     path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
-    return path
-
-
-def tiny_lora(path, targets=("transformer_blocks.0.attn.to_q", "transformer_blocks.1.img_mlp.net.2"), seed=0):
-    """A LoRA for the tiny model in lightx2v's key format (lora_down / lora_up / alpha), strong enough to see."""
-    import torch
-    from safetensors.torch import save_file
-
-    from qwen_image_fast.pipelines.tiny import tiny_pipeline
-
-    model = tiny_pipeline().transformer
-    g = torch.Generator().manual_seed(seed)
-    sd = {}
-    q = model.transformer_blocks[0].attn.to_q
-    for name in targets:
-        linear = dict(model.named_modules()).get(name, q)  # a name the model lacks: to_q's shape
-        k, n = linear.in_features, linear.out_features
-        sd[f"{name}.lora_down.weight"] = torch.randn(4, k, generator=g) / k**0.5
-        sd[f"{name}.lora_up.weight"] = torch.randn(n, 4, generator=g)
-        sd[f"{name}.alpha"] = torch.tensor(4.0)
-    save_file(sd, path)
     return path
 
 

@@ -10,7 +10,8 @@ from PIL import Image
 from qwen_image_fast.cli import main
 from qwen_image_fast.cli.models import (DEFAULT_ENHANCER_ID, TINY_ENHANCER_ID, TINY_MODEL_ID, resolve_model)
 
-from cli_helpers import BASELINE, TINY, tiny_lora, write_lines
+from cli_helpers import BASELINE, TINY, write_lines
+from helpers import tiny_lora
 
 
 # ---- bad input: exit status 2, usage + one line naming the problem, before any model is loaded; no folder left

@@ -13,7 +13,8 @@ from PIL import Image
 from qwen_image_fast.cli import main
 from qwen_image_fast.cli.output import read_settings
 
-from cli_helpers import (BASELINE, TINY, images, manifest, needs_interpreter, pixels, tiny_lora, wait_for_manifest_lines,
+from helpers import tiny_lora
+from cli_helpers import (BASELINE, TINY, images, manifest, needs_interpreter, pixels, wait_for_manifest_lines,
                          write_lines)
 
 
