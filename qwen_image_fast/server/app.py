@@ -58,25 +58,38 @@ def endpoint_of(path: str) -> str:
     return path.rsplit("/", 1)[-1] if path.startswith("/v1/") else path.strip("/") or "page"
 
 
+class Gate:
+    """The API key and draining, as plain ASGI middleware (Starlette's BaseHTTPMiddleware wraps `receive`, and a
+    request behind it never sees its client disconnect)."""
+
+    def __init__(self, app, state: ServerState):
+        self.app, self.state = app, state
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        state, path = self.state, scope["path"]
+        error = None
+        if state.api_key is not None and path not in OPEN_PATHS:
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, f"Bearer {state.api_key}".encode()):
+                state.metrics.request(endpoint_of(path), "unauthorized")
+                error = ApiError(401, "a valid API key is required: send Authorization: Bearer KEY",
+                                 code="invalid_api_key")
+        if error is None and state.draining and path != "/health":
+            state.metrics.request(endpoint_of(path), "unavailable")
+            error = ApiError(503, "the server is shutting down: send this request to another one", type="server_error",
+                             code="shutting_down")
+        if error is not None:
+            return await error_response(error)(scope, receive, send)
+        return await self.app(scope, receive, send)
+
+
 def create_app(state: ServerState, lifespan=None) -> FastAPI:
     app = FastAPI(title="qwen-image-fast", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
     app.state.server = state
 
-    @app.middleware("http")
-    async def gate(request: Request, call_next):
-        path = request.url.path
-        if state.api_key is not None and path not in OPEN_PATHS:
-            given = request.headers.get("authorization", "")
-            expected = f"Bearer {state.api_key}"
-            if not hmac.compare_digest(given.encode(), expected.encode()):
-                state.metrics.request(endpoint_of(path), "unauthorized")
-                return error_response(ApiError(401, "a valid API key is required: send Authorization: Bearer KEY",
-                                               code="invalid_api_key"))
-        if state.draining and path != "/health":
-            state.metrics.request(endpoint_of(path), "unavailable")
-            return error_response(ApiError(503, "the server is shutting down: send this request to another one",
-                                           type="server_error", code="shutting_down"))
-        return await call_next(request)
+    app.add_middleware(Gate, state=state)
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, error: ApiError):
@@ -109,8 +122,9 @@ def create_app(state: ServerState, lifespan=None) -> FastAPI:
     @app.get("/metrics")
     async def metrics():
         scheduler = state.scheduler
+        busy = sum(engine.busy is not None for engine in scheduler.engines)
         return PlainTextResponse(state.metrics.render(len(scheduler.pending), scheduler.queued_images(),
-                                                      scheduler.ready, len(scheduler.engines)),
+                                                      scheduler.ready, busy, len(scheduler.engines)),
                                  media_type="text/plain; version=0.0.4")
 
     @app.get("/")

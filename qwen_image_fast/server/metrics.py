@@ -43,7 +43,7 @@ class Metrics:
         with self.lock:
             self.requests[endpoint, outcome] = self.requests.get((endpoint, outcome), 0) + 1
 
-    def render(self, queue_requests: int, queue_images: int, engines_ready: int, engines: int) -> str:
+    def render(self, queue_requests: int, queue_images: int, engines_ready: int, engines_busy: int, engines: int) -> str:
         with self.lock:
             lines = [f"# HELP {PREFIX}requests_total Requests answered, by endpoint and outcome.",
                      f"# TYPE {PREFIX}requests_total counter"]
@@ -53,6 +53,7 @@ class Metrics:
                     ("queue_requests", "gauge", "Requests waiting for an engine.", queue_requests),
                     ("queue_images", "gauge", "Images of those requests not yet sent to an engine.", queue_images),
                     ("engines_ready", "gauge", "Engines loaded, warmed up and serving.", engines_ready),
+                    ("engines_busy", "gauge", "Engines running a batch.", engines_busy),
                     ("engines", "gauge", "Engines configured.", engines),
                     ("images_total", "counter", "Images rendered and returned.", self.images),
                     ("engine_restarts_total", "counter", "Engines started again after they stopped.",

@@ -1,27 +1,30 @@
-"""`qwen-image-fast serve` on the tiny text-to-image model (fast preset, Triton's interpreter), one real server process
-on a loopback port for the module, driven by the official openai client, httpx and a headless Chromium.
+"""`qwen-image-fast serve` under load, bad input, the API key and the page: the tiny text-to-image model with the
+stock preset (diffusers' own pipeline: ~0.05 s an image on the CPU, so that 100 requests cost seconds), one real
+server process on a loopback port for the module, driven by httpx and a headless Chromium (the fast preset through
+the server: test_serve_fast.py). Its faults last, in order: a request past the 2 s timeout, a client that goes
+away, kill -9 of the engine, SIGTERM (a SIGSTOP'd engine holds a batch in flight for as long as a test needs).
 
-Served images are compared with render's pipeline call in this process (serving.in_process_images): equal pixel
-for pixel when the server ran the same batch. Requests batched together against the same requests served one at a
-time: within one 8-bit level, not bit for bit. A batch pads its prompts' text to the longest and runs its GEMMs
-at another row count, and on the CPU that moves fp32 outputs by ~5e-7 (stock diffusers alike: a list of prompts
-against each prompt alone), which can tip a pixel's rounding.
+Requests batched together against the same requests served one at a time: within one 8-bit level, not bit for bit.
+A batch pads its prompts' text to the longest and runs its GEMMs at another row count, and on the CPU that moves
+fp32 outputs by ~5e-7 (stock diffusers itself: a list of prompts against each prompt alone), which can tip a
+pixel's rounding.
 """
 
-import base64
 import concurrent.futures
+import contextlib
 import io
 import json
 import os
+import signal
 import threading
+import time
 
 import httpx
 import numpy as np
 import pytest
-import torch
 from PIL import Image
 from helpers import tiny_lora
-from serving import API_KEY, Server, decoded, in_process_images
+from serving import API_KEY, Server, decoded
 
 SIZE = (64, 64)
 
@@ -40,50 +43,19 @@ def lora_files(tmp_path_factory):
 def server(tmp_path_factory, lora_files):
     style, lora_dir = lora_files
     log = tmp_path_factory.mktemp("server") / "server.log"
-    running = Server(["--model", "tiny-random", "--device", "cpu", "--max-batch", "4", "--max-wait-ms", "300",
-                      "--max-queue", "16", "--max-body-mb", "1", "--lora", f"style={style}", "--lora-dir", str(lora_dir)], log)
+    running = Server(["--model", "tiny-random", "--preset", "baseline", "--device", "cpu", "--max-batch", "4",
+                      "--max-wait-ms", "300", "--max-queue", "16", "--max-body-mb", "1", "--request-timeout", "2",
+                      "--lora", f"style={style}",
+                      "--lora-dir", str(lora_dir)], log)
     try:
         yield running.wait_ready()
     finally:
         running.stop()
 
 
-@pytest.fixture(scope="module")
-def pipe():
-    """The pipeline the server's engine runs, in this process."""
-    from qwen_image_fast import FastConfig
-    from qwen_image_fast.cli.models import load_pipeline
-
-    return load_pipeline("tiny-random", "fast", FastConfig(), torch.device("cpu"))
-
-
 def post(server, body, client=None, path="/v1/images/generations"):
     client = client or server.client()
     return client.post(path, json=body)
-
-
-def test_openai_client_generate_equals_the_pipeline_call(server, pipe):
-    from openai import OpenAI
-
-    client = OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY)
-    answer = client.images.generate(prompt="a red fox in snow", n=2, size="64x64",
-                                    extra_body={"seed": 7, "num_inference_steps": 2, "negative_prompt": "blurry"})
-    extra = answer.model_extra
-    assert answer.created > 0 and answer.output_format == "png" and answer.size == "64x64"
-    assert [image.model_extra["seed"] for image in answer.data] == [7, 8]
-    assert "fused_transformer" in extra["applied"] and extra["batch_sizes"] == [2], extra
-    want = in_process_images(pipe, prompts=["a red fox in snow"] * 2, seeds=[7, 8], size=SIZE, steps=2, cfg=4.0,
-                             negative="blurry")
-    for image, expected in zip(answer.data, want):
-        assert np.array_equal(decoded(image.b64_json), expected)
-    with Image.open(io.BytesIO(base64.b64decode(answer.data[1].b64_json))) as image:
-        settings = json.loads(image.info["Description"])  # embedded as render embeds its images' settings
-    assert settings["prompt"] == "a red fox in snow" and settings["seed"] == 8 and settings["steps"] == 2
-    assert settings["negative_prompt"] == "blurry" and settings["applied"] == extra["applied"]
-    # a client that gives no seed gets a random one, and is told which
-    unseeded = client.images.generate(prompt="a red fox in snow", size="64x64",
-                                      extra_body={"num_inference_steps": 2, "true_cfg_scale": 1.0})
-    assert unseeded.model_extra["seed_given"] is False and isinstance(unseeded.data[0].model_extra["seed"], int)
 
 
 def test_batched_requests_equal_the_same_requests_one_at_a_time(server):
@@ -224,33 +196,6 @@ def test_api_key_on_every_route_but_health(server):
     assert models["loras"] == ["style"]
 
 
-def test_per_request_loras_switch_without_reloading(server, pipe, lora_files):
-    style, lora_dir = lora_files
-    base = dict(prompt="a red fox", seed=3, num_inference_steps=2, true_cfg_scale=1.0)
-    with server.client() as client:
-        def image(**extra):
-            answer = client.post("/v1/images/generations", json=base | extra)
-            assert answer.status_code == 200, answer.text
-            return decoded(answer.json()["data"][0]["b64_json"])
-
-        styled = image(loras=[{"name": "style", "weight": 0.7}])
-        plain = image()
-        other = image(loras=[{"name": "other", "weight": 1.0}, {"name": "style", "weight": 0.5}])
-        deep = image(lora={"name": "sub/deep", "scale": 1.0})
-        again = image(loras=[{"name": "style", "weight": 0.7}])
-    assert np.array_equal(styled, again)  # switching away and back leaves nothing behind
-    assert len({a.tobytes() for a in (styled, plain, other, deep)}) == 4
-    pipe.load_lora_weights(str(style), adapter_name="style")
-    try:
-        pipe.set_adapters(["style"], [0.7])
-        want_styled = in_process_images(pipe, prompts=["a red fox"], seeds=[3], size=SIZE, steps=2, cfg=1.0)[0]
-        pipe.disable_lora()
-        want_plain = in_process_images(pipe, prompts=["a red fox"], seeds=[3], size=SIZE, steps=2, cfg=1.0)[0]
-    finally:
-        pipe.delete_adapters(["style"])
-    assert np.array_equal(styled, want_styled) and np.array_equal(plain, want_plain)
-
-
 def chromium_driver():
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
@@ -285,7 +230,8 @@ def test_the_page_renders_and_compares_in_a_browser(server, tmp_path):
         images = driver.find_elements(By.CSS_SELECTOR, "img.result")
         assert len(images) == 1 and driver.execute_script("return arguments[0].naturalWidth", images[0]) == 64
         settings = json.loads(driver.find_element(By.CSS_SELECTOR, ".settings").text)
-        assert settings["prompt"] == "a paper boat on a pond" and settings["seed"] == 11 and settings["applied"]
+        assert settings["prompt"] == "a paper boat on a pond" and settings["seed"] == 11
+        assert settings["applied"] == []  # the stock preset: nothing of ours ran
         # side by side: the same prompt and seed at 3 steps against 2
         driver.find_element(By.ID, "compare").click()
         Select(driver.find_element(By.ID, "b_setting")).select_by_value("steps")
@@ -299,3 +245,99 @@ def test_the_page_renders_and_compares_in_a_browser(server, tmp_path):
             driver.save_screenshot(os.environ["QWEN_IMAGE_FAST_SCREENSHOT"])
     finally:
         driver.quit()
+
+
+def batches_run(server) -> float:
+    return server.metrics()["qwen_image_fast_batch_size_count"]
+
+
+def wait_until_idle(server, timeout=60):
+    """No request queued and no engine running a batch."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        metrics = server.metrics()
+        if metrics["qwen_image_fast_queue_requests"] == 0 and metrics["qwen_image_fast_engines_busy"] == 0:
+            return
+        time.sleep(0.1)
+    raise AssertionError("the server did not become idle")
+
+
+@contextlib.contextmanager
+def frozen(pid: int):
+    """The engine stopped (SIGSTOP) until the block ends: a batch sent to it stays in flight for as long as the test
+    needs, whatever the machine's speed."""
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
+QUICK = dict(num_inference_steps=2, true_cfg_scale=1.0)
+
+
+def test_past_its_timeout_504_and_a_queued_request_is_never_rendered(server):
+    wait_until_idle(server)
+    before = batches_run(server)
+    [engine] = server.engine_pids()
+    with frozen(engine), concurrent.futures.ThreadPoolExecutor(2) as pool:
+        running = pool.submit(post, server, dict(prompt="running", seed=1, **QUICK))
+        time.sleep(0.5)  # sent to the engine; the next one (another step count: its own batch) queues behind it
+        queued = pool.submit(post, server, dict(prompt="queued", seed=2, num_inference_steps=3, true_cfg_scale=1.0))
+        for answer in (running.result(), queued.result()):  # the server's --request-timeout is 2 s
+            assert answer.status_code == 504 and answer.json()["error"]["code"] == "timeout", answer.text
+    wait_until_idle(server)
+    assert batches_run(server) - before == 1  # the running one's batch finished unused; the queued one never ran
+
+
+def test_a_client_that_goes_away_has_its_queued_work_dropped(server):
+    wait_until_idle(server)
+    before, metrics = batches_run(server), server.metrics()
+    gone = 'qwen_image_fast_requests_total{endpoint="generations",outcome="disconnected"}'
+    [engine] = server.engine_pids()
+    with frozen(engine), concurrent.futures.ThreadPoolExecutor(1) as pool:
+        running = pool.submit(post, server, dict(prompt="running", seed=1, **QUICK))
+        time.sleep(0.3)
+        with pytest.raises(httpx.ReadTimeout):
+            with httpx.Client(base_url=server.url, headers=server.headers(), timeout=0.5) as impatient:
+                impatient.post("/v1/images/generations", json=dict(prompt="impatient", seed=3, num_inference_steps=3,
+                                                                   true_cfg_scale=1.0))
+        time.sleep(0.5)  # the server notices within its 0.25 s poll
+    assert running.result().status_code in (200, 504)
+    wait_until_idle(server)
+    assert batches_run(server) - before == 1
+    assert server.metrics()[gone] - metrics.get(gone, 0) == 1
+
+
+def test_kill_9_of_the_engine_gives_503_then_it_restarts(server):
+    wait_until_idle(server)
+    [engine] = server.engine_pids()
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        os.kill(engine, signal.SIGSTOP)  # never continued: killed while its batch is in flight
+        running = pool.submit(post, server, dict(prompt="running", seed=1, **QUICK))
+        time.sleep(0.5)
+        os.kill(engine, signal.SIGKILL)
+        answer = running.result()
+    assert answer.status_code == 503 and "engine 0 stopped" in answer.json()["error"]["message"], answer.text
+    deadline = time.monotonic() + 120
+    while httpx.get(f"{server.url}/health", timeout=5).status_code != 200:
+        assert time.monotonic() < deadline, "the engine did not come back"
+        time.sleep(0.3)
+    later = post(server, dict(prompt="after the restart", seed=4, **QUICK))
+    assert later.status_code == 200 and server.engine_pids() != [engine]
+    assert server.metrics()["qwen_image_fast_engine_restarts_total"] == 1
+
+
+def test_sigterm_drains_then_exits_0(server):
+    wait_until_idle(server)
+    [engine] = server.engine_pids()
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        with frozen(engine):
+            running = pool.submit(post, server, dict(prompt="in flight", seed=5, **QUICK))
+            time.sleep(0.3)
+            server.process.send_signal(signal.SIGTERM)
+            time.sleep(0.2)
+            refused = post(server, dict(prompt="too late", seed=6, **QUICK))
+            assert refused.status_code == 503 and refused.json()["error"]["code"] == "shutting_down", refused.text
+        assert running.result().status_code == 200
+    assert server.process.wait(60) == 0
