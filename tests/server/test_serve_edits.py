@@ -1,0 +1,97 @@
+"""`qwen-image-fast serve` on a tiny Edit-2511-style checkpoint (EditPlus, stock preset): /v1/images/edits through the
+official openai client (one image, and several as image[]) equals render's pipeline call in this process; what an
+edit model refuses (a generations request, a mask, no image, a file that is not an image) is a 400 naming it.
+Condition images are shrunk as render shrinks them for a test-size model (pipelines/tiny.py), here and in the server.
+"""
+
+import io
+
+import numpy as np
+import pytest
+from PIL import Image
+from serving import API_KEY, Server, decoded, in_process_images
+
+from qwen_image_fast.server.protocol import ApiError, Served, parse_request
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    import diffusers
+
+    from qwen_image_fast.pipelines.tiny import tiny_pipeline
+
+    root = tmp_path_factory.mktemp("edit")
+    tiny_pipeline(diffusers.QwenImageEditPlusPipeline, transformer_config=dict(zero_cond_t=True)).save_pretrained(
+        root / "edit")
+    return root / "edit"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, checkpoint):
+    log = tmp_path_factory.mktemp("server") / "server.log"
+    running = Server(["--model", str(checkpoint), "--preset", "baseline", "--device", "cpu"], log)
+    try:
+        yield running.wait_ready()
+    finally:
+        running.stop()
+
+
+def png(shape, seed) -> bytes:
+    out = io.BytesIO()
+    Image.fromarray(np.random.default_rng(seed).integers(0, 256, shape, dtype=np.uint8)).save(out, format="PNG")
+    return out.getvalue()
+
+
+def test_openai_client_edit_equals_the_pipeline_call(server, checkpoint, small_condition_images):
+    import torch
+    from openai import OpenAI
+
+    from qwen_image_fast import FastConfig
+    from qwen_image_fast.cli.models import load_pipeline
+
+    client = OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY)
+    first, second = png((32, 48, 3), 0), png((40, 24, 3), 1)
+    pipe = load_pipeline(str(checkpoint), "baseline", FastConfig(), torch.device("cpu"))  # as the engine loads it
+    for images in ([first], [first, second]):
+        files = [(f"in{i}.png", data, "image/png") for i, data in enumerate(images)]
+        answer = client.images.edit(image=files if len(files) > 1 else files[0], prompt="make it blue",
+                                    extra_body={"seed": 5, "num_inference_steps": 2, "negative_prompt": "blurry"})
+        want = in_process_images(pipe, prompts=["make it blue"], seeds=[5], size=None, steps=2, cfg=4.0,
+                                 negative="blurry", images=images)[0]
+        got = decoded(answer.data[0].b64_json)
+        assert answer.size == f"{got.shape[1]}x{got.shape[0]}" and np.array_equal(got, want), len(images)
+
+
+def test_what_an_edit_model_refuses(server):
+    with server.client() as client:
+        answer = client.post("/v1/images/generations", json={"prompt": "a cat"})
+        assert answer.status_code == 400 and "serves /v1/images/edits" in answer.json()["error"]["message"]
+        cases = [
+            ({}, {"prompt": (None, "x")}, "image", "required"),  # a multipart body of one text field
+            ({"prompt": "x"}, {"image": ("a.txt", b"hello", "text/plain")}, "image", "not an image PIL reads"),
+            ({"prompt": "x"}, {"image": ("a.png", png((8, 8, 3), 0), "image/png"),
+                               "mask": ("m.png", png((8, 8, 3), 1), "image/png")}, "mask", "takes no mask"),
+            ({"prompt": "x"}, {"picture": ("a.png", png((8, 8, 3), 0), "image/png")}, "picture", "unexpected file"),
+            ({"prompt": "x", "n": "many"}, {"image": ("a.png", png((8, 8, 3), 0), "image/png")}, "n", "integer"),
+            ({"prompt": "x", "lora": "{not json"}, {"image": ("a.png", png((8, 8, 3), 0), "image/png")}, "lora",
+             "must be JSON"),
+        ]
+        for data, files, param, says in cases:
+            answer = client.post("/v1/images/edits", data=data, files=files)
+            error = answer.json()["error"]
+            assert answer.status_code == 400 and error["param"] == param and says in error["message"], answer.text
+        answer = client.post("/v1/images/edits", json={"prompt": "x"})
+        assert answer.status_code == 400 and "multipart/form-data" in answer.json()["error"]["message"]
+
+
+def test_a_mask_of_another_size_is_refused():
+    """What an inpainting model's server checks of a mask, in the parser both endpoints share."""
+    served = Served(model="m", pipeline="QwenImageInpaintPipeline", endpoint="edits", default_size=None,
+                    max_side=2048, default_steps=2, default_cfg=4.0, default_negative=" ", min_steps=2,
+                    guidance_embeds=False, images=(1, 1), mask=True)
+    image = {"image": [png((32, 48, 3), 0)]}
+    with pytest.raises(ApiError, match="mask: required"):
+        parse_request({"prompt": "x"}, served, "edits", image)
+    with pytest.raises(ApiError, match=r"mask: 24x16: it must be the first image's size, 48x32"):
+        parse_request({"prompt": "x"}, served, "edits", image | {"mask": [png((16, 24), 1)]})
+    assert parse_request({"prompt": "x"}, served, "edits", image | {"mask": [png((32, 48), 1)]}).mask is not None
