@@ -203,13 +203,14 @@ def add_loras(pipe, loras: tuple[Lora, ...]):
 
 
 def load_pipeline(model: str, preset: str, config: FastConfig, device, loras: tuple[Lora, ...] = (),
-                  lightning: bool = False):
+                  lightning: bool = False, stock=None):
     """STOCK_PRESET: diffusers' own QwenImagePipeline, untouched, so that comparisons are against code this project
     did not write (it samples with the checkpoint's Euler scheduler only; LoRAs load as diffusers loads them, not
     fused). Any other preset: QwenImageFastPipeline with `config`; LoRAs are fused, on the BF16 stock pipeline
     before it is converted (one FP8 rounding of the merged weights) unless the checkpoint is a fast one (FP8
     already: folded into those weights). Real weights load in BF16; tiny-random is built in FP32.
-    lightning: the Lightning LoRAs' scheduler replaces the checkpoint's."""
+    lightning: the Lightning LoRAs' scheduler replaces the checkpoint's. stock: a stock pipeline already built (a
+    benchmark's random full-size one) in place of loading `model`."""
     import diffusers
     import torch
 
@@ -217,8 +218,10 @@ def load_pipeline(model: str, preset: str, config: FastConfig, device, loras: tu
     from ..pipelines.qwen_image.loading import from_pretrained, is_fast_pipeline, optimize
     from ..pipelines.qwen_image.samplers import lightning_scheduler
 
-    name = pipeline_class_name(model)
-    if model == TINY_MODEL_ID:
+    name = pipeline_class_name(model) if stock is None else type(stock).__name__
+    if stock is not None:
+        pipe = stock
+    elif model == TINY_MODEL_ID:
         from ..pipelines.tiny import tiny_pipeline
 
         pipe = tiny_pipeline(getattr(diffusers, name))

@@ -33,6 +33,9 @@ class EngineSpec:
     max_memory: float | None = None
     warm_up: dict = field(default_factory=dict)  # the pipeline call that warms it up (run_batch's settings)
     shrink_inputs: int | None = None  # a test-size edit model: condition images at 1/this of their area, as render
+    # (module, function, kwargs) building a stock pipeline in place of loading `model` (bench_serve.py's random
+    # full-size weights); the module must be importable in the engine (spawned engines get the server's sys.path)
+    factory: tuple[str, str, dict] | None = None
 
 
 @dataclass(frozen=True)
@@ -106,8 +109,16 @@ def load(spec: EngineSpec):
     from ..cli.models import load_pipeline
 
     device = torch.device(spec.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     cap_memory(spec.max_memory, device)
-    pipe = load_pipeline(spec.model, spec.preset, spec.config, device, lightning=spec.lightning)
+    stock = None
+    if spec.factory is not None:
+        import importlib
+
+        module, function, kwargs = spec.factory
+        stock = getattr(importlib.import_module(module), function)(**kwargs)
+    pipe = load_pipeline(spec.model, spec.preset, spec.config, device, lightning=spec.lightning, stock=stock)
     for name, file in spec.loras:
         pipe.load_lora_weights(file, adapter_name=name)
     if spec.loras:
