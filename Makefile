@@ -7,6 +7,8 @@ PY := $(VENV)/bin/python
 install: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml tests/constraints.txt
+	# the server page's test drives Debian's headless Chromium (root on a fresh Debian machine, as CI's)
+	command -v chromedriver >/dev/null || { apt-get update -qq && apt-get install -y -qq chromium chromium-driver; }
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q -c tests/constraints.txt torch
 	$(PY) -m pip install -q -c tests/constraints.txt -e '.[test]'
