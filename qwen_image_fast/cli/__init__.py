@@ -282,9 +282,13 @@ def raise_terminated(signum, frame):
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "serve":  # uvicorn handles the signals: SIGTERM drains (server/main.py)
-        from ..server.main import run_serve
+        from ..server.main import plan_serve, serve_forever
 
-        return run_serve(args)
+        try:
+            plan = plan_serve(args)
+        except ValueError as e:
+            args.parser.error(one_line(e))
+        return serve_forever(args, *plan)
     # SIGTERM handled as Ctrl-C (its handler can only be set in the main thread; restored when done)
     previous = (signal.signal(signal.SIGTERM, raise_terminated)
                 if threading.current_thread() is threading.main_thread() else None)

@@ -14,7 +14,6 @@ import time
 import traceback
 from dataclasses import dataclass, field
 
-from ..cli import shrunk_inputs
 from ..cli.output import EXIF_IMAGE_DESCRIPTION, PNG_DESCRIPTION, image_settings, to_json
 from .protocol import OUTPUT_FORMATS
 
@@ -133,7 +132,13 @@ def set_loras(pipe, loras: tuple[tuple[str, float], ...], lora_dir: str | None):
     loaded = set(pipe.get_list_adapters().get("transformer", [])) if hasattr(pipe, "get_list_adapters") else set()
     for name, _ in loras:
         if name not in loaded:
-            pipe.load_lora_weights(str(Path(lora_dir) / f"{name}.safetensors"), adapter_name=name)
+            try:
+                pipe.load_lora_weights(str(Path(lora_dir) / f"{name}.safetensors"), adapter_name=name)
+            except Exception as e:
+                if name in pipe.get_list_adapters().get("transformer", []):  # what loaded of it goes
+                    pipe.delete_adapters([name])
+                raise ValueError(f"the LoRA {name!r} in the LoRA folder cannot be loaded ({type(e).__name__}: "
+                                 f"{e})") from e
             loaded.add(name)
     if not loras:
         if loaded:
@@ -162,6 +167,17 @@ def run(pipe, batch: Batch, lora_dir: str | None, config=None) -> list:
     return run_batch(pipe, jobs, None, extra=extra)
 
 
+def condition_images(shrink: int | None):
+    """A test-size edit model's condition images shrunk as render shrinks them (pipelines/tiny.py), else as they are."""
+    import contextlib
+
+    if shrink is None:
+        return contextlib.nullcontext()
+    from ..pipelines.tiny import small_condition_images
+
+    return small_condition_images(shrink)
+
+
 def engine_main(conn, spec: EngineSpec, index: int):
     """The engine process: ("ready", info) once loaded and warmed up (or ("failed", why)), then for each Batch
     received ("done", id, [bytes], applied, seconds) or ("error", id, why); None or a closed pipe ends it. Ctrl-C
@@ -187,7 +203,7 @@ def engine_main(conn, spec: EngineSpec, index: int):
             return
         t0 = time.perf_counter()
         try:
-            with shrunk_inputs(spec.shrink_inputs):
+            with condition_images(spec.shrink_inputs):
                 images = run(pipe, batch, spec.lora_dir, config)
             applied = list(getattr(pipe, "applied", []) or [])
             encoded = [encode(image, w.output_format, w.output_compression,

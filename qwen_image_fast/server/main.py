@@ -75,48 +75,45 @@ def check_loras(args):
         raise ValueError(f"--lora-dir {args.lora_dir}: not a folder")
 
 
-def run_serve(args) -> int:
-    from ..cli import one_line
+def plan_serve(args):
+    """Every option checked (ValueError naming the first that is wrong; nothing loads), then what serve_forever
+    takes: (served, scheduler, metrics, image settings, API key)."""
     from ..cli.devices import check_kernels_on, resolve_device
     from ..cli.inputs import PIPELINE_INPUTS, check_pipeline_options
     from ..cli.models import check_model, pipeline_class, resolve_model
     from ..cli.parser import command_config
-    from ..cli import condition_area_divisor
     from ..cli.sizes import SHRINKS_INPUTS, ModelShape
+    from ..pipelines.tiny import CONDITION_AREA_DIVISOR
     from .engine import EngineSpec, Work
     from .metrics import Metrics
     from .scheduler import Scheduler
 
-    try:
-        check_model(args.model)
-        devices = engine_devices(args)
-        device = resolve_device(devices[0], 0, None)
-        model, _ = resolve_model(args.model, device)
-        config = command_config(args)
-        check_kernels_on(device, config)
-        pipeline = pipeline_class(model)
-        if pipeline not in PIPELINE_INPUTS:
-            raise ValueError(f"--model {model} is a {pipeline} checkpoint; serve runs {', '.join(PIPELINE_INPUTS)}")
-        check_pipeline_options(pipeline, model, config, lightning=args.lightning, fmt="png")
-        check_loras(args)
-        api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
-        shape = ModelShape.of(model, pipeline)
-        served = served_of(args, model, pipeline, shape)
-    except ValueError as e:
-        args.parser.error(one_line(e))
+    check_model(args.model)
+    devices = engine_devices(args)
+    device = resolve_device(devices[0], 0, None)
+    model, _ = resolve_model(args.model, device)
+    config = command_config(args)
+    check_kernels_on(device, config)
+    pipeline = pipeline_class(model)
+    if pipeline not in PIPELINE_INPUTS:
+        raise ValueError(f"--model {model} is a {pipeline} checkpoint; serve runs {', '.join(PIPELINE_INPUTS)}")
+    check_pipeline_options(pipeline, model, config, lightning=args.lightning, fmt="png")
+    check_loras(args)
+    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    shape = ModelShape.of(model, pipeline)
+    served = served_of(args, model, pipeline, shape)
     settings = dict(model=model, preset=args.preset, endpoint=f"/v1/images/{served.endpoint}")
     warm_up = {} if served.endpoint == "edits" else dict(
         width=served.default_size[0], height=served.default_size[1], steps=served.min_steps, cfg=served.default_cfg,
         guidance_scale=None, works=(Work("warm-up", served.default_negative if served.default_cfg > 1 else None, 0,
                                          "png", 100, {}),))
-    shrink = (condition_area_divisor() if shape is not None and shape.test_size and pipeline in SHRINKS_INPUTS
-              else None)
+    shrink = CONDITION_AREA_DIVISOR if shape is not None and shape.test_size and pipeline in SHRINKS_INPUTS else None
     specs = [EngineSpec(model=model, preset=args.preset, config=config, device=d, loras=tuple(args.lora),
                         lora_dir=args.lora_dir, lightning=args.lightning, max_memory=args.max_memory,
                         warm_up=warm_up, shrink_inputs=shrink) for d in devices]
     metrics = Metrics()
     scheduler = Scheduler(specs, args.max_batch, args.max_wait_ms / 1000, args.max_queue, metrics)
-    return serve_forever(args, served, scheduler, metrics, settings, api_key)
+    return served, scheduler, metrics, settings, api_key
 
 
 def serve_forever(args, served, scheduler, metrics, settings, api_key) -> int:

@@ -105,8 +105,8 @@ class ImageRequest:
 
     def batch_key(self) -> tuple:
         """Requests with equal keys share one pipeline call: one call takes one size, step count, CFG scale (and
-        whether there is a negative prompt), guidance, LoRA set at its weights, and step cache on or off. A request with input images
-        runs alone (the edit pipelines take one prompt a call)."""
+        whether there is a negative prompt), guidance, LoRA set at its weights, and step cache on or off. A request
+        with input images runs alone, one image a call (the edit pipelines take one prompt a call)."""
         return (self.width, self.height, self.steps, self.cfg, self.negative_prompt is None, self.guidance_scale,
                 self.loras, self.step_cache, id(self) if self.images else None)
 

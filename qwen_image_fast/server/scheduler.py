@@ -157,7 +157,8 @@ class Scheduler:
             self._send(engine, takers)
 
     def _send(self, engine: Engine, takers: list[Item]):
-        works, parts, room = [], [], self.max_batch
+        # the edit pipelines take one prompt a call: a request with input images sends its images one at a time
+        works, parts, room = [], [], 1 if takers[0].request.images else self.max_batch
         for item in takers:
             if room == 0:
                 break

@@ -10,6 +10,7 @@ fp32 outputs by ~5e-7 (stock diffusers itself: a list of prompts against each pr
 pixel's rounding.
 """
 
+import base64
 import concurrent.futures
 import contextlib
 import io
@@ -23,20 +24,10 @@ import httpx
 import numpy as np
 import pytest
 from PIL import Image
-from helpers import tiny_lora
 from serving import API_KEY, Server, decoded
 
 SIZE = (64, 64)
-
-
-@pytest.fixture(scope="module")
-def lora_files(tmp_path_factory):
-    root = tmp_path_factory.mktemp("loras")
-    (root / "dir" / "sub").mkdir(parents=True)
-    style = tiny_lora(root / "style.safetensors", seed=1)
-    tiny_lora(root / "dir" / "other.safetensors", seed=2)
-    tiny_lora(root / "dir" / "sub" / "deep.safetensors", seed=3)
-    return style, root / "dir"
+QUICK = dict(num_inference_steps=2, true_cfg_scale=1.0)
 
 
 @pytest.fixture(scope="module")
@@ -109,6 +100,34 @@ def test_a_full_queue_answers_429_with_retry_after(server):
             "message"]
     full = 'qwen_image_fast_requests_total{endpoint="generations",outcome="queue_full"}'
     assert server.metrics()[full] - before.get(full, 0) == len(refused)
+
+
+def test_output_formats_random_seeds_and_lora_dir_names(server):
+    """jpeg and webp as asked; no seed: a random one, returned; a LoRA named by its path inside --lora-dir."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY)
+    for fmt in ("jpeg", "webp"):
+        answer = client.images.generate(prompt="a red fox", size="64x64", output_format=fmt, output_compression=80,
+                                        extra_body=QUICK)
+        assert answer.model_extra["seed_given"] is False and isinstance(answer.data[0].model_extra["seed"], int)
+        with Image.open(io.BytesIO(base64.b64decode(answer.data[0].b64_json))) as image:
+            assert image.format == fmt.upper() and image.size == SIZE
+            assert json.loads(image.getexif()[0x010E])["seed"] == answer.data[0].model_extra["seed"]
+    plain, deep = (decoded(client.images.generate(prompt="a red fox", size="64x64", extra_body=dict(
+        seed=1, **QUICK, **extra)).data[0].b64_json) for extra in ({}, {"lora": {"name": "sub/deep", "scale": 1.0}}))
+    assert not np.array_equal(plain, deep)
+
+
+def test_a_request_failing_in_the_pipeline_is_500_and_the_others_are_served(server):
+    with server.client() as client:
+        failed = client.post("/v1/images/generations", json=dict(prompt="a", seed=1, loras=[{"name": "broken"}], **QUICK))
+        error = failed.json()["error"]
+        assert failed.status_code == 500 and error["type"] == "server_error" and "broken" in error["message"], failed.text
+        assert "Traceback" not in failed.text
+        for seed in (2, 3):
+            assert client.post("/v1/images/generations", json=dict(prompt="a", seed=seed, **QUICK)).status_code == 200
+    assert server.metrics()['qwen_image_fast_requests_total{endpoint="generations",outcome="engine_error"}'] == 1
 
 
 def tiny_png(size=(32, 32)) -> bytes:
@@ -271,9 +290,6 @@ def frozen(pid: int):
         yield
     finally:
         os.kill(pid, signal.SIGCONT)
-
-
-QUICK = dict(num_inference_steps=2, true_cfg_scale=1.0)
 
 
 def test_past_its_timeout_504_and_a_queued_request_is_never_rendered(server):

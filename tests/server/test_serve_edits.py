@@ -60,6 +60,14 @@ def test_openai_client_edit_equals_the_pipeline_call(server, checkpoint, small_c
                                  negative="blurry", images=images)[0]
         got = decoded(answer.data[0].b64_json)
         assert answer.size == f"{got.shape[1]}x{got.shape[0]}" and np.array_equal(got, want), len(images)
+    # n = 2: two calls of one image (an edit pipeline takes one prompt a call), seeds 5 and 6
+    answer = client.images.edit(image=("in.png", first, "image/png"), prompt="make it blue", n=2,
+                                extra_body={"seed": 5, "num_inference_steps": 2, "true_cfg_scale": 1.0})
+    assert answer.model_extra["batch_sizes"] == [1, 1]
+    for seed, image in zip((5, 6), answer.data):
+        want = in_process_images(pipe, prompts=["make it blue"], seeds=[seed], size=None, steps=2, cfg=1.0,
+                                 images=[first])[0]
+        assert image.model_extra["seed"] == seed and np.array_equal(decoded(image.b64_json), want)
 
 
 def test_what_an_edit_model_refuses(server):

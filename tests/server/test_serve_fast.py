@@ -10,22 +10,11 @@ import json
 import numpy as np
 import pytest
 import torch
-from helpers import tiny_lora
 from PIL import Image
 from serving import API_KEY, Server, decoded, in_process_images
 
 SIZE = (64, 64)
 CACHE = "every:2,1,0"  # the tiny model's 2 blocks: the second one runs on one step in 2
-
-
-@pytest.fixture(scope="module")
-def lora_files(tmp_path_factory):
-    root = tmp_path_factory.mktemp("loras")
-    (root / "dir" / "sub").mkdir(parents=True)
-    style = tiny_lora(root / "style.safetensors", seed=1)
-    tiny_lora(root / "dir" / "other.safetensors", seed=2)
-    tiny_lora(root / "dir" / "sub" / "deep.safetensors", seed=3)
-    return style, root / "dir"
 
 
 @pytest.fixture(scope="module")
@@ -69,13 +58,6 @@ def test_openai_client_generate_equals_the_pipeline_call(server, pipe):
         settings = json.loads(image.info["Description"])  # embedded as render embeds its images' settings
     assert settings["prompt"] == "a red fox in snow" and settings["seed"] == 8 and settings["steps"] == 4
     assert settings["negative_prompt"] == "blurry" and settings["applied"] == extra["applied"]
-    # no seed: a random one, returned; jpeg and webp as asked
-    for fmt in ("jpeg", "webp"):
-        other = client.images.generate(prompt="a red fox in snow", size="64x64", output_format=fmt,
-                                       output_compression=80, extra_body={"num_inference_steps": 2})
-        assert other.model_extra["seed_given"] is False and isinstance(other.data[0].model_extra["seed"], int)
-        with Image.open(io.BytesIO(base64.b64decode(other.data[0].b64_json))) as image:
-            assert image.format == fmt.upper() and image.size == SIZE
 
 
 def test_step_cache_off_for_one_request(server, pipe):
@@ -107,10 +89,9 @@ def test_per_request_loras_switch_without_reloading(server, pipe, lora_files):
         styled = image(loras=[{"name": "style", "weight": 0.7}])
         plain = image()
         several = image(loras=[{"name": "other", "weight": 1.0}, {"name": "style", "weight": 0.5}])
-        deep = image(lora={"name": "sub/deep", "scale": 1.0})
         again = image(loras=[{"name": "style", "weight": 0.7}])
     assert np.array_equal(styled, again)  # switching away and back leaves nothing behind
-    assert len({a.tobytes() for a in (styled, plain, several, deep)}) == 4
+    assert len({a.tobytes() for a in (styled, plain, several)}) == 3
     pipe.load_lora_weights(str(style), adapter_name="style")
     try:
         pipe.set_adapters(["style"], [0.7])
