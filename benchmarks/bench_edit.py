@@ -157,7 +157,8 @@ def cached_row(pipe, kwargs: dict, steps: int, run_steps: int, uncached: tuple, 
     config = pipe.fast_config
     pipe.fast_config = config.replace(cache=rule)
     try:
-        call(pipe, kwargs, 3, device)
+        if device.type == "cuda":  # warm-up (none on the CPU: no graph to capture)
+            call(pipe, kwargs, 3, device)
         seconds, parts, latents, image = call(pipe, kwargs, steps, device)
         decisions = {name: "".join("C" if c else "-" for c, _ in branch.decisions)
                      for name, branch in pipe._last_step_cache.branches.items()}
@@ -253,7 +254,8 @@ def main():
         run_steps = int(steps * inputs.get("strength", 1.0))
         results = {}
         for impl, pipe in (("stock", stock_pipe), ("ours", fast_pipe)):
-            call(pipe, kwargs, 3, device)  # warm-up: kernels compiled, allocator settled, graph captured
+            if device.type == "cuda":  # warm-up: kernels compiled, allocator settled, graph captured
+                call(pipe, kwargs, 3, device)
             results[impl] = call(pipe, kwargs, steps, device)
         ref_latents, ref_image = results["stock"][2], results["stock"][3]
         for impl in ("stock", "ours"):

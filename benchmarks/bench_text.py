@@ -49,6 +49,7 @@ PROMPT_TOKENS = 128
 PREFILL_TOKENS = (128, 2048)
 GATE_DECODE_STEPS = 8
 REPEATS = 3  # timed runs after a warm-up (median)
+WARM_UP = True  # off in the tiny CPU run: no graph to capture there
 CONFIG_4B = dict(hidden_size=2560, num_hidden_layers=32, intermediate_size=9216, num_attention_heads=16,
                  num_key_value_heads=4, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=32,
                  tie_word_embeddings=True)
@@ -164,7 +165,8 @@ def decode_tok_s(run, batch: int, vocab: int, n: int) -> float:
     """batch * (n - 1) tokens over the time from the first generated token (after prefill) to the last: the decode
     steps alone, median of REPEATS runs after a warm-up (compiles, captures graphs, allocates the cache)."""
     prompts = random_prompts(batch, PROMPT_TOKENS, vocab, seed=2)
-    run(prompts, n)
+    if WARM_UP:
+        run(prompts, n)
     rates = []
     for _ in range(REPEATS):
         stamps = run(prompts, n)
@@ -266,8 +268,8 @@ def main():
     dtype = torch.float32 if args.tiny else torch.bfloat16
     if args.tiny:  # the interpreter runs ours' recurrences (~1 s a decode step): short prompts, few steps, batch
         # 1, one timed run each; no CPU compile of HF's decode
-        global PROMPT_TOKENS, GATE_DECODE_STEPS, REPEATS
-        PROMPT_TOKENS, GATE_DECODE_STEPS, REPEATS, batches = 16, 3, 1, [1]
+        global PROMPT_TOKENS, GATE_DECODE_STEPS, REPEATS, WARM_UP
+        PROMPT_TOKENS, GATE_DECODE_STEPS, REPEATS, WARM_UP, batches = 16, 3, 1, False, [1]
         impls = [i for i in impls if i != "hf-compile"]
     env = {} if args.tiny else environment()
     bandwidth = None if args.tiny else copy_bandwidth_gbps()
@@ -330,7 +332,8 @@ def main():
         prompt = random_prompts(1, 32 if args.tiny else 300, ours4.embed_tokens.shape[0], seed=4)
         new_tokens = 4 if args.tiny else 200
         run = ours_generate(ours4, 512)
-        run(prompt, new_tokens)  # warm-up and graph capture
+        if WARM_UP:
+            run(prompt, new_tokens)  # warm-up and graph capture
         total = statistics.median(seconds(lambda: run(prompt, new_tokens), device) for _ in range(REPEATS))
         emit(dict(env, bench="text", impl="ours", case="enhance", model=f"4B-shaped guess, {params / 1e9:.2f}B params, "
                   "random weights", batch=1, prompt_tokens=prompt.shape[-1], new_tokens=new_tokens, seconds=total,
