@@ -40,12 +40,32 @@ def served_of(args, model: str, pipeline: str, shape):
         except (OSError, ValueError):
             pass
     return Served(model=model, pipeline=pipeline, endpoint="edits" if edits else "generations",
-                  default_size=None if edits else size, max_side=min(largest, args.max_side), default_steps=steps,
+                  default_size=None if inputs.size_from_image is not None else size,
+                  size_refused=inputs.size_from_image == "refused", max_side=min(largest, args.max_side),
+                  count_tokens=None if pipeline == QWEN21_PIPELINE else token_counter(model), default_steps=steps,
                   default_cfg=cfg, default_negative=NEGATIVE_PROMPT, min_steps=MIN_STEPS,
                   guidance_embeds=bool(transformer_config.get("guidance_embeds", False)),
                   images=(inputs.fewest, inputs.most), mask=inputs.mask == "required",
                   loras=tuple(name for name, _ in args.lora), lora_dir=args.lora_dir,
                   step_cache=getattr(args, "cache", None) is not None)
+
+
+CHAT_SUFFIX = "<|im_end|>\n<|im_start|>assistant\n"  # what follows the prompt in Qwen-Image's chat templates
+
+
+def token_counter(model: str):
+    """The tokens of a prompt that max_sequence_length counts: Qwen-Image's pipelines tokenize it inside a chat
+    template and drop the template's prefix, so the prompt and the template's suffix (special tokens and newlines,
+    which the tokenizer never merges with the prompt's own tokens)."""
+    if model == "tiny-random":
+        from ..pipelines.tiny import tiny_tokenizer
+
+        tokenizer = tiny_tokenizer()
+    else:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(model, subfolder="tokenizer")
+    return lambda text: len(tokenizer(text + CHAT_SUFFIX).input_ids)
 
 
 def engine_devices(args) -> list[str]:

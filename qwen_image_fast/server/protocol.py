@@ -9,7 +9,8 @@ guidance_scale (only where the transformer embeds guidance: stock diffusers igno
 when not given, and returned), width and height (instead of size), and LoRAs: `loras` [{"name", "weight"}] (several at once), or vLLM-Omni's single `lora`
 {"name", "scale"}; step_cache false runs a request without the server's --cache rule. With true_cfg_scale > 1 and no negative_prompt the request runs CFG with render's default
 negative prompt (Qwen-Image-2512's recommended one), as the CLI does. A field this server cannot honour (stream, partial_images, style, moderation, a quality level,
-transparency, an unknown name) is refused with 400 naming it, never accepted and ignored.
+transparency, an unknown name) is refused with 400 naming it, never accepted and ignored, and so is a prompt past
+the text encoder's max_sequence_length tokens (diffusers would drop the rest without a word).
 """
 
 import io
@@ -80,6 +81,9 @@ class Served:
     loras: tuple[str, ...] = ()  # adapter names loaded at start
     lora_dir: str | None = None
     step_cache: bool = False  # the server runs a step cache (--cache), which a request may turn off
+    size_refused: bool = False  # the pipeline sizes its output from the input image alone
+    count_tokens: object = None  # str -> the text encoder's token count (None: not checked)
+    max_prompt_tokens: int = 512  # diffusers' max_sequence_length: the encoder's output past it is dropped
 
 
 @dataclass(frozen=True)
@@ -120,6 +124,16 @@ def text(value, param: str, limit: int = MAX_PROMPT_CHARS) -> str:
         raise bad(param, f"{len(value)} characters; at most {limit}")
     if any(0xD800 <= ord(c) <= 0xDFFF for c in value):
         raise bad(param, "holds a lone surrogate (not valid Unicode text)")
+    return value
+
+
+def within_tokens(value: str, param: str, served: Served) -> str:
+    """A prompt the text encoder reads whole: diffusers drops what is past max_sequence_length without a word."""
+    if served.count_tokens is not None:
+        tokens = served.count_tokens(value)
+        if tokens > served.max_prompt_tokens:
+            raise bad(param, f"{tokens} tokens; the text encoder reads at most {served.max_prompt_tokens} (diffusers "
+                             "would drop the rest): shorten it")
     return value
 
 
@@ -246,7 +260,7 @@ def parse_request(body: dict, served: Served, endpoint: str, files: dict | None 
             raise bad(name, f"unknown field; this endpoint takes {', '.join(sorted(allowed))}")
     if "prompt" not in body:
         raise ApiError(400, "prompt: required", param="prompt", code="missing_required_parameter")
-    prompt = text(body["prompt"], "prompt")
+    prompt = within_tokens(text(body["prompt"], "prompt"), "prompt", served)
     model = body.get("model")
     if model is not None and model != served.model:
         raise bad("model", f"this server serves {served.model!r}, not {model!r}")
@@ -265,13 +279,16 @@ def parse_request(body: dict, served: Served, endpoint: str, files: dict | None 
     if body.get("quality", "auto") != "auto":
         raise bad("quality", f"{body['quality']!r}: this server has no quality levels (allowed: auto); set "
                              "num_inference_steps instead")
+    if served.size_refused and any(body.get(name) is not None for name in ("size", "width", "height")):
+        name = next(name for name in ("size", "width", "height") if body.get(name) is not None)
+        raise bad(name, f"{served.pipeline} sizes its output from the input image: leave {name} out")
     width, height = size_of(body, served)
     steps = integer(body.get("num_inference_steps", served.default_steps), "num_inference_steps",
                     served.min_steps, MAX_STEPS)
     cfg = number(body.get("true_cfg_scale", served.default_cfg), "true_cfg_scale", 0.0, MAX_CFG)
     negative = body.get("negative_prompt")
     if negative is not None:
-        negative = text(negative, "negative_prompt")
+        negative = within_tokens(text(negative, "negative_prompt"), "negative_prompt", served)
         if cfg <= 1:
             raise bad("negative_prompt", f"runs only with classifier-free guidance: true_cfg_scale is {cfg:g}, "
                                          "give one > 1 or leave negative_prompt out")

@@ -143,6 +143,8 @@ BAD_GENERATIONS = [
     ({"prompt": 5}, "prompt", "must be a string"),
     ({"prompt": "x" * 32001}, "prompt", "at most 32000"),
     ({"prompt": "a\ud800b"}, "prompt", "lone surrogate"),
+    ({"prompt": "x" * 500}, "prompt", "513 tokens; the text encoder reads at most 512"),  # byte-level tokenizer
+    ({"prompt": "a", "negative_prompt": "y" * 600}, "negative_prompt", "reads at most 512"),
     ({"prompt": "a", "n": 0}, "n", "1..10"),
     ({"prompt": "a", "n": 11}, "n", "1..10"),
     ({"prompt": "a", "n": "two"}, "n", "integer"),

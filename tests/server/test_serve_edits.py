@@ -4,6 +4,7 @@ edit model refuses (a generations request, a mask, no image, a file that is not 
 Condition images are shrunk as render shrinks them for a test-size model (pipelines/tiny.py), here and in the server.
 """
 
+import dataclasses
 import io
 
 import numpy as np
@@ -92,8 +93,8 @@ def test_what_an_edit_model_refuses(server):
         assert answer.status_code == 400 and "multipart/form-data" in answer.json()["error"]["message"]
 
 
-def test_a_mask_of_another_size_is_refused():
-    """What an inpainting model's server checks of a mask, in the parser both endpoints share."""
+def test_a_mask_of_another_size_and_a_size_where_the_image_sizes_are_refused():
+    """What an inpainting model's server checks, in the parser both endpoints share."""
     served = Served(model="m", pipeline="QwenImageInpaintPipeline", endpoint="edits", default_size=None,
                     max_side=2048, default_steps=2, default_cfg=4.0, default_negative=" ", min_steps=2,
                     guidance_embeds=False, images=(1, 1), mask=True)
@@ -103,3 +104,7 @@ def test_a_mask_of_another_size_is_refused():
     with pytest.raises(ApiError, match=r"mask: 24x16: it must be the first image's size, 48x32"):
         parse_request({"prompt": "x"}, served, "edits", image | {"mask": [png((16, 24), 1)]})
     assert parse_request({"prompt": "x"}, served, "edits", image | {"mask": [png((32, 48), 1)]}).mask is not None
+    sized_by_image = dataclasses.replace(served, pipeline="QwenImageEditInpaintPipeline", size_refused=True)
+    with pytest.raises(ApiError, match="QwenImageEditInpaintPipeline sizes its output from the input image: leave "
+                                       "size out"):
+        parse_request({"prompt": "x", "size": "64x64"}, sized_by_image, "edits", image | {"mask": [png((32, 48), 1)]})
