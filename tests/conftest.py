@@ -60,35 +60,6 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
-    if config.getoption("numprocesses", None) == 2:
-        items[:] = long_ones_first_in_each_half(items)
-
-
-# Tests of 15-30 s each on the CPU (subprocesses, several ranks, real servers). pytest-xdist's worksteal gives each of
-# the 2 workers one contiguous half of the tests and steals from the end of a queue, so long tests at the end of the
-# collection (test_benchmarks.py is last) left one core idle for the last minute or so: they go first in each half.
-LONG = ("tests/test_benchmarks.py::test_tiny_mode", "tests/server/", "tests/pipelines/test_parallel.py",
-        "tests/cli/test_cli_processes.py")
-
-
-def long_ones_first_in_each_half(items: list) -> list:
-    """The long tests dealt alternately to the front of the two halves (a server module as one unit, in its own order:
-    it shares one server), the rest in collection order after them, each half as long as worksteal deals it."""
-    units: dict[str, list] = {}
-    for item in items:
-        if item.nodeid.startswith(LONG):
-            key = item.nodeid.split("::")[0] if item.nodeid.startswith("tests/server/") else item.nodeid
-            units.setdefault(key, []).append(item)
-    halves, seconds = [[], []], [0, 0]  # a server module ~45 s (its server's start included), the others ~20 s
-    for key, unit in sorted(units.items(), key=lambda kv: -len(kv[1])):
-        i = seconds.index(min(seconds))
-        halves[i].extend(unit)
-        seconds[i] += 45 if key.startswith("tests/server/") else 20
-    rest = [item for item in items if not item.nodeid.startswith(LONG)]
-    first = len(items) // 2 - len(halves[0])  # worksteal sends the first worker len // 2 tests
-    if first < 0:
-        return items
-    return halves[0] + rest[:first] + halves[1] + rest[first:]
 
 
 _outcomes: dict = {}
