@@ -4,11 +4,13 @@ nothing: benchmarks/results/ is the same after it. The GPU runs themselves are n
 
 import hashlib
 import os
+import runpy
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 MODULES = {"common.py"}  # imported by the scripts, never run
@@ -50,13 +52,26 @@ def test_every_script_has_a_tiny_command():
 
 
 @pytest.mark.parametrize("script", sorted(TINY))
-def test_tiny_mode_runs_and_records_nothing(script, tmp_path):
+def test_tiny_mode_runs_and_records_nothing(script, tmp_path, monkeypatch):
+    """Each script as `python3 SCRIPT ARGS` would run it, in this process (runpy, as __main__: the ~5 s of importing
+    torch and diffusers again per script was a quarter of this module's time), bench_parallel.py under torchrun."""
     args = [a.replace("{tmp}", str(tmp_path)) for a in TINY[script]]
-    launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-                if script == "bench_parallel.py" else [sys.executable])
-    env = {**os.environ, "TRITON_INTERPRET": "1", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     before = results_digest()
-    done = subprocess.run([*launcher, str(BENCHMARKS / script), *args], cwd=BENCHMARKS.parent, env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, (done.stdout[-2000:], done.stderr[-3000:])
+    if script == "bench_parallel.py":
+        env = {**os.environ, "TRITON_INTERPRET": "1", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+        done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                               str(BENCHMARKS / script), *args], cwd=BENCHMARKS.parent, env=env,
+                              capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, (done.stdout[-2000:], done.stderr[-3000:])
+    else:
+        monkeypatch.chdir(BENCHMARKS.parent)
+        monkeypatch.setattr(sys, "argv", [str(BENCHMARKS / script), *args])
+        monkeypatch.setattr(sys, "path", list(sys.path))  # the scripts put benchmarks/ first
+        default_dtype = torch.get_default_dtype()
+        try:
+            runpy.run_path(str(BENCHMARKS / script), run_name="__main__")
+        except SystemExit as e:
+            assert e.code in (None, 0), f"{script} exited with {e.code}"
+        finally:
+            torch.set_default_dtype(default_dtype)
     assert results_digest() == before, f"{script} --tiny wrote to benchmarks/results/"
