@@ -118,7 +118,7 @@ def main():
         # 9 blocks: the rules' Fn = 8 first blocks leave a middle one to cache. The script's paths once each where
         # the interpreter allows (it is slow): diffusers' FirstBlockCache and its median rerun, and the graphed
         # DBCache row checked against its eager run (the one-state configs' same-length negative is not run)
-        stock, sizes, steps = tiny_pipeline(transformer_config={"num_layers": 9}), [(32, 32)], 3
+        stock, sizes, steps = tiny_pipeline(transformer_config={"num_layers": 9}), [(32, 32)], 2
         args.configs = args.configs or "FirstBlockCache"
         args.dbcache = args.dbcache or [DBCACHE_ROWS[1]]
     else:

@@ -66,7 +66,7 @@ def test_tiny_mode_runs_and_records_nothing(script, tmp_path, monkeypatch):
     else:
         monkeypatch.chdir(BENCHMARKS.parent)
         monkeypatch.setattr(sys, "argv", [str(BENCHMARKS / script), *args])
-        monkeypatch.setattr(sys, "path", list(sys.path))  # the scripts put benchmarks/ first
+        monkeypatch.setattr(sys, "path", [str(BENCHMARKS), *sys.path])  # as for a script: its folder first
         default_dtype = torch.get_default_dtype()
         try:
             runpy.run_path(str(BENCHMARKS / script), run_name="__main__")
