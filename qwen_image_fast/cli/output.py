@@ -84,16 +84,22 @@ def write_atomic(path: Path, write):
 
 
 def save_image(image: Image.Image, path: Path, fmt: str, settings: dict):
-    """The settings as one JSON object: PNG in an iTXt "Description" chunk (UTF-8), JPEG/WebP in EXIF
-    ImageDescription (ASCII-escaped). The same JSON in every format, so read_settings gives the same types."""
-    if fmt == "png":
+    """The image in `fmt` (a key of FORMATS) at `path`, written atomically, its settings embedded (write_image)."""
+    write_atomic(path, lambda f: write_image(image, f, FORMATS[fmt], settings))
+
+
+def write_image(image: Image.Image, f, pil_format: str, settings: dict, quality: int = 95):
+    """The image to the file object f in PIL's `pil_format` with the settings as one JSON object: PNG in an iTXt
+    "Description" chunk (UTF-8), JPEG/WebP in EXIF ImageDescription (ASCII-escaped). The same JSON in every format,
+    so read_settings gives the same types. quality: JPEG / WebP's."""
+    if pil_format == "PNG":
         info = PngInfo()
         info.add_itxt(PNG_DESCRIPTION, to_json(settings))
-        write_atomic(path, lambda f: image.save(f, format="PNG", pnginfo=info))
+        image.save(f, format="PNG", pnginfo=info)
     else:
         exif = Image.Exif()
         exif[EXIF_IMAGE_DESCRIPTION] = to_json(settings, ensure_ascii=True)
-        write_atomic(path, lambda f: image.save(f, format=FORMATS[fmt], exif=exif, quality=95))
+        image.save(f, format=pil_format, exif=exif, quality=quality)
 
 
 def read_settings(path: str | Path) -> dict:

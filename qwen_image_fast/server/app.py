@@ -171,9 +171,10 @@ def create_app(state: ServerState, lifespan=None) -> FastAPI:
             raise ApiError(503, "no engine is ready yet (the model is loading or restarting): retry shortly",
                            type="server_error", code="not_ready", headers={"Retry-After": "5"})
         parsed = parse_request(body, state.served, endpoint, files)
+        record = image_record(parsed, state.settings)
         works = [Work(prompt=parsed.prompt, negative_prompt=parsed.negative_prompt, seed=parsed.seed + i,
                       output_format=parsed.output_format, output_compression=parsed.output_compression,
-                      settings=image_record(parsed, parsed.seed + i, state.settings))
+                      settings=dict(record, seed=parsed.seed + i))
                  for i in range(parsed.n)]
         item = state.scheduler.submit(parsed, works)
         deadline = time.perf_counter() + state.request_timeout_s
@@ -232,10 +233,7 @@ def create_app(state: ServerState, lifespan=None) -> FastAPI:
                 raise ApiError(400, f"{key}: given twice", param=key, code="invalid_value")
             else:
                 body[key] = value
-        for numeric in ("n", "num_inference_steps", "seed", "width", "height", "output_compression"):
-            if isinstance(body.get(numeric), str) and body[numeric].strip().lstrip("-").isdigit():
-                body[numeric] = int(body[numeric])
-        if isinstance(body.get("step_cache"), str):
+        if isinstance(body.get("step_cache"), str):  # numbers as text are read by protocol.integer / number
             body["step_cache"] = {"true": True, "false": False}.get(body["step_cache"], body["step_cache"])
         return body, files
 
@@ -251,9 +249,10 @@ def create_app(state: ServerState, lifespan=None) -> FastAPI:
     return app
 
 
-def image_record(parsed, seed: int, settings: dict) -> dict:
-    """What an image records (embedded in the file, as render's images record theirs)."""
-    record = dict(prompt=parsed.prompt, negative_prompt=parsed.negative_prompt, seed=seed, width=parsed.width,
+def image_record(parsed, settings: dict) -> dict:
+    """What a request's images record (embedded in the file, as render's images record theirs), each with its own
+    seed in place of the request's."""
+    record = dict(prompt=parsed.prompt, negative_prompt=parsed.negative_prompt, seed=parsed.seed, width=parsed.width,
                   height=parsed.height, steps=parsed.steps, cfg=parsed.cfg, **settings)
     if parsed.images:
         import hashlib

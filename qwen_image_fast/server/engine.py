@@ -14,7 +14,7 @@ import time
 import traceback
 from dataclasses import dataclass, field
 
-from ..cli.output import EXIF_IMAGE_DESCRIPTION, PNG_DESCRIPTION, image_settings, to_json
+from ..cli.output import image_settings, write_image
 from .protocol import OUTPUT_FORMATS
 
 
@@ -85,19 +85,9 @@ class UploadedImage:
 
 
 def encode(image, fmt: str, compression: int, settings: dict) -> bytes:
-    """The image in `fmt` with its settings embedded as render embeds them (PNG iTXt, JPEG/WebP EXIF)."""
-    from PIL.PngImagePlugin import PngInfo
-
+    """The image in `fmt` with its settings embedded as render embeds them (cli.output.write_image)."""
     out = io.BytesIO()
-    if fmt == "png":
-        info = PngInfo()
-        info.add_itxt(PNG_DESCRIPTION, to_json(settings))
-        image.save(out, format="PNG", pnginfo=info)
-    else:
-        exif = image.getexif()
-        exif[EXIF_IMAGE_DESCRIPTION] = to_json(settings, ensure_ascii=True)
-        image.convert("RGB" if fmt == "jpeg" else image.mode).save(
-            out, format=OUTPUT_FORMATS[fmt], exif=exif, quality=compression)
+    write_image(image.convert("RGB") if fmt == "jpeg" else image, out, OUTPUT_FORMATS[fmt], settings, compression)
     return out.getvalue()
 
 
@@ -178,8 +168,8 @@ def condition_images(shrink: int | None):
     return small_condition_images(shrink)
 
 
-def engine_main(conn, spec: EngineSpec, index: int):
-    """The engine process: ("ready", info) once loaded and warmed up (or ("failed", why)), then for each Batch
+def engine_main(conn, spec: EngineSpec):
+    """The engine process: ("ready",) once loaded and warmed up (or ("failed", why)), then for each Batch
     received ("done", id, [bytes], applied, seconds) or ("error", id, why); None or a closed pipe ends it. Ctrl-C
     reaches the server's whole process group: the server drains, so an engine ignores SIGINT and ends when told."""
     import signal
@@ -190,7 +180,7 @@ def engine_main(conn, spec: EngineSpec, index: int):
         config = getattr(pipe, "fast_config", None)
         if spec.warm_up:
             run(pipe, Batch(id=-1, loras=(), **spec.warm_up), spec.lora_dir, config)
-        conn.send(("ready", {"applied": list(getattr(pipe, "applied", []) or []), "index": index}))
+        conn.send(("ready",))
     except Exception as e:
         conn.send(("failed", f"{type(e).__name__}: {e}"))
         return

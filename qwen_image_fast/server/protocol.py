@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 
 from PIL import Image
 
+from ..cli.jobs import lone_surrogate
+
 OUTPUT_FORMATS = {"png": "PNG", "jpeg": "JPEG", "webp": "WEBP"}
 MAX_N = 10  # OpenAI's range for n
 MAX_PROMPT_CHARS = 32000  # OpenAI's limit for its GPT image models
@@ -122,8 +124,9 @@ def text(value, param: str, limit: int = MAX_PROMPT_CHARS) -> str:
         raise bad(param, "must not be empty")
     if len(value) > limit:
         raise bad(param, f"{len(value)} characters; at most {limit}")
-    if any(0xD800 <= ord(c) <= 0xDFFF for c in value):
-        raise bad(param, "holds a lone surrogate (not valid Unicode text)")
+    where = lone_surrogate(value)
+    if where:
+        raise bad(param, f"holds a lone surrogate, {where} (not valid Unicode text)")
     return value
 
 
@@ -332,9 +335,10 @@ def parse_request(body: dict, served: Served, endpoint: str, files: dict | None 
             if not served.mask:
                 raise bad("mask", f"{served.pipeline} takes no mask (an inpainting model does)")
             mask = masks[0]
-            if uploaded_image(mask, "mask") != sizes[0]:
-                raise bad("mask", f"{uploaded_image(mask, 'mask')[0]}x{uploaded_image(mask, 'mask')[1]}: it must "
-                                  f"be the first image's size, {sizes[0][0]}x{sizes[0][1]}")
+            mask_size = uploaded_image(mask, "mask")
+            if mask_size != sizes[0]:
+                raise bad("mask", f"{mask_size[0]}x{mask_size[1]}: it must be the first image's size, "
+                                  f"{sizes[0][0]}x{sizes[0][1]}")
         elif served.mask:
             raise ApiError(400, "mask: required by this inpainting model", param="mask",
                            code="missing_required_parameter")

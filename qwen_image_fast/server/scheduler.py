@@ -28,7 +28,6 @@ class Item:
     results: dict = field(default_factory=dict)  # image index -> encoded bytes
     applied: list = field(default_factory=list)
     batch_sizes: list = field(default_factory=list)  # images in each pipeline call its images ran in
-    started: float | None = None  # when its first batch started
 
     @property
     def queued(self) -> int:
@@ -50,7 +49,7 @@ class Engine:
         ctx = multiprocessing.get_context("spawn")
         self.conn, child = ctx.Pipe()
         self.ready, self.busy = False, None
-        self.process = ctx.Process(target=engine_main, args=(child, self.spec, self.index), daemon=True,
+        self.process = ctx.Process(target=engine_main, args=(child, self.spec), daemon=True,
                                    name=f"qwen-image-fast-engine-{self.index}")
         self.process.start()
         child.close()
@@ -162,6 +161,8 @@ class Scheduler:
         for item in takers:
             if room == 0:
                 break
+            if item.next_image == 0:  # its first batch starts
+                self.metrics.queue_wait.observe(time.perf_counter() - item.arrived)
             take = min(room, item.queued)
             parts.append((item, list(range(item.next_image, item.next_image + take))))
             works += item.works[item.next_image:item.next_image + take]
@@ -169,10 +170,6 @@ class Scheduler:
             room -= take
             if item.queued == 0:
                 self.pending.remove(item)
-            now = time.perf_counter()
-            if item.started is None:
-                item.started = now
-                self.metrics.queue_wait.observe(now - item.arrived)
         request = takers[0].request
         batch = Batch(id=next(self.batch_ids), width=request.width, height=request.height, steps=request.steps,
                       cfg=request.cfg, guidance_scale=request.guidance_scale, loras=request.loras,
