@@ -87,7 +87,7 @@ class UploadedImage:
 def encode(image, fmt: str, compression: int, settings: dict) -> bytes:
     """The image in `fmt` with its settings embedded as render embeds them (cli.output.write_image)."""
     out = io.BytesIO()
-    write_image(image.convert("RGB") if fmt == "jpeg" else image, out, OUTPUT_FORMATS[fmt], settings, compression)
+    write_image(image, out, OUTPUT_FORMATS[fmt], settings, compression)  # RGBA asks for no JPEG (protocol.py)
     return out.getvalue()
 
 

@@ -83,6 +83,7 @@ class Served:
     loras: tuple[str, ...] = ()  # adapter names loaded at start
     lora_dir: str | None = None
     step_cache: bool = False  # the server runs a step cache (--cache), which a request may turn off
+    rgba: bool = False  # renders RGBA images (Qwen-Image-2.1): no JPEG, no background but the model's
     size_refused: bool = False  # the pipeline sizes its output from the input image alone
     count_tokens: object = None  # str -> the text encoder's token count (None: not checked)
     max_prompt_tokens: int = 512  # diffusers' max_sequence_length: the encoder's output past it is dropped
@@ -277,8 +278,14 @@ def parse_request(body: dict, served: Served, endpoint: str, files: dict | None 
     compression = integer(body.get("output_compression", 100), "output_compression", 0, 100)
     if fmt == "png" and compression != 100:
         raise bad("output_compression", "PNG is lossless: output_compression is for jpeg and webp")
-    if body.get("background", "auto") not in ("auto", "opaque"):
-        raise bad("background", f"{body['background']!r}: the images are opaque; allowed: auto, opaque")
+    if served.rgba and fmt == "jpeg":
+        raise bad("output_format", f"{served.pipeline} renders RGBA images, and JPEG has no alpha channel: use png or "
+                                   "webp")
+    backgrounds = ("auto",) if served.rgba else ("auto", "opaque")
+    if body.get("background", "auto") not in backgrounds:
+        raise bad("background", f"{body['background']!r}: " + (
+            f"{served.pipeline} renders RGBA images as the model makes them; allowed: auto" if served.rgba else
+            "the images are opaque; allowed: auto, opaque"))
     if body.get("quality", "auto") != "auto":
         raise bad("quality", f"{body['quality']!r}: this server has no quality levels (allowed: auto); set "
                              "num_inference_steps instead")

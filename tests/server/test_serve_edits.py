@@ -108,3 +108,15 @@ def test_a_mask_of_another_size_and_a_size_where_the_image_sizes_are_refused():
     with pytest.raises(ApiError, match="QwenImageEditInpaintPipeline sizes its output from the input image: leave "
                                        "size out"):
         parse_request({"prompt": "x", "size": "64x64"}, sized_by_image, "edits", image | {"mask": [png((32, 48), 1)]})
+
+
+def test_an_rgba_model_refuses_jpeg_and_a_background():
+    """Qwen-Image-2.1 renders RGBA: a JPEG would drop its alpha, and it has no background to make opaque."""
+    served = Served(model="m", pipeline="QwenImage21Pipeline", endpoint="generations", default_size=(64, 64),
+                    max_side=2048, default_steps=2, default_cfg=1.0, default_negative=" ", min_steps=2,
+                    guidance_embeds=False, rgba=True)
+    with pytest.raises(ApiError, match="output_format: QwenImage21Pipeline renders RGBA images, and JPEG has no alpha"):
+        parse_request({"prompt": "x", "output_format": "jpeg"}, served, "generations")
+    with pytest.raises(ApiError, match="background: 'opaque': QwenImage21Pipeline renders RGBA images"):
+        parse_request({"prompt": "x", "background": "opaque"}, served, "generations")
+    assert parse_request({"prompt": "x", "output_format": "webp"}, served, "generations").output_format == "webp"
