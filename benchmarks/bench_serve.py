@@ -2,7 +2,7 @@
 generator at several concurrencies, and the same work through pipe() in one process.
 
     python3 benchmarks/bench_serve.py --tokenizer DIR [--cases 1024-cfg4-50,512-cfg4-30,1024-lightning8]
-        [--concurrency 1,4,16] [--engines N] [--max-batch 4] [--out DIR]
+        [--concurrency 1,4,16] [--rounds 2] [--engines N] [--max-batch 4] [--out DIR]
     python3 benchmarks/bench_serve.py --tiny            # CPU: the tiny model, stock preset, 64², 2 steps (logic)
 
 For each server setting (the Lightning case needs its own: its scheduler), first the in-process reference:
@@ -10,10 +10,11 @@ bench_pipeline's full-size random stock pipeline converted by optimize() with th
 then IN_PROCESS_IMAGES single-image calls (seeds 0, 1, ...): in_process_s (median seconds an image) and
 in_process_images_per_s. That pipeline is freed, and the server starts in a child process (this script with
 --serve) with one engine per GPU, each building the same pipeline (EngineSpec.factory). Then per concurrency C,
-2 x C requests of one image each (seed i), C in flight at a time (closed loop, httpx.AsyncClient): images/s over
+ROUNDS x C requests of one image each (seed i), C in flight at a time (closed loop, httpx.AsyncClient): images/s over
 the wall time, p50 / p95 / p99 latency, the batch sizes the server ran. The check beside each timing: the
 served image of seed 0 against the in-process one, equal pixel for pixel at C = 1 (the same call), and at least
-BATCHED_MIN_PSNR dB where it ran in a batch; a row failing it is printed, not recorded. Rows to results/serve.jsonl.
+BATCHED_MIN_PSNR dB where it ran in a batch; a row failing it is printed, not recorded. Each row is appended to
+results/serve.jsonl as soon as it is measured (a run cut short keeps the rows it made).
 Random weights: the speeds are those of the real shapes, the images are noise.
 """
 
@@ -198,6 +199,7 @@ def main():
     parser.add_argument("--tokenizer", default=None, help="a Qwen2.5 BPE tokenizer folder (real prompt lengths)")
     parser.add_argument("--cases", default=",".join(CASES))
     parser.add_argument("--concurrency", default="1,4,16")
+    parser.add_argument("--rounds", type=int, default=2, help="requests per concurrency: ROUNDS x C (at least 3)")
     parser.add_argument("--engines", type=int, default=0, help="engines (default: one per GPU)")
     parser.add_argument("--max-batch", type=int, default=4)
     parser.add_argument("--max-wait-ms", type=float, default=20.0)
@@ -212,7 +214,7 @@ def main():
     cases = TINY_CASES if args.tiny else {name: CASES[name] for name in args.cases.split(",")}
     concurrencies = [1, 2] if args.tiny else [int(c) for c in args.concurrency.split(",")]
     env = {} if args.tiny else environment()
-    rows, log = [], (args.out or Path("/tmp")) / "bench_serve_server.log"
+    recorded, log = 0, (args.out or Path("/tmp")) / "bench_serve_server.log"
     for name, case in cases.items():
         reference, in_process_s = in_process(args, case, 2 if args.tiny else IN_PROCESS_IMAGES)
         print(f"{name}: in process {in_process_s:.3f} s an image ({1 / in_process_s:.3f} images/s)", flush=True)
@@ -221,7 +223,8 @@ def main():
         process, url = start_server(settings, log)
         try:
             for concurrency in concurrencies:
-                results, wall = asyncio.run(load(url, case, concurrency, max(2 * concurrency, len(reference))))
+                results, wall = asyncio.run(load(url, case, concurrency,
+                                                 max(args.rounds * concurrency, len(reference))))
                 latencies = [seconds for seconds, _ in results]
                 batch_sizes = collections.Counter(size for _, answer in results for size in answer["batch_sizes"])
                 checks = []
@@ -242,18 +245,17 @@ def main():
                       f"{row['in_process_images_per_s']:.3f}), p50 {row['p50_s']:.2f} s, p95 {row['p95_s']:.2f}, "
                       f"p99 {row['p99_s']:.2f}, batches {row['batch_sizes']}; vs in process (alone, PSNR, max|d|) "
                       f"{checks}", flush=True)
-                if passed:
-                    rows.append(env | row)
-                else:
+                if passed and not args.tiny:
+                    append_results("serve", [env | row], args.out)
+                recorded += passed
+                if not passed:
                     print(f"  FAILED the check (alone: equal; batched: >= {BATCHED_MIN_PSNR} dB): not recorded",
                           flush=True)
         finally:
             process.terminate()
             process.wait(120)
     if args.tiny:
-        print(f"tiny run: {len(rows)} rows passed their checks (not recorded)", flush=True)
-    else:
-        append_results("serve", rows, args.out)
+        print(f"tiny run: {recorded} rows passed their checks (not recorded)", flush=True)
 
 
 if __name__ == "__main__":

@@ -125,7 +125,8 @@ def dequantize_fp8_rowwise(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor
     return q.float() * scale
 
 
-# Rows from which fp8_linear uses fast accumulation: 1-40 rows fail at K=12288, N=3072, 63 and up pass (H200).
+# The fewest rows cuBLASLt's fast-accumulation kernels take: 1-40 rows fail at K=12288, N=3072, 63 and up pass
+# (H200); fp8_linear pads fewer rows to this many.
 FAST_ACCUM_MIN_ROWS = 64
 
 
@@ -145,9 +146,11 @@ def fp8_linear(
     CUDA the op itself (a GPU without FP8 tensor cores raises), elsewhere through scaled_mm_cpu, which holds the
     call to what the CUDA op requires and computes it alike, so that CPU tests check the call the GPU gets.
     fast_accum: Hopper's faster FP8 accumulation (cuBLAS promotes partial sums to fp32 less often), as torchao's
-    inference default; no effect on the CPU, nor below FAST_ACCUM_MIN_ROWS rows, where cuBLASLt (torch 2.11, H200)
-    has no fast-accumulation kernel for K=12288 (CUBLAS_STATUS_NOT_SUPPORTED; a short prompt's text stream
-    unpadded) and such a small GEMM gains nothing from it."""
+    inference default; no effect on the CPU. Fewer than FAST_ACCUM_MIN_ROWS rows are padded with zero rows to that
+    many, as cuBLASLt (torch 2.11, H200) has no fast-accumulation kernel for them at K=12288
+    (CUBLAS_STATUS_NOT_SUPPORTED; a short prompt's text stream unpadded): a row is then accumulated alike at every
+    row count, so a rank's part of the rows under Ulysses rounds as one GPU's whole (a threshold here put the two on
+    either side of it). A GEMM that small reads its weights in the same time either way."""
     check_tensor("x_q", x_q, dtypes=(FP8_DTYPE,), ndim=2)
     m, k = x_q.shape
     check_tensor("x_scale", x_scale, dtypes=(torch.float32,), shape=(m, 1))
@@ -168,9 +171,12 @@ def fp8_linear(
         scaled_mm = torch._scaled_mm
     else:
         scaled_mm = scaled_mm_cpu
+    if fast_accum and m < FAST_ACCUM_MIN_ROWS:  # zero rows below (on every device: CPU tests check this call)
+        x_q = torch.cat([x_q, x_q.new_zeros(FAST_ACCUM_MIN_ROWS - m, k)])
+        x_scale = torch.cat([x_scale, x_scale.new_ones(FAST_ACCUM_MIN_ROWS - m, 1)])
     # w_q.t() is the column-major [K, N] operand _scaled_mm wants; w_scale as [1, N] selects rowwise scaling.
     return scaled_mm(x_q, w_q.t(), scale_a=x_scale, scale_b=w_scale[None, :], bias=bias, out_dtype=out_dtype,
-                     use_fast_accum=fast_accum and m >= FAST_ACCUM_MIN_ROWS)
+                     use_fast_accum=fast_accum)[:m]
 
 
 def scaled_mm_cpu(a, b, scale_a, scale_b, bias=None, out_dtype=torch.bfloat16, use_fast_accum=False) -> torch.Tensor:

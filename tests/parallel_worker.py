@@ -58,19 +58,25 @@ def main():
                     FastConfig(fp8=False, cuda_graphs=args.graphs, parallel=args.parallel,
                                ulysses_degree=args.ulysses, cache=args.cache))
     pipe.set_progress_bar_config(disable=True)
-    forwards, img_in = [], pipe.transformer.img_in.forward  # the rows this rank computes: batch, image tokens
+    # the first forward's [B, L] rows: the BF16 GEMMs around the blocks take (all of them, under Ulysses too), and
+    # the first block (this rank's part)
+    rows = {}
+    transformer = pipe.transformer
+    for name, module in (("img_in", transformer.img_in), ("txt_in", transformer.txt_in),
+                         ("proj_out", transformer.proj_out), ("block_img", transformer.transformer_blocks[0])):
+        def recording(x, *args, _name=name, _forward=module.forward, **kwargs):
+            rows.setdefault(_name, tuple(x.shape[:2]))
+            if _name == "block_img":
+                rows.setdefault("block_txt", tuple(args[0].shape[:2]))
+            return _forward(x, *args, **kwargs)
 
-    def recording(x):
-        forwards.append(tuple(x.shape[:2]))
-        return img_in(x)
-
-    pipe.transformer.img_in.forward = recording
+        module.forward = recording
     results = {"latents": [], "applied": []}
     for seed, case in enumerate(CASES):
         results["latents"].append(render(pipe, case, seed))
         results["applied"].append(pipe.applied)
     if pipe.parallel.is_image_leader:
-        torch.save(results | {"dp_rank": pipe.parallel.dp_rank, "forward": forwards[0], "graphs": graphs},
+        torch.save(results | {"dp_rank": pipe.parallel.dp_rank, "rows": rows, "graphs": graphs},
                    os.path.join(args.out, f"rank{dist.get_rank()}.pt"))
     dist.destroy_process_group()
 

@@ -134,14 +134,16 @@ def test_fp8_linear_matches_ref(device, out_dtype, shape):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("fast_accum", [False, True])
-def test_fp8_linear_fast_accum_from_min_rows(device, fast_accum, monkeypatch):
-    """use_fast_accum reaches _scaled_mm when asked for, from FAST_ACCUM_MIN_ROWS rows on, and never below."""
+def test_fp8_linear_fast_accum_at_every_row_count_pads_to_min_rows(device, fast_accum, monkeypatch):
+    """use_fast_accum reaches _scaled_mm when asked for, at every row count, fewer than FAST_ACCUM_MIN_ROWS rows
+    padded to that many (cuBLASLt has no kernel for them), and the rows asked for come back; without it, the rows
+    as they are."""
     calls = []
 
     def recording(scaled_mm):
-        def record(*args, **kwargs):
-            calls.append(kwargs["use_fast_accum"])
-            return scaled_mm(*args, **kwargs)
+        def record(a, *args, **kwargs):
+            calls.append((kwargs["use_fast_accum"], a.shape[0]))
+            return scaled_mm(a, *args, **kwargs)
         return record
 
     # fp8_linear calls one of them: torch._scaled_mm on CUDA, scaled_mm_cpu elsewhere
@@ -149,8 +151,13 @@ def test_fp8_linear_fast_accum_from_min_rows(device, fast_accum, monkeypatch):
     monkeypatch.setattr(fp8, "scaled_mm_cpu", recording(fp8.scaled_mm_cpu))
     rows = [1, FAST_ACCUM_MIN_ROWS - 1, FAST_ACCUM_MIN_ROWS, FAST_ACCUM_MIN_ROWS + 1]
     for m in rows:
-        fp8_linear(*make_linear_operands(m, 48, 80, torch.bfloat16, device), fast_accum=fast_accum)
-    assert calls == [fast_accum and m >= FAST_ACCUM_MIN_ROWS for m in rows]
+        operands = make_linear_operands(m, 48, 80, torch.bfloat16, device)
+        out = fp8_linear(*operands, fast_accum=fast_accum)
+        assert out.shape == (m, 80) and out.is_contiguous(), (m, out.shape)
+        if device == "cpu":  # the padded rows change none of the others (on the GPU: the test below)
+            assert torch.equal(out, scaled_mm_cpu(operands[0], operands[2].t(), operands[1],
+                                                  operands[3][None, :], operands[4])), m
+    assert calls == [(fast_accum, max(m, FAST_ACCUM_MIN_ROWS) if fast_accum else m) for m in rows]
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -189,15 +196,19 @@ def test_scaled_mm_cpu_matches_cuda(shape):
 @pytest.mark.gpu
 def test_fp8_linear_fast_accum_at_every_row_count():
     """Short rows (a short prompt's unpadded text stream) at the model's K and N, fast accumulation asked for:
-    cuBLASLt has no such kernel below ~64 rows at K=12288, so fp8_linear must not ask it there."""
+    cuBLASLt has no such kernel below ~64 rows at K=12288, which fp8_linear's padding must avoid. And a row comes
+    out bit for bit the same whatever the row count (what Ulysses' bit-equality with one GPU rests on: a rank
+    computes part of one GPU's rows), here against the first rows of 4200 (a 1024² image's tokens and more)."""
     torch.manual_seed(0)
     for k, n in ((3072, 9216), (3072, 12288), (12288, 3072)):
         w_q, w_s = quantize_fp8_rowwise(torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02)
-        bias = torch.zeros(n, device="cuda", dtype=torch.bfloat16)
-        for m in range(1, 130):
-            x_q, x_s = quantize_fp8_rowwise(torch.randn(m, k, device="cuda", dtype=torch.bfloat16))
-            out = fp8_linear(x_q, x_s, w_q, w_s.view(-1), bias, fast_accum=True)
-            assert_close(out, fp8_linear_ref(x_q, x_s, w_q, w_s.view(-1), bias), 2e-2, f"K={k} N={n} M={m}")
+        bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+        x_q, x_s = quantize_fp8_rowwise(torch.randn(4200, k, device="cuda", dtype=torch.bfloat16))
+        whole = fp8_linear(x_q, x_s, w_q, w_s.view(-1), bias, fast_accum=True)
+        for m in [*range(1, 130), 2048, 2100, 4100]:
+            out = fp8_linear(x_q[:m], x_s[:m], w_q, w_s.view(-1), bias, fast_accum=True)
+            assert_close(out, fp8_linear_ref(x_q[:m], x_s[:m], w_q, w_s.view(-1), bias), 2e-2, f"K={k} N={n} M={m}")
+            assert torch.equal(out, whole[:m]), (k, n, m, (out.float() - whole[:m].float()).abs().max().item())
 
 
 def test_fp8_linear_validates():

@@ -72,7 +72,8 @@ def test_parallel_against_stock(tmp_path, stock_latents, single_process_applied,
     processes under torchrun: (a) its labels are what it adds to the single-process run's `applied`, which loses
     batched_cfg where CFG-parallel runs the negative prompt on the other rank; (b) the latents equal stock
     diffusers' (fp32, 1e-5); (c) each rank's forwards hold a part only: one of prompt / negative prompt with
-    CFG-parallel, its slice of the tokens with Ulysses."""
+    CFG-parallel, its slice of the tokens in the blocks with Ulysses, whose BF16 GEMMs around the blocks (img_in,
+    txt_in, proj_out) take all rows, as on one GPU (cuBLAS rounds a row by the row count it picks a kernel for)."""
     saved = launch(tmp_path, nproc, parallel, ulysses)
     assert sorted(saved) == leaders
     expected = [label for label in single_process_applied if not (label == "batched_cfg" and "cfg" in parallel)]
@@ -83,9 +84,11 @@ def test_parallel_against_stock(tmp_path, stock_latents, single_process_applied,
         for entries in results["applied"]:
             assert [e for e in entries if not e.startswith("parallel:")] == expected
             assert [e for e in entries if e.startswith("parallel:")] == labels
-        batch, tokens = results["forward"]  # the first forward of the first case (40x24): 2 ranks share its tokens
-        assert batch == (1 if "cfg" in parallel else 2) and tokens == even_sizes(image_tokens(40, 24), 2)[0], (
-            batch, tokens)
+        rows = results["rows"]  # the first forward of the first case (40x24): 2 ranks share its tokens
+        batch, image, text = 1 if "cfg" in parallel else 2, image_tokens(40, 24), rows["txt_in"][1]
+        assert rows["img_in"] == rows["proj_out"] == (batch, image) and rows["txt_in"][0] == batch, rows
+        assert rows["block_img"] == (batch, even_sizes(image, 2)[0]), rows
+        assert rows["block_txt"] == (batch, even_sizes(text, 2)[0]) and text >= 2, rows
     assert [results["dp_rank"] for results in saved.values()] == list(range(len(leaders)))
 
 

@@ -427,15 +427,19 @@ class FastQwenImageTransformer(Unsupported, StepCaches, LoraAdapters, ModelMixin
             encoder_hidden_states, encoder_hidden_states_mask = pad_text(
                 encoder_hidden_states, encoder_hidden_states_mask, ulysses.degree)
         txt_len = encoder_hidden_states.shape[1]  # the whole text (RoPE positions, mask)
-        if ulysses is not None:  # this rank's rows only from here on (runtime/parallel.py)
-            plan = ulysses.plan(img_len, txt_len, device)
-            hidden_states, encoder_hidden_states = hidden_states[:, plan.img], encoder_hidden_states[:, plan.txt]
-            if controlnet_block_samples is not None:
-                controlnet_block_samples = [sample[:, plan.img] for sample in controlnet_block_samples]
         if streams is None:
+            # under Ulysses on every rank's whole rows too, then cut: these BF16 GEMMs' rows round as one GPU's only
+            # at one GPU's row count (cuBLAS picks its kernel by M; a text's half rows took another one)
             hidden_states = self.img_in(hidden_states)  # [B, L_img, D]
             encoder_hidden_states = self.txt_in(self.txt_norm(encoder_hidden_states))  # [B, L_txt, D]
-        else:
+        if ulysses is not None:  # this rank's rows only from here on (runtime/parallel.py)
+            plan = ulysses.plan(img_len, txt_len, device)
+            if streams is None:
+                hidden_states = hidden_states[:, plan.img].contiguous()  # the kernels take contiguous rows
+                encoder_hidden_states = encoder_hidden_states[:, plan.txt].contiguous()
+            if controlnet_block_samples is not None:
+                controlnet_block_samples = [sample[:, plan.img] for sample in controlnet_block_samples]
+        if streams is not None:  # a step cache's piece: this rank's rows already
             hidden_states, encoder_hidden_states = streams
         mod_row = self._mod_row(img_shapes, batch, device, plan) if self.zero_cond_t else None
 
@@ -512,8 +516,9 @@ class FastQwenImageTransformer(Unsupported, StepCaches, LoraAdapters, ModelMixin
             img, img_x = residual_gate_layer_norm_modulate(img, img_tail.out, img_tail.gate, out_shift, out_scale)
         else:  # norm_out modulates per sample, a zero_cond_t gate per token
             img_x = layer_norm_modulate(add_tail(img, img_tail, mod_row), out_shift, out_scale)
-        out = self.proj_out(img_x)  # [B, L_img, p*p*C]
-        return out if joint.plan is None else joint.ulysses.gather_image(out, joint.plan)
+        if joint.plan is not None:  # proj_out on all image rows, as img_in: one GPU's row count, one GPU's rounding
+            img_x = joint.ulysses.gather_image(img_x, joint.plan)
+        return self.proj_out(img_x)  # [B, L_img, p*p*C]
 
 
 @dataclass
