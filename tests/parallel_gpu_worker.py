@@ -19,10 +19,9 @@ from qwen_image_fast.pipelines.tiny import tiny_pipeline
 
 # the real head layout and width (num_layers: 60)
 TRANSFORMER = dict(num_layers=4, num_attention_heads=24, attention_head_dim=128, axes_dims_rope=(16, 56, 56))
-# CFG-parallel on cuDNN attention (no JIT compile in each process, as FlashAttention-4's); Ulysses on FlashAttention-4,
-# on which bench_parallel found the full-size model's 50-step latents bit-equal to one GPU's. Here (4 blocks, 3-5
-# steps) Ulysses is 0.04-0.06 from one GPU in bf16 latents on 2 x H200, on cuDNN and FlashAttention-4 alike, with FP8
-# or BF16 linears, short or long text, 1024 to 16384 image tokens: the cause is not found yet (issue 41)
+# CFG-parallel on cuDNN attention (no JIT compile in each process, as FlashAttention-4's); Ulysses on FlashAttention-4.
+# Ulysses is bit-equal with FP8 linears: their rowwise _scaled_mm rows do not depend on the row count (test_fp8.py),
+# and the BF16 GEMMs around the blocks run on all rows on every rank (runtime/parallel.py)
 MODES = {
     "cfg": dict(parallel="cfg", attention="cudnn"),
     "ulysses": dict(parallel="ulysses", attention="fa4"),
