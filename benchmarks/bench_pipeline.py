@@ -51,6 +51,8 @@ def full_size_stock_pipeline(tokenizer_dir: Path | None = None, full_text_encode
     from bench_transformer import make_stock
     from qwen_image_fast.pipelines.tiny import QWEN_IMAGE_SCHEDULER_CONFIG, tiny_tokenizer
 
+    torch.manual_seed(0)  # the text encoder's and VAE's random weights: the same in every process (bench_serve's
+    # engines build their own and are checked against this process's)
     tokenizer = tiny_tokenizer() if tokenizer_dir is None else Qwen2Tokenizer.from_pretrained(tokenizer_dir)
     n = len(tokenizer)
     vocab = max(n, 152064) if full_text_encoder else n

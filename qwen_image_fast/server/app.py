@@ -123,8 +123,9 @@ def create_app(state: ServerState, lifespan=None) -> FastAPI:
     async def metrics():
         scheduler = state.scheduler
         busy = sum(engine.busy is not None for engine in scheduler.engines)
+        encoding = sum(len(engine.encoding) for engine in scheduler.engines)
         return PlainTextResponse(state.metrics.render(len(scheduler.pending), scheduler.queued_images(),
-                                                      scheduler.ready, busy, len(scheduler.engines)),
+                                                      scheduler.ready, busy, encoding, len(scheduler.engines)),
                                  media_type="text/plain; version=0.0.4")
 
     @app.get("/")

@@ -43,7 +43,8 @@ class Metrics:
         with self.lock:
             self.requests[endpoint, outcome] = self.requests.get((endpoint, outcome), 0) + 1
 
-    def render(self, queue_requests: int, queue_images: int, engines_ready: int, engines_busy: int, engines: int) -> str:
+    def render(self, queue_requests: int, queue_images: int, engines_ready: int, engines_busy: int,
+               batches_encoding: int, engines: int) -> str:
         with self.lock:
             lines = [f"# HELP {PREFIX}requests_total Requests answered, by endpoint and outcome.",
                      f"# TYPE {PREFIX}requests_total counter"]
@@ -54,6 +55,8 @@ class Metrics:
                     ("queue_images", "gauge", "Images of those requests not yet sent to an engine.", queue_images),
                     ("engines_ready", "gauge", "Engines loaded, warmed up and serving.", engines_ready),
                     ("engines_busy", "gauge", "Engines running a batch.", engines_busy),
+                    ("batches_encoding", "gauge", "Batches computed whose images are being encoded.",
+                     batches_encoding),
                     ("engines", "gauge", "Engines configured.", engines),
                     ("images_total", "counter", "Images rendered and returned.", self.images),
                     ("engine_restarts_total", "counter", "Engines started again after they stopped.",
@@ -63,7 +66,8 @@ class Metrics:
                     ("batch_size", "Images per pipeline call.", self.batch_size),
                     ("queue_wait_seconds", "From a request's arrival to its first image's batch starting.",
                      self.queue_wait),
-                    ("compute_seconds", "One pipeline call, encoding included.", self.compute)):
+                    ("compute_seconds", "One pipeline call (its images' encoding, which overlaps the next call, "
+                                        "not included).", self.compute)):
                 lines += [f"# HELP {PREFIX}{name} {about}", f"# TYPE {PREFIX}{name} histogram"]
                 lines += histogram.lines(PREFIX + name)
             return "\n".join(lines) + "\n"

@@ -1,6 +1,7 @@
 """Dynamic batching over the engines: requests queue as Items; whenever an engine is free, the oldest item's
 compatible images (ImageRequest.batch_key) go to it as one pipeline call, up to max_batch images, after waiting at
-most max_wait for company. A request's images may span several calls (n > max_batch); it is answered once all are
+most max_wait for company. An engine is free again once its call is computed, while its images are still being
+encoded (engine.py): their requests wait in Engine.encoding until its "done". A request's images may span several calls (n > max_batch); it is answered once all are
 back. An engine that stops (its pipe closes: a crash, kill -9) fails its batch's requests with 503 and is started
 again; a request that times out or whose client goes away is dropped from the queue (a batch already running
 finishes, its images unused). Every item is answered once: Item.finish ignores a second outcome.
@@ -44,11 +45,12 @@ class Engine:
     def __init__(self, index: int, spec: EngineSpec, loop, on_message):
         self.index, self.spec, self.loop, self.on_message = index, spec, loop, on_message
         self.ready, self.busy, self.process, self.conn, self.failure = False, None, None, None, None
+        self.encoding: dict[int, list] = {}  # batch id -> its (item, image indices), computed, being encoded
 
     def start(self):
         ctx = multiprocessing.get_context("spawn")
         self.conn, child = ctx.Pipe()
-        self.ready, self.busy = False, None
+        self.ready, self.busy, self.encoding = False, None, {}
         self.process = ctx.Process(target=engine_main, args=(child, self.spec), daemon=True,
                                    name=f"qwen-image-fast-engine-{self.index}")
         self.process.start()
@@ -68,6 +70,14 @@ class Engine:
     def submit(self, batch: Batch, items: list):
         self.busy = (batch, items)
         self.conn.send(batch)
+
+    def answered(self, batch_id: int) -> list:
+        """The (item, indices) of a batch the engine answered ("done" or "error"): encoded, or still running."""
+        if batch_id in self.encoding:
+            return self.encoding.pop(batch_id)
+        (batch, items), self.busy = self.busy, None
+        assert batch.id == batch_id, (batch.id, batch_id)
+        return items
 
     def stop(self):
         if self.process is not None and self.process.is_alive():
@@ -115,7 +125,7 @@ class Scheduler:
         return sum(item.queued for item in self.pending)
 
     def in_flight(self) -> int:
-        return len(self.pending) + sum(1 for engine in self.engines if engine.busy)
+        return len(self.pending) + sum(bool(engine.busy) + len(engine.encoding) for engine in self.engines)
 
     def submit(self, request: ImageRequest, works: list[Work]) -> Item:
         """Queue a request; ApiError 429 when max_queue requests already wait."""
@@ -188,9 +198,11 @@ class Scheduler:
             engine.ready, engine.failure = True, None
         elif kind == "failed":
             engine.failure = message[1]
+        elif kind == "computed":  # free for the next batch; this one's images are being encoded
+            batch, items = engine.busy
+            engine.busy, engine.encoding[batch.id] = None, items
         elif kind in ("done", "error"):
-            _, items = engine.busy
-            engine.busy = None
+            items = engine.answered(message[1])
             if kind == "done":
                 _, _, encoded, applied, seconds = message
                 self.metrics.compute.observe(seconds)
@@ -208,9 +220,11 @@ class Scheduler:
                 self._fail(items, ApiError(500, f"the pipeline failed on this request: {message[2]}",
                                            type="server_error", code="pipeline_error"))
         elif kind == "stopped":
-            busy, engine.busy, engine.ready = engine.busy, None, False
-            if busy is not None:
-                self._fail(busy[1], ApiError(
+            lost = [] if engine.busy is None else [engine.busy[1]]
+            lost += engine.encoding.values()
+            engine.busy, engine.encoding, engine.ready = None, {}, False
+            for items in lost:
+                self._fail(items, ApiError(
                     503, f"engine {engine.index} stopped (exit code {message[1]}) while rendering this request; it "
                          "is being restarted: retry", type="server_error", code="engine_stopped"))
             if not self.stopping and engine.failure is None:
