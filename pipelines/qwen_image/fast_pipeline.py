@@ -242,8 +242,11 @@ class FastCheckpointPipeline:
         """The upstream checkpoint layout (hub id or local folder, loaded by diffusers, then converted on `device`:
         e.g. "cuda" from a CPU load keeps one BF16 copy, on the CPU), or a folder a fast pipeline's save_pretrained
         wrote (its FP8 transformer loaded as stored, straight onto `device`; without fast_config, with the options
-        it was saved with). dtype / torch_dtype as in diffusers (a dtype or a dict by component; without it,
-        diffusers' own default)."""
+        it was saved with). dtype / torch_dtype as in diffusers (a dtype or a dict by component); without either,
+        float32 for every component, diffusers' own default (transformers >= 5 would load the text encoder in the
+        dtype it was saved in, and stock diffusers' first call then fails on mixed dtypes)."""
+        if "dtype" not in kwargs and "torch_dtype" not in kwargs:
+            kwargs["dtype"] = torch.float32
         fast_checkpoint = "transformer" not in kwargs and is_fast_checkpoint(pretrained_model_name_or_path)
         if fast_config is None and fast_checkpoint:  # the build options the folder was saved with
             fast_config = FastConfig(**saved_options(pretrained_model_name_or_path))

@@ -100,23 +100,37 @@ def test_loaded_pipelines_compute_what_they_computed(tmp_path):
 
 
 def test_dtype_as_diffusers_loads_it(tmp_path):
-    """No dtype: each component in the dtype diffusers gives it for the same folder (float32 for diffusers' models,
-    as saved for transformers' text encoder), so an fp32 save comes back exactly; a dtype dict by component
-    ("default" for the rest), as diffusers' torch_dtype takes; the FP8 weights and scales as stored."""
+    """A BF16 folder, saved by a fast pipeline or by stock diffusers, loaded back: without a dtype every component in
+    float32, diffusers' default (transformers >= 5 would give the text encoder the dtype it was saved in, and stock
+    diffusers' first call then fails on mixed dtypes, as below), and it renders: from the stock folder, as stock
+    diffusers told dtype=float32 does (fp32, 1e-5). A dtype dict by component ("default" for the rest), as
+    diffusers' torch_dtype takes, gives diffusers' dtypes. The FP8 weights and scales come back as stored; an fp32
+    save exactly."""
     from diffusers import QwenImagePipeline
 
     pipe = optimize(stock_pipeline().to(torch.bfloat16), FastConfig())
     pipe.save_pretrained(tmp_path / "fast")
     stock_pipeline().to(torch.bfloat16).save_pretrained(tmp_path / "stock")
-    for kwargs in ({}, dict(torch_dtype={"transformer": torch.bfloat16, "default": torch.float16})):
-        ours, theirs = from_pretrained(tmp_path / "fast", FastConfig(), **kwargs), QwenImagePipeline.from_pretrained(
-            tmp_path / "stock", **kwargs)
-        for name in ("transformer", "vae", "text_encoder"):
-            assert getattr(ours, name).dtype == getattr(theirs, name).dtype, (kwargs, name)
-        state = ours.transformer.state_dict()
-        for key, value in pipe.transformer.state_dict().items():
-            if key.endswith(("weight_q", "weight_scale")):
-                assert torch.equal(state[key], value) and state[key].dtype == value.dtype, key
+    call = dict(prompt="a red fox", negative_prompt="blurry", height=48, width=48, num_inference_steps=2,
+                output_type="latent")
+    with pytest.raises(RuntimeError, match="same dtype"):  # what stock diffusers does without a dtype
+        QwenImagePipeline.from_pretrained(tmp_path / "stock")(**call, generator=torch.Generator().manual_seed(0))
+    for folder in ("fast", "stock"):
+        ours = from_pretrained(tmp_path / folder, FastConfig() if folder == "fast" else EXACT)
+        assert [getattr(ours, name).dtype for name in ("transformer", "vae", "text_encoder")] == [torch.float32] * 3
+        latents = ours(**call, generator=torch.Generator().manual_seed(0)).images
+        assert torch.isfinite(latents).all(), folder
+    theirs = QwenImagePipeline.from_pretrained(tmp_path / "stock", dtype=torch.float32)
+    assert_close(latents, theirs(**call, generator=torch.Generator().manual_seed(0)).images, 1e-5, "stock folder")
+    by_component = dict(torch_dtype={"transformer": torch.bfloat16, "default": torch.float16})
+    ours, theirs = from_pretrained(tmp_path / "fast", FastConfig(), **by_component), \
+        QwenImagePipeline.from_pretrained(tmp_path / "stock", **by_component)
+    for name in ("transformer", "vae", "text_encoder"):
+        assert getattr(ours, name).dtype == getattr(theirs, name).dtype, name
+    state = ours.transformer.state_dict()
+    for key, value in pipe.transformer.state_dict().items():
+        if key.endswith(("weight_q", "weight_scale")):
+            assert torch.equal(state[key], value) and state[key].dtype == value.dtype, key
     fp32 = optimize(stock_pipeline(), EXACT)
     fp32.save_pretrained(tmp_path / "fp32")
     back = from_pretrained(tmp_path / "fp32", EXACT)
