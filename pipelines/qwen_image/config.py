@@ -26,6 +26,14 @@ MEMORY_MODES = ("fast", "low")
 
 
 
+def check_cache_blocks(Fn: int, Bn: int, n_blocks: int, what: str = "a transformer", option: str = "DBCache"):
+    """ValueError unless the first Fn and the last Bn blocks leave a middle block to cache among n_blocks. A rule
+    whose Fn does not fit a shallow model is refused, not shrunk to fit (that would run another rule than asked)."""
+    if Fn + Bn >= n_blocks:
+        raise ValueError(f"{option}: Fn={Fn} + Bn={Bn} leaves no middle block to cache in {what} of {n_blocks} "
+                         f"blocks; allowed: Fn >= 1 and Fn + Bn < {n_blocks} (e.g. dbcache:1,0 or every:2,1,0)")
+
+
 @dataclass(frozen=True)
 class DBCache:
     """The fast pipeline's step cache, cache-dit's DBCache (Dual Block Cache) with its names' meaning and its

@@ -18,7 +18,7 @@ import logging
 import torch
 from diffusers import AutoencoderKLQwenImage
 
-from .config import FastConfig
+from .config import FastConfig, check_cache_blocks
 from .model.transformer import FastQwenImageTransformer
 from .model.vae import FastAutoencoderKLQwenImage, as_vae_class, why_not_2d
 from .optimizations import (CallRecord, Facts, planned_labels, plans, refused_by_image_conditioned, runs_cache_rule,
@@ -79,6 +79,14 @@ def check_replacement(built: FastConfig, config: FastConfig, pipeline: str, imag
     refused = refused_by_image_conditioned(config) if image_conditioned else []
     if refused:
         raise ValueError(image_conditioned_refusal(pipeline, [opt.field for opt in refused]))
+
+
+def check_blocks_for_cache(transformer, config: FastConfig):
+    """ValueError when config's step cache leaves no middle block in the transformer (stock or fast: checked when
+    the config is set, before converting anything, not at the first call)."""
+    if config.cache is not None and hasattr(transformer, "transformer_blocks"):
+        check_cache_blocks(config.cache.Fn, config.cache.Bn, len(transformer.transformer_blocks), "the transformer",
+                           f"FastConfig(cache={config.cache.label()!r})")
 
 
 def check_given_fast_transformer(transformer, config: FastConfig):
@@ -307,6 +315,7 @@ class FastPipelineMixin(FastLoraPipeline, FastCheckpointPipeline):
         if self._image_conditioned:
             refuse_text_to_image_only(config, self.stock_class.__name__)
         transformer = self.transformer  # None: a pipeline built without one (e.g. to encode prompts only)
+        check_blocks_for_cache(transformer, config)
         if isinstance(transformer, FastQwenImageTransformer):
             check_given_fast_transformer(transformer, config)
         elif config.fused_transformer and transformer is not None:
@@ -339,6 +348,7 @@ class FastPipelineMixin(FastLoraPipeline, FastCheckpointPipeline):
     @fast_config.setter
     def fast_config(self, config: FastConfig):
         check_replacement(self._fast_config, config, self.stock_class.__name__, self._image_conditioned)
+        check_blocks_for_cache(self.transformer, config)
         self._fast_config = config
 
     def facts(self) -> Facts:

@@ -31,6 +31,7 @@ import sys
 import threading
 from pathlib import Path
 
+from ..pipelines.qwen_image.config import check_cache_blocks
 from .devices import (cap_memory, check_cfg_parallel, check_kernels_on, check_triton_on_cpu, distributed_env,
                       image_group_shape, memory_setting, resolve_device, start_mesh)
 from .inputs import check_pipeline_inputs, check_pipeline_options, sizes_from_image
@@ -94,6 +95,9 @@ def run_render(args) -> int:
         loras = tuple(resolve_lora(source, scale) for source, scale in args.lora)
         check_pipeline_options(pipeline, model, config, lightning=args.lightning, fmt=args.format)
         model_shape = ModelShape.of(model, pipeline)
+        if config.cache is not None and model_shape is not None:
+            check_cache_blocks(config.cache.Fn, config.cache.Bn, model_shape.layers, f"{model}'s transformer",
+                               f"--cache {config.cache.label()}")
         test_size = model_shape is not None and model_shape.test_size
         jobs = make_jobs(entries, render_defaults(args, tiny=test_size, pipeline=pipeline))
         shrunk = (condition_area_divisor() if test_size and pipeline in SHRINKS_INPUTS and any(j.images for j in jobs)

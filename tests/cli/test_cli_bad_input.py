@@ -213,6 +213,12 @@ BAD_INPUT = {
                            "argument --cache: cache 'dbcache:x': 'x' is not an integer"),
     "cache-unknown-rule": (lambda tmp: ["--preset", "fast", "--cache", "fbcache:0.2", "a cat"],
                            "argument --cache: cache 'fbcache:0.2': allowed: dbcache[:Fn,Bn,threshold] or every:k"),
+    # cache-dit's default Fn=8 on tiny-random's 2 blocks (the README's --cache lines): refused before loading
+    "cache-deeper-than-the-model": (lambda tmp: ["--preset", "fast", "--cache", "dbcache", "a cat"],
+                                    "--cache dbcache:F8B0:0.08: Fn=8 + Bn=0 leaves no middle block to cache in "
+                                    "tiny-random's transformer of 2 blocks; allowed: Fn >= 1 and Fn + Bn < 2"),
+    "cache-deeper-than-the-model-dry-run": (lambda tmp: ["--preset", "fast", "--cache", "every:2,1,1", "--dry-run",
+                                                         "a cat"], "Fn=1 + Bn=1 leaves no middle block"),
     "parallel-not-a-mode": (lambda tmp: ["--parallel", "tensor", "a cat"], "argument --parallel: invalid choice"),
     "max-memory-too-small": (lambda tmp: ["--preset", "fast", "--max-memory", "12", "a cat"],
                              "--max-memory 12: the pipeline needs at least 22 GiB"),

@@ -69,7 +69,7 @@ def test_compare_uncached_renders_both_and_compares_in_one_command(tmp_path, cap
 
 @pytest.mark.parametrize("args, message", [
     (["--compare-uncached", "u", "a cat"], "--compare-uncached renders the same images without the step cache"),
-    (["--cache", "every:2", "--compare-uncached", "OUT", "a cat"], "is --out: give the uncached images their own"),
+    (["--cache", "every:2,1,0", "--compare-uncached", "OUT", "a cat"], "is --out: give the uncached images their own"),
 ])
 def test_compare_uncached_needs_a_cache_and_its_own_folder(args, message, tmp_path, capsys):
     out = str(tmp_path / "out")

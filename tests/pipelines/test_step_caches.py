@@ -436,7 +436,7 @@ def test_diffusers_caches_plan_pairing_and_refuse_what_cannot_run():
         assert plans["batched_cfg"].values == (True,) and plans["step_cache"].values == (type(config).__name__,)
         fast.transformer.disable_cache()
     fast.transformer.enable_cache(FirstBlockCacheConfig(threshold=0.4))
-    fast.fast_config = fast.fast_config.replace(cache=DBCache())
+    fast.fast_config = fast.fast_config.replace(cache=DBCache(Fn=1))
     with pytest.raises(ValueError, match="two step caches"):
         run(fast, "text_to_image")
     fast.transformer.disable_cache()
@@ -625,8 +625,18 @@ def test_dbcache_taylorseer_extrapolates_as_cache_dits_calibrator(order):
 
 
 def test_dbcache_refusals():
+    """A rule deeper than the model is refused when it is set (optimize, from_pretrained, pipe.fast_config = ...),
+    before anything is converted; then the rest of the grammar."""
+    source = stock("text_to_image")
+    with pytest.raises(ValueError, match=r"FastConfig\(cache='dbcache:F2B2:0.08'\): Fn=2 \+ Bn=2 leaves no middle "
+                                         r"block to cache in the transformer of 4 blocks; allowed: Fn >= 1 and Fn \+ "
+                                         r"Bn < 4"):
+        optimize(source, EXACT.replace(cache=DBCache(Fn=2, Bn=2)))
+    assert type(source.transformer).__name__ == "QwenImageTransformer2DModel"  # nothing converted
+    fast = optimize(source, EXACT)
     with pytest.raises(ValueError, match="leaves no middle block"):
-        run(optimize(stock("text_to_image"), EXACT.replace(cache=DBCache(Fn=2, Bn=2))), "text_to_image")
+        fast.fast_config = EXACT.replace(cache="every:2,3,1")
+    assert fast.fast_config.cache is None
     with pytest.raises(ValueError, match="fused_transformer"):
         FastConfig.preset("baseline").replace(cache="dbcache")
     for bad in ("dbcache:x", "every:1", "fbcache:0.2", "dbcache:8,0,0.1,9", "dbcache:8,w=2,0", "dbcache:ts=-1"):

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..config import DBCache
+from ..config import DBCache, check_cache_blocks
 
 
 class TaylorSeer:
@@ -132,9 +132,7 @@ class StepCacheRun:
     """The DBCache of one pipeline call: its branches' states and how a forward runs with it."""
 
     def __init__(self, config: DBCache | FirstBlockRule, n_blocks: int):
-        if config.Fn + config.Bn >= n_blocks:
-            raise ValueError(f"DBCache Fn={config.Fn} + Bn={config.Bn} leaves no middle block to cache in a "
-                             f"transformer of {n_blocks} blocks; allowed: Fn + Bn < {n_blocks}")
+        check_cache_blocks(config.Fn, config.Bn, n_blocks)
         self.config, self.n_blocks = config, n_blocks
         self.branches: dict[str, Branch] = {}
 
