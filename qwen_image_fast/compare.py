@@ -96,8 +96,10 @@ class Pair:
         """The settings the two sides differ in (IDENTITY agrees), e.g. "steps 50 | 8"."""
         keys = [k for k in {**self.a.settings, **self.b.settings} if k not in NOT_SETTINGS]
         a, b = self.a.settings, self.b.settings
-        return [f"applied {[x for x in a.get(key, []) if x not in b.get(key, [])]} | "  # what ran on one side only
-                f"{[x for x in b.get(key, []) if x not in a.get(key, [])]}" if key == "applied" else
+        def one_side_only(x: dict, y: dict) -> str:  # what ran on one side only; "-": nothing the other lacks
+            return ", ".join(str(v) for v in x.get("applied", []) if v not in y.get("applied", [])) or "-"
+
+        return [f"applied on one side only: {one_side_only(a, b)} | {one_side_only(b, a)}" if key == "applied" else
                 f"{key} {shown(key, a.get(key))} | {shown(key, b.get(key))}" for key in differing(a, b, keys)]
 
     @property

@@ -228,7 +228,12 @@ def render_jobs(load_pipe: Callable, jobs: list[Job], out_dir: Path, labels: Lab
 
 def format_summary(summary: Summary, labels: Labels, out_dir: Path, rank: int = 0, world_size: int = 1) -> str:
     prefix = f"rank {rank}/{world_size}: " if world_size > 1 else ""
-    per_image = f"{summary.seconds_per_image:.2f} s/image" if summary.written else "no image rendered"
+    if summary.written:
+        per_image = f"{summary.seconds_per_image:.2f} s/image"
+    elif summary.skipped and not summary.failed:
+        per_image = f"nothing to render: all {summary.skipped} image(s) were already there"
+    else:
+        per_image = "no image rendered"
     if summary.written and labels.enhancer is not None:
         per_image += f" ({summary.enhance_seconds / summary.written:.2f} s of it rewriting the prompt)"
     lines = [f"{prefix}{summary.written} written, {summary.skipped} skipped (already done), {summary.failed} failed; "

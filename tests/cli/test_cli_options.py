@@ -55,13 +55,14 @@ def test_compare_uncached_renders_both_and_compares_in_one_command(tmp_path, cap
     [line], [plain] = manifest(cached), manifest(uncached)
     assert line["blocks_computed"] == 0.75 and "blocks_computed" not in plain and "options" not in plain
     assert read_settings(cached / line["file"])["blocks_computed"] == 0.75
-    assert ("A | B: applied [] | ['step_cache:dbcache:F1B0:every2:w0']; options None | {'cache': "
+    assert ("A | B: applied on one side only: - | step_cache:dbcache:F1B0:every2:w0; options None | {'cache': "
             "'dbcache:F1B0:every2:w0'}") in out
     assert "A | B: blocks computed 100% | 75%" in out and "pass: 1 pair(s) measured" in out
     assert (cached / "compare-uncached" / "index.html").exists()
     assert main(["render", *TINY, "--preset", "fast", "--cache", "every:2,1,0", "--out", str(cached),
                  "--compare-uncached", str(uncached), "a cat"]) == 0  # both resume: nothing rendered again
-    assert capsys.readouterr().out.count("0 written, 1 skipped") == 2
+    assert capsys.readouterr().out.count("0 written, 1 skipped (already done), 0 failed; nothing to render: all 1 "
+                                         "image(s) were already there") == 2
     # the uncached pass, with the pipeline the cached one used, renders what a render without --cache renders
     assert main(["render", *TINY, "--preset", "fast", "--out", str(tmp_path / "plain"), "a cat"]) == 0
     assert np.array_equal(pixels(uncached / plain["file"]), pixels(tmp_path / "plain" / plain["file"]))
