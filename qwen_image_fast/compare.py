@@ -18,6 +18,7 @@ sizes differ), or when a pair is below min_psnr. When nothing pairs at all it wr
 """
 
 import html
+import io
 import json
 import math
 from dataclasses import dataclass, field
@@ -308,6 +309,28 @@ def make_grid(a: np.ndarray, b: np.ndarray, titles: tuple[str, str, str]) -> Ima
     return grid
 
 
+LOSSY = {".jpg": "JPEG", ".jpeg": "JPEG", ".webp": "WEBP"}  # as render writes them: quality RENDER_QUALITY
+RENDER_QUALITY = 95
+
+
+def format_note(path_a: Path, path_b: Path, a: np.ndarray, b: np.ndarray) -> str:
+    """When one side is a lossless file and the other a lossy one, what the format alone costs: the lossless side's
+    pixels written in the other's format (render's quality) against themselves, in dB; "" otherwise."""
+    kinds = [LOSSY.get(path.suffix.lower()) for path in (path_a, path_b)]
+    if (kinds[0] is None) == (kinds[1] is None):
+        return ""
+    lossless, lossy_format = (a, kinds[1]) if kinds[0] is None else (b, kinds[0])
+    if lossy_format == "JPEG":  # no alpha in a JPEG
+        lossless = lossless[..., :3]
+    out = io.BytesIO()
+    Image.fromarray(lossless).save(out, format=lossy_format, quality=RENDER_QUALITY)
+    with Image.open(out) as image:
+        alone = psnr(lossless, np.asarray(image.convert("RGBA" if lossless.shape[2] == 4 else "RGB")))
+    side = "B" if kinds[0] is None else "A"
+    return (f"{side} is {lossy_format} (lossy): the format alone costs {format_number(alone, 1)} dB here (the "
+            f"other side written as {lossy_format} at quality {RENDER_QUALITY})")
+
+
 def measure(pair: Pair, report_dir: Path, titles: tuple[str, str]):
     """PSNR, SSIM, max |A-B| and the grid of one pair, or a note saying why it cannot be measured."""
     try:
@@ -320,6 +343,7 @@ def measure(pair: Pair, report_dir: Path, titles: tuple[str, str]):
         return
     pair.max_abs_diff = int(np.abs(a.astype(np.int16) - b.astype(np.int16)).max())
     pair.psnr, pair.ssim = psnr(a, b), ssim(a, b)
+    pair.note = format_note(pair.a.path, pair.b.path, a, b)
     pair.grid = f"grids/{pair.a.name}.jpg"
     make_grid(a, b, (*titles, f"|A-B| x{DIFF_GAIN} (max {pair.max_abs_diff})")).save(report_dir / pair.grid,
                                                                                       quality=90)

@@ -22,6 +22,11 @@ def rendered(folder, name: str, pixels: np.ndarray, prompt: str, seed: int = 0, 
                dict(prompt=prompt, seed=seed, width=pixels.shape[1], height=pixels.shape[0], steps=50) | settings)
 
 
+def main_output(argv, capsys) -> str:
+    main(argv)
+    return capsys.readouterr().out
+
+
 @pytest.fixture
 def pixels():
     return np.random.default_rng(0).integers(0, 200, size=(40, 48, 3), dtype=np.uint8)  # [H, W, RGB], room for +20
@@ -156,6 +161,12 @@ def test_pairs_across_formats_and_names_and_shows_both_sides_settings(folders, p
     assert "offset-1.png = 00002.webp" in out and "offset-20.png = 00000.webp" in out
     assert "A | B: steps 50 | 8; preset None | 'fast'" in out
     assert "only in A: only-a.png" in out and "only in A: same.png" in out
+    # the same pixels on both sides of offset-1's pair: all of its PSNR is the format's, and the note says so
+    [line] = [line for line in out.splitlines() if line.startswith("offset-1.png = 00002.webp")]
+    pair_psnr = float(line.split()[3])
+    assert f"B is WEBP (lossy): the format alone costs {pair_psnr:.1f} dB here" in line, line
+    assert "lossy" not in main_output(["compare", str(folders[0]), str(folders[1]), "--out", str(tmp_path / "p")],
+                                      capsys)
     html = (tmp_path / "r" / "index.html").read_text()
     assert '<tr class="differs"><td>steps</td><td>50</td><td>8</td></tr>' in html
     assert "<tr class=\"\"><td>prompt</td><td>offset 1</td><td>offset 1</td></tr>" in html
