@@ -305,6 +305,25 @@ class FastConfig(FastTransformerConfig):
     def replace(self, **changes) -> "FastConfig":
         return replace(self, **changes)
 
+    # Not saved with a pipeline: where and how this machine runs it, not what the weights compute
+    NOT_SAVED = ("parallel", "ulysses_degree", "memory")
+
+    def saved(self) -> dict:
+        """Every field but NOT_SAVED as JSON values (a pipeline's save_pretrained writes them)."""
+        values = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in self.NOT_SAVED}
+        return values | {"bf16_linears": list(self.bf16_linears),
+                         "cache": None if self.cache is None else asdict(self.cache)}
+
+    @classmethod
+    def from_saved(cls, values: dict) -> "FastConfig":
+        """What saved() wrote, as a FastConfig (this machine's defaults for NOT_SAVED)."""
+        allowed = [f.name for f in fields(cls) if f.name not in cls.NOT_SAVED]
+        unknown = sorted(set(values) - set(allowed))
+        if unknown:
+            raise ValueError(f"unknown saved FastConfig field(s) {unknown}; allowed: {', '.join(allowed)}")
+        cache = values.get("cache")
+        return cls(**values | {"cache": None if cache is None else DBCache(**cache)})
+
     def changed_build_options(self, other: "FastConfig") -> list[str]:
         """The build options whose values differ between self and other."""
         return [f.name for f in fields(self) if f.metadata["binds"] == "build"

@@ -14,6 +14,7 @@ import contextlib
 import inspect
 import json
 import logging
+from pathlib import Path
 
 import torch
 from diffusers import AutoencoderKLQwenImage
@@ -168,6 +169,28 @@ def is_fast_checkpoint(path_or_id) -> bool:
     return list(index.get("transformer", [None, None]))[-1] in names
 
 
+SAVED_CONFIG = "fast_config.json"  # beside model_index.json: FastConfig.saved() of the pipeline that saved it
+
+
+def saved_config(path_or_id) -> FastConfig:
+    """The FastConfig a folder a fast pipeline saved was saved with (SAVED_CONFIG; this machine's parallel and
+    memory settings). A folder saved before SAVED_CONFIG was written: its stored build options on the defaults."""
+    path = Path(path_or_id)
+    if path.is_dir():
+        file = path / SAVED_CONFIG
+    else:
+        from huggingface_hub import hf_hub_download
+        from huggingface_hub.errors import EntryNotFoundError
+
+        try:
+            file = Path(hf_hub_download(str(path_or_id), SAVED_CONFIG))
+        except EntryNotFoundError:
+            file = None
+    if file is not None and file.exists():
+        return FastConfig.from_saved(json.loads(file.read_text()))
+    return FastConfig(**saved_options(path_or_id))
+
+
 def saved_options(path_or_id) -> dict:
     """The build options a folder a fast pipeline saved was saved with: the fast transformer's stored ones (fp8,
     bf16_linears, fp8_fast_accum) and, for Qwen-Image-2512's VAE, vae_2d_decode (the VAE class it names)."""
@@ -243,7 +266,9 @@ class FastCheckpointPipeline:
         fast = self._fast_transformer()
         if fast is not None and fast.lora_state.configs:
             fast.save_pretrained(save_directory)  # raises, saying what to do
-        return super().save_pretrained(save_directory, *args, **kwargs)
+        result = super().save_pretrained(save_directory, *args, **kwargs)
+        (Path(save_directory) / SAVED_CONFIG).write_text(json.dumps(self.fast_config.saved(), indent=2) + "\n")
+        return result
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, *args, fast_config=None, device=None, **kwargs):
@@ -256,8 +281,8 @@ class FastCheckpointPipeline:
         if "dtype" not in kwargs and "torch_dtype" not in kwargs:
             kwargs["dtype"] = torch.float32
         fast_checkpoint = "transformer" not in kwargs and is_fast_checkpoint(pretrained_model_name_or_path)
-        if fast_config is None and fast_checkpoint:  # the build options the folder was saved with
-            fast_config = FastConfig(**saved_options(pretrained_model_name_or_path))
+        if fast_config is None and fast_checkpoint:  # the options the folder was saved with
+            fast_config = saved_config(pretrained_model_name_or_path)
         config = FastConfig.coerce(fast_config)
         fast_state = cls._before_loading(config, pretrained_model_name_or_path, device, kwargs)
         if fast_checkpoint:

@@ -22,6 +22,7 @@ from transformers import Qwen2Tokenizer
 from qwen_image_fast import FastConfig, PromptEnhancer, QwenImageFastPipeline, optimize
 from qwen_image_fast.kernels._utils import rel_rms_error
 from qwen_image_fast.pipelines.qwen_image.optimizations import BY_NAME
+from qwen_image_fast.pipelines.qwen_image.config import DBCache
 from qwen_image_fast.pipelines.qwen35.enhance import DEFAULT_ENHANCER_ID
 from qwen_image_fast.pipelines.qwen_image.model.transformer import FastQwenImageTransformer
 from qwen_image_fast.pipelines.tiny import tiny_components, tiny_enhancer, tiny_tokenizer
@@ -438,6 +439,28 @@ def test_saved_folder_loads_with_the_options_it_was_saved_with(tmp_path, vae_2d_
     loaded = QwenImageFastPipeline.from_pretrained(tmp_path, dtype=torch.float32)
     assert loaded.fast_config.vae_2d_decode == vae_2d_decode and loaded.fast_config.fp8 == config.fp8
     assert (type(loaded.vae).__name__ == "FastAutoencoderKLQwenImage") == vae_2d_decode
+
+
+def test_a_saved_fast_config_comes_back_field_by_field(tmp_path):
+    """Every FastConfig field but where it runs (FastConfig.NOT_SAVED: parallel, ulysses degree, memory) comes back
+    as saved when the folder loads without fast_config, each set here to something other than its default (so
+    dropping any one fails), and the loaded pipeline renders what the saved one did."""
+    from dataclasses import fields
+
+    config = FastConfig(bf16_linears=("img_fc2",), fp8_fast_accum=False, attention="sdpa", fp8_attention="auto",
+                        batched_cfg=False, cuda_graphs=False, text_bucket=32, scheduler="dpm++2m", cfg_fraction=0.5,
+                        vae_2d_decode=False, modulation_table=False, cache=DBCache(Fn=1, every=2, warmup=1))
+    default = FastConfig()
+    saved_fields = [f.name for f in fields(FastConfig) if f.name not in FastConfig.NOT_SAVED]
+    kept_default = [name for name in saved_fields if getattr(config, name) == getattr(default, name)]
+    assert kept_default == ["fp8", "fused_transformer"], kept_default  # the two a fast folder cannot change
+    fast = fast_pipeline(config)
+    fast.save_pretrained(tmp_path)
+    loaded = QwenImageFastPipeline.from_pretrained(tmp_path, dtype=torch.float32)
+    for name in saved_fields:
+        assert getattr(loaded.fast_config, name) == getattr(config, name), name
+    case = dict(prompt="a cat", negative_prompt="blurry")
+    assert torch.equal(run(loaded, **case), run(fast, **case))
 
 
 def test_a_fast_transformer_given_must_match_the_config():
