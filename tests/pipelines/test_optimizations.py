@@ -197,6 +197,23 @@ def case_cuda_graphs(stock_latents, monkeypatch, stand_in_graphs):
     assert len(pipe.runner.graphs) == 1
 
 
+def test_applied_lists_what_ran_on_that_call_only(stand_in_graphs):
+    """`applied` after a call holds what that call ran: graphs only on a call that replayed one (a forward
+    signature's second time in a call), vae_2d_decode only when it decoded. Before the first call: the plan."""
+    log = stand_in_graphs
+    pipe = fast(EXACT.replace(cfg_fraction=0.5))
+    assert {"cuda_graphs", "vae_2d_decode"} <= names(pipe.applied)  # what the next call will run
+    run(pipe)  # 2 steps: one paired forward, then one of the prompt alone: no signature twice, nothing replayed
+    assert log["captures"] == [] and not {"cuda_graphs", "vae_2d_decode"} & names(pipe.applied), pipe.applied
+    run(pipe, num_inference_steps=4, output_type="pil")  # each signature twice: captured and replayed; decoded
+    assert log["replays"] == [2, 1] and {"cuda_graphs", "vae_2d_decode"} <= names(pipe.applied), pipe.applied
+    run(pipe)  # the 2-step call again: now both of its forwards replay the graphs kept from the last
+    assert log["replays"] == [2, 1, 2, 1] and "cuda_graphs" in names(pipe.applied), pipe.applied
+    pipe.fast_config = pipe.fast_config.replace(cuda_graphs=False)
+    run(pipe, num_inference_steps=4)
+    assert log["replays"] == [2, 1, 2, 1] and "cuda_graphs" not in names(pipe.applied), pipe.applied
+
+
 def case_scheduler(stock_latents, monkeypatch):
     """Expectations from diffusers' own scheduler classes, configured here: UniPC through the stock pipeline
     (it takes the sigmas and mu the stock pipeline passes); DPM-Solver++ 2M through the stock pipeline too, with
