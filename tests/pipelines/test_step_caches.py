@@ -311,6 +311,29 @@ def test_attention_rules_graphed_across_calls(case, stand_in_graphs, monkeypatch
         assert [len(f) for f in next(iter(fast.runner.taylor_factors.values())).tensors.values()] == [3] * 7
 
 
+@pytest.mark.parametrize("interval, order", [(3, 1), (4, 2), (4, 3)])
+def test_taylorseer_every_offset_and_order_as_stock(interval, order, monkeypatch, stand_in_graphs):
+    """TaylorSeer over intervals longer than 2 (a prediction at every offset 1 .. interval-1 from its last update)
+    at orders 1-3, by the runner's rule, CFG batched and graphed: stock's decisions, read off the attention modules
+    stock ran, and its latents, over two whole intervals after the warm-up and one step into the next."""
+    config = TaylorSeerCacheConfig(cache_interval=interval, disable_cache_before_step=1, max_order=order,
+                                   taylor_factors_dtype=torch.float32)
+    call = dict(COMMON, num_inference_steps=2 + 2 * interval, output_type="latent")
+    ref, fast = stock("text_to_image"), optimize(stock("text_to_image"), EXACT)
+    capture_leaves_rule_buffers(monkeypatch, fast)
+    ran = decisions(monkeypatch, ref.transformer, STOCK_CLASSES)
+    for pipe in (ref, fast):
+        pipe.transformer.enable_cache(config)
+    expected = ref(**call, generator=torch.Generator().manual_seed(0)).images
+    assert_close(fast(**call, generator=torch.Generator().manual_seed(0)).images, expected, 1e-5,
+                 f"interval {interval}, order {order}")
+    want = stock_decisions(ran, "TaylorSeer")
+    assert rule_decisions(fast) == want, (rule_decisions(fast), want)
+    runs = "".join("p" if not computed else "c" for computed in want["cond"]).split("c")
+    assert max(len(r) for r in runs) == interval - 1, want  # predictions at every offset of an interval
+    assert "batched_cfg" in fast.applied and "cuda_graphs" in fast.applied, fast.applied
+
+
 def test_taylorseer_cool_down_as_stock():
     """TaylorSeer with disable_cache_after_step (its cool-down: every step from it computes) by the runner's rule,
     CFG batched and graphed: stock's decisions (6 steps: warm-up 1, an update every 2nd step, cool-down from step 4)
