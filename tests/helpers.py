@@ -28,21 +28,24 @@ DEVICES = [
 
 
 @contextlib.contextmanager
-def diffusers_warnings():
-    """The messages diffusers logs at WARNING and above inside the block (its loggers do not propagate to the root
-    logger, so caplog does not see them)."""
+def diffusers_warnings(level: int = logging.WARNING):
+    """The messages diffusers logs at `level` and above inside the block (its loggers do not propagate to the root
+    logger, so caplog does not see them; below WARNING, its library logger is set to `level` meanwhile)."""
     messages = []
 
     class Keep(logging.Handler):
         def emit(self, record):
             messages.append(record.getMessage())
 
-    library, handler = logging.getLogger("diffusers"), Keep(logging.WARNING)
+    library, handler = logging.getLogger("diffusers"), Keep(level)
     library.addHandler(handler)
+    was = library.level
+    library.setLevel(min(level, was or logging.WARNING))
     try:
         yield messages
     finally:
         library.removeHandler(handler)
+        library.setLevel(was)
 
 
 def assert_close(out: torch.Tensor, ref: torch.Tensor, tol: float, what: str = ""):

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 from diffusers import AutoencoderKLQwenImage
+from diffusers.pipelines.pipeline_utils import logger as diffusers_pipeline_logger
 
 from .config import FastConfig, check_cache_blocks
 from .model.transformer import FastQwenImageTransformer
@@ -293,6 +294,9 @@ class FastCheckpointPipeline:
                 pretrained_model_name_or_path, subfolder="transformer",
                 device="cpu" if config.memory == "low" else device, torch_dtype=load_dtype(kwargs, "transformer"),
                 fast_config=config.transformer_config(), variant=kwargs.get("variant"))
+            # diffusers' own line for each component it loads (it is handed this one loaded)
+            diffusers_pipeline_logger.info(f"Loaded transformer as {cls.fast_transformer_class.__name__} from "
+                                           f"`transformer` subfolder of {pretrained_model_name_or_path}.")
         stock = load_stock(cls.stock_class, pretrained_model_name_or_path, *args, **kwargs)
         return cls._build(init_arguments(stock), config, device, **fast_state)
 

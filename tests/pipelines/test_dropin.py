@@ -5,6 +5,7 @@ default dtype, components, and loading through the class-picking from_pretrained
 
 import inspect
 import json
+import logging
 
 import pytest
 import torch
@@ -70,8 +71,12 @@ def test_save_and_load_back_as_it_was(tmp_path, cls, save):
         assert len(list((tmp_path / "transformer").glob("*.fp16-*.safetensors"))) > 1
     if save.get("safe_serialization") is False:
         assert list((tmp_path / "transformer").glob("*.bin"))
-    with diffusers_warnings() as warned:
+    with diffusers_warnings() as warned, diffusers_warnings(logging.INFO) as logged:
         loaded = from_pretrained(tmp_path, FastConfig(), variant=save.get("variant"))
+    # diffusers' line for every component, the fast transformer's too (diffusers' test_save_load_local reads them)
+    for name, class_name in (("transformer", pipe.transformer), ("vae", pipe.vae)):
+        assert (f"Loaded {name} as {type(class_name).__name__} from `{name}` subfolder of {tmp_path}."
+                in logged), (name, logged)
     # nothing of ours (e.g. that the transformer is not the stock class: the fast class holds its own); loading a
     # pickle save, diffusers says there is no safetensors file and that it unpickles, as for its own pipelines
     upstream = ("safetensors found in directory", "Defaulting to unsafe serialization")
