@@ -29,6 +29,7 @@ import numpy as np
 from PIL import Image, ImageDraw, ImageFont
 
 from .cli.manifest import content_identity, read_records, recorded_settings
+from .cli.output import QUALITY
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp")
 # What an image is: two images are comparable only when they agree on these (input images and masks by content).
@@ -309,8 +310,7 @@ def make_grid(a: np.ndarray, b: np.ndarray, titles: tuple[str, str, str]) -> Ima
     return grid
 
 
-LOSSY = {".jpg": "JPEG", ".jpeg": "JPEG", ".webp": "WEBP"}  # as render writes them: quality RENDER_QUALITY
-RENDER_QUALITY = 95
+LOSSY = {".jpg": "JPEG", ".jpeg": "JPEG", ".webp": "WEBP"}  # as render writes them, at cli.output.QUALITY
 
 
 def format_note(path_a: Path, path_b: Path, a: np.ndarray, b: np.ndarray) -> str:
@@ -323,12 +323,12 @@ def format_note(path_a: Path, path_b: Path, a: np.ndarray, b: np.ndarray) -> str
     if lossy_format == "JPEG":  # no alpha in a JPEG
         lossless = lossless[..., :3]
     out = io.BytesIO()
-    Image.fromarray(lossless).save(out, format=lossy_format, quality=RENDER_QUALITY)
+    Image.fromarray(lossless).save(out, format=lossy_format, quality=QUALITY)
     with Image.open(out) as image:
         alone = psnr(lossless, np.asarray(image.convert("RGBA" if lossless.shape[2] == 4 else "RGB")))
     side = "B" if kinds[0] is None else "A"
     return (f"{side} is {lossy_format} (lossy): the format alone costs {format_number(alone, 1)} dB here (the "
-            f"other side written as {lossy_format} at quality {RENDER_QUALITY})")
+            f"other side written as {lossy_format} at quality {QUALITY})")
 
 
 def measure(pair: Pair, report_dir: Path, titles: tuple[str, str]):

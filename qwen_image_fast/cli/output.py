@@ -23,6 +23,7 @@ from .jobs import Job
 from .models import Labels
 
 FORMATS = {"png": "PNG", "jpg": "JPEG", "webp": "WEBP"}
+QUALITY = 95  # what render writes JPEG / WebP at
 EXIF_IMAGE_DESCRIPTION = 0x010E
 PNG_DESCRIPTION = "Description"  # PNG's standard keyword, the counterpart of EXIF ImageDescription
 TEMP_PREFIX = ".tmp-"
@@ -88,7 +89,7 @@ def save_image(image: Image.Image, path: Path, fmt: str, settings: dict):
     write_atomic(path, lambda f: write_image(image, f, FORMATS[fmt], settings))
 
 
-def write_image(image: Image.Image, f, pil_format: str, settings: dict, quality: int = 95):
+def write_image(image: Image.Image, f, pil_format: str, settings: dict, quality: int = QUALITY):
     """The image to the file object f in PIL's `pil_format` with the settings as one JSON object: PNG in an iTXt
     "Description" chunk (UTF-8), JPEG/WebP in EXIF ImageDescription (ASCII-escaped). The same JSON in every format,
     so read_settings gives the same types. quality: JPEG / WebP's."""

@@ -427,20 +427,20 @@ class FastQwenImageTransformer(Unsupported, StepCaches, LoraAdapters, ModelMixin
             encoder_hidden_states, encoder_hidden_states_mask = pad_text(
                 encoder_hidden_states, encoder_hidden_states_mask, ulysses.degree)
         txt_len = encoder_hidden_states.shape[1]  # the whole text (RoPE positions, mask)
-        if streams is None:
-            # under Ulysses on every rank's whole rows too, then cut: these BF16 GEMMs' rows round as one GPU's only
-            # at one GPU's row count (cuBLAS picks its kernel by M; a text's half rows took another one)
-            hidden_states = self.img_in(hidden_states)  # [B, L_img, D]
-            encoder_hidden_states = self.txt_in(self.txt_norm(encoder_hidden_states))  # [B, L_txt, D]
-        if ulysses is not None:  # this rank's rows only from here on (runtime/parallel.py)
+        if ulysses is not None:  # this rank's rows only once embedded (runtime/parallel.py)
             plan = ulysses.plan(img_len, txt_len, device)
-            if streams is None:
-                hidden_states = hidden_states[:, plan.img].contiguous()  # the kernels take contiguous rows
-                encoder_hidden_states = encoder_hidden_states[:, plan.txt].contiguous()
             if controlnet_block_samples is not None:
                 controlnet_block_samples = [sample[:, plan.img] for sample in controlnet_block_samples]
         if streams is not None:  # a step cache's piece: this rank's rows already
             hidden_states, encoder_hidden_states = streams
+        else:
+            # under Ulysses on every rank's whole rows too, then cut: these BF16 GEMMs' rows round as one GPU's only
+            # at one GPU's row count (cuBLAS picks its kernel by M; a text's half rows took another one)
+            hidden_states = self.img_in(hidden_states)  # [B, L_img, D]
+            encoder_hidden_states = self.txt_in(self.txt_norm(encoder_hidden_states))  # [B, L_txt, D]
+            if plan is not None:  # the kernels take contiguous rows
+                hidden_states = hidden_states[:, plan.img].contiguous()
+                encoder_hidden_states = encoder_hidden_states[:, plan.txt].contiguous()
         mod_row = self._mod_row(img_shapes, batch, device, plan) if self.zero_cond_t else None
 
         layout = self.modulation_layout(batch)

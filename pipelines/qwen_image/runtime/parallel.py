@@ -10,7 +10,8 @@ Ulysses (ulysses = P ranks, P dividing the head count): each rank holds a contig
 one of the text tokens, so every token-local kernel of the blocks (norms, modulation, FP8 GEMMs, RoPE) runs
 unchanged on the local rows. The BF16 GEMMs around the blocks (img_in, txt_in, proj_out: a small share of the work)
 run on all rows on every rank instead, the image rows gathered before proj_out: cuBLAS picks a BF16 kernel by the
-row count, and half a text's rows rounded otherwise than one GPU (rowwise FP8 GEMM rows do not depend on it). Around attention one all-to-all turns the local [B, n_r, H, D] rows of Q, K and V (stacked) into all S rows
+row count, and half a text's rows rounded otherwise than one GPU (rowwise FP8 GEMM rows do not depend on it).
+Around attention one all-to-all turns the local [B, n_r, H, D] rows of Q, K and V (stacked) into all S rows
 of H/P heads, and one turns the output back. Why split the text too rather than replicate it: replicated text
 would run its GEMMs on every rank (P times the text work) and would still have to take part in attention as
 keys; split, every rank does the same work within one token. Slices are as even as possible (sizes differ by at
