@@ -107,6 +107,47 @@ def gpu_time_split(pipe, size: int, steps: int, device) -> dict:
                 nccl_share=(every[0][1] / every[0].sum()).item())
 
 
+def cfg_step_split(pipe, size: int, steps: int, device) -> dict:
+    """CFG-parallel, per rank: ms per step from the end of one all-gather to the start of the next (this rank's
+    forward, CFG combine and Euler step) and in the all-gather (its transfer and the wait for the slower rank), from
+    CUDA events on the compute stream (no host synchronization in the loop; on the CPU, where gloo is synchronous,
+    the host clock), over a timed call; gathered on every rank. What a step costs above half the unbatched 1-GPU
+    step is one or the other."""
+    mesh, marks = pipe.parallel, []
+    gather = mesh.gather_cfg
+
+    def stamp():
+        if device.type != "cuda":
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def ms(start, end) -> float:
+        return start.elapsed_time(end) if device.type == "cuda" else 1000 * (end - start)
+
+    def timed(mine):
+        before = stamp()
+        out = gather(mine)
+        marks.append((before, stamp()))
+        return out
+
+    mesh.gather_cfg = timed
+    try:
+        call(pipe, size, steps, device)
+    finally:
+        del mesh.gather_cfg
+    sync(device)
+    between = [ms(marks[i - 1][1], marks[i][0]) for i in range(1, len(marks))]
+    waits = [ms(b, a) for b, a in marks[1:]]
+    mine = torch.tensor([sum(between) / len(between), sum(waits) / len(waits), max(waits)], dtype=torch.float64,
+                        device=device)
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    return dict(rank_step_compute_ms=[t[0].item() for t in every], rank_gather_ms=[t[1].item() for t in every],
+                rank_gather_max_ms=[t[2].item() for t in every])
+
+
 def alltoall_probe(size: int, device, dtype) -> dict:
     """Ulysses' all-to-all of one block's stacked Q/K/V (batched CFG: B = 2, 24 heads x 128, `size`^2 image tokens
     and 218 text tokens split over the ranks) alone, against an all-gather of the same bytes per rank: ms and GB/s
@@ -204,6 +245,8 @@ def main():
                 latents, denoise_s, decode_s = call(pipe, size, steps, device)
                 seconds = denoise_s + decode_s
                 split = gpu_time_split(pipe, size, 3, device) if mode != "none" else {}
+                if mode == "cfg":
+                    split |= cfg_step_split(pipe, size, steps, device)
                 gpus = 1 if mode == "none" else world
                 if mode == "none":
                     one_gpu[label] = latents.float(), update
@@ -222,11 +265,17 @@ def main():
                            scaling_efficiency=one_gpu_s / seconds / gpus, nccl_share=split.get("nccl_share", 0.0),
                            rank_compute_ms=split.get("rank_compute_ms"), rank_nccl_ms=split.get("rank_nccl_ms"),
                            alltoall_probe=probe if "ulysses" in mode else None,
+                           rank_step_compute_ms=split.get("rank_step_compute_ms"),
+                           rank_gather_ms=split.get("rank_gather_ms"), rank_gather_max_ms=split.get("rank_gather_max_ms"),
                            reference="1gpu-unbatched" if mode == "cfg" else "1gpu",
                            first_step_rel_rms_vs_1gpu=step_err, latent_rel_rms_vs_1gpu=err, applied=pipe.applied)
                 if rank == 0:
                     ranks = "" if not split else "  per rank compute/NCCL ms per step " + " ".join(
                         f"{c:.1f}/{n:.1f}" for c, n in zip(split["rank_compute_ms"], split["rank_nccl_ms"]))
+                    if "rank_gather_ms" in split:
+                        ranks += "  per rank step/all-gather ms " + " ".join(
+                            f"{c:.2f}/{g:.2f} (max {m:.2f})" for c, g, m in zip(
+                                split["rank_step_compute_ms"], split["rank_gather_ms"], split["rank_gather_max_ms"]))
                     print(f"{size} {label:14s} fp8_attention={attention:5s} {seconds:6.2f} s  "
                           f"{row['ms_per_step']:6.1f} ms/step  x{row['speedup_vs_1gpu']:.2f} "
                           f"(eff {row['scaling_efficiency']:.2f})  NCCL {100 * row['nccl_share']:4.1f}%{ranks}  "
