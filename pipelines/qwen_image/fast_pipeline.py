@@ -21,6 +21,7 @@ from diffusers import AutoencoderKLQwenImage
 from diffusers.pipelines.pipeline_utils import logger as diffusers_pipeline_logger
 
 from .config import FastConfig, check_cache_blocks
+from .hub import check_path_or_id
 from .model.transformer import FastQwenImageTransformer
 from .model.vae import FastAutoencoderKLQwenImage, as_vae_class, why_not_2d
 from .optimizations import (CallRecord, Facts, planned_labels, plans, refused_by_image_conditioned, runs_cache_rule,
@@ -154,6 +155,7 @@ def model_index(path_or_id) -> dict:
     """A checkpoint's model_index.json (a local folder, or a hub id: read from the hub)."""
     from diffusers import DiffusionPipeline
 
+    check_path_or_id(path_or_id)
     return DiffusionPipeline.load_config(str(path_or_id))
 
 
@@ -279,6 +281,7 @@ class FastCheckpointPipeline:
         it was saved with). dtype / torch_dtype as in diffusers (a dtype or a dict by component); without either,
         float32 for every component, diffusers' own default (transformers >= 5 would load the text encoder in the
         dtype it was saved in, and stock diffusers' first call then fails on mixed dtypes)."""
+        check_path_or_id(pretrained_model_name_or_path)
         if "dtype" not in kwargs and "torch_dtype" not in kwargs:
             kwargs["dtype"] = torch.float32
         fast_checkpoint = "transformer" not in kwargs and is_fast_checkpoint(pretrained_model_name_or_path)

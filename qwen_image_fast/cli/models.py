@@ -4,11 +4,11 @@ its config files, what produces the images (Labels: model, preset, config, enhan
 """
 
 import contextlib
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..pipelines.qwen_image.config import FastConfig
+from ..pipelines.qwen_image.hub import HUB_ID
 from .loras import Lora
 
 REAL_MODEL_ID = "Qwen/Qwen-Image-2512"
@@ -23,7 +23,6 @@ TEST_SIZE_NOTE = "from a test-size model (transformer width {width}), not a full
 # With a test-size model the edit pipelines' input images are shrunk (pipelines/tiny.py small_condition_images).
 SHRUNK_INPUTS_NOTE = "; its input images resized to 1/{divisor} of the area diffusers resizes them to"
 TINY_ENHANCER_NOTE = "gibberish from random weights (tiny-random Qwen3.5), not a rewriting of the prompt"
-HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
 class LoadError(ValueError):

@@ -165,3 +165,12 @@ def test_build_options_are_fixed_call_options_change():
     edit = optimize(stock("img2img"), EXACT)
     with pytest.raises(ValueError, match="scheduler: supported by the text-to-image"):
         edit.fast_config = edit.fast_config.replace(scheduler="unipc")
+
+
+@pytest.mark.parametrize("load", [from_pretrained, QwenImageFastPipeline.from_pretrained])
+def test_a_missing_folder_is_named(load, tmp_path):
+    """A name that is neither an existing path nor shaped like a hub id: OSError (what stock raises for a checkpoint
+    it cannot find) saying so, instead of the hub's validation or connection error."""
+    missing = tmp_path / "no-such-checkpoint"
+    with pytest.raises(OSError, match="no-such-checkpoint: no such local folder, and not a hub id"):
+        load(str(missing), device="cpu")
