@@ -2,7 +2,9 @@
 tiny CPU model (`--model tiny-random` added where the line names no model: the default, Qwen-Image-2512, is not in
 CI's cache), at that model's test size and steps, in a fresh folder; or exits 2 with the message NEEDS_MORE gives
 (a rule the tiny model cannot take); or is listed in NEEDS with what it needs that CI does not have. A README line
-that stops working turns this red, and so does an entry of NEEDS or NEEDS_MORE that is no longer in the README."""
+that stops working turns this red, and so does an entry of NEEDS or NEEDS_MORE that is no longer in the README.
+The README's Python blocks likewise: each runs as written on tiny checkpoints written under the hub ids it names,
+on the CPU, at the test's size and steps (PY_RUNS), or is listed in PY_NEEDS with what it needs."""
 
 import re
 import shlex
@@ -73,3 +75,106 @@ def test_readme_line_runs_on_the_tiny_model(line, tmp_path, monkeypatch, capsys)
     assert main(argv) == 0, capsys.readouterr()
     out = Path(argv[argv.index("--out") + 1]) if "--out" in argv else Path("out")
     assert list(out.glob("*.png")) or list(out.glob("*.webp")), f"{line}: no image in {out}"
+
+
+# ---- the README's Python blocks
+
+# hub ids and devices as CI has them: each hub id -> the tiny checkpoint the fixture writes under that name
+CHECKPOINTS = {"Qwen/Qwen-Image-2512": "QwenImagePipeline", "Qwen/Qwen-Image-Edit-2511": "QwenImageEditPlusPipeline",
+               "Qwen/Qwen-Image-2.1": "QwenImage21Pipeline"}
+# a block (by its first line) -> what it needs that CI has not
+PY_NEEDS = {
+    "from qwen_image_fast import QwenImageFastPipeline, lightning_scheduler": "the Lightning LoRA from the hub",
+    'pipe = QwenImageFastPipeline.from_pretrained("Qwen/Qwen-Image-Edit-2511", fast_config=FastConfig('
+    'fp8_attention="auto"), ...)': "a fragment ('...': the arguments of the blocks above)",
+    "from qwen_image_fast import PromptEnhancer, QwenImageFastPipeline": "Qwen3.5-4B's weights",
+    "from qwen_image_fast.pipelines.qwen35 import FastQwen35ForCausalLM, generate":
+        "Qwen3.5-4B's weights and token ids (tests/pipelines/test_qwen35_generate.py runs generate)",
+    "from openai import OpenAI": "a running server (tests/server runs the openai client against one)",
+    'pipe = QwenImageFastPipeline.from_pretrained("Qwen/Qwen-Image-2512", fast_config=FastConfig(memory="low"), '
+    'dtype=torch.bfloat16, device="cuda")': "a CUDA GPU (the low-memory mode moves weights between host and GPU)",
+    "from diffusers import QwenImageTransformer2DModel": "a fragment ('...': the transformer's inputs)",
+    "from diffusers import QwenImage21Pipeline": "torchvision, which diffusers' loading of Qwen-Image-2.1's Qwen3-VL "
+    "processor imports (qwen_image_fast.from_pretrained loads 2.1 without it: tests/pipelines/test_qwen21.py)",
+}
+# a block that runs -> (text to run before it, {README text: what CI runs instead}): the test's size and steps, and
+# for the step-cache block a pipeline deep enough for cache-dit's Fn=8 (the tiny one has 2 blocks)
+PY_RUNS = {
+    "from qwen_image_fast import QwenImageFastPipeline  # same __call__": (
+        "", {"width=1328, height=1328": "width=64, height=64, num_inference_steps=2"}),
+    "from PIL import Image": ("", {"num_inference_steps=40": "num_inference_steps=2"}),
+    "# diffusers' own API, as on the stock transformer": (
+        "from qwen_image_fast import optimize\nfrom qwen_image_fast.pipelines.tiny import tiny_pipeline\n"
+        "pipe = optimize(tiny_pipeline(transformer_config={'num_layers': 10}))\n", {}),
+}
+
+
+def readme_python_blocks() -> list[str]:
+    blocks, block = [], None
+    for raw in README.read_text().splitlines():
+        if block is None and raw == "```python":
+            block = []
+        elif block is not None and raw.startswith("```"):
+            blocks.append("\n".join(block))
+            block = None
+        elif block is not None:
+            block.append(raw)
+    return blocks
+
+
+def block_key(block: str) -> str:
+    """A block's key in PY_NEEDS or PY_RUNS: the one its first line after `import torch` starts with (else that
+    line)."""
+    first = next(line for line in block.splitlines() if line != "import torch")
+    return next((key for key in [*PY_NEEDS, *PY_RUNS] if first.startswith(key)), first)
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoints(tmp_path_factory) -> dict:
+    """The tiny checkpoint of each hub id the README names, written once: hub id -> folder."""
+    import diffusers
+
+    from qwen_image_fast.pipelines.tiny import tiny_pipeline, tiny_qwen21_components
+
+    root, folders = tmp_path_factory.mktemp("checkpoints"), {}
+    for hub_id, class_name in CHECKPOINTS.items():
+        cls = getattr(diffusers, class_name)
+        stock = cls(**tiny_qwen21_components()) if class_name == "QwenImage21Pipeline" else tiny_pipeline(cls)
+        folders[hub_id] = root / hub_id.replace("/", "--")
+        stock.save_pretrained(folders[hub_id])
+    return folders
+
+
+def test_every_python_block_is_listed():
+    keys = [block_key(block) for block in readme_python_blocks()]
+    assert len(keys) >= 8, keys
+    assert sorted(key for key in keys if key not in PY_NEEDS and key not in PY_RUNS) == []
+    assert sorted(key for key in [*PY_NEEDS, *PY_RUNS] if key not in keys) == []
+
+
+@pytest.mark.parametrize("key", list(PY_RUNS))
+def test_readme_python_block_runs_on_the_tiny_models(key, tiny_checkpoints, tmp_path, monkeypatch):
+    """The block as written, but for the hub ids (-> the tiny checkpoints), "cuda" (-> "cpu") and PY_RUNS' text (each
+    must still be in the block: a README edit that moves it turns this red), in a fresh folder with an in.png."""
+    from PIL import Image
+
+    from qwen_image_fast.pipelines.tiny import small_condition_images
+
+    block = next(block for block in readme_python_blocks() if block_key(block) == key)
+    setup, changes = PY_RUNS[key]
+    for old, new in changes.items():
+        assert old in block, f"{old!r} is no longer in the README block {key!r}: update PY_RUNS"
+        block = block.replace(old, new)
+    for hub_id, folder in tiny_checkpoints.items():
+        block = block.replace(f'"{hub_id}"', repr(str(folder)))
+    block = block.replace('"cuda"', '"cpu"')
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    Image.new("RGB", (64, 48), (200, 120, 40)).save("in.png")
+    scope = {}
+    with small_condition_images():  # the edit pipeline's output sized from its input at 1/256 of the area
+        exec(compile(setup + block, f"README block {key.splitlines()[0]!r}", "exec"), scope)
+    if "image" in scope:
+        assert isinstance(scope["image"], Image.Image) and scope["image"].size[0] >= 16, scope["image"]
+    else:  # the step-cache block: each rule it sets is the pipeline's
+        assert scope["pipe"].fast_config.cache is not None and scope["pipe"].transformer.is_cache_enabled
