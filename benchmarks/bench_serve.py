@@ -11,7 +11,8 @@ then IN_PROCESS_IMAGES single-image calls (seeds 0, 1, ...): in_process_s (media
 in_process_images_per_s. That pipeline is freed, and the server starts in a child process (this script with
 --serve) with one engine per GPU, each building the same pipeline (EngineSpec.factory). Then per concurrency C,
 ROUNDS x C requests of one image each (seed i), C in flight at a time (closed loop, httpx.AsyncClient): images/s over
-the wall time, p50 / p95 / p99 latency, the batch sizes the server ran. The check beside each timing: the
+the wall time, p50 / p95 / p99 latency, the batch sizes the server ran, and from /metrics the mean queue wait, pipeline
+call and encoding after it (what a request pays beyond the call). The check beside each timing: the
 served image of seed 0 against the in-process one, equal pixel for pixel at C = 1 (the same call), and at least
 BATCHED_MIN_PSNR dB where it ran in a batch; a row failing it is printed, not recorded. Each row is appended to
 results/serve.jsonl as soon as it is measured (a run cut short keeps the rows it made).
@@ -189,6 +190,27 @@ def decoded(b64: str) -> np.ndarray:
         return np.asarray(image.convert("RGB"))
 
 
+def server_seconds(url: str) -> dict:
+    """/metrics' running sums and counts of the queue-wait, compute and encode histograms."""
+    import httpx
+
+    samples = dict(line.rsplit(" ", 1) for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines()
+                   if line and not line.startswith("#"))
+    return {f"{name}_{part}": float(samples[f"qwen_image_fast_{name}_seconds_{part}"])
+            for name in ("queue_wait", "compute", "encode") for part in ("sum", "count")}
+
+
+def server_split(before: dict, after: dict) -> dict:
+    """Where a round's time went on the server, from /metrics before and after it: mean seconds a request waited for
+    its first batch, a pipeline call took, and its images took to encode after it."""
+    def mean(name):
+        count = after[f"{name}_count"] - before[f"{name}_count"]
+        return (after[f"{name}_sum"] - before[f"{name}_sum"]) / count if count else None
+
+    return dict(server_queue_wait_s=mean("queue_wait"), server_compute_s=mean("compute"),
+                server_encode_s=mean("encode"))
+
+
 def percentile(values: list[float], q: float) -> float:
     return float(np.percentile(np.asarray(values), q))
 
@@ -223,8 +245,10 @@ def main():
         process, url = start_server(settings, log)
         try:
             for concurrency in concurrencies:
+                before = server_seconds(url)
                 results, wall = asyncio.run(load(url, case, concurrency,
                                                  max(args.rounds * concurrency, len(reference))))
+                split = server_split(before, server_seconds(url))
                 latencies = [seconds for seconds, _ in results]
                 batch_sizes = collections.Counter(size for _, answer in results for size in answer["batch_sizes"])
                 checks = []
@@ -238,12 +262,14 @@ def main():
                            images_per_s=len(results) / wall, p50_s=percentile(latencies, 50),
                            p95_s=percentile(latencies, 95), p99_s=percentile(latencies, 99),
                            batch_sizes=dict(sorted(batch_sizes.items())), in_process_s=in_process_s,
-                           in_process_images_per_s=1 / in_process_s,
+                           in_process_images_per_s=1 / in_process_s, **split,
                            check=[dict(alone=a, psnr=None if p == float("inf") else p, max_abs=m) for a, p, m in checks],
                            applied=results[0][1]["applied"])
                 print(f"{name} C={concurrency:2d}: {row['images_per_s']:.3f} images/s (in process "
                       f"{row['in_process_images_per_s']:.3f}), p50 {row['p50_s']:.2f} s, p95 {row['p95_s']:.2f}, "
-                      f"p99 {row['p99_s']:.2f}, batches {row['batch_sizes']}; vs in process (alone, PSNR, max|d|) "
+                      f"p99 {row['p99_s']:.2f}, batches {row['batch_sizes']}; server: queue wait "
+                      f"{split['server_queue_wait_s']:.3f} s, call {split['server_compute_s']:.3f} s, encode "
+                      f"{split['server_encode_s']:.3f} s (means); vs in process (alone, PSNR, max|d|) "
                       f"{checks}", flush=True)
                 if passed and not args.tiny:
                     append_results("serve", [env | row], args.out)

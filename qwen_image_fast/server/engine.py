@@ -115,19 +115,20 @@ class Encoder:
             self.conn.send(message)
 
     def finish(self, batch: Batch, images: list, applied: list, seconds: float):
+        started = time.perf_counter()
         futures = [self.images.submit(encode, image, w.output_format, w.output_compression,
                                       image_settings(w.settings, None, applied))
                    for image, w in zip(images, batch.works)]
-        self.batches.submit(self._answer, batch.id, futures, applied, seconds)
+        self.batches.submit(self._answer, batch.id, futures, applied, seconds, started)
 
-    def _answer(self, batch_id: int, futures: list, applied: list, seconds: float):
+    def _answer(self, batch_id: int, futures: list, applied: list, seconds: float, started: float):
         try:
             encoded = [future.result() for future in futures]
         except Exception as e:
             traceback.print_exc()
             self.send(("error", batch_id, f"{type(e).__name__}: {e}"))
             return
-        self.send(("done", batch_id, encoded, applied, seconds))
+        self.send(("done", batch_id, encoded, applied, seconds, time.perf_counter() - started))
 
     def close(self):
         """Answer every batch computed so far (its images are not lost to a stop), then stop the threads."""
@@ -215,7 +216,7 @@ def condition_images(shrink: int | None):
 def engine_main(conn, spec: EngineSpec):
     """The engine process: ("ready",) once loaded and warmed up (or ("failed", why)), then for each Batch
     received ("computed", id) when its pipeline call returns and then ("done", id, [bytes], applied, seconds: the
-    call's) once its images are encoded, or ("error", id, why) in place of either; None or a closed pipe ends it,
+    call's, seconds from the call's end to its images encoded) once they are, or ("error", id, why) in place of either; None or a closed pipe ends it,
     after the batches computed so far are answered. Ctrl-C reaches the server's whole process group: the server
     drains, so an engine ignores SIGINT and ends when told."""
     import signal

@@ -4,6 +4,7 @@ import threading
 
 PREFIX = "qwen_image_fast_"
 SECONDS_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 15, 30, 60, 120, 300)
+ENCODE_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 4)
 BATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 
 
@@ -38,6 +39,7 @@ class Metrics:
         self.batch_size = Histogram(BATCH_BUCKETS)
         self.queue_wait = Histogram(SECONDS_BUCKETS)
         self.compute = Histogram(SECONDS_BUCKETS)
+        self.encode = Histogram(ENCODE_BUCKETS)
 
     def request(self, endpoint: str, outcome: str):
         with self.lock:
@@ -67,7 +69,9 @@ class Metrics:
                     ("queue_wait_seconds", "From a request's arrival to its first image's batch starting.",
                      self.queue_wait),
                     ("compute_seconds", "One pipeline call (its images' encoding, which overlaps the next call, "
-                                        "not included).", self.compute)):
+                                        "not included).", self.compute),
+                    ("encode_seconds", "From a pipeline call's end to its images encoded (PNG / WebP / JPEG, on "
+                                       "threads, while the engine computes the next call).", self.encode)):
                 lines += [f"# HELP {PREFIX}{name} {about}", f"# TYPE {PREFIX}{name} histogram"]
                 lines += histogram.lines(PREFIX + name)
             return "\n".join(lines) + "\n"

@@ -204,8 +204,9 @@ class Scheduler:
         elif kind in ("done", "error"):
             items = engine.answered(message[1])
             if kind == "done":
-                _, _, encoded, applied, seconds = message
+                _, _, encoded, applied, seconds, encode_seconds = message
                 self.metrics.compute.observe(seconds)
+                self.metrics.encode.observe(encode_seconds)
                 per_image = seconds / max(1, len(encoded))
                 self.seconds_per_image = per_image if self.seconds_per_image is None else (
                     0.8 * self.seconds_per_image + 0.2 * per_image)

@@ -55,10 +55,10 @@ def test_the_next_batch_goes_out_while_the_last_is_encoded():
         batch1 = await received(conn)  # sent before the first batch's images are encoded
         assert engine.busy[0].id == batch1.id and list(engine.encoding) == [batch0.id]
         assert not first.future.done() and scheduler.in_flight() == 2
-        scheduler._on_message(engine, ("done", batch0.id, [b"image 0"], ["applied"], 0.5))
+        scheduler._on_message(engine, ("done", batch0.id, [b"image 0"], ["applied"], 0.5, 0.1))
         assert (await first.future).results == {0: b"image 0"} and not second.future.done()
         scheduler._on_message(engine, ("computed", batch1.id))
-        scheduler._on_message(engine, ("done", batch1.id, [b"image 1"], ["applied"], 0.5))
+        scheduler._on_message(engine, ("done", batch1.id, [b"image 1"], ["applied"], 0.5, 0.1))
         assert (await second.future).results == {0: b"image 1"}
         assert engine.busy is None and engine.encoding == {} and scheduler.in_flight() == 0
         scheduler.task.cancel()

@@ -78,6 +78,10 @@ def test_64_requests_at_concurrency_16_all_answered_once(server):
     assert after["qwen_image_fast_images_total"] - before["qwen_image_fast_images_total"] == 64
     sizes = [size for a in answers for size in a.json()["batch_sizes"]]
     assert max(sizes) > 1 and after["qwen_image_fast_queue_requests"] == 0
+    batches = after["qwen_image_fast_batch_size_count"] - before.get("qwen_image_fast_batch_size_count", 0)
+    for name in ("compute_seconds", "encode_seconds"):  # each batch's call and its images' encoding timed
+        count, total = f"qwen_image_fast_{name}_count", f"qwen_image_fast_{name}_sum"
+        assert after[count] - before.get(count, 0) == batches and after[total] > before.get(total, 0), name
 
 
 def test_a_full_queue_answers_429_with_retry_after(server):
