@@ -9,8 +9,10 @@ For each server setting (the Lightning case needs its own: its scheduler), first
 bench_pipeline's full-size random stock pipeline converted by optimize() with the server's FastConfig, warmed up,
 then IN_PROCESS_IMAGES single-image calls (seeds 0, 1, ...): in_process_s (median seconds an image) and
 in_process_images_per_s. That pipeline is freed, and the server starts in a child process (this script with
---serve) with one engine per GPU, each building the same pipeline (EngineSpec.factory). Then per concurrency C,
-ROUNDS x C requests of one image each (seed i), C in flight at a time (closed loop, httpx.AsyncClient): images/s over
+--serve) with one engine per GPU, each building the same pipeline (EngineSpec.factory). Then per concurrency C: an
+untimed batch of the round's size on each engine (its graphs captured); then ROUNDS x C x engines requests of one
+image each (seed i; x engines, so that several engines are not measured mostly on their ramp-up and on a last batch
+that keeps one busy while the others idle), C in flight at a time (closed loop, httpx.AsyncClient): images/s over
 the wall time, p50 / p95 / p99 latency, the batch sizes the server ran, and from /metrics the mean queue wait, pipeline
 call and encoding after it (what a request pays beyond the call). The check beside each timing: the
 served image of seed 0 against the in-process one, equal pixel for pixel at C = 1 (the same call), and at least
@@ -134,8 +136,14 @@ def serve(settings: dict):
     serve_forever(args, served, scheduler, scheduler.metrics, dict(model="random-full-size", preset="fast"), None)
 
 
-async def load(url: str, case: dict, concurrency: int, requests: int) -> tuple[list, float]:
-    """`requests` one-image requests (seed i), `concurrency` in flight: [(seconds, answer)], wall seconds."""
+def gpu_count() -> int:
+    import torch
+
+    return torch.cuda.device_count()
+
+
+async def load(url: str, case: dict, concurrency: int, requests: int, seed0: int = 0) -> tuple[list, float]:
+    """`requests` one-image requests (seed seed0 + i), `concurrency` in flight: [(seconds, answer)], wall seconds."""
     import httpx
 
     slots = asyncio.Semaphore(concurrency)
@@ -151,7 +159,7 @@ async def load(url: str, case: dict, concurrency: int, requests: int) -> tuple[l
 
     async with httpx.AsyncClient(base_url=url, timeout=3600) as client:
         t0 = time.perf_counter()
-        results = await asyncio.gather(*(one(client, seed) for seed in range(requests)))
+        results = await asyncio.gather(*(one(client, seed0 + i) for i in range(requests)))
         return results, time.perf_counter() - t0
 
 
@@ -221,7 +229,8 @@ def main():
     parser.add_argument("--tokenizer", default=None, help="a Qwen2.5 BPE tokenizer folder (real prompt lengths)")
     parser.add_argument("--cases", default=",".join(CASES))
     parser.add_argument("--concurrency", default="1,4,16")
-    parser.add_argument("--rounds", type=int, default=2, help="requests per concurrency: ROUNDS x C (at least 3)")
+    parser.add_argument("--rounds", type=int, default=2,
+                        help="requests per concurrency: ROUNDS x C x engines (at least 3)")
     parser.add_argument("--engines", type=int, default=0, help="engines (default: one per GPU)")
     parser.add_argument("--max-batch", type=int, default=4)
     parser.add_argument("--max-wait-ms", type=float, default=20.0)
@@ -243,11 +252,15 @@ def main():
         settings = dict(tiny=args.tiny, case=case, engines=args.engines, max_batch=args.max_batch,
                         max_wait_ms=args.max_wait_ms, tokenizer=args.tokenizer, port=args.port or free_port())
         process, url = start_server(settings, log)
+        engines = 1 if args.tiny else args.engines or gpu_count()
         try:
             for concurrency in concurrencies:
+                # untimed: one batch of the round's size on each engine, so that its graphs are captured (an engine's
+                # warm-up captures batch 1's; a batch of a new size runs its first step eagerly and captures then)
+                asyncio.run(load(url, case, concurrency, min(concurrency, args.max_batch) * engines, seed0=10_000))
                 before = server_seconds(url)
                 results, wall = asyncio.run(load(url, case, concurrency,
-                                                 max(args.rounds * concurrency, len(reference))))
+                                                 max(args.rounds * concurrency * engines, len(reference))))
                 split = server_split(before, server_seconds(url))
                 latencies = [seconds for seconds, _ in results]
                 batch_sizes = collections.Counter(size for _, answer in results for size in answer["batch_sizes"])
