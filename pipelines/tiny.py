@@ -1,7 +1,7 @@
 """A tiny random-weight Qwen-Image pipeline, built in memory with no download: for tests, CPU demos and
 `--model tiny-random`. Its images are noise from random weights, never a rendering of the prompt.
 
-Also a tiny random Qwen3.5 prompt enhancer (`--enhance tiny-random`): its rewrites are gibberish from random weights.
+The tiny Qwen3.5 prompt enhancer (`--enhance tiny-random`) is the qwen35 family's own (qwen35/tiny.py).
 
 Same component classes as the real checkpoint, shrunk (real size in the comments). The tokenizer is byte-level
 (every UTF-8 byte one token, no merges) with Qwen's chat special tokens, plus 18 added tokens for the fixed system
@@ -24,16 +24,13 @@ from transformers import (
     Qwen2_5_VLConfig,
     Qwen2_5_VLForConditionalGeneration,
     Qwen2Tokenizer,
-    Qwen3_5ForCausalLM,
-    Qwen3_5TextConfig,
 )
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
+from .qwen35.tiny import SPECIAL_TOKENS, byte_symbols
 from .qwen_image.vl_processor import processor_without_torchvision
 
 TINY_MODEL_ID = "tiny-random"
-TINY_ENHANCER_ID = "tiny-random"
-SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
 # The tiny processor's image area bounds (Qwen-Image-Edit's: 56x56 to 3584x3584): the edit pipelines hand the VL a
 # 1024x1024-area image, here seen as at most 4x4 merged 28x28 patches (16 <|image_pad|> tokens).
@@ -57,19 +54,6 @@ QWEN_IMAGE_SCHEDULER_CONFIG = dict(
     time_shift_type="exponential",
     use_dynamic_shifting=True,
 )
-
-
-def byte_symbols() -> list[str]:
-    """The 256 printable stand-ins byte-level BPE uses for bytes 0..255 (GPT-2's table, rebuilt here)."""
-    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), 256))
-    table, extra = {}, 0
-    for b in range(256):
-        if b in keep:
-            table[b] = chr(b)
-        else:
-            table[b] = chr(256 + extra)
-            extra += 1
-    return [table[b] for b in range(256)]
 
 
 def tiny_tokenizer(vision: bool = False) -> Qwen2Tokenizer:
@@ -252,70 +236,3 @@ def tiny_qwen21_components(seed: int = 0) -> dict:
     text_encoder = Qwen3VLForConditionalGeneration(config).eval()
     scheduler = FlowMatchEulerDiscreteScheduler(**QWEN21_SCHEDULER_CONFIG)
     return dict(scheduler=scheduler, vae=vae, text_encoder=text_encoder, processor=processor, transformer=transformer)
-
-
-# ---- the tiny prompt enhancer
-
-# The text-only part of Qwen3.5's chat template: system / user / assistant turns, then the generation prompt, which
-# with enable_thinking=False pre-fills an empty think block and otherwise opens one.
-QWEN35_CHAT_TEMPLATE = (
-    "{%- for message in messages %}"
-    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
-    "{%- endfor %}"
-    "{%- if add_generation_prompt %}"
-    "{{- '<|im_start|>assistant\\n' }}"
-    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}"
-    "{%- else %}{{- '<think>\\n' }}{%- endif %}"
-    "{%- endif %}"
-)
-# Qwen3.5's <think> and </think> are added tokens that decoding keeps (not special).
-THINK_TOKENS = ("<think>", "</think>")
-# The real SYSTEM_PROMPT is ~2,300 byte-level tokens here: about a minute of prefill in Triton's interpreter.
-TINY_ENHANCER_SYSTEM_PROMPT = "Rewrite."
-# Real sizes: Qwen3.5-4B (DEFAULT_ENHANCER_ID) as guessed in benchmarks/bench_text.py (no config could be read here);
-# the values not marked "4B guess" are those of transformers' default Qwen3_5TextConfig (Qwen3.5-9B style).
-TINY_QWEN35 = dict(
-    hidden_size=45,  # 2560 (4B guess)
-    intermediate_size=71,  # 9216 (4B guess)
-    num_hidden_layers=2,  # 32
-    layer_types=["linear_attention", "full_attention"],  # 3 linear : 1 full, x8
-    num_attention_heads=4,  # 16
-    num_key_value_heads=2,  # 4
-    head_dim=24,  # 256
-    linear_num_key_heads=2,  # 16
-    linear_num_value_heads=4,  # 32
-    linear_key_head_dim=12,  # 128
-    linear_value_head_dim=20,  # 128
-    tie_word_embeddings=False,  # True (4B guess); tied random weights greedily repeat the last input token
-    initializer_range=0.2,  # 0.02; smaller random weights give every prompt the same gibberish
-)
-
-
-def tiny_qwen35_tokenizer() -> Qwen2Tokenizer:
-    """Byte-level like tiny_tokenizer, with Qwen3.5's chat tokens, its think tags and QWEN35_CHAT_TEMPLATE."""
-    vocab = {symbol: i for i, symbol in enumerate(byte_symbols())}
-    for token in SPECIAL_TOKENS:
-        vocab[token] = len(vocab)
-    tokenizer = Qwen2Tokenizer(vocab=vocab, merges=[], eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                               additional_special_tokens=list(SPECIAL_TOKENS[1:]))
-    tokenizer.add_tokens(list(THINK_TOKENS))
-    tokenizer.chat_template = QWEN35_CHAT_TEMPLATE
-    return tokenizer
-
-
-def tiny_qwen35(vocab_size: int, seed: int = 0, **overrides):
-    """A tiny random transformers Qwen3_5ForCausalLM (fp32, CPU)."""
-    torch.manual_seed(seed)
-    return Qwen3_5ForCausalLM(Qwen3_5TextConfig(**{**TINY_QWEN35, "vocab_size": vocab_size, **overrides})).eval()
-
-
-def tiny_enhancer(seed: int = 0, max_new_tokens: int = 8, device="cpu"):
-    """A PromptEnhancer on a tiny random Qwen3.5 (fp32), greedy, with a one-line system prompt. Its rewrites are
-    gibberish from random weights. On a CPU its Triton kernels need TRITON_INTERPRET=1."""
-    from .qwen35 import FastQwen35ForCausalLM
-    from .qwen35.enhance import PromptEnhancer
-
-    tokenizer = tiny_qwen35_tokenizer()
-    model = FastQwen35ForCausalLM.from_transformers(tiny_qwen35(len(tokenizer), seed), device=device)
-    return PromptEnhancer(model, tokenizer, system_prompt=TINY_ENHANCER_SYSTEM_PROMPT, max_new_tokens=max_new_tokens,
-                          temperature=0.0, name=TINY_ENHANCER_ID)

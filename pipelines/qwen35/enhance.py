@@ -24,6 +24,7 @@ import torch
 
 from .generate import generate
 from .model import FastQwen35ForCausalLM
+from .tiny import TINY_ENHANCER_ID, TINY_ENHANCER_SYSTEM_PROMPT, tiny_qwen35, tiny_qwen35_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -187,8 +188,6 @@ def resolve_enhancer(enhance_prompt, device=None):
     Qwen3.5 checkpoint (local folder or hub id); "tiny-random": tiny_enhancer(), random weights, for tests. An object
     with an enhance(prompts) -> list[str] method (a PromptEnhancer): itself. device: where a loaded enhancer runs
     (None: CUDA when available)."""
-    from ..tiny import TINY_ENHANCER_ID, tiny_enhancer
-
     if enhance_prompt is None or enhance_prompt is False:
         return None
     if enhance_prompt is True:
@@ -201,3 +200,12 @@ def resolve_enhancer(enhance_prompt, device=None):
         return enhance_prompt
     raise TypeError(f"enhance_prompt={enhance_prompt!r}; allowed: None, False, True, a checkpoint path or hub id, "
                     "or a PromptEnhancer")
+
+
+def tiny_enhancer(seed: int = 0, max_new_tokens: int = 8, device="cpu"):
+    """A PromptEnhancer on a tiny random Qwen3.5 (fp32), greedy, with a one-line system prompt. Its rewrites are
+    gibberish from random weights. On a CPU its Triton kernels need TRITON_INTERPRET=1."""
+    tokenizer = tiny_qwen35_tokenizer()
+    model = FastQwen35ForCausalLM.from_transformers(tiny_qwen35(len(tokenizer), seed), device=device)
+    return PromptEnhancer(model, tokenizer, system_prompt=TINY_ENHANCER_SYSTEM_PROMPT, max_new_tokens=max_new_tokens,
+                          temperature=0.0, name=TINY_ENHANCER_ID)

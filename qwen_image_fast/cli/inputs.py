@@ -6,14 +6,12 @@ import hashlib
 import io
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 from PIL import Image
 
 from ..pipelines.qwen_image.optimizations import refused_by_image_conditioned
-
-if TYPE_CHECKING:
-    from .jobs import Job
+from .option_names import option_of
 
 
 @dataclass(frozen=True)
@@ -99,8 +97,6 @@ def check_pipeline_options(pipeline: str, model: str, config, lightning: bool, f
     """ValueError for a command option the pipeline class of `model` cannot honour (before anything loads)."""
     refused = [] if pipeline == "QwenImagePipeline" else refused_by_image_conditioned(config)
     if refused:  # what the pipeline's own refusal would say after loading, said before
-        from .parser import option_of  # parser imports jobs, which imports this module
-
         flags = ", ".join(f"{option_of(opt)} {getattr(config, opt.field)}" for opt in refused)
         raise ValueError(f"{flags}: for text-to-image checkpoints only; {model} is a {pipeline} checkpoint, which "
                          "runs diffusers' own sampling loop: leave them out")
@@ -117,8 +113,8 @@ def check_pipeline_options(pipeline: str, model: str, config, lightning: bool, f
                          "png or webp")
 
 
-def check_pipeline_inputs(jobs: "list[Job]", pipeline: str, model: str, size_given: bool):
-    """ValueError for inputs the pipeline class of `model` would not take, or take and ignore."""
+def check_pipeline_inputs(jobs: list, pipeline: str, model: str, size_given: bool):
+    """ValueError for inputs (jobs.Job) the pipeline class of `model` would not take, or take and ignore."""
     if pipeline not in PIPELINE_INPUTS:
         raise ValueError(f"--model {model} is a {pipeline} checkpoint; render drives "
                          f"{', '.join(PIPELINE_INPUTS)} (the others through the Python API: optimize(pipe))")

@@ -11,6 +11,7 @@ from .jobs import (ASPECTS, LIGHTNING_CFG, LIGHTNING_STEPS, MAX_SEED, MIN_STEPS,
                    QWEN21_STEPS, REAL_CFG, REAL_STEPS, TINY_STEPS)
 from .loras import lora_argument
 from .models import DEFAULT_ENHANCER_ID, REAL_MODEL_ID, STOCK_PRESET, TINY_ENHANCER_ID, TINY_MODEL_ID
+from .option_names import OWN_OPTIONS, VALUE_FIELDS, option_of
 from .output import FORMATS
 
 
@@ -92,9 +93,7 @@ def cache_argument(text: str) -> DBCache:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-# The registered optimizations whose option is not a plain switch or value: those have options of their own.
-OWN_OPTIONS = {"memory": "--max-memory", "parallel": "--parallel", None: "--enhance"}
-# How the value of a registered optimization that is not on/off is given.
+# How the value of a registered optimization that is not on/off is given (one entry per option_names.VALUE_FIELDS).
 VALUE_OPTIONS = {"attention": dict(choices=ATTENTION_BACKENDS), "fp8_attention": dict(choices=FP8_ATTENTION),
                  "scheduler": dict(choices=SCHEDULERS),
                  "cfg_fraction": dict(type=fraction, metavar="F"), "cache": dict(type=cache_argument, metavar="RULE")}
@@ -104,18 +103,13 @@ VALUE_GRAMMAR = {"cache": "dbcache[:Fn,Bn,threshold] (cache-dit's DBCache; defau
                           ",ts=N (warm-up, max cached, max in a row, TaylorSeer order of the cached residual)"}
 
 
-def option_of(opt) -> str:
-    """The command-line option of a registered optimization: one of its own, a value option, or --no-<field>."""
-    if opt.field in OWN_OPTIONS:
-        return OWN_OPTIONS[opt.field]
-    flag = opt.field.replace("_", "-")
-    return f"--{flag}" if opt.field in VALUE_OPTIONS else f"--no-{flag}"
-
-
 def add_optimization_options(add):
     """One option per registered optimization (optimizations.REGISTRY): --no-<field> for one on by default, a value
     for the others. Each stores into args.<field> (None: the preset's value)."""
     default = FastConfig()
+    if set(VALUE_OPTIONS) != VALUE_FIELDS:
+        raise TypeError(f"VALUE_OPTIONS {sorted(VALUE_OPTIONS)} and option_names.VALUE_FIELDS {sorted(VALUE_FIELDS)} "
+                        "must name the same fields")
     for opt in REGISTRY:
         if opt.field in OWN_OPTIONS:
             continue

@@ -4,7 +4,7 @@ line says (the checkpoint's pipeline class, the device, the options), before any
 from ..pipelines.qwen_image.config import FastConfig
 from ..pipelines.qwen_image.optimizations import CFG_ONLY, QWEN21, QWEN21_VAE, Facts, plans
 from .models import STOCK_PRESET, TINY_MODEL_ID, Labels
-from .parser import option_of
+from .option_names import option_of
 
 
 def command_facts(config: FastConfig, labels: Labels, pipeline: str, device, shape) -> Facts:

@@ -268,7 +268,7 @@ def test_ids_copied_into_the_cli_match_their_modules():
     from qwen_image_fast.pipelines import tiny
     from qwen_image_fast.pipelines.qwen35 import enhance
 
-    assert (TINY_MODEL_ID, TINY_ENHANCER_ID) == (tiny.TINY_MODEL_ID, tiny.TINY_ENHANCER_ID)
+    assert (TINY_MODEL_ID, TINY_ENHANCER_ID) == (tiny.TINY_MODEL_ID, enhance.TINY_ENHANCER_ID)
     assert DEFAULT_ENHANCER_ID == enhance.DEFAULT_ENHANCER_ID
 
 

@@ -15,7 +15,8 @@ from cli_helpers import BASELINE, TINY, manifest, needs_interpreter, pixels
 
 
 def test_every_registered_optimization_has_its_option():
-    from qwen_image_fast.cli.parser import OWN_OPTIONS, build_parser, option_of
+    from qwen_image_fast.cli.option_names import OWN_OPTIONS, option_of
+    from qwen_image_fast.cli.parser import build_parser
     from qwen_image_fast.pipelines.qwen_image.optimizations import REGISTRY
 
     render_help = build_parser()._subparsers._group_actions[0].choices["render"].format_help()

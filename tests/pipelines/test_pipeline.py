@@ -25,7 +25,8 @@ from qwen_image_fast.pipelines.qwen_image.optimizations import BY_NAME
 from qwen_image_fast.pipelines.qwen_image.config import DBCache
 from qwen_image_fast.pipelines.qwen35.enhance import DEFAULT_ENHANCER_ID
 from qwen_image_fast.pipelines.qwen_image.model.transformer import FastQwenImageTransformer
-from qwen_image_fast.pipelines.tiny import tiny_components, tiny_enhancer, tiny_tokenizer
+from qwen_image_fast.pipelines.qwen35.enhance import tiny_enhancer
+from qwen_image_fast.pipelines.tiny import tiny_components, tiny_tokenizer
 
 FIXTURE_TOKENIZER = Path(__file__).resolve().parents[1] / "fixtures" / "tiny_qwen_tokenizer"
 EXACT = FastConfig(fp8=False)  # numerics-neutral options only: BF16 mode (fp32 here), Euler, CFG every step
@@ -262,15 +263,15 @@ def test_enhance_prompt_values(monkeypatch, tmp_path):
         optimize(stock, EXACT, enhance_prompt=3)
     assert type(stock) is QwenImagePipeline  # nothing converted
     monkeypatch.setattr(QwenImagePipeline, "from_pretrained", lambda *args, **kwargs: stock_pipeline())
-    pipe = QwenImageFastPipeline.from_pretrained("anything", fast_config=EXACT, enhance_prompt=True)
+    pipe = QwenImageFastPipeline.from_pretrained("someone/anything", fast_config=EXACT, enhance_prompt=True)
     assert "enhance_prompt" in pipe.applied and loads[-1] == (DEFAULT_ENHANCER_ID, None)
 
 
 def test_tiny_enhancer_goes_to_cuda_when_available_and_no_device_is_given(monkeypatch):
-    import qwen_image_fast.pipelines.tiny
+    import qwen_image_fast.pipelines.qwen35.enhance
 
     devices = []
-    monkeypatch.setattr(qwen_image_fast.pipelines.tiny, "tiny_enhancer", lambda device: devices.append(device) or Rewriter())
+    monkeypatch.setattr(qwen_image_fast.pipelines.qwen35.enhance, "tiny_enhancer", lambda device: devices.append(device) or Rewriter())
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     optimize(stock_pipeline(), EXACT, enhance_prompt="tiny-random")
     optimize(stock_pipeline(), EXACT, device="cpu", enhance_prompt="tiny-random")

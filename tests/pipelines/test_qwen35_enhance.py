@@ -12,11 +12,10 @@ import torch
 
 from qwen_image_fast import PromptEnhancer
 from qwen_image_fast.pipelines.qwen35 import enhance as enhance_module
-from qwen_image_fast.pipelines.qwen35.enhance import SYSTEM_PROMPT, clean_output
-from qwen_image_fast.pipelines.tiny import (
+from qwen_image_fast.pipelines.qwen35.enhance import SYSTEM_PROMPT, clean_output, tiny_enhancer
+from qwen_image_fast.pipelines.qwen35.tiny import (
     QWEN35_CHAT_TEMPLATE,
     TINY_ENHANCER_SYSTEM_PROMPT,
-    tiny_enhancer,
     tiny_qwen35,
     tiny_qwen35_tokenizer,
 )
