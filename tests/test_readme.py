@@ -170,7 +170,7 @@ def test_readme_python_block_runs_on_the_tiny_models(key, tiny_checkpoints, tmp_
     block = block.replace('"cuda"', '"cpu"')
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    Image.new("RGB", (64, 48), (200, 120, 40)).save("in.png")
+    Image.new("RGB", (64, 64), (200, 120, 40)).save("in.png")
     scope = {}
     with small_condition_images():  # the edit pipeline's output sized from its input at 1/256 of the area
         exec(compile(setup + block, f"README block {key.splitlines()[0]!r}", "exec"), scope)
