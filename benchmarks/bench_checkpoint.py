@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_transformer import make_stock  # noqa: E402
 from common import append_results, environment, sync  # noqa: E402
 
-from qwen_image_fast.pipelines.qwen_image.config import FastTransformerConfig  # noqa: E402
+from qwen_image_fast.pipelines.core.config import FastTransformerConfig  # noqa: E402
 from qwen_image_fast.pipelines.qwen_image.model.transformer import FastQwenImageTransformer  # noqa: E402
 from qwen_image_fast.pipelines.tiny import tiny_components  # noqa: E402
 

@@ -46,7 +46,7 @@ from common import (append_results, bench_ms, environment, random_on_gpu, sync, 
 from qwen_image_fast import FastConfig, optimize  # noqa: E402
 from qwen_image_fast.compare import psnr  # noqa: E402
 from qwen_image_fast.kernels._utils import rel_rms_error  # noqa: E402
-from qwen_image_fast.pipelines.qwen_image.optimizations import BY_NAME  # noqa: E402
+from qwen_image_fast.pipelines.core.optimizations import BY_NAME  # noqa: E402
 
 EDIT_PROMPT = "Turn the fox into a snow leopard, keep the pose and the dawn light"
 GATE = (0.1, 38.0)  # latent rel-RMS, image PSNR dB: FP8 against bf16 stock with the same sampler
@@ -74,7 +74,7 @@ def full_size_components(tokenizer_dir: Path) -> dict:
 
     from bench_transformer import make_stock
     from qwen_image_fast.pipelines.tiny import QWEN_IMAGE_SCHEDULER_CONFIG
-    from qwen_image_fast.pipelines.qwen_image.vl_processor import processor_without_torchvision
+    from qwen_image_fast.pipelines.core.vl_processor import processor_without_torchvision
 
     tokenizer = vision_tokenizer(tokenizer_dir)
     text_encoder = random_on_gpu(Qwen2_5_VLForConditionalGeneration, qwen25_vl_7b_config(tokenizer))
@@ -178,8 +178,8 @@ def cached_row(pipe, kwargs: dict, steps: int, run_steps: int, uncached: tuple, 
 def graph_rows(fast, size: int, device) -> list[dict]:
     """The fast transformer at edit1's shapes, eager vs graphed (the runner's policy: the second forward of a
     signature captured), B=1 vs B=2 (cond + uncond, the shorter text padded and masked), ms per image-forward."""
-    from qwen_image_fast.pipelines.qwen_image.optimizations import CallRecord
-    from qwen_image_fast.pipelines.qwen_image.runtime.runner import Runner
+    from qwen_image_fast.pipelines.core.optimizations import CallRecord
+    from qwen_image_fast.pipelines.core.runtime.runner import Runner
 
     transformer, side = fast.transformer, size // 16
     g = torch.Generator(device).manual_seed(1)

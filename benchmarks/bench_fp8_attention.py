@@ -1,5 +1,5 @@
 """FP8 attention candidates at Qwen-Image's shapes (GPU), in one process: FlashAttention-4 BF16 (what runs today),
-FlashAttention-3 FP8 and cuDNN FP8 (pipelines/qwen_image/model/fp8_attention.py) on the operands our kernels write.
+FlashAttention-3 FP8 and cuDNN FP8 (pipelines/core/model/fp8_attention.py) on the operands our kernels write.
 
     python3 benchmarks/bench_fp8_attention.py [--out DIR]
     python3 benchmarks/bench_fp8_attention.py --tiny  # CPU smoke run of this script's logic
@@ -47,9 +47,9 @@ from common import append_results, bench_ms, environment  # noqa: E402
 from qwen_image_fast.kernels._utils import FP8_DTYPE, rel_rms_error  # noqa: E402
 from qwen_image_fast.kernels.qkv_pack import qkv_pack, qkv_pack_ref, rms_norm_fp8_scale  # noqa: E402
 from qwen_image_fast.kernels.quantize_heads import quantize_fp8_heads  # noqa: E402
-from qwen_image_fast.pipelines.qwen_image.model.attention import TextMask, joint_attention  # noqa: E402
-from qwen_image_fast.pipelines.qwen_image.config import FastTransformerConfig  # noqa: E402
-from qwen_image_fast.pipelines.qwen_image.model.fp8_attention import (  # noqa: E402
+from qwen_image_fast.pipelines.core.model.attention import TextMask, joint_attention  # noqa: E402
+from qwen_image_fast.pipelines.core.config import FastTransformerConfig  # noqa: E402
+from qwen_image_fast.pipelines.core.model.fp8_attention import (  # noqa: E402
     CudnnFp8Attention,
     fp8_attention_fa3,
     fp8_attention_ref,
@@ -119,7 +119,7 @@ def model_activation_rows(env: dict, tiny: bool = False) -> list[dict]:
     from bench_transformer import FULL, TINY, make_stock
 
     from qwen_image_fast.pipelines.qwen_image.model import block as block_module
-    from qwen_image_fast.pipelines.qwen_image.model.fp8_attention import fp8_attention, installed
+    from qwen_image_fast.pipelines.core.model.fp8_attention import fp8_attention, installed
 
     sizes = TINY if tiny else FULL
     device, dtype, bf16_attention = sizes.device, sizes.dtype, "sdpa" if tiny else "fa4"

@@ -41,7 +41,7 @@ from qwen_image_fast import FastConfig, QwenImageFastPipeline, lightning_schedul
 from qwen_image_fast.compare import psnr  # noqa: E402
 from qwen_image_fast.kernels._utils import rel_rms_error  # noqa: E402
 from qwen_image_fast.pipelines.qwen_image.model.vae import decode_image  # noqa: E402
-from qwen_image_fast.pipelines.qwen_image.optimizations import BY_NAME  # noqa: E402
+from qwen_image_fast.pipelines.core.optimizations import BY_NAME  # noqa: E402
 
 GATE = (0.1, 38.0)  # latent rel-RMS, image PSNR dB: FP8 against bf16 with the same sampler and LoRA state
 

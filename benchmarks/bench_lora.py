@@ -30,8 +30,8 @@ from common import append_results, bench_ms, environment, sync  # noqa: E402
 from diffusers import QwenImagePipeline  # noqa: E402
 
 from qwen_image_fast.kernels._utils import rel_rms_error  # noqa: E402
-from qwen_image_fast.pipelines.qwen_image.config import FastTransformerConfig  # noqa: E402
-from qwen_image_fast.pipelines.qwen_image.model.checkpoint import CheckpointWeights  # noqa: E402
+from qwen_image_fast.pipelines.core.config import FastTransformerConfig  # noqa: E402
+from qwen_image_fast.pipelines.core.model.checkpoint import CheckpointWeights  # noqa: E402
 from qwen_image_fast.pipelines.qwen_image.model.transformer import FastQwenImageTransformer  # noqa: E402
 from qwen_image_fast.pipelines.tiny import tiny_components  # noqa: E402
 

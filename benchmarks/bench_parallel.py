@@ -43,7 +43,7 @@ from common import append_results, environment, sync  # noqa: E402
 
 from qwen_image_fast import FastConfig, QwenImageFastPipeline, optimize  # noqa: E402
 from qwen_image_fast.kernels._utils import rel_rms_error  # noqa: E402
-from qwen_image_fast.pipelines.qwen_image.optimizations import FP8_ATTENTION_BOUND  # noqa: E402
+from qwen_image_fast.pipelines.core.optimizations import FP8_ATTENTION_BOUND  # noqa: E402
 
 STEPS = 50
 STEP_GATE = 2e-2  # first-step update vs 1 GPU: bf16 rounding of other GEMM shapes and batch sizes

@@ -34,7 +34,7 @@ from qwen_image_fast import FastConfig, QwenImageFastPipeline  # noqa: E402
 from qwen_image_fast.pipelines.qwen_image.text_to_image import decode_latents  # noqa: E402
 from qwen_image_fast.compare import psnr  # noqa: E402
 from qwen_image_fast.kernels._utils import rel_rms_error  # noqa: E402
-from qwen_image_fast.pipelines.qwen_image.optimizations import BY_NAME  # noqa: E402
+from qwen_image_fast.pipelines.core.optimizations import BY_NAME  # noqa: E402
 
 PROMPT = "A red fox sitting in fresh snow at dawn, soft light, detailed fur, shallow depth of field"
 NEGATIVE = "低分辨率，低画质，肢体畸形，手指畸形，画面过饱和，蜡像感，人脸无细节，过度光滑，画面具有AI感。构图混乱。文字模糊，扭曲。"

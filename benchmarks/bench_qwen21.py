@@ -39,9 +39,9 @@ from common import (append_results, bench_ms, environment, matmul_tflops, random
                     vision_token_ids, vision_tokenizer)
 
 from qwen_image_fast.kernels._utils import rel_rms_error  # noqa: E402
-from qwen_image_fast.pipelines.qwen_image.config import FastTransformerConfig  # noqa: E402
-from qwen_image_fast.pipelines.qwen_image.model.attention import TextMask, joint_attention  # noqa: E402
-from qwen_image_fast.pipelines.qwen_image.runtime.context import forward_context  # noqa: E402
+from qwen_image_fast.pipelines.core.config import FastTransformerConfig  # noqa: E402
+from qwen_image_fast.pipelines.core.model.attention import TextMask, joint_attention  # noqa: E402
+from qwen_image_fast.pipelines.core.runtime.context import forward_context  # noqa: E402
 from qwen_image_fast.pipelines.qwen_image21.model import FastQwenImage21Transformer  # noqa: E402
 
 STEPS, TEXT = 40, 64
@@ -179,7 +179,7 @@ def full_size_components(tokenizer_dir: Path) -> dict:
     from transformers import Qwen3VLForConditionalGeneration, Qwen3VLProcessor
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    from qwen_image_fast.pipelines.qwen_image.vl_processor import processor_without_torchvision
+    from qwen_image_fast.pipelines.core.vl_processor import processor_without_torchvision
     from qwen_image_fast.pipelines.tiny import QWEN21_CHAT_TEMPLATE, QWEN21_SCHEDULER_CONFIG
 
     tokenizer = vision_tokenizer(tokenizer_dir)

@@ -30,11 +30,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import append_results, bench_ms, environment, sync  # noqa: E402
 
 from qwen_image_fast.kernels._utils import rel_rms_error  # noqa: E402
-from qwen_image_fast.pipelines.qwen_image.model.attention import TextMask, joint_attention, resolve_backend  # noqa: E402
-from qwen_image_fast.pipelines.qwen_image.optimizations import CallRecord  # noqa: E402
-from qwen_image_fast.pipelines.qwen_image.runtime.runner import Runner  # noqa: E402
-from qwen_image_fast.pipelines.qwen_image.config import FastTransformerConfig  # noqa: E402
-from qwen_image_fast.pipelines.qwen_image.model.fp8_attention import installed  # noqa: E402
+from qwen_image_fast.pipelines.core.model.attention import TextMask, joint_attention, resolve_backend  # noqa: E402
+from qwen_image_fast.pipelines.core.optimizations import CallRecord  # noqa: E402
+from qwen_image_fast.pipelines.core.runtime.runner import Runner  # noqa: E402
+from qwen_image_fast.pipelines.core.config import FastTransformerConfig  # noqa: E402
+from qwen_image_fast.pipelines.core.model.fp8_attention import installed  # noqa: E402
 from qwen_image_fast.pipelines.qwen_image.model.transformer import FastQwenImageTransformer  # noqa: E402
 from qwen_image_fast.pipelines.tiny import TINY_TRANSFORMER  # noqa: E402
 

@@ -28,7 +28,7 @@ from transformers import (
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 from .qwen35.tiny import SPECIAL_TOKENS, byte_symbols
-from .qwen_image.vl_processor import processor_without_torchvision
+from .core.vl_processor import processor_without_torchvision
 
 TINY_MODEL_ID = "tiny-random"
 VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")

@@ -12,7 +12,7 @@ them in a saved fast pipeline's model_index.json (library "qwen_image_fast").
 import importlib
 
 _WHERE = {
-    "FastConfig": ".pipelines.qwen_image.config",
+    "FastConfig": ".pipelines.core.config",
     "QwenImageFastPipeline": ".pipelines.qwen_image.text_to_image",
     "optimize": ".pipelines.qwen_image.loading",
     "from_pretrained": ".pipelines.qwen_image.loading",

@@ -12,7 +12,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from qwen_image_fast.pipelines.qwen_image.runtime import cuda_graph
+from qwen_image_fast.pipelines.core.runtime import cuda_graph
 
 
 def _tensors(tree) -> list[torch.Tensor]:

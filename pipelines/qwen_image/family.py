@@ -19,7 +19,7 @@ import inspect
 
 import diffusers
 
-from .config import FastConfig
+from ..core.config import FastConfig
 from .fast_pipeline import FastPipelineMixin
 from .samplers import check_not_one_step
 

@@ -20,15 +20,15 @@ import torch
 from diffusers import AutoencoderKLQwenImage
 from diffusers.pipelines.pipeline_utils import logger as diffusers_pipeline_logger
 
-from .config import FastConfig, check_cache_blocks
-from .hub import check_path_or_id
+from ..core.config import FastConfig, check_cache_blocks
+from ..core.hub import check_path_or_id
 from .model.transformer import FastQwenImageTransformer
 from .model.vae import FastAutoencoderKLQwenImage, as_vae_class, why_not_2d
-from .optimizations import (CallRecord, Facts, planned_labels, plans, refused_by_image_conditioned, runs_cache_rule,
+from ..core.optimizations import (CallRecord, Facts, planned_labels, plans, refused_by_image_conditioned, runs_cache_rule,
                             step_cache_conflict)
-from .runtime.context import forward_context
-from .runtime.offload import has_offload_hooks
-from .runtime.runner import Runner
+from ..core.runtime.context import forward_context
+from ..core.runtime.offload import has_offload_hooks
+from ..core.runtime.runner import Runner
 
 logger = logging.getLogger(__name__)
 
@@ -127,8 +127,8 @@ def load_stock(pipeline_class: type, path_or_id, *args, **kwargs):
 
     takes_processor = "processor" in inspect.signature(pipeline_class.__init__).parameters
     if takes_processor and "processor" not in kwargs and not is_torchvision_available():
-        from .model.checkpoint import local_folder
-        from .vl_processor import load_processor_without_torchvision
+        from ..core.model.checkpoint import local_folder
+        from ..core.vl_processor import load_processor_without_torchvision
 
         kwargs["processor"] = load_processor_without_torchvision(local_folder(path_or_id, "processor"))
     if not isinstance(kwargs.get("transformer"), FastQwenImageTransformer):
@@ -197,7 +197,7 @@ def saved_config(path_or_id) -> FastConfig:
 def saved_options(path_or_id) -> dict:
     """The build options a folder a fast pipeline saved was saved with: the fast transformer's stored ones (fp8,
     bf16_linears, fp8_fast_accum) and, for Qwen-Image-2512's VAE, vae_2d_decode (the VAE class it names)."""
-    from .model.checkpoint import local_folder
+    from ..core.model.checkpoint import local_folder
 
     saved = json.loads((local_folder(path_or_id, "transformer") / "config.json").read_text())["fast_config"]
     options = {name: saved[name] for name in ("fp8", "bf16_linears", "fp8_fast_accum")}

@@ -3,7 +3,7 @@ pipeline of whatever a checkpoint holds (picked from its model_index.json, as di
 
 from ..qwen35.enhance import resolve_enhancer
 from ..qwen_image21.pipeline import FastQwenImage21Pipeline
-from .config import FastConfig
+from ..core.config import FastConfig
 from .family import IMAGE_CONDITIONED
 from .fast_pipeline import init_arguments, model_index
 from .text_to_image import QwenImageFastPipeline

@@ -9,7 +9,7 @@ import numpy as np
 from diffusers import DPMSolverMultistepScheduler, FlowMatchEulerDiscreteScheduler, UniPCMultistepScheduler
 from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift, retrieve_timesteps
 
-from .config import SCHEDULERS
+from ..core.config import SCHEDULERS
 
 
 # The step-distilled Lightning LoRAs' sampler (lightx2v's Qwen-Image-Lightning release, generate_with_diffusers.py):

@@ -27,11 +27,11 @@ from diffusers import QwenImagePipeline
 from diffusers.pipelines.qwenimage.pipeline_output import QwenImagePipelineOutput
 
 from ..qwen35.enhance import resolve_enhancer
-from .config import FastConfig
+from ..core.config import FastConfig
 from .fast_pipeline import FastPipelineMixin
-from .runtime.memory import place_low_memory
-from .runtime.offload import TakingTurns
-from .runtime.parallel import MeshShape, ParallelMesh
+from ..core.runtime.memory import place_low_memory
+from ..core.runtime.offload import TakingTurns
+from ..core.runtime.parallel import MeshShape, ParallelMesh
 from .samplers import check_not_one_step, dynamic_shift, fewest_steps, make_scheduler, set_timesteps
 
 logger = logging.getLogger(__name__)

@@ -56,16 +56,16 @@ from ...kernels.residual_gate import (
     residual_gate_layer_norm_modulate_fp8,
 )
 from ...kernels.swiglu import silu_mul, silu_mul_fp8
-from ..qwen_image.config import FastTransformerConfig
-from ..qwen_image.model.adapters import LoraAdapters, check_carriable, peft_lora_layers
-from ..qwen_image.model.attention import TextMask, joint_attention, resolve_backend
-from ..qwen_image.model.block import clip_float16
-from ..qwen_image.model.checkpoint import FastCheckpoint
-from ..qwen_image.model.linear import FastLinear, Operand, as_fp8_operand, q_dtype_for
-from ..qwen_image.model.lora import LoraState, lora_scale_of
-from ..qwen_image.model.unsupported import Unsupported, refuse
-from ..qwen_image.runtime.context import forward_context, get_context, record
-from ..qwen_image.runtime.cuda_graph import GraphCaptureError, Graphs, read_by_graph, signature
+from ..core.config import FastTransformerConfig
+from ..core.model.adapters import LoraAdapters, check_carriable, peft_lora_layers
+from ..core.model.attention import TextMask, joint_attention, resolve_backend
+from ..core.model.numerics import clip_float16
+from ..core.model.checkpoint import FastCheckpoint
+from ..core.model.linear import FastLinear, Operand, as_fp8_operand, q_dtype_for
+from ..core.model.lora import LoraState, lora_scale_of
+from ..core.model.unsupported import Unsupported, refuse
+from ..core.runtime.context import forward_context, get_context, record
+from ..core.runtime.cuda_graph import GraphCaptureError, Graphs, read_by_graph, signature
 
 STOCK_CONFIG = {name: p.default for name, p in
                 inspect.signature(QwenImage21Transformer2DModel.__init__).parameters.items() if name != "self"}
@@ -73,7 +73,7 @@ STOCK_CONFIG = {name: p.default for name, p in
 SHARED_MODULES = ("pos_embed", "time_text_embed", "txt_in", "img_in", "modulation", "norm_out", "proj_out")
 # The block linears (FP8 with fp8=True): Q/K/V fused, the output projection, SwiGLU's [gate; up] fused, the down one.
 LINEARS = ("qkv", "out", "gate_up", "down")
-# A LoRA's stock block module -> (the fast linear, which part of its rows; None: all) (qwen_image/model/lora.py)
+# A LoRA's stock block module -> (the fast linear, which part of its rows; None: all) (core/model/lora.py)
 LORA_SITES = {"attn.to_q": ("qkv", 0), "attn.to_k": ("qkv", 1), "attn.to_v": ("qkv", 2), "attn.to_out.0": ("out", None),
               "img_mlp.gate_layer": ("gate_up", 0), "img_mlp.proj": ("gate_up", 1), "img_mlp.out": ("down", None)}
 logger = logging.getLogger(__name__)

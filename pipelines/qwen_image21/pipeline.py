@@ -1,7 +1,7 @@
 """FastQwenImage21Pipeline: diffusers' QwenImage21Pipeline (text-to-image and image-conditioned) with its own
 __call__, unchanged, around the fast Qwen-Image-2.1 transformer (model.py).
 
-What runs is the registry's (qwen_image/optimizations.py): fused_transformer, fp8 (every block linear),
+What runs is the registry's (core/optimizations.py): fused_transformer, fp8 (every block linear),
 fp8_fast_accum, attention and cuda_graphs (the cached steps, model.py) run here; batched CFG and the step caches do
 not yet (the plan says why), and the options that would change diffusers' loop (sampler, cfg_fraction,
 memory, parallel) are refused, as for the 2512 family's image-conditioned pipelines. `applied` after a call is what
@@ -13,12 +13,12 @@ import functools
 import torch
 from diffusers import QwenImage21Pipeline
 
-from ..qwen_image.config import FastConfig
+from ..core.config import FastConfig
 from ..qwen_image.fast_pipeline import (FastCheckpointPipeline, FastLoraPipeline, check_given_fast_transformer,
                                         check_replacement, refuse_text_to_image_only, transformer_config_on)
-from ..qwen_image.optimizations import QWEN21_VAE, CallRecord, Facts, planned_labels, plans, step_cache_conflict
-from ..qwen_image.runtime.context import forward_context
-from ..qwen_image.runtime.offload import has_offload_hooks
+from ..core.optimizations import QWEN21_VAE, CallRecord, Facts, planned_labels, plans, step_cache_conflict
+from ..core.runtime.context import forward_context
+from ..core.runtime.offload import has_offload_hooks
 from .model import FastQwenImage21Transformer
 
 

@@ -31,7 +31,7 @@ import sys
 import threading
 from pathlib import Path
 
-from ..pipelines.qwen_image.config import check_cache_blocks
+from ..pipelines.core.config import check_cache_blocks
 from .devices import (cap_memory, check_cfg_parallel, check_kernels_on, check_triton_on_cpu, distributed_env,
                       image_group_shape, memory_setting, resolve_device, start_mesh)
 from .inputs import check_pipeline_inputs, check_pipeline_options, sizes_from_image

@@ -5,7 +5,7 @@ before any model loads and started after).
 
 import os
 
-from ..pipelines.qwen_image.config import PRESETS
+from ..pipelines.core.config import PRESETS
 from .models import STOCK_PRESET, Labels, transformer_heads
 
 
@@ -107,7 +107,7 @@ def image_group_shape(args, model: str, pipeline: str, rank: int, world_size: in
         if args.ulysses:
             raise ValueError(f"--ulysses {args.ulysses} needs --parallel ulysses or cfg,ulysses")
         return None
-    from ..pipelines.qwen_image.runtime.parallel import MeshShape
+    from ..pipelines.core.runtime.parallel import MeshShape
 
     if world_size < 2:
         raise ValueError(f"--parallel {args.parallel} splits one image over several processes: launch with "
@@ -141,7 +141,7 @@ def start_mesh(device, shape):
     import torch
     import torch.distributed as dist
 
-    from ..pipelines.qwen_image.runtime.parallel import ParallelMesh
+    from ..pipelines.core.runtime.parallel import ParallelMesh
 
     if device.type == "cuda":
         torch.cuda.set_device(device)

@@ -10,7 +10,7 @@ from typing import NamedTuple
 
 from PIL import Image
 
-from ..pipelines.qwen_image.optimizations import refused_by_image_conditioned
+from ..pipelines.core.optimizations import refused_by_image_conditioned
 from .option_names import option_of
 
 

@@ -7,8 +7,8 @@ import contextlib
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..pipelines.qwen_image.config import FastConfig
-from ..pipelines.qwen_image.hub import HUB_ID
+from ..pipelines.core.config import FastConfig
+from ..pipelines.core.hub import HUB_ID
 from .loras import Lora
 
 REAL_MODEL_ID = "Qwen/Qwen-Image-2512"

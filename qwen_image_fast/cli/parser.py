@@ -3,9 +3,9 @@
 import argparse
 import math
 
-from ..pipelines.qwen_image.config import (ATTENTION_BACKENDS, FP8_ATTENTION, PARALLEL_MODES, PRESETS, SCHEDULERS,
+from ..pipelines.core.config import (ATTENTION_BACKENDS, FP8_ATTENTION, PARALLEL_MODES, PRESETS, SCHEDULERS,
                                          DBCache, FastConfig)
-from ..pipelines.qwen_image.optimizations import REGISTRY
+from ..pipelines.core.optimizations import REGISTRY
 from .devices import FAST_PIPELINE_GIB, LOW_MEMORY_GIB
 from .jobs import (ASPECTS, LIGHTNING_CFG, LIGHTNING_STEPS, MAX_SEED, MIN_STEPS, QWEN21_CFG,
                    QWEN21_STEPS, REAL_CFG, REAL_STEPS, TINY_STEPS)

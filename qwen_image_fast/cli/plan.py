@@ -1,8 +1,8 @@
 """--dry-run: what a render command would run, decided by the registry (optimizations.py) from what the command
 line says (the checkpoint's pipeline class, the device, the options), before anything loads."""
 
-from ..pipelines.qwen_image.config import FastConfig
-from ..pipelines.qwen_image.optimizations import CFG_ONLY, QWEN21, QWEN21_VAE, Facts, plans
+from ..pipelines.core.config import FastConfig
+from ..pipelines.core.optimizations import CFG_ONLY, QWEN21, QWEN21_VAE, Facts, plans
 from .models import STOCK_PRESET, TINY_MODEL_ID, Labels
 from .option_names import option_of
 
@@ -12,8 +12,8 @@ def command_facts(config: FastConfig, labels: Labels, pipeline: str, device, sha
     import torch
 
     from ..pipelines.qwen_image.fast_pipeline import fp8_supported
-    from ..pipelines.qwen_image.model.attention import resolve_backend
-    from ..pipelines.qwen_image.model.fp8_attention import fp8_attention_kernel
+    from ..pipelines.core.model.attention import resolve_backend
+    from ..pipelines.core.model.fp8_attention import fp8_attention_kernel
 
     fused = config.fused_transformer
     fp8 = fused and config.fp8 and fp8_supported(device)

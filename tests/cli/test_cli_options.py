@@ -6,7 +6,7 @@ import pytest
 
 from qwen_image_fast.cli import main
 from qwen_image_fast.cli.output import read_settings
-from qwen_image_fast.pipelines.qwen_image.config import FastConfig
+from qwen_image_fast.pipelines.core.config import FastConfig
 
 from cli_helpers import BASELINE, TINY, manifest, needs_interpreter, pixels
 
@@ -17,7 +17,7 @@ from cli_helpers import BASELINE, TINY, manifest, needs_interpreter, pixels
 def test_every_registered_optimization_has_its_option():
     from qwen_image_fast.cli.option_names import OWN_OPTIONS, option_of
     from qwen_image_fast.cli.parser import build_parser
-    from qwen_image_fast.pipelines.qwen_image.optimizations import REGISTRY
+    from qwen_image_fast.pipelines.core.optimizations import REGISTRY
 
     render_help = build_parser()._subparsers._group_actions[0].choices["render"].format_help()
     for opt in REGISTRY:
@@ -28,7 +28,7 @@ def test_every_registered_optimization_has_its_option():
 
 @needs_interpreter
 def test_dry_run_says_what_would_run_and_writes_nothing(tmp_path, capsys):
-    from qwen_image_fast.pipelines.qwen_image.optimizations import REGISTRY
+    from qwen_image_fast.pipelines.core.optimizations import REGISTRY
 
     out = tmp_path / "out"
     assert main(["render", *TINY, "--out", str(out), "--no-cuda-graphs", "--cfg-fraction", "0.5", "--dry-run",

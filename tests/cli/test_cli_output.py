@@ -13,7 +13,7 @@ from qwen_image_fast.cli.jobs import NEGATIVE_PROMPT, Defaults, make_jobs
 from qwen_image_fast.cli.models import (TINY_ENHANCER_NOTE, TINY_NOTE, labels_for)
 from qwen_image_fast.cli.output import prepare_out_dir, read_settings
 from qwen_image_fast.cli.run import render_jobs
-from qwen_image_fast.pipelines.qwen_image.config import FastConfig
+from qwen_image_fast.pipelines.core.config import FastConfig
 
 from cli_helpers import BASELINE, manifest, needs_interpreter, pixels, write_lines
 from helpers import diffusers_warnings

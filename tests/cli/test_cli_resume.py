@@ -197,7 +197,7 @@ def test_an_image_made_from_an_input_image_is_not_a_text_only_jobs(tmp_path):
     from qwen_image_fast.cli.manifest import differing_settings
     from qwen_image_fast.cli.models import labels_for
     from qwen_image_fast.cli.output import settings_of
-    from qwen_image_fast.pipelines.qwen_image.config import FastConfig
+    from qwen_image_fast.pipelines.core.config import FastConfig
 
     Image.new("RGBA", (8, 8)).save(tmp_path / "a.png")
     defaults = Defaults(negative_prompt="", seed=0, width=16, height=16, steps=2, cfg=4.0)

@@ -18,7 +18,7 @@ from qwen_image_fast import FastQwenImageEditPlusPipeline, from_pretrained
 from qwen_image_fast.pipelines.qwen_image.fast_pipeline import FastPipelineMixin
 from qwen_image_fast.kernels._utils import rel_rms_error
 from qwen_image_fast.pipelines.qwen_image import optimizations
-from qwen_image_fast.pipelines.qwen_image.optimizations import BY_NAME
+from qwen_image_fast.pipelines.core.optimizations import BY_NAME
 from qwen_image_fast.pipelines.tiny import tiny_components, tiny_pipeline
 
 
@@ -153,8 +153,8 @@ def test_cfg_pairing_returns_the_kept_half_only_for_the_inputs_it_was_computed_f
     """Calls as a pipeline's loop makes them, then ones that differ from what the "cond" call speculated: another
     latents tensor, latents changed in place, another negative text, another timestep. Each "uncond" answer must be
     the unpaired forward of its own inputs."""
-    from qwen_image_fast.pipelines.qwen_image.runtime.context import forward_context
-    from qwen_image_fast.pipelines.qwen_image.runtime.runner import Runner
+    from qwen_image_fast.pipelines.core.runtime.context import forward_context
+    from qwen_image_fast.pipelines.core.runtime.runner import Runner
 
     fast = optimize(stock("img2img"), EXACT).transformer
     batches = forward_batches(type("Pipe", (), {"transformer": fast}))

@@ -14,17 +14,17 @@ from helpers import assert_close
 
 from qwen_image_fast import FastConfig
 from qwen_image_fast.kernels._utils import FP8_DTYPE, rel_rms_error
-from qwen_image_fast.pipelines.qwen_image.config import FastTransformerConfig
+from qwen_image_fast.pipelines.core.config import FastTransformerConfig
 from qwen_image_fast.pipelines.qwen_image.model import block as block_module
 from qwen_image_fast.pipelines.qwen_image.model import transformer as transformer_module
-from qwen_image_fast.pipelines.qwen_image.model.fp8_attention import (
+from qwen_image_fast.pipelines.core.model.fp8_attention import (
     fp8_attention,
     fp8_attention_kernel,
     fp8_attention_ref,
     installed,
 )
 from qwen_image_fast.pipelines.qwen_image.model.transformer import FastQwenImageTransformer
-from qwen_image_fast.pipelines.qwen_image.optimizations import BY_NAME, Facts, plan_fp8_attention
+from qwen_image_fast.pipelines.core.optimizations import BY_NAME, Facts, plan_fp8_attention
 
 from test_transformer import make_inputs, real_width_stock, run, tiny_stock
 
@@ -285,8 +285,8 @@ def test_transformer_within_its_bound_in_graphs_on_gpu():
     """2 blocks at the real width, bf16, FP8 GEMMs, batched CFG (B=2, a padded prompt), through the runner's CUDA
     graphs: with fp8_attention="auto" the output stays within the option's bound of stock's and the graph replay
     equals the eager forward; `running` names the kernel."""
-    from qwen_image_fast.pipelines.qwen_image.optimizations import CallRecord
-    from qwen_image_fast.pipelines.qwen_image.runtime.runner import Runner
+    from qwen_image_fast.pipelines.core.optimizations import CallRecord
+    from qwen_image_fast.pipelines.core.runtime.runner import Runner
 
     stock = real_width_stock()
     fast = FastQwenImageTransformer.from_diffusers(stock, FastTransformerConfig(fp8_attention="auto"))

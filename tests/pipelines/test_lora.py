@@ -12,7 +12,7 @@ from test_pipeline import run as run_pipeline
 
 from qwen_image_fast import FastConfig, optimize
 from qwen_image_fast.kernels._utils import rel_rms_error
-from qwen_image_fast.pipelines.qwen_image.model.lora import LoraTargetLinear
+from qwen_image_fast.pipelines.core.model.lora import LoraTargetLinear
 
 pytest.importorskip("peft")
 

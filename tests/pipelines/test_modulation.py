@@ -15,7 +15,7 @@ from helpers import assert_close
 from qwen_image_fast import FastConfig
 from qwen_image_fast.kernels._utils import rel_rms_error
 from qwen_image_fast.pipelines.qwen_image.model.modulation import ModulationTables
-from qwen_image_fast.pipelines.qwen_image.config import FastTransformerConfig
+from qwen_image_fast.pipelines.core.config import FastTransformerConfig
 from qwen_image_fast.pipelines.qwen_image.model.transformer import FastQwenImageTransformer
 
 NO_TABLE = EXACT.replace(modulation_table=False)
@@ -203,8 +203,8 @@ def test_table_at_the_real_width_on_gpu(zero_cond_t):
     """Two blocks of the real width (24 heads x 128, FP8, bf16), eager and replayed from a CUDA graph."""
     from test_transformer import compute_inputs
 
-    from qwen_image_fast.pipelines.qwen_image.optimizations import CallRecord
-    from qwen_image_fast.pipelines.qwen_image.runtime.runner import Runner
+    from qwen_image_fast.pipelines.core.optimizations import CallRecord
+    from qwen_image_fast.pipelines.core.runtime.runner import Runner
 
     stock = tiny_stock(zero_cond_t=zero_cond_t, num_layers=2, attention_head_dim=128, num_attention_heads=24,
                        joint_attention_dim=3584, axes_dims_rope=(16, 56, 56), device="cuda").to(torch.bfloat16)
@@ -266,7 +266,7 @@ def optimize_on_cuda(config):
 
 
 def test_an_arena_larger_than_the_buffer_overflows_for_its_turn_only():
-    from qwen_image_fast.pipelines.qwen_image.runtime.offload import HostArena, TakingTurns
+    from qwen_image_fast.pipelines.core.runtime.offload import HostArena, TakingTurns
 
     small = [torch.randn(100), torch.randn(3, 7)]
     large = [torch.randn(50), torch.randn(200), torch.arange(12, dtype=torch.int32)]

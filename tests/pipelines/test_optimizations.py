@@ -24,7 +24,7 @@ from qwen_image_fast.kernels._utils import rel_rms_error
 from qwen_image_fast.pipelines.qwen_image.model import block, vae
 from qwen_image_fast.pipelines.qwen_image.model import transformer as transformer_module
 from qwen_image_fast.pipelines.qwen_image.model.transformer import FastQwenImageTransformer
-from qwen_image_fast.pipelines.qwen_image.optimizations import BY_NAME, EXACT_TOL, REGISTRY
+from qwen_image_fast.pipelines.core.optimizations import BY_NAME, EXACT_TOL, REGISTRY
 
 CALL = dict(prompt="a cat on a mat", negative_prompt="blurry", true_cfg_scale=3.0, height=16, width=16,
             num_inference_steps=2)

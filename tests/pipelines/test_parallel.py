@@ -12,10 +12,10 @@ import torch.distributed as dist
 from diffusers import QwenImagePipeline
 
 from helpers import assert_close
-from qwen_image_fast.pipelines.qwen_image.optimizations import EXACT_TOL
+from qwen_image_fast.pipelines.core.optimizations import EXACT_TOL
 from qwen_image_fast import FastConfig, optimize
 from qwen_image_fast.pipelines.qwen_image.text_to_image import check_parallel_setup
-from qwen_image_fast.pipelines.qwen_image.runtime.parallel import MeshShape, UlyssesPlan, even_sizes
+from qwen_image_fast.pipelines.core.runtime.parallel import MeshShape, UlyssesPlan, even_sizes
 from qwen_image_fast.pipelines.tiny import tiny_pipeline
 
 sys.path.insert(0, str(Path(__file__).parents[1]))

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from qwen_image_fast.pipelines.qwen_image.model.fp8_attention import installed
+from qwen_image_fast.pipelines.core.model.fp8_attention import installed
 
 WORKER = Path(__file__).parents[1] / "parallel_gpu_worker.py"
 

@@ -21,8 +21,8 @@ from transformers import Qwen2Tokenizer
 
 from qwen_image_fast import FastConfig, PromptEnhancer, QwenImageFastPipeline, optimize
 from qwen_image_fast.kernels._utils import rel_rms_error
-from qwen_image_fast.pipelines.qwen_image.optimizations import BY_NAME
-from qwen_image_fast.pipelines.qwen_image.config import DBCache
+from qwen_image_fast.pipelines.core.optimizations import BY_NAME
+from qwen_image_fast.pipelines.core.config import DBCache
 from qwen_image_fast.pipelines.qwen35.enhance import DEFAULT_ENHANCER_ID
 from qwen_image_fast.pipelines.qwen_image.model.transformer import FastQwenImageTransformer
 from qwen_image_fast.pipelines.qwen35.enhance import tiny_enhancer
@@ -398,7 +398,7 @@ def test_callback_outputs_honoured_as_in_stock(batched_cfg):
 
 
 def test_negative_pass_runs_under_the_uncond_cache_context():
-    from qwen_image_fast.pipelines.qwen_image.runtime.context import get_context
+    from qwen_image_fast.pipelines.core.runtime.context import get_context
 
     fast = fast_pipeline(EXACT.replace(batched_cfg=False))
     names, compute = [], fast.transformer.compute

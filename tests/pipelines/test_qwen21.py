@@ -11,8 +11,8 @@ from diffusers.models.transformers.transformer_qwenimage21 import QwenImage21KVC
 from helpers import assert_close, rel_rms_error
 
 from qwen_image_fast import FastConfig, optimize
-from qwen_image_fast.pipelines.qwen_image.config import FastTransformerConfig
-from qwen_image_fast.pipelines.qwen_image.optimizations import FP8_BOUND
+from qwen_image_fast.pipelines.core.config import FastTransformerConfig
+from qwen_image_fast.pipelines.core.optimizations import FP8_BOUND
 from qwen_image_fast.pipelines.qwen_image21.model import FastQwenImage21Transformer
 from qwen_image_fast.pipelines.qwen_image21.pipeline import FastQwenImage21Pipeline
 from qwen_image_fast.pipelines.tiny import (
@@ -126,7 +126,7 @@ def test_real_width_on_gpu(fp8):
     """2 blocks at the real width (32 heads x 128), bf16, random weights: the target's rows of every step of the
     cached loop (a condition image, two prompt lengths: the prefix's padding masked by the key count) against stock
     (its SDPA processor): bf16 rounding (fp8=False), the FP8 bound (fp8=True)."""
-    from qwen_image_fast.pipelines.qwen_image.optimizations import FP8_BOUND
+    from qwen_image_fast.pipelines.core.optimizations import FP8_BOUND
 
     stock = tiny_stock(**REAL).to("cuda", torch.bfloat16)
     fast = FastQwenImage21Transformer.from_diffusers(stock, FastTransformerConfig(fp8=fp8))
@@ -238,7 +238,7 @@ def test_optimized_pipeline_matches_stock(use_kv_cache):
     """optimize(QwenImage21Pipeline): the fast pipeline class with the stock __call__; its latents equal stock's
     (fp32, FP8 off) with the prefix cache on (cond and uncond each their own) and off; applied says what ran and
     the plan why batched CFG and CUDA graphs do not."""
-    from qwen_image_fast.pipelines.qwen_image.optimizations import plans
+    from qwen_image_fast.pipelines.core.optimizations import plans
 
     expected = latents(tiny_pipeline(), use_kv_cache=use_kv_cache)
     fast = optimize(tiny_pipeline(), FastConfig(fp8=False))

@@ -6,10 +6,10 @@ import pytest
 import torch
 from test_transformer import tiny_stock
 
-from qwen_image_fast.pipelines.qwen_image.config import FastTransformerConfig
+from qwen_image_fast.pipelines.core.config import FastTransformerConfig
 from qwen_image_fast.pipelines.qwen_image.model.transformer import FastQwenImageTransformer
-from qwen_image_fast.pipelines.qwen_image.runtime.cuda_graph import Graphs
-from qwen_image_fast.pipelines.qwen_image.runtime.offload import has_offload_hooks
+from qwen_image_fast.pipelines.core.runtime.cuda_graph import Graphs
+from qwen_image_fast.pipelines.core.runtime.offload import has_offload_hooks
 
 
 @pytest.fixture

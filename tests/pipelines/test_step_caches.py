@@ -31,9 +31,9 @@ from test_pipeline import EXACT, FIXTURE_TOKENIZER, tiny_controlnet
 from transformers import Qwen2Tokenizer
 
 from qwen_image_fast import FastConfig, optimize
-from qwen_image_fast.pipelines.qwen_image.config import DBCache
+from qwen_image_fast.pipelines.core.config import DBCache
 from qwen_image_fast.pipelines.qwen_image.model.block import FastBlock, JointAttention
-from qwen_image_fast.pipelines.qwen_image.optimizations import planned_labels
+from qwen_image_fast.pipelines.core.optimizations import planned_labels
 from qwen_image_fast.pipelines.tiny import tiny_components, tiny_pipeline
 
 # Prompts of one length: PyramidAttentionBroadcast and FasterCache keep one state for cond and uncond in diffusers
@@ -233,7 +233,7 @@ def warnings_of_sea_cache(monkeypatch) -> list:
 def capture_leaves_rule_buffers(monkeypatch, pipe):
     """The stand-in capture (stand_in_graphs) runs what it captures, where a real one launches nothing: the buffers
     the attention-level rules write (pipe.runner's) are put back after it, as a real capture leaves them."""
-    from qwen_image_fast.pipelines.qwen_image.runtime.cuda_graph import Graphs
+    from qwen_image_fast.pipelines.core.runtime.cuda_graph import Graphs
 
     stand_in = Graphs.capture
 
@@ -429,7 +429,7 @@ def test_mag_cache_calibration_as_on_stock(capsys):
 def test_one_state_caches_refused_with_cfg_parallel():
     """PAB and FasterCache keep one state for cond and uncond: a rank that sees one branch would decide otherwise
     than stock, so parallel='cfg' refuses them (the caches with a state per branch run there)."""
-    from qwen_image_fast.pipelines.qwen_image.optimizations import Facts, step_cache_conflict
+    from qwen_image_fast.pipelines.core.optimizations import Facts, step_cache_conflict
 
     facts = Facts(pipeline="QwenImagePipeline", fused=True, device="cuda", fp8=True, fast_accum=True,
                   attention="fa4", offload_hooks=False, vae_2d=None, enhancer=False, parallel=("cfg2",))
@@ -472,7 +472,7 @@ def test_diffusers_caches_plan_pairing_and_refuse_what_cannot_run():
 
 
 def fast_plans(pipe):
-    from qwen_image_fast.pipelines.qwen_image.optimizations import plans
+    from qwen_image_fast.pipelines.core.optimizations import plans
 
     return plans(pipe.fast_config, pipe.facts())
 
@@ -680,7 +680,7 @@ def test_dbcache_compares_with_the_last_step_that_ran_the_middle():
     middle (cache-dit's rule) the drift adds up until the middle runs again (relative differences 0.125, 0.25,
     0.375 -> runs); against the previous step it would stay under 0.125 and never run. Fake pieces: the middle adds
     1 + t to both streams at step t, so a cached step shows which step's residual it reused."""
-    from qwen_image_fast.pipelines.qwen_image.runtime.step_cache import StepCacheRun
+    from qwen_image_fast.pipelines.core.runtime.step_cache import StepCacheRun
 
     base, drift = torch.ones(2, 4, 8), [1 / 8]
 
@@ -722,7 +722,7 @@ def test_first_block_rule_decides_as_diffusers_hook():
     from diffusers.hooks.first_block_cache import FBCHeadBlockHook, FBCSharedBlockState
     from diffusers.hooks.hooks import CacheContext, StateManager
 
-    from qwen_image_fast.pipelines.qwen_image.runtime.step_cache import FirstBlockRule, StepCacheRun
+    from qwen_image_fast.pipelines.core.runtime.step_cache import FirstBlockRule, StepCacheRun
 
     residuals = [torch.ones(2, 4, 8) * (1 + t / 8) for t in range(8)]
     for threshold in (0.125, 0.25, 0.3, 0.5):
@@ -756,7 +756,7 @@ def test_diffusers_caches_on_gpu_replay_blocks_from_graphs(fp8, monkeypatch, cap
     and prints both decision sequences (per forward, the blocks and attention modules that ran; under a rule: per
     branch, whether each forward computed). A block replayed whole from its graph runs its attention module's
     Python not: under the block-level caches, which hook no attention module, only the blocks are compared."""
-    from qwen_image_fast.pipelines.qwen_image.optimizations import FP8_BOUND
+    from qwen_image_fast.pipelines.core.optimizations import FP8_BOUND
     from helpers import rel_rms_error
 
     dtype = torch.bfloat16 if fp8 else torch.float32
@@ -856,7 +856,7 @@ def test_cache_context_arguments_reach_the_hooks_as_on_stock(monkeypatch):
     transformer as on stock (its hooks: outside a pipeline call), skipping blocks, with the same outputs."""
     from test_transformer import make_inputs, tiny_stock
 
-    from qwen_image_fast.pipelines.qwen_image.config import FastTransformerConfig
+    from qwen_image_fast.pipelines.core.config import FastTransformerConfig
     from qwen_image_fast.pipelines.qwen_image.model.transformer import FastQwenImageTransformer
 
     def vision(module, args, kwargs):  # packed latents [B, L, C] of one (1, h, w) frame -> [C, 1, h, w] per sample

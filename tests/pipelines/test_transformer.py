@@ -11,7 +11,7 @@ from helpers import assert_close
 
 from qwen_image_fast.kernels._utils import rel_rms_error
 from qwen_image_fast.kernels.fp8 import dequantize_fp8_rowwise, quantize_fp8_rowwise_ref
-from qwen_image_fast.pipelines.qwen_image.config import FP8_LINEARS, FastTransformerConfig
+from qwen_image_fast.pipelines.core.config import FP8_LINEARS, FastTransformerConfig
 from qwen_image_fast.pipelines.qwen_image.model.transformer import FastQwenImageTransformer
 
 IMG_SHAPES = {  # per sample: [(frames, latent h / 2, latent w / 2), condition images...]
@@ -240,8 +240,8 @@ def compute_inputs(inputs: dict) -> dict:
 def test_cuda_graph_replay_matches_eager():
     """The runner's policy on the real CUDA graphs: a signature's first forward eager, its second captured, later
     ones replayed, each equal to the eager forward of its own inputs."""
-    from qwen_image_fast.pipelines.qwen_image.optimizations import CallRecord
-    from qwen_image_fast.pipelines.qwen_image.runtime.runner import Runner
+    from qwen_image_fast.pipelines.core.optimizations import CallRecord
+    from qwen_image_fast.pipelines.core.runtime.runner import Runner
 
     stock = tiny_stock(num_layers=2, device="cuda", num_attention_heads=4, attention_head_dim=32,
                        axes_dims_rope=(8, 12, 12))  # the rotary axes must add up to the head dim

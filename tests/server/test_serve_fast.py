@@ -34,7 +34,7 @@ def pipe():
     """The pipeline the server's engine runs, in this process."""
     from qwen_image_fast import FastConfig
     from qwen_image_fast.cli.models import load_pipeline
-    from qwen_image_fast.pipelines.qwen_image.config import DBCache
+    from qwen_image_fast.pipelines.core.config import DBCache
 
     return load_pipeline("tiny-random", "fast", FastConfig(cache=DBCache.parse(CACHE)), torch.device("cpu"))
 

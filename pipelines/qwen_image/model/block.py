@@ -30,14 +30,15 @@ from ....kernels.residual_gate import (
     residual_gate_layer_norm_modulate,
     residual_gate_layer_norm_modulate_fp8,
 )
-from ..config import FastTransformerConfig
-from ..runtime.context import count_blocks, get_context
-from ..runtime.cuda_graph import read_by_graph
-from ..runtime.parallel import Ulysses, UlyssesPlan
-from ..runtime.taylorseer import PendingTerm
-from .attention import TextMask, joint_attention
-from .fp8_attention import CudnnFp8Attention, fp8_attention
-from .linear import FastLinear, Operand, as_fp8_operand, q_dtype_for
+from ...core.config import FastTransformerConfig
+from ...core.runtime.context import count_blocks, get_context
+from ...core.runtime.cuda_graph import read_by_graph
+from ...core.runtime.parallel import Ulysses, UlyssesPlan
+from ...core.runtime.taylorseer import PendingTerm
+from ...core.model.attention import TextMask, joint_attention
+from ...core.model.fp8_attention import CudnnFp8Attention, fp8_attention
+from ...core.model.linear import FastLinear, Operand, as_fp8_operand, q_dtype_for
+from ...core.model.numerics import clip_float16
 from .step_caches import past_hooks
 
 # Producers of the next GEMM's operand: FP8 (q, scale) rows when that linear runs in FP8, else plain rows [M, D].
@@ -112,11 +113,6 @@ def lora_adds_to_v(linear: FastLinear, inner: int) -> bool:
     lora = linear.lora
     return lora is not None and any(
         row1 > 2 * inner and lora.in_effect(site) for site, (_, row1) in lora.sites.items())
-
-
-def clip_float16(x: torch.Tensor) -> torch.Tensor:
-    """diffusers' block clips its float16 outputs to the finite range (+-65504); other dtypes pass as they are."""
-    return x.clip(-65504, 65504) if x.dtype == torch.float16 else x
 
 
 def add_tail(residual, tail: Tail | None, mod_row) -> torch.Tensor:

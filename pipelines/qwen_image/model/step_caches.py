@@ -50,12 +50,12 @@ from diffusers.hooks import (
 )
 from diffusers.models.cache_utils import CacheMixin
 
-from ..runtime.context import forward_context
-from ..runtime.faster_cache import FasterCacheRule
-from ..runtime.pyramid_broadcast import PyramidBroadcastRule
-from ..runtime.sea_cache import SeaCacheFailOpen
-from ..runtime.step_cache import FirstBlockRule
-from ..runtime.taylorseer import TaylorSeerRule
+from ...core.runtime.context import forward_context
+from ...core.runtime.faster_cache import FasterCacheRule
+from ...core.runtime.pyramid_broadcast import PyramidBroadcastRule
+from ...core.runtime.sea_cache import SeaCacheFailOpen
+from ...core.runtime.step_cache import FirstBlockRule
+from ...core.runtime.taylorseer import TaylorSeerRule
 
 NativeRule = FirstBlockRule | TaylorSeerRule | PyramidBroadcastRule | FasterCacheRule | SeaCacheFailOpen
 

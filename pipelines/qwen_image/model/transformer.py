@@ -35,21 +35,22 @@ from diffusers.models.transformers.transformer_qwenimage import (
 from ....kernels._utils import FP8_DTYPE
 from ....kernels.layer_norm_modulate import layer_norm_modulate
 from ....kernels.residual_gate import residual_gate_layer_norm_modulate
-from ..config import FastTransformerConfig
-from ..runtime.cfg_pairing import pad_text
-from ..runtime.context import forward_context, get_context
-from ..runtime.cuda_graph import read_by_graph
-from ..runtime.offload import has_offload_hooks, on_device, tensors_of
-from ..runtime.parallel import UlyssesPlan
-from .adapters import LoraAdapters, check_carriable, peft_lora_layers
-from .attention import TextMask, resolve_backend
-from .fp8_attention import fp8_attention_kernel
-from .block import FastBlock, JointInputs, Tail, add_tail, clip_float16
-from .checkpoint import CheckpointWeights, FastCheckpoint
-from .lora import BLOCK_SITES, LoraState, lora_scale_of
+from ...core.config import FastTransformerConfig
+from ...core.runtime.cfg_pairing import pad_text
+from ...core.runtime.context import forward_context, get_context
+from ...core.runtime.cuda_graph import read_by_graph
+from ...core.runtime.offload import has_offload_hooks, on_device, tensors_of
+from ...core.runtime.parallel import UlyssesPlan
+from ...core.model.adapters import LoraAdapters, check_carriable, peft_lora_layers
+from ...core.model.attention import TextMask, resolve_backend
+from ...core.model.fp8_attention import fp8_attention_kernel
+from ...core.model.numerics import clip_float16
+from .block import FastBlock, JointInputs, Tail, add_tail
+from ...core.model.checkpoint import CheckpointWeights, FastCheckpoint
+from ...core.model.lora import BLOCK_SITES, LoraState, lora_scale_of
 from .modulation import ModulationLayout, ModulationTables, tensor_key
 from .step_caches import StepCaches, past_hooks
-from .unsupported import Unsupported
+from ...core.model.unsupported import Unsupported
 
 
 # The stock model's constructor arguments and defaults: its config, which ours keeps (plus "fast_config").

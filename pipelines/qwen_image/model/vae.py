@@ -22,8 +22,8 @@ from diffusers.models.autoencoders.vae import DecoderOutput
 
 from ....kernels._utils import FLOAT_DTYPES, INTERPRETED
 from ....kernels.channel_norm import channel_norm, channel_norm_ref
-from ..runtime.context import record
-from ..runtime.offload import has_offload_hooks
+from ...core.runtime.context import record
+from ...core.runtime.offload import has_offload_hooks
 
 def why_not_2d(vae) -> str | None:
     """Why the VAE's image decodes would not run as 2D convolutions (None: they do where the latents allow it)."""
