@@ -14,8 +14,8 @@ import importlib
 _WHERE = {
     "FastConfig": ".pipelines.core.config",
     "QwenImageFastPipeline": ".pipelines.qwen_image.text_to_image",
-    "optimize": ".pipelines.qwen_image.loading",
-    "from_pretrained": ".pipelines.qwen_image.loading",
+    "optimize": ".pipelines.loading",
+    "from_pretrained": ".pipelines.loading",
     "FastQwenImageTransformer": ".pipelines.qwen_image.model.transformer",
     "FastQwenImage21Pipeline": ".pipelines.qwen_image21.pipeline",
     "FastQwenImage21Transformer": ".pipelines.qwen_image21.model",

@@ -12,6 +12,8 @@ os.environ["QWEN_IMAGE_FAST_POISON"] = "1"
 # No hub access here or in CI; without this each missing hub file costs ~30 s of retries.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+import sys  # noqa: E402
+
 import pytest  # noqa: E402
 
 
@@ -23,6 +25,23 @@ def small_condition_images():
 
     with small_condition_images():
         yield
+
+
+@pytest.fixture(autouse=True)
+def _condition_image_sizes_restored():
+    """A test that leaves diffusers' calculate_dimensions patched (pipelines/tiny.py's small_condition_images entered
+    and not left) fails here, not in the test that runs next in its process (whose shrinking would then apply
+    twice)."""
+    yield
+    tiny = sys.modules.get("qwen_image_fast.pipelines.tiny")
+    if tiny is None:
+        return
+    patched = [name for name in tiny.CONDITION_IMAGE_PIPELINES if name in sys.modules
+               and getattr(sys.modules[name].calculate_dimensions, "__name__", "") == "<lambda>"]
+    if patched:
+        for name in patched:  # the next test starts from diffusers' own
+            sys.modules[name].calculate_dimensions = sys.modules[name].calculate_dimensions.__defaults__[0]
+        pytest.fail(f"this test left calculate_dimensions patched in {patched}")
 
 
 @pytest.fixture(autouse=True)

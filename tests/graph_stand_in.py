@@ -72,7 +72,7 @@ def unowned_reads(reads: ExternalReads, store: cuda_graph.Graphs, static: dict) 
 def install(setattr_, log: dict | None = None) -> dict:
     """Put the stand-in in place with `setattr_(obj, name, value)` (monkeypatch.setattr, or setattr in a worker
     process). Returns the log: the batch of each capture and replay in order, and the unowned reads."""
-    from qwen_image_fast.pipelines.qwen_image import optimizations
+    from qwen_image_fast.pipelines.core import optimizations
 
     log = log if log is not None else {"captures": [], "replays": [], "capturing": False, "unowned": []}
 

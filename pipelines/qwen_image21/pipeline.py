@@ -14,9 +14,9 @@ import torch
 from diffusers import QwenImage21Pipeline
 
 from ..core.config import FastConfig
-from ..qwen_image.fast_pipeline import (FastCheckpointPipeline, FastLoraPipeline, check_given_fast_transformer,
-                                        check_replacement, refuse_text_to_image_only, transformer_config_on)
 from ..core.optimizations import QWEN21_VAE, CallRecord, Facts, planned_labels, plans, step_cache_conflict
+from ..core.pipeline_base import (FastCheckpointPipeline, FastLoraPipeline, check_given_fast_transformer,
+                                  check_replacement, refuse_text_to_image_only, transformer_config_on)
 from ..core.runtime.context import forward_context
 from ..core.runtime.offload import has_offload_hooks
 from .model import FastQwenImage21Transformer

@@ -119,7 +119,7 @@ def pipeline_class_name(model: str) -> str:
     fast class: the diffusers class it extends); tiny-random: QwenImagePipeline."""
     if model == TINY_MODEL_ID:
         return "QwenImagePipeline"
-    from ..pipelines.qwen_image.loading import BY_CLASS_NAME, pipeline_class_name as from_model_index
+    from ..pipelines.loading import BY_CLASS_NAME, pipeline_class_name as from_model_index
 
     name = from_model_index(model)
     return BY_CLASS_NAME[name].stock_class.__name__ if name in BY_CLASS_NAME else name
@@ -213,8 +213,8 @@ def load_pipeline(model: str, preset: str, config: FastConfig, device, loras: tu
     import diffusers
     import torch
 
-    from ..pipelines.qwen_image.fast_pipeline import is_fast_checkpoint, load_stock
-    from ..pipelines.qwen_image.loading import from_pretrained, is_fast_pipeline, optimize
+    from ..pipelines.core.pipeline_base import is_fast_checkpoint, load_stock
+    from ..pipelines.loading import from_pretrained, is_fast_pipeline, optimize
     from ..pipelines.qwen_image.samplers import lightning_scheduler
 
     name = pipeline_class_name(model) if stock is None else type(stock).__name__

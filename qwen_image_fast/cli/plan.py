@@ -11,7 +11,7 @@ def command_facts(config: FastConfig, labels: Labels, pipeline: str, device, sha
     """The Facts a pipeline built by this command would have (no offload hooks: the command adds none)."""
     import torch
 
-    from ..pipelines.qwen_image.fast_pipeline import fp8_supported
+    from ..pipelines.core.pipeline_base import fp8_supported
     from ..pipelines.core.model.attention import resolve_backend
     from ..pipelines.core.model.fp8_attention import fp8_attention_kernel
 

@@ -174,3 +174,14 @@ def test_a_missing_folder_is_named(load, tmp_path):
     missing = tmp_path / "no-such-checkpoint"
     with pytest.raises(OSError, match="no-such-checkpoint: no such local folder, and not a hub id"):
         load(str(missing), device="cpu")
+
+
+def test_the_base_knows_the_fast_classes_by_their_names():
+    """core/pipeline_base.py names the families' fast classes without importing them (a saved folder's
+    model_index.json names them so): the names must be the classes'."""
+    from qwen_image_fast.pipelines.core.pipeline_base import FAST_QWEN_IMAGE_VAE, FAST_TRANSFORMERS
+    from qwen_image_fast.pipelines.qwen_image.model.vae import FastAutoencoderKLQwenImage
+    from qwen_image_fast.pipelines.qwen_image21.model import FastQwenImage21Transformer
+
+    assert FAST_TRANSFORMERS == (FastQwenImageTransformer.__name__, FastQwenImage21Transformer.__name__)
+    assert FAST_QWEN_IMAGE_VAE == FastAutoencoderKLQwenImage.__name__

@@ -17,7 +17,7 @@ from qwen_image_fast import FastConfig, QwenImageFastPipeline, optimize
 from qwen_image_fast import FastQwenImageEditPlusPipeline, from_pretrained
 from qwen_image_fast.pipelines.qwen_image.fast_pipeline import FastPipelineMixin
 from qwen_image_fast.kernels._utils import rel_rms_error
-from qwen_image_fast.pipelines.qwen_image import optimizations
+from qwen_image_fast.pipelines.core import optimizations
 from qwen_image_fast.pipelines.core.optimizations import BY_NAME
 from qwen_image_fast.pipelines.tiny import tiny_components, tiny_pipeline
 

@@ -107,7 +107,7 @@ def test_v_bound_holds_is_near_tight_and_gives_way_to_a_lora():
     (its codes the signs of the widest v row of W_v, at 448) reaching it; with a LoRA adding to v's rows, no bound
     (quantize_fp8_heads measures v then)."""
     from qwen_image_fast.kernels.fp8 import quantize_fp8_rowwise_ref
-    from qwen_image_fast.pipelines.qwen_image.model import fp8_attention as fp8_module
+    from qwen_image_fast.pipelines.core.model import fp8_attention as fp8_module
     from test_lora import diffusers_format
 
     fast = FastQwenImageTransformer.from_diffusers(tiny_stock(), FastTransformerConfig(fp8=True))
@@ -149,7 +149,7 @@ def test_fp8_gemms_take_the_v_bound(reference_kernel, monkeypatch, lora, v_bias)
     LoRA on v they measure it; either way the output stays within the FP8 GEMMs' and attention's error of stock,
     also where v's biases (both streams', every block's) are v_bias times as large, so that the bound's bias term
     decides the scale."""
-    from qwen_image_fast.pipelines.qwen_image.model import fp8_attention as fp8_module
+    from qwen_image_fast.pipelines.core.model import fp8_attention as fp8_module
     from test_lora import diffusers_format
 
     measured = []

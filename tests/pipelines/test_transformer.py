@@ -256,7 +256,7 @@ def test_cuda_graph_replay_matches_eager():
 
 
 def test_auto_attention_never_picks_fa4_for_fp32(monkeypatch):
-    from qwen_image_fast.pipelines.qwen_image.model import attention
+    from qwen_image_fast.pipelines.core.model import attention
 
     monkeypatch.setattr(attention, "fa4_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))

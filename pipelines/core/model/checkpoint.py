@@ -15,17 +15,8 @@ from diffusers.utils import (
 )
 
 from ..config import FastTransformerConfig
+from ..hub import local_folder
 from .linear import FP8_TENSORS
-
-
-def local_folder(path_or_id, subfolder: str | None) -> Path:
-    """A local folder as is; a hub repo id: its snapshot (the subfolder's files only)."""
-    path = Path(path_or_id)
-    if not path.is_dir():
-        from huggingface_hub import snapshot_download
-
-        path = Path(snapshot_download(str(path_or_id), allow_patterns=[f"{subfolder}/*"] if subfolder else None))
-    return path / subfolder if subfolder else path
 
 
 def weight_files(folder: Path, variant: str | None = None) -> list[Path]:

@@ -25,6 +25,11 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from ...core.runtime.context import forward_context
+from ...core.runtime.offload import on_device, tensors_of
 
 
 @dataclass(frozen=True)
@@ -81,3 +86,73 @@ def tensor_key(t: torch.Tensor | None) -> tuple | None:
     if t is None:
         return None
     return tuple(t.shape), str(t.dtype), t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+class ModulationTable:
+    """The transformer's modulation tables (mixed into FastQwenImageTransformer: its time_text_embed, norm_out and
+    blocks' img_mod / txt_mod, zero_cond_t, lora_state and modulation_tables): what a forward's timestep makes of
+    them, and a whole schedule's at once."""
+
+    def modulation_layout(self, batch: int) -> ModulationLayout:
+        return ModulationLayout(blocks=len(self.transformer_blocks), batch=batch,
+                                img_rows=2 * batch if self.zero_cond_t else batch, dim=self.inner_dim)
+
+    @property
+    def inner_dim(self) -> int:
+        return self.config.num_attention_heads * self.config.attention_head_dim
+
+    def time_embedding(self, timestep: torch.Tensor, guidance: torch.Tensor | None, additional_t_cond,
+                       dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The modulation inputs of a forward given `timestep` [B] (and guidance, additional_t_cond) in `dtype`:
+        silu(temb) [G, D] and its timestep-t rows [B, D] (G = 2B with zero_cond_t: timestep t, then 0)."""
+        timestep = timestep.to(dtype)
+        if self.zero_cond_t:
+            timestep = torch.cat([timestep, timestep * 0], dim=0)
+        like = timestep.new_empty(0)  # QwenTimestepProjEmbeddings reads only its dtype
+        if guidance is not None:
+            guidance = guidance.to(dtype) * 1000
+        temb = (
+            self.time_text_embed(timestep, like, additional_t_cond)
+            if guidance is None
+            else self.time_text_embed(timestep, guidance, like, additional_t_cond)
+        )  # [G, D]
+        silu_temb = F.silu(temb)
+        return silu_temb, silu_temb.chunk(2, dim=0)[0] if self.zero_cond_t else silu_temb
+
+    def _modulation_modules(self) -> list[nn.Module]:
+        return [self.time_text_embed, self.norm_out.linear] + [
+            m for block in self.transformer_blocks for m in (block.img_mod, block.txt_mod)]
+
+    @torch.no_grad()
+    def modulation_table(self, timesteps: torch.Tensor, guidance: torch.Tensor | None = None, additional_t_cond=None,
+                         lora_scale: float = 1.0) -> torch.Tensor:
+        """[N, layout.size]: row n is the modulation of a forward given timestep=timesteps[n] ([N, B], on the
+        model's device, exactly as passed to forward), guidance=guidance[n] (None or [N, B]), additional_t_cond and
+        attention_kwargs={"scale": lora_scale}; pass it as forward(..., modulation=table[n]). Built one block at a
+        time over every step's rows, each block's img_mod / txt_mod put on the model's device while it is used (they
+        may live on the host: FastConfig.memory="low"). The last few tables are kept (modulation.py says what the key
+        holds)."""
+        device, dtype = self.device, self.dtype
+        layout = self.modulation_layout(timesteps.shape[1])
+        weights = tuple((t.data_ptr(), t._version) for m in self._modulation_modules() for t in tensors_of(m))
+        key = (tensor_key(timesteps), tensor_key(guidance), tensor_key(additional_t_cond), self.zero_cond_t,
+               str(dtype), str(device), self.lora_state.version, float(lora_scale), weights)
+
+        def build() -> torch.Tensor:
+            steps = timesteps.shape[0]
+            table = torch.empty(steps, layout.size, dtype=dtype, device=device)
+            with forward_context(lora_scale=float(lora_scale)):
+                inputs = [self.time_embedding(timesteps[n], None if guidance is None else guidance[n],
+                                              additional_t_cond, dtype) for n in range(steps)]
+                silu_temb = torch.cat([rows for rows, _ in inputs])  # [N x G, D], step-major as the table
+                silu_temb_t = torch.cat([rows for _, rows in inputs])  # [N x B, D]
+                layout.out(table).copy_(self.norm_out.linear(silu_temb_t).view(steps, layout.batch, -1))
+                for i, block in enumerate(self.transformer_blocks):
+                    with on_device([block.img_mod, block.txt_mod], device):
+                        img, txt = layout.block(table, i)  # [N, G, 6D], [N, B, 6D]
+                        mods = block.modulation(silu_temb, silu_temb_t)
+                        img.copy_(mods[0].view(img.shape))
+                        txt.copy_(mods[1].view(txt.shape))
+            return table
+
+        return self.modulation_tables.get(key, build)

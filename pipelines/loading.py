@@ -1,12 +1,13 @@
 """Entry points: optimize(pipe), a fast pipeline from a diffusers one you have, and from_pretrained(path), the fast
-pipeline of whatever a checkpoint holds (picked from its model_index.json, as diffusers' DiffusionPipeline does)."""
+pipeline of whatever a checkpoint holds (picked from its model_index.json, as diffusers' DiffusionPipeline does),
+over every model family (the leaves qwen_image/ and qwen_image21/, the qwen35/ prompt enhancer)."""
 
-from ..qwen35.enhance import resolve_enhancer
-from ..qwen_image21.pipeline import FastQwenImage21Pipeline
-from ..core.config import FastConfig
-from .family import IMAGE_CONDITIONED
-from .fast_pipeline import init_arguments, model_index
-from .text_to_image import QwenImageFastPipeline
+from .core.config import FastConfig
+from .core.pipeline_base import init_arguments, model_index
+from .qwen35.enhance import resolve_enhancer
+from .qwen_image.family import IMAGE_CONDITIONED
+from .qwen_image.text_to_image import QwenImageFastPipeline
+from .qwen_image21.pipeline import FastQwenImage21Pipeline
 
 FAST_CLASSES = {cls.stock_class: cls for cls in (QwenImageFastPipeline, *IMAGE_CONDITIONED, FastQwenImage21Pipeline)}
 # model_index.json's _class_name -> the fast class: the stock name, or the fast one (a folder a fast pipeline saved)
