@@ -6,8 +6,11 @@ that stops working turns this red, and so does an entry of NEEDS or NEEDS_MORE t
 The README's Python blocks likewise: each runs as written on tiny checkpoints written under the hub ids it names,
 on the CPU, at the test's size and steps (PY_RUNS), or is listed in PY_NEEDS with what it needs."""
 
+import os
 import re
 import shlex
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -152,13 +155,24 @@ def test_every_python_block_is_listed():
     assert sorted(key for key in [*PY_NEEDS, *PY_RUNS] if key not in keys) == []
 
 
-@pytest.mark.parametrize("key", list(PY_RUNS))
-def test_readme_python_block_runs_on_the_tiny_models(key, tiny_checkpoints, tmp_path, monkeypatch):
-    """The block as written, but for the hub ids (-> the tiny checkpoints), "cuda" (-> "cpu") and PY_RUNS' text (each
-    must still be in the block: a README edit that moves it turns this red), in a fresh folder with an in.png."""
-    from PIL import Image
+# What the script CI runs around a block checks afterwards: the image it made, or the rules the step-cache block set.
+BLOCK_CHECK = """
+from PIL import Image as _Image
+if "image" in dir():
+    assert isinstance(image, _Image.Image) and image.size[0] >= 16, image
+else:
+    assert pipe.fast_config.cache is not None and pipe.transformer.is_cache_enabled
+print("block ran")
+"""
 
-    from qwen_image_fast.pipelines.tiny import small_condition_images
+
+@pytest.mark.parametrize("key", list(PY_RUNS))
+def test_readme_python_block_runs_on_the_tiny_models(key, tiny_checkpoints, tmp_path):
+    """The block as written, but for the hub ids (-> the tiny checkpoints), "cuda" (-> "cpu") and PY_RUNS' text (each
+    must still be in the block: a README edit that moves it turns this red), as a script of its own in a fresh
+    Python process (as a user runs it; in the test process, state other tests left made the edit block fail only in
+    full runs), in a fresh folder with an in.png, the edit pipeline's input images at 1/256 of their area."""
+    from PIL import Image
 
     block = next(block for block in readme_python_blocks() if block_key(block) == key)
     setup, changes = PY_RUNS[key]
@@ -168,13 +182,11 @@ def test_readme_python_block_runs_on_the_tiny_models(key, tiny_checkpoints, tmp_
     for hub_id, folder in tiny_checkpoints.items():
         block = block.replace(f'"{hub_id}"', repr(str(folder)))
     block = block.replace('"cuda"', '"cpu"')
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    Image.new("RGB", (64, 64), (200, 120, 40)).save("in.png")
-    scope = {}
-    with small_condition_images():  # the edit pipeline's output sized from its input at 1/256 of the area
-        exec(compile(setup + block, f"README block {key.splitlines()[0]!r}", "exec"), scope)
-    if "image" in scope:
-        assert isinstance(scope["image"], Image.Image) and scope["image"].size[0] >= 16, scope["image"]
-    else:  # the step-cache block: each rule it sets is the pipeline's
-        assert scope["pipe"].fast_config.cache is not None and scope["pipe"].transformer.is_cache_enabled
+    Image.new("RGB", (64, 64), (200, 120, 40)).save(tmp_path / "in.png")
+    script = ("from qwen_image_fast.pipelines.tiny import small_condition_images\n"
+              "_shrink = small_condition_images()\n_shrink.__enter__()\n" + setup + block + "\n" + BLOCK_CHECK)
+    (tmp_path / "block.py").write_text(script)
+    env = {**os.environ, "TRITON_INTERPRET": "1", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "block.py"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0 and "block ran" in done.stdout, (key, done.stdout[-2000:], done.stderr[-3000:])

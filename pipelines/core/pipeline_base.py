@@ -16,7 +16,7 @@ from diffusers.pipelines.pipeline_utils import logger as diffusers_pipeline_logg
 
 from .config import FastConfig, check_cache_blocks
 from .hub import check_path_or_id, local_folder
-from .optimizations import refused_by_image_conditioned
+from .optimizations import CallRecord, Facts, planned_labels, plans, refused_by_image_conditioned
 
 logger = logging.getLogger(__name__)
 
@@ -298,3 +298,67 @@ class FastCheckpointPipeline:
     def _before_loading(cls, config: FastConfig, path_or_id, device, kwargs: dict) -> dict:
         """Checks that need no weights, made before any is loaded; returns the fast state _set_up takes."""
         return {}
+
+
+class FastPipelineState:
+    """The state every fast pipeline keeps, whatever its family (mixed in before its diffusers class, `stock_class`,
+    with its fast transformer's class, `fast_transformer_class`): how it is built from components (_build: diffusers'
+    constructor, then the family's _set_up), `fast_config` (build options fixed, call options changeable: the family
+    checks the rest in _check_fast_config), what the next call will run (facts() is the family's, the plan the
+    registry's) and what the last one ran (`applied`, from the call's record)."""
+
+    stock_class: type
+    fast_transformer_class: type
+    _fast_config: FastConfig
+    _last_call: CallRecord | None = None  # what the last call ran (None before the first)
+
+    @classmethod
+    def _build(cls, components: dict, config: FastConfig, device=None, **fast_state):
+        """The fast pipeline around these components (diffusers' constructor of stock_class, then _set_up)."""
+        pipe = cls.__new__(cls)
+        cls.stock_class.__init__(pipe, **components)
+        pipe._set_up(config, device, **fast_state)
+        return pipe
+
+    def _set_up(self, config: FastConfig, device, **fast_state):
+        raise NotImplementedError
+
+    @property
+    def _image_conditioned(self) -> bool:
+        """Whether the pipeline runs diffusers' own loop, refusing the text-to-image-only options."""
+        return self.stock_class.__name__ != "QwenImagePipeline"
+
+    @property
+    def fast_config(self) -> FastConfig:
+        """What was asked for (config.py). Assign a FastConfig to change the call options for the next calls; the
+        build options must stay as built."""
+        return self._fast_config
+
+    @fast_config.setter
+    def fast_config(self, config: FastConfig):
+        check_replacement(self._fast_config, config, self.stock_class.__name__, self._image_conditioned)
+        self._check_fast_config(config)
+        self._fast_config = config
+
+    def _check_fast_config(self, config: FastConfig):
+        """ValueError for what the family cannot take in `config` beyond the build options (_set_up checks it too)."""
+
+    def facts(self) -> Facts:
+        raise NotImplementedError
+
+    def will_run(self, facts: Facts | None = None) -> dict[str, bool]:
+        """Optimization name -> whether the next call runs it (when the call allows: CFG for batched_cfg); facts:
+        self.facts() if the caller has them."""
+        return {opt.name: bool(plan.values) for opt, plan in plans(self.fast_config, facts or self.facts())}
+
+    @property
+    def applied(self) -> list[str]:
+        """After a call: what that call ran. Before the first: what the next call will run (those that need
+        something of the call, batched_cfg and cfg_fraction: CFG, as in a call with it). optimizations.py."""
+        if self._last_call is not None:
+            return self._last_call.labels()
+        return planned_labels(self.fast_config, self.facts())
+
+    def _fast_transformer(self):
+        """The fast transformer, or None (a pipeline built without fused_transformer keeps the stock one)."""
+        return self.transformer if isinstance(self.transformer, self.fast_transformer_class) else None

@@ -17,10 +17,9 @@ import torch
 from diffusers import AutoencoderKLQwenImage
 
 from ..core.config import FastConfig
-from ..core.optimizations import CallRecord, Facts, planned_labels, plans, runs_cache_rule, step_cache_conflict
-from ..core.pipeline_base import (FastCheckpointPipeline, FastLoraPipeline, check_blocks_for_cache,
-                                  check_given_fast_transformer, check_replacement, refuse_text_to_image_only,
-                                  transformer_config_on)
+from ..core.optimizations import CallRecord, Facts, runs_cache_rule, step_cache_conflict
+from ..core.pipeline_base import (FastCheckpointPipeline, FastLoraPipeline, FastPipelineState, check_blocks_for_cache,
+                                  check_given_fast_transformer, refuse_text_to_image_only, transformer_config_on)
 from ..core.runtime.context import forward_context
 from ..core.runtime.offload import has_offload_hooks
 from ..core.runtime.runner import Runner
@@ -38,25 +37,14 @@ def fast_transformer(transformer, config: FastConfig, device, modulation_device=
                                                    modulation_device=modulation_device)
 
 
-class FastPipelineMixin(FastLoraPipeline, FastCheckpointPipeline):
+class FastPipelineMixin(FastPipelineState, FastLoraPipeline, FastCheckpointPipeline):
     """Mixed in before a diffusers Qwen-Image pipeline class (`stock_class`)."""
 
-    stock_class: type
     fast_transformer_class = FastQwenImageTransformer
     runner: Runner
-    _fast_config: FastConfig
-    _last_call: CallRecord | None = None  # what the last call ran (None before the first)
     _last_step_cache = None  # the last call's runtime.step_cache.StepCacheRun (its branches' decisions), or None
 
     # ---- building
-
-    @classmethod
-    def _build(cls, components: dict, config: FastConfig, device=None, **fast_state):
-        """The fast pipeline around these components (diffusers' constructor of stock_class, then _set_up)."""
-        pipe = cls.__new__(cls)
-        cls.stock_class.__init__(pipe, **components)
-        pipe._set_up(config, device, **fast_state)
-        return pipe
 
     def _set_up(self, config: FastConfig, device, **fast_state):
         """The fast components on `device` (None: where they are): the transformer converted unless it is fast
@@ -82,23 +70,10 @@ class FastPipelineMixin(FastLoraPipeline, FastCheckpointPipeline):
     def _set_up_pipeline(self, config: FastConfig, device, **fast_state):
         """What a pipeline class adds to _set_up (the text-to-image one: mesh, enhancer, memory placement)."""
 
-    @property
-    def _image_conditioned(self) -> bool:
-        return self.stock_class.__name__ != "QwenImagePipeline"
-
     # ---- options and what runs
 
-    @property
-    def fast_config(self) -> FastConfig:
-        """What was asked for (config.py). Assign a FastConfig to change the call options for the next calls; the
-        build options must stay as built."""
-        return self._fast_config
-
-    @fast_config.setter
-    def fast_config(self, config: FastConfig):
-        check_replacement(self._fast_config, config, self.stock_class.__name__, self._image_conditioned)
+    def _check_fast_config(self, config: FastConfig):
         check_blocks_for_cache(self.transformer, config)
-        self._fast_config = config
 
     def facts(self) -> Facts:
         """What decides whether each optimization can run here (optimizations.Facts)."""
@@ -118,19 +93,6 @@ class FastPipelineMixin(FastLoraPipeline, FastCheckpointPipeline):
 
     def _parallel_labels(self) -> tuple[str, ...]:
         return ()
-
-    def will_run(self, facts: Facts | None = None) -> dict[str, bool]:
-        """Optimization name -> whether the next call runs it (when the call allows: CFG for batched_cfg); facts:
-        self.facts() if the caller has them."""
-        return {opt.name: bool(plan.values) for opt, plan in plans(self.fast_config, facts or self.facts())}
-
-    @property
-    def applied(self) -> list[str]:
-        """After a call: what that call ran. Before the first: what the next call will run (those that need
-        something of the call, batched_cfg and cfg_fraction: CFG, as in a call with it). optimizations.py."""
-        if self._last_call is not None:
-            return self._last_call.labels()
-        return planned_labels(self.fast_config, self.facts())
 
     @property
     def blocks_computed(self) -> float | None:
@@ -157,7 +119,4 @@ class FastPipelineMixin(FastLoraPipeline, FastCheckpointPipeline):
                 forward_context(**context):
             yield run
         self._last_call, self._last_step_cache = record, run.step_cache
-
-    def _fast_transformer(self) -> FastQwenImageTransformer | None:
-        return self.transformer if isinstance(self.transformer, FastQwenImageTransformer) else None
 

@@ -14,9 +14,9 @@ import torch
 from diffusers import QwenImage21Pipeline
 
 from ..core.config import FastConfig
-from ..core.optimizations import QWEN21_VAE, CallRecord, Facts, planned_labels, plans, step_cache_conflict
-from ..core.pipeline_base import (FastCheckpointPipeline, FastLoraPipeline, check_given_fast_transformer,
-                                  check_replacement, refuse_text_to_image_only, transformer_config_on)
+from ..core.optimizations import QWEN21_VAE, CallRecord, Facts, step_cache_conflict
+from ..core.pipeline_base import (FastCheckpointPipeline, FastLoraPipeline, FastPipelineState,
+                                  check_given_fast_transformer, refuse_text_to_image_only, transformer_config_on)
 from ..core.runtime.context import forward_context
 from ..core.runtime.offload import has_offload_hooks
 from .model import FastQwenImage21Transformer
@@ -31,21 +31,14 @@ def refuse_2512_only(config: FastConfig, pipeline: str):
                          "the prefix KV cache; leave text_bucket at its default")
 
 
-class FastQwenImage21Pipeline(FastLoraPipeline, FastCheckpointPipeline, QwenImage21Pipeline):
+class FastQwenImage21Pipeline(FastPipelineState, FastLoraPipeline, FastCheckpointPipeline, QwenImage21Pipeline):
     stock_class, fast_transformer_class = QwenImage21Pipeline, FastQwenImage21Transformer
-    _last_call: CallRecord | None = None
+    _image_conditioned = False  # its text-to-image-only options are refuse_2512_only's
 
     def __init__(self, scheduler, vae, text_encoder, processor, transformer, sample_sigmas=None, *,
                  fast_config: FastConfig | str | None = None):
         super().__init__(scheduler, vae, text_encoder, processor, transformer, sample_sigmas=sample_sigmas)
         self._set_up(FastConfig.coerce(fast_config), None)
-
-    @classmethod
-    def _build(cls, components: dict, config: FastConfig, device=None):
-        pipe = cls.__new__(cls)
-        QwenImage21Pipeline.__init__(pipe, **components)
-        pipe._set_up(config, device)
-        return pipe
 
     def _set_up(self, config: FastConfig, device):
         refuse_2512_only(config, type(self).__name__)
@@ -59,19 +52,8 @@ class FastQwenImage21Pipeline(FastLoraPipeline, FastCheckpointPipeline, QwenImag
         self._fast_config = config
         self._last_call = None
 
-    def _fast_transformer(self) -> FastQwenImage21Transformer | None:
-        return self.transformer if isinstance(self.transformer, FastQwenImage21Transformer) else None
-
-    @property
-    def fast_config(self) -> FastConfig:
-        return self._fast_config
-
-    @fast_config.setter
-    def fast_config(self, config: FastConfig):
-        # its text-to-image-only options are refuse_2512_only's, as when the pipeline is built
-        check_replacement(self._fast_config, config, QwenImage21Pipeline.__name__, image_conditioned=False)
-        refuse_2512_only(config, type(self).__name__)
-        self._fast_config = config
+    def _check_fast_config(self, config: FastConfig):
+        refuse_2512_only(config, type(self).__name__)  # as when the pipeline is built
 
     def facts(self) -> Facts:
         transformer = self.transformer
@@ -83,16 +65,6 @@ class FastQwenImage21Pipeline(FastLoraPipeline, FastCheckpointPipeline, QwenImag
                      attention=transformer.attention_backend if fused else None,
                      offload_hooks=transformer is not None and has_offload_hooks(transformer), vae_2d=QWEN21_VAE,
                      enhancer=False)
-
-    def will_run(self) -> dict[str, bool]:
-        return {opt.name: bool(plan.values) for opt, plan in plans(self.fast_config, self.facts())}
-
-    @property
-    def applied(self) -> list[str]:
-        """After a call: what that call ran; before the first: what the next call will run."""
-        if self._last_call is not None:
-            return self._last_call.labels()
-        return planned_labels(self.fast_config, self.facts())
 
     @functools.wraps(QwenImage21Pipeline.__call__)
     def __call__(self, *args, **kwargs):
