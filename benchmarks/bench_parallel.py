@@ -41,7 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_pipeline import NEGATIVE, PROMPT, full_size_stock_pipeline  # noqa: E402
 from common import append_results, environment, sync  # noqa: E402
 
-from qwen_image_fast import FastConfig, QwenImageFastPipeline, optimize  # noqa: E402
+from qwen_image_fast import FastConfig, QwenImageFastPipeline  # noqa: E402
 from qwen_image_fast.kernels._utils import rel_rms_error  # noqa: E402
 from qwen_image_fast.pipelines.core.optimizations import FP8_ATTENTION_BOUND  # noqa: E402
 
