@@ -178,3 +178,13 @@ def test_model_families_import_each_other_only_where_known():
     found = {(leaf(m), leaf(n)) for m, targets in module_graph(project_modules()).items() for n in targets
              if leaf(m) and leaf(n) and leaf(m) != leaf(n)}
     assert found == KNOWN_LEAF_IMPORTS
+
+
+def test_the_core_imports_no_model_family():
+    """pipelines/core/ is below the families: nothing in it imports a family, loading.py or tiny.py (deferred imports
+    counted), so a family can be added or removed without touching it."""
+    above = (*LEAVES, "qwen_image_fast.pipelines.loading", "qwen_image_fast.pipelines.tiny")
+    found = sorted((m, n) for m, targets in module_graph(project_modules()).items()
+                   if m.startswith("qwen_image_fast.pipelines.core") for n in targets
+                   if any(n == a or n.startswith(a + ".") for a in above))
+    assert found == []
