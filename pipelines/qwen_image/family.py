@@ -3,12 +3,12 @@ fast transformer and VAE.
 
 These pipelines call `self.transformer(...)` as the text-to-image one does, with condition images' latents joining
 the image stream (edit, layered: `img_shapes` lists them, Edit-2511 sets zero_cond_t), or ControlNet residuals; the
-fast transformer gives what the stock one gives there (tests against each stock pipeline). Each call runs inside
-the pipeline's runner (runtime/runner.py): the transformer's forwards pair their CFG passes (batched_cfg) and replay
+fast transformer gives what the stock one gives there (tests against each stock pipeline). Each call runs inside the
+pipeline's runner (core/runtime/runner.py): the transformer's forwards pair their CFG passes (batched_cfg) and replay
 from CUDA graphs (cuda_graphs) as in text-to-image, and the VAE decodes as 2D convolutions (vae_2d_decode). The
-options that would change what the text-to-image loop computes (sampler, cfg_fraction, memory, parallel) are
-refused here (fast_pipeline.py), not ignored. The measurements are in benchmarks/RESULTS.md, "Editing and
-image-conditioned generation".
+options that would change what the text-to-image loop computes (sampler, cfg_fraction, memory, parallel) are refused
+here (core/pipeline_base.py's refuse_text_to_image_only), not ignored. The measurements are in benchmarks/RESULTS.md,
+"Editing and image-conditioned generation".
 
 Each fast class is its diffusers class with FastPipelineMixin before it; its constructor takes the stock one's
 arguments plus `fast_config`, and its __call__ is the stock one's (the same signature), run under `_fast_call`.

@@ -105,7 +105,7 @@ class FastPipelineMixin(FastPipelineState, FastLoraPipeline, FastCheckpointPipel
                    facts: Facts | None = None, **context):
         """The runner of one call (CUDA graphs and batched CFG as the registry plans them: will_run, default
         self.will_run()) and its record, which `applied` reads once the call has returned. facts: self.facts() if the
-        caller has them; context: more of the forward context (runtime/context.py)."""
+        caller has them; context: more of the forward context (core/runtime/context.py)."""
         facts = facts if facts is not None else self.facts()
         will_run = will_run or self.will_run(facts)
         conflict = step_cache_conflict(self.fast_config, facts)

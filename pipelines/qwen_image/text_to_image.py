@@ -1,15 +1,15 @@
 """QwenImageFastPipeline: diffusers' QwenImagePipeline with the fast path inside, same call and output.
 
 Its denoising loop is ours (diffusers' steps, numbered as upstream's); what differs from stock is switched by
-FastConfig (optimizations.py declares each; `pipe.applied` says which ran):
+FastConfig (core/optimizations.py declares each; `pipe.applied` says which ran):
 - the fused transformer and the VAE's 2D decode (fast_pipeline.py builds them);
-- batched CFG and CUDA graphs, through the runner (runtime/runner.py), as in the image-conditioned pipelines;
+- batched CFG and CUDA graphs, through the runner (core/runtime/runner.py), as in the image-conditioned pipelines;
 - the sampler: the pipeline's own scheduler (default; replacing `pipe.scheduler` works as in stock), or
   DPM-Solver++ 2M / UniPC derived from it at call time, driven with the same dynamic shift mu (samplers.py);
 - selective CFG (cfg_fraction): guidance only on the first fraction of the steps;
 - the modulation table (model/modulation.py): every step's modulation computed once per schedule;
-- memory="low" (runtime/memory.py): the text encoder and the block linears take turns on the GPU;
-- one image on several processes (FastConfig.parallel, runtime/parallel.py): with CFG-parallel each rank of a pair
+- memory="low" (core/runtime/memory.py): the text encoder and the block linears take turns on the GPU;
+- one image on several processes (FastConfig.parallel, core/runtime/parallel.py): with CFG-parallel each rank of a pair
   runs one of prompt / negative prompt and one all-gather per step gives both predictions to both; with Ulysses
   the transformer splits the sequence over its group (the forward context carries it). Every rank steps the same
   latents (the image group's first rank's starting noise) and returns the same images.

@@ -202,7 +202,7 @@ class FastQwenImage21Transformer(Unsupported, LoraAdapters, ModelMixin, ConfigMi
         self.layouts: dict[tuple, Layout] = {}  # by Layout.key
         # (img_mask, its version, text mask, its version, shapes, (batch, device), key)
         self._last_layout: tuple | None = None
-        self.graphs = Graphs(max_graphs=MAX_LAYOUTS)  # the cached steps' (runtime/cuda_graph.py)
+        self.graphs = Graphs(max_graphs=MAX_LAYOUTS)  # the cached steps' (core/runtime/cuda_graph.py)
         self._graphs_seen: set = set()  # graph keys run eagerly once
 
     @classmethod
@@ -236,7 +236,7 @@ class FastQwenImage21Transformer(Unsupported, LoraAdapters, ModelMixin, ConfigMi
         return resolve_backend(self.fast_config.attention, self.device, self.dtype)
 
     def running(self) -> list[tuple[str, object]]:
-        """What a forward runs, as optimizations.py names it (recorded in a pipeline call's CallRecord)."""
+        """What a forward runs, as core/optimizations.py names it (recorded in a pipeline call's CallRecord)."""
         fp8 = self.fast_config.fp8
         return ([("fused_transformer", True)] + ([("fp8", True)] if fp8 else [])
                 + ([("fp8_fast_accum", True)] if fp8 and self.fast_config.fp8_fast_accum else [])

@@ -137,9 +137,9 @@ class StreamMods:
 @dataclass
 class JointInputs:
     """What every block of one forward shares: text mask, rotary tables, timestep embeddings, attention backend,
-    the joint Q/K/V buffer [3, B, L_img + L_txt, H, D] each block refills (image first, attention.py says why),
-    and under Ulysses the group and where this rank's rows are (runtime/parallel.py); then rotary tables, mod_row and the
-    buffer cover this rank's rows only, the mask the whole sequence."""
+    the joint Q/K/V buffer [3, B, L_img + L_txt, H, D] each block refills (image first, attention.py says why), and
+    under Ulysses the group and where this rank's rows are (core/runtime/parallel.py); then rotary tables, mod_row and
+    the buffer cover this rank's rows only, the mask the whole sequence."""
 
     mask: TextMask | None
     img_freqs: torch.Tensor  # [L_img, D_head / 2, 2] fp32 (cos, sin)

@@ -11,10 +11,10 @@ to the stock one: each finds what it hooks by the same module names and classes,
 So with the same config, inputs and seed the hooks make the decisions they make on the stock model, from the same
 values up to the kernels' rounding (tests/pipelines/test_step_caches.py compares the two).
 
-While a cache is enabled the forwards run one by one under their cache_context (the hooks keep a state per context
-and decide on the host inside the forward): optimizations.py plans batched CFG off and says why, and CUDA graphs per
-block (runtime/runner.py, graphed_block). FastConfig(cache=...) is the fast pipeline's own step cache
-(runtime/step_cache.py), graphed per piece of a forward.
+While a cache is enabled the forwards run one by one under their cache_context (the hooks keep a state per context and
+decide on the host inside the forward): core/optimizations.py plans batched CFG off and says why, and CUDA graphs per
+block (core/runtime/runner.py, graphed_block). FastConfig(cache=...) is the fast pipeline's own step cache
+(core/runtime/step_cache.py), graphed per piece of a forward.
 
 Five configs are the exception inside a fast pipeline's call (native_rule): the runner makes their decisions by a
 rule of its own, the same decisions from the same values with the same arithmetic, on graphed forwards with CFG
@@ -22,14 +22,14 @@ batched in the text-to-image pipeline, instead of the hooks' Python around 60 bl
 - FirstBlockCacheConfig: the step cache's rule with Fn=1, Bn=0 (runtime/step_cache.FirstBlockRule), each forward in
   three graphed pieces;
 - TaylorSeerCacheConfig on its default pattern (every attention module; not the lite mode nor custom identifiers):
-  runtime/taylorseer.py, a whole forward graphed per variant (update, or predict), the blocks of a predicting step
+  core/runtime/taylorseer.py, a whole forward graphed per variant (update, or predict), the blocks of a predicting step
   skipping what only attention reads;
-- PyramidAttentionBroadcastConfig on its default identifiers: runtime/pyramid_broadcast.py, a whole forward graphed
+- PyramidAttentionBroadcastConfig on its default identifiers: core/runtime/pyramid_broadcast.py, a whole forward graphed
   per decision pattern, the attention computed only for the branches that compute (one state for cond and uncond,
   as in diffusers: the uncond half takes the cond half's output);
-- FasterCacheConfig(is_guidance_distilled=True) on its default identifiers: runtime/faster_cache.py, likewise (one
+- FasterCacheConfig(is_guidance_distilled=True) on its default identifiers: core/runtime/faster_cache.py, likewise (one
   state for both, the approximated attention extrapolated from the last two outputs);
-- SeaCacheConfig: runtime/sea_cache.py; the pipelines pass it no scheduler metadata, so diffusers runs it fail-open
+- SeaCacheConfig: core/runtime/sea_cache.py; the pipelines pass it no scheduler metadata, so diffusers runs it fail-open
   (nothing skipped): the uncached forward, after its root hook says so.
 MagCache and TaylorSeer's lite mode run their hooks. So do the five above where a rule does not run: a forward
 outside a fast pipeline's call, under offload hooks (weights arrive inside the module's call), FirstBlockCache in the

@@ -12,7 +12,7 @@ the model's dtype and keep diffusers' module names (their state-dict keys equal 
 forward synchronizes with the host, so it can be captured in a CUDA graph.
 
 The model holds its weights, its config and caches derived from them; what a pipeline call decides (LoRA scale,
-sequence-parallel group, batched CFG and graphs) reaches it through the forward context (runtime/context.py).
+sequence-parallel group, batched CFG and graphs) reaches it through the forward context (core/runtime/context.py).
 """
 
 import inspect
@@ -224,7 +224,7 @@ class FastQwenImageTransformer(Unsupported, StepCaches, ModulationTable, LoraAda
         return None if ulysses is not None else self.fp8_attention[0]
 
     def running(self) -> list[tuple[str, object]]:
-        """What a forward runs, as optimizations.py names it (recorded in a call's CallRecord)."""
+        """What a forward runs, as core/optimizations.py names it (recorded in a call's CallRecord)."""
         fp8 = bool(self.fast_config.fp8_linears)
         kernel = self.fp8_attention_in(get_context().ulysses)
         return ([("fused_transformer", True)] + ([("fp8", True)] if fp8 else [])
@@ -303,7 +303,7 @@ class FastQwenImageTransformer(Unsupported, StepCaches, ModulationTable, LoraAda
         """diffusers' forward. modulation (not a diffusers argument): this step's row of modulation_table(...)
         built for the same timestep, guidance, additional_t_cond and attention_kwargs scale; then the timestep
         embedding and the modulation linears are not run (their weights are not read). Inside a fast pipeline's
-        call the forward goes through its runner (runtime/runner.py: batched CFG, CUDA graphs)."""
+        call the forward goes through its runner (core/runtime/runner.py: batched CFG, CUDA graphs)."""
         scale = lora_scale_of(attention_kwargs, "Qwen-Image")
         inputs = dict(hidden_states=hidden_states, encoder_hidden_states=encoder_hidden_states,
                       encoder_hidden_states_mask=encoder_hidden_states_mask, timestep=timestep, img_shapes=img_shapes,
@@ -324,9 +324,9 @@ class FastQwenImageTransformer(Unsupported, StepCaches, ModulationTable, LoraAda
         self.run_blocks(state, 0, len(self.transformer_blocks))
         return self.finish(state)
 
-    # The pieces a step cache runs (runtime/step_cache.py), each a function of forward's inputs and tensors, so that
-    # the runner can capture each in a CUDA graph. Each begins the forward anew to have what the blocks share (rotary
-    # tables, mask, timestep embedding); middle and back take the streams as they are, without the embedders.
+    # The pieces a step cache runs (core/runtime/step_cache.py), each a function of forward's inputs and tensors, so
+    # that the runner can capture each in a CUDA graph. Each begins the forward anew to have what the blocks share
+    # (rotary tables, mask, timestep embedding); middle and back take the streams as they are, without the embedders.
 
     def front(self, stop: int, **inputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Blocks [0, stop): (img, txt, the image residual over them)."""
@@ -363,7 +363,7 @@ class FastQwenImageTransformer(Unsupported, StepCaches, ModulationTable, LoraAda
             encoder_hidden_states, encoder_hidden_states_mask = pad_text(
                 encoder_hidden_states, encoder_hidden_states_mask, ulysses.degree)
         txt_len = encoder_hidden_states.shape[1]  # the whole text (RoPE positions, mask)
-        if ulysses is not None:  # this rank's rows only once embedded (runtime/parallel.py)
+        if ulysses is not None:  # this rank's rows only once embedded (core/runtime/parallel.py)
             plan = ulysses.plan(img_len, txt_len, device)
             if controlnet_block_samples is not None:
                 controlnet_block_samples = [sample[:, plan.img] for sample in controlnet_block_samples]
@@ -422,7 +422,7 @@ class FastQwenImageTransformer(Unsupported, StepCaches, ModulationTable, LoraAda
         context = get_context()
         past = self.is_cache_enabled and context.past_hooks  # a native rule runs the cache (step_caches.py)
         hooked = self.is_cache_enabled and not past
-        attention_cache = context.attention_cache  # a TaylorSeer step's (runtime/taylorseer.py)
+        attention_cache = context.attention_cache  # a TaylorSeer step's (core/runtime/taylorseer.py)
         for i in range(start, stop):
             block = self.transformer_blocks[i]
             mods = None if state.modulation is None else state.layout.block(state.modulation, i)
