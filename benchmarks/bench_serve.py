@@ -246,6 +246,7 @@ def main():
     concurrencies = [1, 2] if args.tiny else [int(c) for c in args.concurrency.split(",")]
     env = {} if args.tiny else environment()
     recorded, log = 0, (args.out or Path("/tmp")) / "bench_serve_server.log"
+    log.parent.mkdir(parents=True, exist_ok=True)  # an --out folder not made yet (the server's log goes there first)
     for name, case in cases.items():
         reference, in_process_s = in_process(args, case, 2 if args.tiny else IN_PROCESS_IMAGES)
         print(f"{name}: in process {in_process_s:.3f} s an image ({1 / in_process_s:.3f} images/s)", flush=True)

@@ -29,7 +29,7 @@ TINY = {
     "bench_parallel.py": ["--tiny"],  # under torchrun, 2 processes on gloo
     "bench_pipeline.py": ["--tiny"],
     "bench_qwen21.py": ["--pipeline", "--tiny"],
-    "bench_serve.py": ["--tiny", "--port", "0"],
+    "bench_serve.py": ["--tiny", "--port", "0", "--out", "{tmp}/out"],  # a folder not made yet
     "bench_text.py": ["--tiny"],
     "bench_transformer.py": ["--tiny"],
     "compare_stock_vs_fast.py": ["--model", "tiny-random", "--prompts", "tests/fixtures/two_prompts.txt", "--out",
