@@ -421,6 +421,7 @@ def profile(model, inputs, out_dir, fp8_attention: str, sizes: Sizes) -> dict:
           f"({attention[0].key[:80]}); GPU time of the forward {row['forward_gpu_ms']:.1f} ms; one block: "
           f"{len(block)} kernels and memsets, {row['block_gpu_us']:.0f} us", flush=True)
     if out_dir:
+        out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / f"profile_ours_fp8_attention_{fp8_attention}.txt").write_text(
             table + "\nOne block, from its attention kernel to the next block's, in launch order (us, name):\n"
             + "\n".join(f"{us:9.1f}  {name[:150]}" for name, us in block) + "\n")
