@@ -27,7 +27,7 @@ from transformers import (
 )
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-from .qwen35.tiny import SPECIAL_TOKENS, byte_symbols
+from .qwen35.tiny import SPECIAL_TOKENS, byte_vocab
 from .core.vl_processor import processor_without_torchvision
 
 TINY_MODEL_ID = "tiny-random"
@@ -58,10 +58,7 @@ QWEN_IMAGE_SCHEDULER_CONFIG = dict(
 
 def tiny_tokenizer(vision: bool = False) -> Qwen2Tokenizer:
     """With vision: plus VISION_TOKENS, special (the processor expands <|image_pad|>), as the last four ids."""
-    vocab = {symbol: i for i, symbol in enumerate(byte_symbols())}
-    for token in SPECIAL_TOKENS:
-        vocab[token] = len(vocab)
-    tokenizer = Qwen2Tokenizer(vocab=vocab, merges=[], additional_special_tokens=list(SPECIAL_TOKENS[1:]))
+    tokenizer = Qwen2Tokenizer(vocab=byte_vocab(), merges=[], additional_special_tokens=list(SPECIAL_TOKENS[1:]))
     tokenizer.add_tokens(sorted(set(SYSTEM_PROMPT_PIECES)))
     if vision:
         tokenizer.add_special_tokens({"additional_special_tokens": list(SPECIAL_TOKENS[1:] + VISION_TOKENS)})

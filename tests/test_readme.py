@@ -11,6 +11,7 @@ import re
 import shlex
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -183,8 +184,8 @@ def test_readme_python_block_runs_on_the_tiny_models(key, tiny_checkpoints, tmp_
         block = block.replace(f'"{hub_id}"', repr(str(folder)))
     block = block.replace('"cuda"', '"cpu"')
     Image.new("RGB", (64, 64), (200, 120, 40)).save(tmp_path / "in.png")
-    script = ("from qwen_image_fast.pipelines.tiny import small_condition_images\n"
-              "_shrink = small_condition_images()\n_shrink.__enter__()\n" + setup + block + "\n" + BLOCK_CHECK)
+    script = ("from qwen_image_fast.pipelines.tiny import small_condition_images\n\n"
+              "with small_condition_images():\n" + textwrap.indent(setup + block, "    ") + "\n" + BLOCK_CHECK)
     (tmp_path / "block.py").write_text(script)
     env = {**os.environ, "TRITON_INTERPRET": "1", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     done = subprocess.run([sys.executable, "block.py"], cwd=tmp_path, env=env, capture_output=True, text=True,

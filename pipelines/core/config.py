@@ -25,7 +25,6 @@ PARALLEL_MODES = ("none", "cfg", "ulysses", "cfg,ulysses")
 MEMORY_MODES = ("fast", "low")
 
 
-
 def check_cache_blocks(Fn: int, Bn: int, n_blocks: int, what: str = "a transformer", option: str = "DBCache"):
     """ValueError unless the first Fn and the last Bn blocks leave a middle block to cache among n_blocks. A rule
     whose Fn does not fit a shallow model is refused, not shrunk to fit (that would run another rule than asked)."""

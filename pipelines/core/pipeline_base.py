@@ -112,7 +112,7 @@ def load_stock(pipeline_class: type, path_or_id, *args, **kwargs):
 
     takes_processor = "processor" in inspect.signature(pipeline_class.__init__).parameters
     if takes_processor and "processor" not in kwargs and not is_torchvision_available():
-        from ..core.vl_processor import load_processor_without_torchvision
+        from .vl_processor import load_processor_without_torchvision
 
         kwargs["processor"] = load_processor_without_torchvision(local_folder(path_or_id, "processor"))
     if type(kwargs.get("transformer")).__name__ not in FAST_TRANSFORMERS:
@@ -188,11 +188,8 @@ def saved_options(path_or_id) -> dict:
 
 class FastLoraPipeline:
     """diffusers' pipeline LoRA methods that look for peft layers, answered by the fast transformer (a fast
-    pipeline class mixes this in before its diffusers class; its _fast_transformer() gives the fast transformer, or
-    None: the stock one's peft layers answer)."""
-
-    def _fast_transformer(self):
-        raise NotImplementedError
+    pipeline class mixes this in, after FastPipelineState, before its diffusers class; _fast_transformer() gives the
+    fast transformer, or None: the stock one's peft layers answer)."""
 
     def get_active_adapters(self) -> list[str]:
         fast = self._fast_transformer()
@@ -235,7 +232,8 @@ class FastLoraPipeline:
 class FastCheckpointPipeline:
     """A fast pipeline's save_pretrained and from_pretrained (mixed in before its diffusers class, `stock_class`):
     a folder qwen_image_fast.from_pretrained loads back as it is, its fast transformer (`fast_transformer_class`)'s
-    FP8 weights as stored. The class gives _fast_transformer() and _build(components, config, device)."""
+    FP8 weights as stored. FastPipelineState, mixed in before it, gives _fast_transformer() and _build(components,
+    config, device)."""
 
     stock_class: type
     fast_transformer_class: type

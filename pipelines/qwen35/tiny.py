@@ -57,12 +57,17 @@ def byte_symbols() -> list[str]:
     return [table[b] for b in range(256)]
 
 
-def tiny_qwen35_tokenizer() -> Qwen2Tokenizer:
-    """Byte-level like tiny_tokenizer, with Qwen3.5's chat tokens, its think tags and QWEN35_CHAT_TEMPLATE."""
+def byte_vocab() -> dict[str, int]:
+    """A byte-level tokenizer's vocabulary: the 256 byte symbols, then SPECIAL_TOKENS (no merges)."""
     vocab = {symbol: i for i, symbol in enumerate(byte_symbols())}
     for token in SPECIAL_TOKENS:
         vocab[token] = len(vocab)
-    tokenizer = Qwen2Tokenizer(vocab=vocab, merges=[], eos_token="<|im_end|>", pad_token="<|endoftext|>",
+    return vocab
+
+
+def tiny_qwen35_tokenizer() -> Qwen2Tokenizer:
+    """Byte-level like tiny_tokenizer, with Qwen3.5's chat tokens, its think tags and QWEN35_CHAT_TEMPLATE."""
+    tokenizer = Qwen2Tokenizer(vocab=byte_vocab(), merges=[], eos_token="<|im_end|>", pad_token="<|endoftext|>",
                                additional_special_tokens=list(SPECIAL_TOKENS[1:]))
     tokenizer.add_tokens(list(THINK_TOKENS))
     tokenizer.chat_template = QWEN35_CHAT_TEMPLATE

@@ -89,13 +89,19 @@ def save_image(image: Image.Image, path: Path, fmt: str, settings: dict):
     write_atomic(path, lambda f: write_image(image, f, FORMATS[fmt], settings))
 
 
+def png_texts(settings: dict) -> dict[str, str]:
+    """A PNG's text chunks for its settings (keyword -> text): one iTXt "Description" holding them as JSON."""
+    return {PNG_DESCRIPTION: to_json(settings)}
+
+
 def write_image(image: Image.Image, f, pil_format: str, settings: dict, quality: int = QUALITY):
     """The image to the file object f in PIL's `pil_format` with the settings as one JSON object: PNG in an iTXt
     "Description" chunk (UTF-8), JPEG/WebP in EXIF ImageDescription (ASCII-escaped). The same JSON in every format,
     so read_settings gives the same types. quality: JPEG / WebP's."""
     if pil_format == "PNG":
         info = PngInfo()
-        info.add_itxt(PNG_DESCRIPTION, to_json(settings))
+        for keyword, text in png_texts(settings).items():
+            info.add_itxt(keyword, text)
         image.save(f, format="PNG", pnginfo=info)
     else:
         exif = Image.Exif()

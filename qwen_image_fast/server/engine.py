@@ -3,8 +3,9 @@ pipeline call each) sent down a pipe, answering each with its images encoded and
 
 A batch's images are encoded (PNG / WebP / JPEG) on threads while the device computes the next batch: the engine
 says ("computed", id) as soon as the pipeline call returns, so the server can send the next one, and ("done", id,
-...) once the images are encoded. Encoding a 1024² PNG takes ~0.1 s of CPU (PIL releases the GIL while it
-compresses), a batch of four several times that: serially, the device would wait for it after every call.
+...) once the images are encoded. Encoding a 1024² image takes tens of ms of CPU (png.py, zlib and PIL release the
+GIL while they compress), a batch of four several times that: serially, the device would wait for it after every
+call.
 
 A process, not a thread, so that a crash, an out-of-memory kill or kill -9 takes down one engine and not the
 server: the server sees the pipe close, answers that engine's requests with 503 and starts it again (engines.py).
@@ -21,7 +22,7 @@ import traceback
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from ..cli.output import PNG_DESCRIPTION, image_settings, to_json, write_image
+from ..cli.output import image_settings, png_texts, write_image
 from . import png
 from .protocol import OUTPUT_FORMATS
 
@@ -96,7 +97,7 @@ def encode(image, fmt: str, compression: int, settings: dict) -> bytes:
     """The image in `fmt` with its settings embedded as render embeds them (cli.output.write_image); a PNG by png.py
     (deflated on several threads: on a lone request's path, PIL's one thread took ~0.1-0.2 s at 1024²)."""
     if fmt == "png" and png.supports(image):
-        return png.png_bytes(image, {PNG_DESCRIPTION: to_json(settings)})
+        return png.png_bytes(image, png_texts(settings))
     out = io.BytesIO()
     write_image(image, out, OUTPUT_FORMATS[fmt], settings, compression)  # RGBA asks for no JPEG (protocol.py)
     return out.getvalue()
@@ -220,8 +221,8 @@ def condition_images(shrink: int | None):
 def engine_main(conn, spec: EngineSpec):
     """The engine process: ("ready",) once loaded and warmed up (or ("failed", why)), then for each Batch
     received ("computed", id) when its pipeline call returns and then ("done", id, [bytes], applied, seconds: the
-    call's, seconds from the call's end to its images encoded) once they are, or ("error", id, why) in place of either; None or a closed pipe ends it,
-    after the batches computed so far are answered. Ctrl-C reaches the server's whole process group: the server
+    call's, seconds from the call's end to its images encoded) once they are, or ("error", id, why) in place of
+    either; None or a closed pipe ends it, after the batches computed so far are answered. Ctrl-C reaches the server's whole process group: the server
     drains, so an engine ignores SIGINT and ends when told."""
     import signal
 

@@ -68,10 +68,11 @@ def zlib_stream(filtered: np.ndarray) -> bytes:
 
 def itxt(keyword: str, text: str) -> bytes:
     """An iTXt chunk's data: keyword, no compression, no language tag or translated keyword, UTF-8 text."""
-    return keyword.encode("latin-1") + b"\0\0\0" + b"\0" + b"\0" + text.encode("utf-8")
+    # keyword NUL | compression flag 0 | compression method 0 | language tag "" NUL | translated keyword "" NUL | text
+    return keyword.encode("latin-1") + b"\0" + b"\0\0" + b"\0" + b"\0" + text.encode("utf-8")
 
 
-def png_bytes(image, texts: dict[str, str] = {}) -> bytes:
+def png_bytes(image, texts: dict[str, str]) -> bytes:
     """A PIL image of a mode in COLOR_TYPES as PNG bytes, with `texts` as iTXt chunks (keyword -> text)."""
     pixels = np.asarray(image, dtype=np.uint8)
     height, width = pixels.shape[:2]

@@ -1,8 +1,8 @@
 """Dynamic batching over the engines: requests queue as Items; whenever an engine is free, the oldest item's
 compatible images (ImageRequest.batch_key) go to it as one pipeline call, up to max_batch images, after waiting at
 most max_wait for company. An engine is free again once its call is computed, while its images are still being
-encoded (engine.py): their requests wait in Engine.encoding until its "done". A request's images may span several calls (n > max_batch); it is answered once all are
-back. An engine that stops (its pipe closes: a crash, kill -9) fails its batch's requests with 503 and is started
+encoded (engine.py): their requests wait in Engine.encoding until its "done". A request's images may span several
+calls (n > max_batch); it is answered once all are back. An engine that stops (its pipe closes: a crash, kill -9) fails its batch's requests with 503 and is started
 again; a request that times out or whose client goes away is dropped from the queue (a batch already running
 finishes, its images unused). Every item is answered once: Item.finish ignores a second outcome.
 """
