@@ -4,7 +4,7 @@ over every model family (the leaves qwen_image/ and qwen_image21/, the qwen35/ p
 
 from .core.config import FastConfig
 from .core.pipeline_base import init_arguments, model_index
-from .qwen35.enhance import resolve_enhancer
+from .core.prompt_enhancer import resolve_enhancer
 from .qwen_image.family import IMAGE_CONDITIONED
 from .qwen_image.text_to_image import QwenImageFastPipeline
 from .qwen_image21.pipeline import FastQwenImage21Pipeline
@@ -30,7 +30,7 @@ def optimize(pipe, config: FastConfig | str | None = None, device=None, enhance_
     is; build from a CPU pipeline straight onto the GPU to never hold two BF16 copies there), the VAE made the one
     that decodes in 2D. `pipe` itself keeps its class and takes the converted components too, so its stock weights
     are not kept twice. enhance_prompt (text-to-image only): rewrite each prompt with a local Qwen3.5 before
-    encoding it (pipelines/qwen35/enhance.py resolve_enhancer). Any other pipeline: TypeError naming the
+    encoding it (core/prompt_enhancer.py resolve_enhancer). Any other pipeline: TypeError naming the
     supported ones."""
     config = FastConfig.coerce(config)
     if is_fast_pipeline(pipe):

@@ -183,23 +183,16 @@ class PromptEnhancer:
         return f"PromptEnhancer({self.name or type(self.model).__name__}, device={self.model.device})"
 
 
-def resolve_enhancer(enhance_prompt, device=None):
-    """None / False: no enhancer. True: PromptEnhancer.from_pretrained() (DEFAULT_ENHANCER_ID). A str or path: a
-    Qwen3.5 checkpoint (local folder or hub id); "tiny-random": tiny_enhancer(), random weights, for tests. An object
-    with an enhance(prompts) -> list[str] method (a PromptEnhancer): itself. device: where a loaded enhancer runs
-    (None: CUDA when available)."""
-    if enhance_prompt is None or enhance_prompt is False:
-        return None
+def load_enhancer(enhance_prompt, device=None):
+    """True: PromptEnhancer.from_pretrained() (DEFAULT_ENHANCER_ID). A str or path: a Qwen3.5 checkpoint (local
+    folder or hub id); "tiny-random": tiny_enhancer(), random weights, for tests. device: where it runs (None: CUDA
+    when available). What core/prompt_enhancer.resolve_enhancer loads names with (registered by
+    pipelines/__init__.py)."""
     if enhance_prompt is True:
         return PromptEnhancer.from_pretrained(DEFAULT_ENHANCER_ID, device=device)
     if enhance_prompt == TINY_ENHANCER_ID:
         return tiny_enhancer(device=device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if isinstance(enhance_prompt, (str, os.PathLike)):
-        return PromptEnhancer.from_pretrained(os.fspath(enhance_prompt), device=device)
-    if callable(getattr(enhance_prompt, "enhance", None)):
-        return enhance_prompt
-    raise TypeError(f"enhance_prompt={enhance_prompt!r}; allowed: None, False, True, a checkpoint path or hub id, "
-                    "or a PromptEnhancer")
+    return PromptEnhancer.from_pretrained(os.fspath(enhance_prompt), device=device)
 
 
 def tiny_enhancer(seed: int = 0, max_new_tokens: int = 8, device="cpu"):

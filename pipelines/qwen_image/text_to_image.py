@@ -26,8 +26,8 @@ import torch
 from diffusers import QwenImagePipeline
 from diffusers.pipelines.qwenimage.pipeline_output import QwenImagePipelineOutput
 
-from ..qwen35.enhance import resolve_enhancer
 from ..core.config import FastConfig
+from ..core.prompt_enhancer import resolve_enhancer
 from .fast_pipeline import FastPipelineMixin
 from ..core.runtime.memory import place_low_memory
 from ..core.runtime.offload import TakingTurns

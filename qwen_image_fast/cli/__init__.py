@@ -161,7 +161,7 @@ def run_render(args) -> int:
         return pipe
 
     def load_enhancer():
-        from ..pipelines.qwen35.enhance import resolve_enhancer
+        from ..pipelines.core.prompt_enhancer import resolve_enhancer
 
         try:
             return resolve_enhancer(args.enhance, device)

@@ -238,3 +238,23 @@ def test_enhance_on_the_real_qwen35_vocabulary(real_tokenizer_dir, tmp_path):
     assert rewrite != "a red fox"  # not the fallback for an empty reply
     assert rewrite == clean_output(enhancer.decode(reply), truncated=len(reply) == 3,
                                    special_tokens=tokenizer.all_special_tokens)
+
+
+def test_enhancer_names_resolve_through_the_core_registry(tiny, monkeypatch):
+    """The 2512 pipeline resolves enhance_prompt= in core/prompt_enhancer.py, with the Qwen3.5 loader that
+    qwen_image_fast.pipelines registers: a name loads through it, an enhancer passes as is, and without a loader a
+    name is refused saying what to do (never silently ignored)."""
+    from qwen_image_fast.pipelines import load_qwen35_enhancer
+    from qwen_image_fast.pipelines.core import prompt_enhancer
+
+    assert prompt_enhancer._loader is load_qwen35_enhancer
+    loaded = prompt_enhancer.resolve_enhancer("tiny-random", "cpu")
+    assert isinstance(loaded, PromptEnhancer) and loaded.name == "tiny-random"
+    assert prompt_enhancer.resolve_enhancer(tiny) is tiny
+    assert prompt_enhancer.resolve_enhancer(None) is None and prompt_enhancer.resolve_enhancer(False) is None
+    with pytest.raises(TypeError, match="enhance_prompt=3; allowed"):
+        prompt_enhancer.resolve_enhancer(3)
+    monkeypatch.setattr(prompt_enhancer, "_loader", None)
+    with pytest.raises(RuntimeError, match="no prompt-enhancer loader is registered"):
+        prompt_enhancer.resolve_enhancer(True)
+    assert prompt_enhancer.resolve_enhancer(tiny) is tiny
