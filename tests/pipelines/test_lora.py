@@ -3,6 +3,7 @@ components on the CPU, FP8 off: <= 1e-5), for every API path: load before / afte
 weights, fuse / unfuse, disable / enable, unload, delete, attention_kwargs scale, block and non-block targets."""
 
 import functools
+import logging
 
 import pytest
 import torch
@@ -457,3 +458,17 @@ def test_graph_replay_follows_the_attention_scale_of_each_call_on_gpu():
         out = latents(graphed, scale)
         assert "cuda_graphs" in graphed.applied
         assert rel_rms_error(out, refs[scale]) < 1e-2, (scale, rel_rms_error(out, refs[scale]))
+
+
+def test_no_lora_keys_for_the_prefix_warns_on_diffusers_logger(caplog):
+    """A state dict with no key under the transformer's prefix loads nothing and warns, on diffusers' own
+    `diffusers.loaders.peft` logger as stock does (diffusers' LoRA tests and users' verbosity settings look there)."""
+    stock, fast = pair()
+    text_encoder_only = {"text_encoder.layers.0.q_proj.lora_A.weight": torch.zeros(2, 4)}
+    for pipe in (stock, fast):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="diffusers.loaders.peft"):
+            pipe.transformer.load_lora_adapter(dict(text_encoder_only), prefix="transformer", adapter_name="x")
+        warned = [r for r in caplog.records if r.name == "diffusers.loaders.peft" and "No LoRA keys" in r.message]
+        assert len(warned) == 1, (type(pipe.transformer).__name__, [(r.name, r.message) for r in caplog.records])
+        assert pipe.get_list_adapters() == {}

@@ -17,6 +17,9 @@ from .lora import LoraLinear, LoraTargetLinear, site_of
 from .unsupported import BASELINE_ADVICE, HOTSWAP_ADVICE
 
 logger = logging.get_logger(__name__)
+# the warnings diffusers' PeftAdapterMixin gives, under its logger: where users' verbosity settings and diffusers' own
+# LoRA tests look for them
+stock_logger = logging.get_logger("diffusers.loaders.peft")
 
 def peft_lora_layers(model: nn.Module) -> dict[str, nn.Module]:
     """name -> module of every peft LoRA layer (duck-typed on peft's BaseTunerLayer attributes, so peft need not be
@@ -194,7 +197,7 @@ class LoraAdapters:
                 network_alphas = {k.removeprefix(f"{prefix}."): v for k, v in network_alphas.items()
                                   if k.startswith(f"{prefix}.")}
         if not state_dict:
-            logger.warning(f"No LoRA keys associated to {type(self).__name__} found with the prefix={prefix!r}: "
+            stock_logger.warning(f"No LoRA keys associated to {type(self).__name__} found with the prefix={prefix!r}: "
                            "nothing was loaded (as diffusers does); pass prefix=None for keys without it")
             return
         if adapter_name in self.lora_state.configs:
