@@ -398,16 +398,14 @@ class FastQwenImage21Transformer(Unsupported, LoraAdapters, ModelMixin, ConfigMi
     def _graphed(self, key: tuple, inputs: dict, step) -> torch.Tensor:
         """step(**inputs) from a CUDA graph from the second time `key` runs (the first compiles the kernels)."""
         self.graphs.drop_if_weights_moved(self)
-        if key not in self.graphs and key not in self._graphs_seen:
-            self._graphs_seen.add(key)
-            return step(**inputs)
         try:
-            out = self.graphs.replay(key, inputs, step)
+            out, replayed = self.graphs.run(key, inputs, step, self._graphs_seen)
         except GraphCaptureError as e:  # the step runs eagerly; graphs stay off for this key
             logger.warning("CUDA graph capture failed, the Qwen-Image-2.1 step runs eagerly: %s", e.__cause__ or e)
             self._graphs_seen.discard(key)
             return step(**inputs)
-        record("cuda_graphs")
+        if replayed:
+            record("cuda_graphs")
         return out
 
     def _joint(self, hidden_states, encoder_hidden_states, img_mask, layout: Layout):

@@ -153,7 +153,7 @@ def test_cfg_pairing_returns_the_kept_half_only_for_the_inputs_it_was_computed_f
     """Calls as a pipeline's loop makes them, then ones that differ from what the "cond" call speculated: another
     latents tensor, latents changed in place, another negative text, another timestep. Each "uncond" answer must be
     the unpaired forward of its own inputs."""
-    from qwen_image_fast.pipelines.core.runtime.context import forward_context
+    from qwen_image_fast.pipelines.core.runtime.forward_hook import hook_on
     from qwen_image_fast.pipelines.core.runtime.runner import Runner
 
     fast = optimize(stock("img2img"), EXACT).transformer
@@ -169,7 +169,7 @@ def test_cfg_pairing_returns_the_kept_half_only_for_the_inputs_it_was_computed_f
                         timestep=timestep, img_shapes=[[(1, 4, 6)]], return_dict=False)[0]
 
     def unpaired(hidden, embeds, timestep):
-        with forward_context(run=None):
+        with hook_on(fast, None):
             return call(None, hidden, embeds, timestep)
 
     paired_call = Runner().call(fast, optimizations.CallRecord(), graphs=False, pair_cfg=True, bucket=1)

@@ -3,18 +3,18 @@
 The fast transformer and VAE hold only their weights (and caches derived from them). What a call decides reaches
 them here, set by the pipeline for the call (or by the transformer's forward for itself: the LoRA scale, the
 cache_context name) and read where it is used, as nano-vllm's `Context` does; a context variable, so threads and
-nested calls each see their own:
+nested calls each see their own. It holds data: where a forward must go through the runner (a diffusers loop's
+call of the transformer), the runner puts a hook on the module (runtime/forward_hook.py) instead.
 - lora_scale: attention_kwargs["scale"] of the forward running (model/lora.py multiplies the adapters by it);
 - cache_name: diffusers' cache_context ("cond" / "uncond"): which CFG pass a forward is (runtime/runner.py pairs
   them);
-- run: the call's CallRun (runtime/runner.py) when a diffusers loop calls the transformer: its forwards go through
-  it (batched CFG, CUDA graphs);
-- block_graphs: the call's CallRun when blocks replay from graphs under diffusers' step-cache hooks (its
-  graphed_block and block_buffers);
+- block_graphs: when blocks replay from graphs under diffusers' step-cache hooks, the forward's BlockGraphs
+  (runtime/block_graphs.py: the runner's store of block graphs, the call's eager keys, the adapters' key);
 - past_hooks: a step cache run by the runner (runtime/step_cache.py) for an enabled diffusers cache whose decisions
   it makes (model/step_caches.native_rule): the blocks are called past that cache's hooks;
-- attention_cache: in a TaylorSeer forward run by the runner (runtime/taylorseer.py), block index -> what the block
-  does with its attention (predict it, or compute and store it);
+- attention_cache: in a forward of an attention-level step cache run by the runner (runtime/taylorseer.py,
+  pyramid_broadcast.py, faster_cache.py): per block, what it does with its attention (a BlockCache: predict or
+  reuse it, or compute and store it);
 - ulysses: the sequence-parallel group of a FastConfig(parallel="ulysses") call (runtime/parallel.py);
 - weights_take_turns: memory="low" (runtime/offload.py): the forward checks that the block linears are on its device;
 - record: the call's CallRecord (optimizations.py): what ran, for `applied`;
@@ -32,10 +32,9 @@ from typing import Any
 class ForwardContext:
     lora_scale: float = 1.0
     cache_name: str | None = None
-    run: Any = None  # runner.CallRun
-    block_graphs: Any = None  # runner.CallRun
+    block_graphs: Any = None  # block_graphs.BlockGraphs
     past_hooks: bool = False
-    attention_cache: Any = None  # (int) -> taylorseer.BlockCache
+    attention_cache: tuple | None = None  # a BlockCache per block
     ulysses: Any = None  # parallel.Ulysses
     weights_take_turns: bool = False
     record: Any = None  # optimizations.CallRecord

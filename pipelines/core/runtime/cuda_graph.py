@@ -6,7 +6,9 @@ back to back. A graph is keyed by its forward's signature (every tensor argument
 non-tensor arguments such as img_shapes) and what else the forward reads that its arguments do not carry (the LoRA
 scale and adapters' version): a new resolution, batch or text length captures a new graph. Inputs are copied into
 the graph's static buffers before each replay; the output is copied out, so it stays valid after the next replay.
-When to capture is the runner's policy (runner.py); this file only captures and replays.
+When to capture is one policy, Graphs.run's, for every user (the runner, runner.py; the 2.1 transformer's cached
+steps): a key's first forward runs eagerly (it compiles the kernels and fills the model's caches), its second is
+captured, later ones replay.
 
 Pieces of a forward between which Python runs (a block under diffusers' step-cache hooks, runner.py) are captured
 into one shared memory pool: a piece's intermediates are dead once it returns, and its output is copied out right
@@ -60,6 +62,7 @@ class Graphs:
         self.weights_at: tuple = ()  # (the weights' data_ptrs, the LoRA adapters' version)
         self.pool = None  # shared: the memory pool of every capture
         self.inputs: dict[tuple, dict] = {}  # shared: (input kind, signature) -> static input buffers
+        self.failed: str | None = None  # a capture error of a user that has no runner in reach (block_graphs.py)
 
     def clear(self):
         self.graphs.clear()
@@ -92,6 +95,15 @@ class Graphs:
             for name, buf in self.inputs[key].items():
                 buf.copy_(tensors[name])
         return self.inputs[key]
+
+    def run(self, key: tuple, inputs: dict, compute, seen: set, kind: str = "") -> tuple:
+        """(compute(**inputs), whether it came from a graph): eagerly the first time `key` runs (noted in `seen`,
+        the caller's set of keys run eagerly), from the graph of `key` every time after (captured the second
+        time). A failed capture raises GraphCaptureError; the caller decides how to go on."""
+        if key not in self.graphs and key not in seen:
+            seen.add(key)
+            return compute(**inputs), False
+        return self.replay(key, inputs, compute, kind), True
 
     def replay(self, key: tuple, inputs: dict, run, kind: str = ""):
         """run(**inputs) from the graph of `key`, captured first if there is none (no warm-up runs: the caller ran

@@ -7,16 +7,16 @@ A pipeline owns one Runner (its graphs live across calls); each call opens a Cal
   call runs eagerly (it compiles the kernels and fills the model's caches), its second is captured and replayed,
   later ones replay; graphs are kept across calls (at most MAX_GRAPHS, least recently used dropped) and dropped when
   the weights move. Forwards with ControlNet residuals (a list of tensors) run eagerly. A capture error turns graphs
-  off for the pipeline, with a warning.
+  off for the pipeline, with a warning. When to capture is cuda_graph.Graphs.run's policy, the same for every
+  user.
 - `pair(inputs, negative_embeds, negative_mask)`: batched CFG, prompt and negative prompt in one forward of batch
   2B (cfg_pairing.paired_inputs); the text-to-image loop calls it.
-- `diffusers_forward(inputs)`: what the fast transformer's forward does inside a diffusers loop's call: pairs the
-  "cond" and "uncond" forwards by speculation (cfg_pairing.Speculation) when batched CFG is on.
+- `new_forward(inputs)`: the call's hook on the fast transformer's forward (forward_hook.py), for the forwards a
+  diffusers loop calls: pairs "cond" and "uncond" by speculation (cfg_pairing.Speculation) when batched CFG is on.
 Under diffusers' step caches (transformer.enable_cache) a forward runs eagerly, its hooks deciding on the host around
 the blocks (and their attention modules), unless the step cache runs it (a native rule, model/step_caches.py); with
-graphs each block replays from its own graphs instead
-(`graphed_block`: the whole block, or three pieces around a hooked attention module), captured on a block's second
-forward of a signature like a whole forward.
+graphs each block replays from its own graphs instead (block_graphs.py: the whole block, or three pieces around a
+hooked attention module, set in the forward context as data).
 What ran is recorded in the call's CallRecord (optimizations.py).
 """
 
@@ -26,10 +26,12 @@ import logging
 
 import torch
 
+from .block_graphs import BlockGraphs
 from .cfg_pairing import Speculation, bucketed_text, paired_inputs
 from .context import forward_context, get_context
 from .cuda_graph import GraphCaptureError, Graphs, signature
 from .faster_cache import FasterCacheRule, FasterCacheRun
+from .forward_hook import hook_on
 from .offload import has_offload_hooks
 from .pyramid_broadcast import PyramidBroadcastRule, PyramidBroadcastRun
 from .sea_cache import SeaCacheFailOpen, SeaCacheFailOpenRun
@@ -53,7 +55,7 @@ class Runner:
 
     def __init__(self, max_graphs: int = MAX_GRAPHS):
         self.graphs = Graphs(max_graphs)
-        self.block_graphs = Graphs(shared=True)  # under diffusers' step caches (graphed_block)
+        self.block_graphs = Graphs(shared=True)  # under diffusers' step caches (block_graphs.py)
         # the buffers an attention-level rule's graphs write (kept across calls, as the graphs), and that rule
         self.taylor_factors: dict = {}  # TaylorSeer's factors: taylorseer.py
         self.last_attention: dict = {}  # Pyramid Attention Broadcast's last outputs: pyramid_broadcast.py
@@ -68,6 +70,9 @@ class Runner:
         registry's plan); bucket: FastConfig.text_bucket; attention_kwargs: the call's, for a stock transformer;
         step_cache: the step cache's rule when one runs (FastConfig.cache, a DBCache, or the native rule of an
         enabled diffusers cache: model/step_caches.py), else None."""
+        if self.block_graphs.failed and self.graphs_failed is None:  # a block graph's capture failed (block_graphs.py)
+            self.graphs_failed = self.block_graphs.failed
+            self.graphs.clear()
         graphs = graphs and self.graphs_failed is None
         if graphs:
             self.graphs.drop_if_weights_moved(transformer)
@@ -96,7 +101,7 @@ class Runner:
             step_cache = StepCacheRun(step_cache, len(transformer.transformer_blocks))
         run = CallRun(self, transformer, record, graphs=graphs, pair_cfg=pair_cfg, bucket=bucket,
                       attention_kwargs=attention_kwargs or {}, step_cache=step_cache)
-        with forward_context(run=run, record=record):
+        with forward_context(record=record), hook_on(transformer, run) if run.fused else contextlib.nullcontext():
             yield run
 
 
@@ -125,7 +130,7 @@ class CallRun:
     def _forward(self, context: str, inputs: dict, onload: bool, text_lengths: tuple | None = None) -> torch.Tensor:
         """onload: the forward has not been through the module's own call yet (the text-to-image loop's); where the
         module has offload hooks, it goes through it then (the hooks bring the weights in), computing without
-        coming back here (run=None). False where a diffusers loop's call of the module brought it here.
+        coming back here (no hook). False where a diffusers loop's call of the module brought it here.
         text_lengths: a paired forward's two prompt lengths before padding (else its text's)."""
         if not self.fused:  # diffusers' model: its own forward, under the cache_context a diffusers loop sets
             if inputs.pop("modulation", None) is not None:
@@ -138,10 +143,12 @@ class CallRun:
         if self.diffusers_hooks:  # each block the hooks let run counts itself
             self.record.add("step_cache", self.transformer.step_cache_name)
             self.record.count_blocks(0, blocks * rows)
-        # under a diffusers cache's hooks, blocks replay from graphs (graphed_block); no graph of a whole forward
-        blocks_graphed = self if self.graphs and self.diffusers_hooks else None
+        # under a diffusers cache's hooks, blocks replay from graphs (block_graphs.py); no graph of a whole forward
+        blocks_graphed = (BlockGraphs(self.runner.block_graphs, self.seen, self.transformer.lora_key())
+                          if self.graphs and self.diffusers_hooks else None)
         if onload and self.hooked:  # no graphs under offload hooks (the registry's plan)
-            with forward_context(run=None, block_graphs=blocks_graphed), self.transformer.cache_context(context):
+            with hook_on(self.transformer, None), forward_context(block_graphs=blocks_graphed), \
+                    self.transformer.cache_context(context):
                 return self.transformer(**inputs, attention_kwargs={"scale": get_context().lora_scale},
                                         return_dict=False)[0]
         with forward_context(cache_name=context, block_graphs=blocks_graphed):
@@ -196,8 +203,8 @@ class CallRun:
         (whose buffers it writes) like a whole forward; its scalars (TaylorSeer's delta or coefficients) are an
         input of the graph."""
         def compute(rule_scalars, **inputs):
-            with forward_context(attention_cache=lambda i: block_cache(i, rule_scalars),
-                                 past_hooks=self.transformer.is_cache_enabled):
+            caches = tuple(block_cache(i, rule_scalars) for i in range(len(self.transformer.transformer_blocks)))
+            with forward_context(attention_cache=caches, past_hooks=self.transformer.is_cache_enabled):
                 return self.transformer.compute(**inputs)
 
         if not graphs:
@@ -205,16 +212,11 @@ class CallRun:
         return self._graphed(inputs | dict(rule_scalars=scalars), compute,
                              (self.step_cache.rule.kind, names) + tuple(variant))
 
-    def _graphed(self, inputs: dict, compute, piece: tuple = (), blocks: bool = False):
-        """compute(**inputs), from a graph of the runner's (of its block graphs if `blocks`) from the second time
-        its key runs."""
-        store = self.runner.block_graphs if blocks else self.runner.graphs
+    def _graphed(self, inputs: dict, compute, piece: tuple = ()):
+        """compute(**inputs), from a graph of the runner's from the second time its key runs."""
         key = (signature(inputs), self.transformer.lora_key(), piece)
-        if key not in store and key not in self.seen:
-            self.seen.add(key)
-            return compute(**inputs)
         try:
-            out = store.replay(key, inputs, compute, kind=piece[1] if blocks else "")
+            out, replayed = self.runner.graphs.run(key, inputs, compute, self.seen)
         except GraphCaptureError as e:
             logger.warning("CUDA graph capture failed, running the transformer eagerly from now on: %s",
                            e.__cause__ or e)
@@ -222,25 +224,9 @@ class CallRun:
             self.runner.graphs.clear()
             self.runner.block_graphs.clear()
             return compute(**inputs)
-        self.record.add("cuda_graphs", "blocks" if blocks else True)
+        if replayed:
+            self.record.add("cuda_graphs", True)
         return out
-
-    def graphed_block(self, module, piece: str, inputs: dict, compute, joint_key: tuple):
-        """compute(**inputs): `piece` ("block", or "pre" / "attn" / "post" around a hooked attention module) of
-        one block of a forward under diffusers' step-cache hooks, from a graph per (module, piece, signature). It
-        reads the forward's shared tensors from the buffers block_buffers filled (joint_key: their signature)."""
-        def run(**tensors):
-            with forward_context(block_graphs=None):  # nothing inside a piece is graphed apart
-                return compute(**tensors)
-
-        if not self.graphs:  # a capture failed in this call
-            return run(**inputs)
-        return self._graphed(inputs, run, (id(module), piece, joint_key), blocks=True)
-
-    def block_buffers(self, kind: str, tensors: dict, fill: bool = True) -> dict:
-        """The buffers the block graphs read for `kind` and the tensors' signature, holding `tensors` (fill: copied
-        in; else scratch, the buffers as they are)."""
-        return self.runner.block_graphs.filled(kind, tensors, fill)
 
     def pair(self, inputs: dict, negative_embeds: torch.Tensor, negative_mask: torch.Tensor | None,
              modulation: torch.Tensor | None = None, onload: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
@@ -251,8 +237,9 @@ class CallRun:
         self.record.add("batched_cfg")
         return out[:batch], out[batch:]
 
-    def diffusers_forward(self, inputs: dict) -> torch.Tensor:
-        """A forward a diffusers loop made (under its cache_context), paired by speculation when batched CFG is on."""
+    def new_forward(self, inputs: dict) -> torch.Tensor:
+        """The fast transformer's forward while this call's hook is on it (forward_hook.py): a forward a diffusers
+        loop made (under its cache_context), paired by speculation when batched CFG is on."""
         context = get_context().cache_name  # the loop's call of the module went through its offload hooks
         if self.speculation is None:
             return self._forward(context, inputs, onload=False)

@@ -157,8 +157,9 @@ class JointInputs:
     valid_keys: torch.Tensor | None = None  # with it: int32 [B], each sample's valid keys (the mask's, or all)
 
     def on_buffers(self, graphs) -> "JointInputs":
-        """These inputs copied into the buffers that block graphs read (graphs: runner.CallRun.block_buffers), the
-        Q/K/V buffer one of them (scratch): what every block of a forward shares, filled once per forward."""
+        """These inputs copied into the buffers that block graphs read (graphs: core/runtime/block_graphs.py's
+        BlockGraphs), the Q/K/V buffer one of them (scratch): what every block of a forward shares, filled once per
+        forward."""
         tensors = dict(img_freqs=self.img_freqs, txt_freqs=self.txt_freqs, silu_temb=self.silu_temb,
                        silu_temb_t=self.silu_temb_t, mod_row=self.mod_row)
         if self.mask is not None:
@@ -405,7 +406,7 @@ class FastBlock(nn.Module):
     def stock_forward(self, hidden_states, encoder_hidden_states, joint: JointInputs, mods=None):
         """diffusers' block output, (encoder_hidden_states, hidden_states) with every residual added: how the block
         runs under diffusers' step caches (registered below: their block-level hooks read this output). With block
-        graphs on (runner.CallRun.graphed_block) the block replays from its graph, or, when a hook sits on its
+        graphs on (core/runtime/block_graphs.py) the block replays from its graph, or, when a hook sits on its
         attention module, the pieces before and after it do; a hook on anything else inside keeps it eager."""
         count_blocks(hidden_states.shape[0])  # the hooks let it run: the runner cannot count it
         graphs = get_context().block_graphs

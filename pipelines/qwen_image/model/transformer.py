@@ -38,6 +38,7 @@ from ...core.config import FastTransformerConfig
 from ...core.runtime.cfg_pairing import pad_text
 from ...core.runtime.context import forward_context, get_context
 from ...core.runtime.cuda_graph import read_by_graph
+from ...core.runtime.forward_hook import HookedForward
 from ...core.runtime.offload import has_offload_hooks
 from ...core.runtime.parallel import UlyssesPlan
 from ...core.model.adapters import LoraAdapters, check_carriable, peft_lora_layers
@@ -84,7 +85,8 @@ def check_triton_runs_on(device: torch.device):
 
 
 
-class FastQwenImageTransformer(Unsupported, StepCaches, ModulationTable, LoraAdapters, ModelMixin, ConfigMixin):
+class FastQwenImageTransformer(Unsupported, StepCaches, ModulationTable, LoraAdapters, HookedForward, ModelMixin,
+                               ConfigMixin):
     """Drop-in for diffusers' QwenImageTransformer2DModel: same forward arguments and output, its config (plus
     "fast_config": how the block linears are stored and run), dtype, device, cache_context, and every weight
     registered, so `.to()`, `state_dict()`, `save_pretrained()` and offload hooks see them all.
@@ -303,16 +305,16 @@ class FastQwenImageTransformer(Unsupported, StepCaches, ModulationTable, LoraAda
         """diffusers' forward. modulation (not a diffusers argument): this step's row of modulation_table(...)
         built for the same timestep, guidance, additional_t_cond and attention_kwargs scale; then the timestep
         embedding and the modulation linears are not run (their weights are not read). Inside a fast pipeline's
-        call the forward goes through its runner (core/runtime/runner.py: batched CFG, CUDA graphs)."""
+        call the forward goes through its runner's hook (core/runtime/forward_hook.py, runner.py: batched CFG, CUDA
+        graphs)."""
         scale = lora_scale_of(attention_kwargs, "Qwen-Image")
         inputs = dict(hidden_states=hidden_states, encoder_hidden_states=encoder_hidden_states,
                       encoder_hidden_states_mask=encoder_hidden_states_mask, timestep=timestep, img_shapes=img_shapes,
                       guidance=guidance, controlnet_block_samples=controlnet_block_samples,
                       additional_t_cond=additional_t_cond, modulation=modulation)
-        with forward_context(lora_scale=scale) as context:
-            run = context.run
-            output = (run.diffusers_forward(inputs) if run is not None and run.transformer is self
-                      else self.compute(**inputs))
+        with forward_context(lora_scale=scale):
+            hook = self.fast_forward_hook
+            output = hook.new_forward(inputs) if hook is not None else self.compute(**inputs)
         return Transformer2DModelOutput(sample=output) if return_dict else (output,)
 
     def compute(self, hidden_states, encoder_hidden_states, encoder_hidden_states_mask, timestep, img_shapes,
@@ -433,7 +435,7 @@ class FastQwenImageTransformer(Unsupported, StepCaches, ModulationTable, LoraAda
             else:
                 state.txt, state.img, state.txt_tail, state.img_tail = (past_hooks(block) if past else block)(
                     state.img, state.txt, state.joint, mods, (state.img_tail, state.txt_tail), i < n_blocks - 1,
-                    defer=True, attention_cache=attention_cache and attention_cache(i))
+                    defer=True, attention_cache=None if attention_cache is None else attention_cache[i])
                 if state.img.dtype == torch.float16:  # the block's outputs as diffusers' (clipped): settled here
                     state.settle()
                     state.img, state.txt = clip_float16(state.img), clip_float16(state.txt)
