@@ -42,7 +42,7 @@ from bench_pipeline import (  # noqa: E402
 from common import append_results, environment, sync  # noqa: E402
 
 from qwen_image_fast import FastConfig, QwenImageFastPipeline  # noqa: E402
-from qwen_image_fast.compare import psnr  # noqa: E402
+from qwen_image_fast.cli.compare import psnr  # noqa: E402
 from qwen_image_fast.kernels._utils import rel_rms_error  # noqa: E402
 from qwen_image_fast.pipelines.tiny import tiny_pipeline  # noqa: E402
 

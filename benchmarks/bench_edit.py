@@ -44,7 +44,7 @@ from common import (append_results, bench_ms, environment, random_on_gpu, sync, 
                     vision_tokenizer)
 
 from qwen_image_fast import FastConfig, optimize  # noqa: E402
-from qwen_image_fast.compare import psnr  # noqa: E402
+from qwen_image_fast.cli.compare import psnr  # noqa: E402
 from qwen_image_fast.kernels._utils import rel_rms_error  # noqa: E402
 from qwen_image_fast.pipelines.core.optimizations import BY_NAME  # noqa: E402
 

@@ -38,7 +38,7 @@ from bench_pipeline import PROMPT, decode, full_size_stock_pipeline, module_byte
 from common import append_results, environment, sync  # noqa: E402
 
 from qwen_image_fast import FastConfig, QwenImageFastPipeline, lightning_scheduler  # noqa: E402
-from qwen_image_fast.compare import psnr  # noqa: E402
+from qwen_image_fast.cli.compare import psnr  # noqa: E402
 from qwen_image_fast.kernels._utils import rel_rms_error  # noqa: E402
 from qwen_image_fast.pipelines.qwen_image.model.vae import decode_image  # noqa: E402
 from qwen_image_fast.pipelines.core.optimizations import BY_NAME  # noqa: E402

@@ -32,7 +32,7 @@ from common import append_results, environment, sync  # noqa: E402
 
 from qwen_image_fast import FastConfig, QwenImageFastPipeline  # noqa: E402
 from qwen_image_fast.pipelines.qwen_image.text_to_image import decode_latents  # noqa: E402
-from qwen_image_fast.compare import psnr  # noqa: E402
+from qwen_image_fast.cli.compare import psnr  # noqa: E402
 from qwen_image_fast.kernels._utils import rel_rms_error  # noqa: E402
 from qwen_image_fast.pipelines.core.optimizations import BY_NAME  # noqa: E402
 

@@ -200,7 +200,7 @@ def pipeline_rows(args, env: dict) -> list[dict]:
     from diffusers import QwenImage21Pipeline
 
     from qwen_image_fast import FastConfig, optimize
-    from qwen_image_fast.compare import psnr
+    from qwen_image_fast.cli.compare import psnr
     from qwen_image_fast.pipelines.tiny import tiny_qwen21_components
 
     device = torch.device("cpu" if args.tiny else "cuda")

@@ -240,7 +240,7 @@ def main():
     args = parser.parse_args()
     if args.serve is not None:
         return serve(json.loads(args.serve))
-    from qwen_image_fast.compare import psnr
+    from qwen_image_fast.cli.compare import psnr
 
     cases = TINY_CASES if args.tiny else {name: CASES[name] for name in args.cases.split(",")}
     concurrencies = [1, 2] if args.tiny else [int(c) for c in args.concurrency.split(",")]

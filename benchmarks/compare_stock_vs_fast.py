@@ -34,7 +34,8 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before qwen_image_fast imports triton: its kernels on the CPU
 
-from qwen_image_fast import FastConfig, compare  # noqa: E402
+from qwen_image_fast import FastConfig  # noqa: E402
+from qwen_image_fast.cli import compare  # noqa: E402
 from qwen_image_fast.cli.inputs import check_pipeline_inputs, read_input_image, sizes_from_image  # noqa: E402
 from qwen_image_fast.cli.jobs import (  # noqa: E402
     ASPECTS, MIN_STEPS, NEGATIVE_PROMPT, TINY_SIZE, TINY_STEPS, Defaults, Job, make_jobs, read_prompt_file)

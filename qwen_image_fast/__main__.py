@@ -1,7 +1,7 @@
-"""`python -m qwen_image_fast render|compare ...` (also what torchrun / accelerate launch -m run)."""
+"""`python -m qwen_image_fast render|compare|serve ...` (also what torchrun / accelerate launch -m run)."""
 
 import sys
 
-from .cli import main
+from .command import main
 
 sys.exit(main())

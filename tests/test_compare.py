@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from qwen_image_fast import compare
-from qwen_image_fast.cli import main
+from qwen_image_fast.cli import compare
+from qwen_image_fast.command import main
 from qwen_image_fast.cli.output import save_image
 
 OFFSETS = (1, 5, 20)  # uniform offsets: PSNR = 20 log10(255 / offset)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from qwen_image_fast.cli import main
+from qwen_image_fast.command import main
 
 README = Path(__file__).parents[1] / "README.md"
 

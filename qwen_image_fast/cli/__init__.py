@@ -1,13 +1,15 @@
-"""The command line: `qwen-image-fast render ...`, `qwen-image-fast compare ...` and `qwen-image-fast serve ...`
-(server/; also `python -m qwen_image_fast`).
+"""The command line's `render` and `compare` (`qwen-image-fast render|compare ...`, also `python -m
+qwen_image_fast`; command.py parses the arguments and runs them here, or `serve` in server/, which reuses the pieces
+below).
 
 Bad input exits with status 2, argparse's usage line and one line saying what is wrong, before any model is loaded
 and before the output folder is created; a model that then fails to load exits the same way and leaves no folder
 behind. Ctrl-C exits with 130 and SIGTERM with 143, with one line; finished images are kept. Several processes
 (accelerate launch / torchrun) split the prompts by RANK and WORLD_SIZE; LOCAL_RANK picks the GPU.
 
-Here: main and the two commands, run_render (every check first, in order, then the rendering) and run_compare. Each
-step of `render` in its own file:
+Here: the two commands, run_render (every check first, in order, then the rendering) and run_compare, and
+run_command around them (the signals). compare.py: compare's pairing, measures and report. Each step of `render` in
+its own file:
     parser.py    the options, their types and help; the command's FastConfig (--preset and the optimization
                  options, made from the registry)
     jobs.py      prompts (arguments or --prompts FILE) -> jobs: defaults, seeds, sharding
@@ -240,7 +242,7 @@ def report_comparison(a_dir: Path, b_dir: Path, report_dir, by_name: bool = Fals
     """compare's pairing, table and report of a_dir (A) against b_dir (B); its exit status. When nothing pairs: one
     line and no report that could be read as a pass (report_dir() makes the report's folder only when there is
     something to report)."""
-    from .. import compare
+    from . import compare
 
     pairing = compare.pair_images(compare.images_in(a_dir), compare.images_in(b_dir), by_name=by_name)
     if pairing.no_pairs_reason():
@@ -253,13 +255,13 @@ def report_comparison(a_dir: Path, b_dir: Path, report_dir, by_name: bool = Fals
 
 def compare_with_uncached(uncached_dir: Path, out_dir: Path) -> int:
     """--compare-uncached: uncached (A) against cached (B), the report in out_dir/COMPARE_UNCACHED."""
-    from .. import compare
+    from . import compare
 
     return report_comparison(uncached_dir, out_dir, lambda: compare.prepare_report_dir(out_dir / COMPARE_UNCACHED))
 
 
 def run_compare(args) -> int:
-    from .. import compare
+    from . import compare
 
     for folder in (args.a_dir, args.b_dir):
         if not Path(folder).is_dir():
@@ -283,16 +285,9 @@ def raise_terminated(signum, frame):
     raise Terminated()
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    if args.command == "serve":  # uvicorn handles the signals: SIGTERM drains (server/main.py)
-        from ..server.main import plan_serve, serve_forever
-
-        try:
-            plan = plan_serve(args)
-        except ValueError as e:
-            args.parser.error(one_line(e))
-        return serve_forever(args, *plan)
+def run_command(args) -> int:
+    """`render` or `compare` with parsed `args` (command.py parses them and starts `serve` itself): the exit status;
+    Ctrl-C and SIGTERM end it with one line and 130 / 143."""
     # SIGTERM handled as Ctrl-C (its handler can only be set in the main thread; restored when done)
     previous = (signal.signal(signal.SIGTERM, raise_terminated)
                 if threading.current_thread() is threading.main_thread() else None)

@@ -274,11 +274,11 @@ def size_of_image(data: bytes) -> str:
 
 
 def compare_images(body: dict) -> dict:
-    """{"a": base64 image, "b": base64 image} -> PSNR, SSIM and max |A-B| (compare.py's measures)."""
+    """{"a": base64 image, "b": base64 image} -> PSNR, SSIM and max |A-B| (cli/compare.py's measures)."""
     import numpy as np
     from PIL import Image
 
-    from .. import compare
+    from ..cli import compare
 
     arrays = []
     for side in ("a", "b"):

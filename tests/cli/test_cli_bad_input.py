@@ -7,7 +7,7 @@ import sys
 import pytest
 from PIL import Image
 
-from qwen_image_fast.cli import main
+from qwen_image_fast.command import main
 from qwen_image_fast.cli.models import (DEFAULT_ENHANCER_ID, TINY_ENHANCER_ID, TINY_MODEL_ID, resolve_model)
 
 from cli_helpers import BASELINE, TINY, write_lines
@@ -254,7 +254,7 @@ def test_bad_input_exits_2_with_one_line_and_leaves_no_folder(make_args, message
 
 def test_help_imports_neither_torch_nor_diffusers_nor_the_model_code():
     """`--help` answers at once: torch, diffusers, triton, transformers and the Qwen3.5 code stay unimported."""
-    code = ("import sys\nfrom qwen_image_fast.cli import main\n"
+    code = ("import sys\nfrom qwen_image_fast.command import main\n"
             "for argv in (['--help'], ['render', '--help'], ['compare', '--help']):\n"
             "    try:\n        main(argv)\n    except SystemExit as e:\n        assert e.code == 0, e\n"
             "heavy = ('torch', 'diffusers', 'triton', 'transformers', 'numpy', 'qwen_image_fast.pipelines.qwen35')\n"

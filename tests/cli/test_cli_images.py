@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from qwen_image_fast.cli import main
+from qwen_image_fast.command import main
 from qwen_image_fast.cli.output import read_settings
 from qwen_image_fast.cli.run import ENCODE_AHEAD_IMAGES, encode_ahead
 
@@ -78,7 +78,7 @@ def test_edit_renders_records_its_inputs_resumes_and_compares(checkpoints, tmp_p
     recorded; resume skips a finished image and refuses one whose input image changed; compare pairs them. A
     test-size checkpoint: 2 steps by default, its input images shrunk (diffusers' 1024x1024 area / 256), and so
     said, on the command line and with each image."""
-    from qwen_image_fast.cli import main as cli
+    from qwen_image_fast.command import main as cli
 
     edit = ["--model", str(checkpoints / "edit"), "--device", "cpu", "--image", str(checkpoints / "a.png"),
             "--image", str(checkpoints / "b.png"), "make it blue"]
@@ -116,7 +116,7 @@ def test_qwen21_renders_rgba_with_its_defaults_and_condition_images(checkpoints,
     render the same images (compare, alpha included)."""
     import diffusers
 
-    from qwen_image_fast.cli import main as cli
+    from qwen_image_fast.command import main as cli
 
     seen = []
     call = diffusers.QwenImage21Pipeline.__call__

@@ -4,7 +4,7 @@
 import numpy as np
 import pytest
 
-from qwen_image_fast.cli import main
+from qwen_image_fast.command import main
 from qwen_image_fast.cli.output import read_settings
 from qwen_image_fast.pipelines.core.config import FastConfig
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from qwen_image_fast.cli import main
+from qwen_image_fast.command import main
 from qwen_image_fast.cli.jobs import NEGATIVE_PROMPT, Defaults, make_jobs
 from qwen_image_fast.cli.models import (TINY_ENHANCER_NOTE, TINY_NOTE, labels_for)
 from qwen_image_fast.cli.output import prepare_out_dir, read_settings

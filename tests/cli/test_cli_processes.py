@@ -8,7 +8,7 @@ import sys
 import numpy as np
 import pytest
 
-from qwen_image_fast.cli import main
+from qwen_image_fast.command import main
 
 from cli_helpers import BASELINE, TINY, manifest, needs_interpreter, pixels, write_lines
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from qwen_image_fast.cli import main
+from qwen_image_fast.command import main
 from qwen_image_fast.cli.output import read_settings
 
 from helpers import tiny_lora

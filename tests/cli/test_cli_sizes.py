@@ -5,7 +5,7 @@ import pytest
 import torch
 from diffusers.models.transformers.transformer_qwenimage import QwenEmbedRope
 
-from qwen_image_fast.cli import main
+from qwen_image_fast.command import main
 from qwen_image_fast.cli.sizes import ROPE_POSITIONS, TEXT_POSITIONS, ModelShape
 from qwen_image_fast.pipelines.tiny import TINY_TRANSFORMER
 

@@ -3,7 +3,7 @@
 import pytest
 from helpers import tiny_lora
 
-from qwen_image_fast.cli import main
+from qwen_image_fast.command import main
 
 
 def refused(capsys, *argv) -> str:

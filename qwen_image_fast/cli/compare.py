@@ -28,8 +28,8 @@ from urllib.parse import quote
 import numpy as np
 from PIL import Image, ImageDraw, ImageFont
 
-from .cli.manifest import content_identity, read_records, recorded_settings
-from .cli.output import QUALITY
+from .manifest import content_identity, read_records, recorded_settings
+from .output import QUALITY
 
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp")
 # What an image is: two images are comparable only when they agree on these (input images and masks by content).

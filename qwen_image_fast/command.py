@@ -1,0 +1,23 @@
+"""`qwen-image-fast render|compare|serve ...` (the console script; also `python -m qwen_image_fast`): the arguments
+parsed once (cli/parser.py), then `render` and `compare` run by cli/ and `serve` by server/, which reuses the render
+command's pieces in cli/. Here, above both, so that neither imports the other's command.
+
+Bad input exits with status 2, argparse's usage line and one line saying what is wrong (cli/__init__.py says the
+rest of what `render` guarantees).
+"""
+
+from .cli import one_line, run_command
+from .cli.parser import build_parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "serve":  # uvicorn handles the signals: SIGTERM drains (server/main.py)
+        from .server.main import plan_serve, serve_forever
+
+        try:
+            plan = plan_serve(args)
+        except ValueError as e:
+            args.parser.error(one_line(e))
+        return serve_forever(args, *plan)
+    return run_command(args)
