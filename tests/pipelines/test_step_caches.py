@@ -849,6 +849,32 @@ def test_step_caches_graphed_with_a_lora_and_weights_taking_turns(stand_in_graph
         fast.transformer.disable_cache()
 
 
+@pytest.mark.parametrize("blocks", [False, True], ids=["forwards", "blocks"])
+def test_a_failed_capture_turns_graphs_off_for_the_pipeline(stand_in_graphs, monkeypatch, caplog, blocks):
+    """A CUDA graph capture that fails (of whole forwards; or, under diffusers' TaylorSeer-lite hooks, of blocks)
+    warns, its forward runs eagerly with the same result, and the pipeline neither captures nor replays again: the
+    next call's `applied` has no cuda_graphs, and neither of the runner's stores keeps a graph."""
+    from qwen_image_fast.pipelines.core.runtime import cuda_graph
+
+    def failing_capture(store, run, inputs, static=None, pool=None):
+        raise RuntimeError("stand-in capture failure")
+
+    monkeypatch.setattr(cuda_graph.Graphs, "capture", failing_capture)
+    ref, fast = stock("text_to_image"), optimize(stock("text_to_image"), EXACT)
+    if blocks:
+        for pipe in (ref, fast):
+            pipe.transformer.enable_cache(diffusers_configs(pipe, 3)["TaylorSeer-lite"])
+    expected = run(ref, "text_to_image")
+    with caplog.at_level("WARNING", logger="qwen_image_fast.pipelines.core.runtime"):
+        assert_close(run(fast, "text_to_image"), expected, 1e-5, "the call whose capture failed")
+    assert any("CUDA graph capture failed" in r.getMessage() for r in caplog.records), caplog.records
+    assert fast.runner.graphs_failed == "RuntimeError: stand-in capture failure"
+    assert_close(run(fast, "text_to_image"), expected, 1e-5, "the next call")
+    assert not any(label.startswith("cuda_graphs") for label in fast.applied), fast.applied
+    assert not stand_in_graphs["captures"] and not stand_in_graphs["replays"], stand_in_graphs
+    assert len(fast.runner.graphs) == len(fast.runner.block_graphs) == 0
+
+
 def test_cache_context_arguments_reach_the_hooks_as_on_stock(monkeypatch):
     """A denoising loop of one's own around the transformer, passing the scheduler's step, sigma and step count as
     cache_context(name, step_index=..., sigma=..., num_inference_steps=...) (the pipelines pass a name only):

@@ -43,8 +43,7 @@ class BlockGraphs:
         except GraphCaptureError as e:
             logger.warning("CUDA graph capture failed, running the transformer eagerly from now on: %s",
                            e.__cause__ or e)
-            self.store.clear()
-            self.store.failed = str(e)
+            self.store.fail(str(e))
             return run(**inputs)
         if replayed:
             record("cuda_graphs", "blocks")

@@ -62,11 +62,16 @@ class Graphs:
         self.weights_at: tuple = ()  # (the weights' data_ptrs, the LoRA adapters' version)
         self.pool = None  # shared: the memory pool of every capture
         self.inputs: dict[tuple, dict] = {}  # shared: (input kind, signature) -> static input buffers
-        self.failed: str | None = None  # a capture error of a user that has no runner in reach (block_graphs.py)
+        self.failed: str | None = None  # a capture error: its users capture and replay no more (runner.py)
 
     def clear(self):
         self.graphs.clear()
         self.inputs.clear()
+
+    def fail(self, error: str):
+        """A capture failed: every graph dropped, and `failed` says why."""
+        self.clear()
+        self.failed = error
 
     def __contains__(self, key: tuple) -> bool:
         return key in self.graphs

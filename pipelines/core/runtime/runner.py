@@ -61,7 +61,11 @@ class Runner:
         self.last_attention: dict = {}  # Pyramid Attention Broadcast's last outputs: pyramid_broadcast.py
         self.attention_slots: dict = {}  # FasterCache's last two outputs: faster_cache.py
         self.attention_rule = None
-        self.graphs_failed: str | None = None  # a capture error: graphs stay off for this pipeline
+
+    @property
+    def graphs_failed(self) -> str | None:
+        """A capture error of either store (here or block_graphs.py): graphs stay off for this pipeline."""
+        return self.graphs.failed or self.block_graphs.failed
 
     @contextlib.contextmanager
     def call(self, transformer, record, *, graphs: bool, pair_cfg: bool, bucket: int, attention_kwargs=None,
@@ -70,9 +74,9 @@ class Runner:
         registry's plan); bucket: FastConfig.text_bucket; attention_kwargs: the call's, for a stock transformer;
         step_cache: the step cache's rule when one runs (FastConfig.cache, a DBCache, or the native rule of an
         enabled diffusers cache: model/step_caches.py), else None."""
-        if self.block_graphs.failed and self.graphs_failed is None:  # a block graph's capture failed (block_graphs.py)
-            self.graphs_failed = self.block_graphs.failed
+        if self.graphs_failed:  # neither store keeps a graph (a block graph's failure empties its own store only)
             self.graphs.clear()
+            self.block_graphs.clear()
         graphs = graphs and self.graphs_failed is None
         if graphs:
             self.graphs.drop_if_weights_moved(transformer)
@@ -220,8 +224,8 @@ class CallRun:
         except GraphCaptureError as e:
             logger.warning("CUDA graph capture failed, running the transformer eagerly from now on: %s",
                            e.__cause__ or e)
-            self.runner.graphs_failed, self.graphs = str(e), False
-            self.runner.graphs.clear()
+            self.graphs = False
+            self.runner.graphs.fail(str(e))
             self.runner.block_graphs.clear()
             return compute(**inputs)
         if replayed:
