@@ -114,10 +114,10 @@ class Optimization:
         return next(f.metadata["binds"] for f in fields(FastConfig) if f.name == self.field)
 
 
-def plain(asked: bool, why_not: str | None = None) -> Plan:
+def plain(asked: bool, why_not: str | None = None, values: tuple = (True,)) -> Plan:
     if not asked:
         return NOT_ASKED
-    return Plan(why_not=why_not) if why_not else Plan(values=(True,))
+    return Plan(why_not=why_not) if why_not else Plan(values=values)
 
 
 def no_graphs_reason(facts: Facts) -> str | None:
@@ -214,31 +214,19 @@ def plan_modulation_table(config: FastConfig, facts: Facts) -> Plan:
 
 
 def plan_memory(config: FastConfig, facts: Facts) -> Plan:
-    if config.memory == "fast":
-        return NOT_ASKED
-    why_not = text_to_image_reason(facts)
-    return Plan(why_not=why_not) if why_not else Plan(values=(config.memory,))
+    return plain(config.memory != "fast", text_to_image_reason(facts), (config.memory,))
 
 
 def plan_parallel(config: FastConfig, facts: Facts) -> Plan:
-    if config.parallel == "none":
-        return NOT_ASKED
-    why_not = text_to_image_reason(facts)
-    return Plan(why_not=why_not) if why_not else Plan(values=facts.parallel)
+    return plain(config.parallel != "none", text_to_image_reason(facts), facts.parallel)
 
 
 def plan_scheduler(config: FastConfig, facts: Facts) -> Plan:
-    if config.scheduler == "euler":
-        return NOT_ASKED
-    why_not = text_to_image_reason(facts)
-    return Plan(why_not=why_not) if why_not else Plan(values=(config.scheduler,))
+    return plain(config.scheduler != "euler", text_to_image_reason(facts), (config.scheduler,))
 
 
 def plan_cfg_fraction(config: FastConfig, facts: Facts) -> Plan:
-    if config.cfg_fraction == 1:
-        return NOT_ASKED
-    why_not = text_to_image_reason(facts)
-    return Plan(why_not=why_not) if why_not else Plan(values=(f"{config.cfg_fraction:g}",))
+    return plain(config.cfg_fraction != 1, text_to_image_reason(facts), (f"{config.cfg_fraction:g}",))
 
 
 # diffusers' caches whose hooks keep one state for both CFG branches (not one per cache_context)
