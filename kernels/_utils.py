@@ -46,6 +46,10 @@ FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # each program as NumPy operations over its whole tile at a fixed cost per operation, so there a program takes 32x
 # more rows (the same kernel code and masks, fewer and larger programs: the CPU tests' time).
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+if INTERPRETED:
+    from ._interpreter import skip_nested_patches
+
+    skip_nested_patches()
 TILE_ELEMENTS = 2048 * (32 if INTERPRETED else 1)
 
 
