@@ -2,10 +2,13 @@
 pipeline of whatever a checkpoint holds (picked from its model_index.json, as diffusers' DiffusionPipeline does),
 over every model family (the leaves qwen_image/ and qwen_image21/, the qwen35/ prompt enhancer)."""
 
+import torch
+
 from .core.config import FastConfig
 from .core.pipeline_base import init_arguments, model_index
 from .core.prompt_enhancer import resolve_enhancer
 from .qwen_image.family import IMAGE_CONDITIONED
+from .qwen_image.single_files import text_encoder_from_file, vae_from_file
 from .qwen_image.text_to_image import QwenImageFastPipeline
 from .qwen_image21.pipeline import FastQwenImage21Pipeline
 
@@ -64,3 +67,37 @@ def from_pretrained(path_or_id, fast_config: FastConfig | str | None = None, dev
     if name not in BY_CLASS_NAME:
         raise TypeError(f"{path_or_id} is a {name} checkpoint; qwen-image-fast accelerates {supported()}")
     return BY_CLASS_NAME[name].from_pretrained(path_or_id, fast_config=fast_config, device=device, **kwargs)
+
+
+def from_single_files(base, transformer=None, text_encoder=None, vae=None, fast_config: FastConfig | str | None = None,
+                      device=None, **kwargs):
+    """The fast pipeline of `base` (a diffusers folder or hub id: its configs, tokenizer and scheduler; the weights
+    of a component not given here) with components from single files, as diffusers' from_single_file reads a file
+    with config=: transformer (FastQwenImageTransformer.from_single_file's formats: ComfyUI or diffusers
+    safetensors in BF16 / FP16 / FP8 / scaled FP8, GGUF), text_encoder and vae (qwen_image/single_files.py; the
+    2512 family's, not Qwen-Image-2.1's). dtype / torch_dtype as the pipelines' from_pretrained takes them (default
+    float32, diffusers' own). A file that is not the component named gets a one-line error, before the others
+    load."""
+    name = pipeline_class_name(base)
+    if name not in BY_CLASS_NAME:
+        raise TypeError(f"{base} is a {name} checkpoint; qwen-image-fast accelerates {supported()}")
+    cls = BY_CLASS_NAME[name]
+    config = FastConfig.coerce(fast_config)
+    if (text_encoder or vae) and cls is FastQwenImage21Pipeline:
+        raise ValueError("text_encoder= and vae= files are read for the Qwen-Image-2512 family; Qwen-Image-2.1's "
+                         "come from base (its diffusers folder or hub id)")
+    dtype = kwargs.get("dtype", kwargs.get("torch_dtype", torch.float32))
+    dtype_of = (lambda part: dtype.get(part, dtype.get("default", torch.float32))) if isinstance(dtype, dict) else \
+        (lambda part: dtype)
+    if transformer is not None:
+        if not config.fused_transformer:
+            raise ValueError("a transformer file loads into the fast transformer: fast_config must keep "
+                             "fused_transformer=True")
+        kwargs["transformer"] = cls.fast_transformer_class.from_single_file(
+            transformer, config=base, subfolder="transformer", torch_dtype=dtype_of("transformer"),
+            device="cpu" if config.memory == "low" else device, fast_config=config.transformer_config())
+    if text_encoder is not None:
+        kwargs["text_encoder"] = text_encoder_from_file(text_encoder, base, dtype_of("text_encoder"))
+    if vae is not None:
+        kwargs["vae"] = vae_from_file(vae, base, dtype_of("vae"))
+    return cls.from_pretrained(base, fast_config=config, device=device, **kwargs)

@@ -2,6 +2,7 @@
 
     from qwen_image_fast import QwenImageFastPipeline, FastConfig, optimize, PromptEnhancer, lightning_scheduler
     from qwen_image_fast import from_pretrained  # any accelerated pipeline, by its model_index.json
+    from qwen_image_fast import from_single_files  # ComfyUI / GGUF / diffusers single files, configs from a folder
 
 The kernels live in `qwen_image_fast.kernels`, the models and pipelines in `qwen_image_fast.pipelines`, the command
 line in `qwen_image_fast.cli`. Importing the package imports neither torch nor diffusers: each name below loads its
@@ -16,6 +17,7 @@ _WHERE = {
     "QwenImageFastPipeline": ".pipelines.qwen_image.text_to_image",
     "optimize": ".pipelines.loading",
     "from_pretrained": ".pipelines.loading",
+    "from_single_files": ".pipelines.loading",
     "FastQwenImageTransformer": ".pipelines.qwen_image.model.transformer",
     "FastQwenImage21Pipeline": ".pipelines.qwen_image21.pipeline",
     "FastQwenImage21Transformer": ".pipelines.qwen_image21.model",

@@ -71,6 +71,7 @@ class Facts:
     diffusers_cache: str | None = None  # the config class of a cache enabled by transformer.enable_cache(...)
     cache_rule: str | None = None  # ... the rule making its decisions (native_rule): "first_block", "taylorseer",
     # "pyramid_broadcast", "faster_cache", "sea_cache"
+    loaded: tuple = ()  # a transformer from one checkpoint file: (label name, value) pairs (core/single_file/)
 
     @property
     def text_to_image(self) -> bool:
@@ -261,6 +262,11 @@ def plan_step_cache(config: FastConfig, facts: Facts) -> Plan:
     return Plan(values=(config.cache.label() if config.cache is not None else facts.diffusers_cache,))
 
 
+def loaded_plan(name: str) -> Callable[[FastConfig, Facts], Plan]:
+    """What loading the transformer's single file did (recorded when it loaded, not switched by a FastConfig)."""
+    return lambda config, facts: Plan(values=tuple(value for label, value in facts.loaded if label == name))
+
+
 def plan_vae_2d_decode(config: FastConfig, facts: Facts) -> Plan:
     return plain(config.vae_2d_decode, facts.vae_2d)
 
@@ -303,6 +309,18 @@ REGISTRY: tuple[Optimization, ...] = (
                  plan_cfg_fraction, text_to_image_only=True),
     Optimization("enhance_prompt", None, "choice", "prompts rewritten by a local Qwen3.5", plan_enhance_prompt,
                  text_to_image_only=True),
+    Optimization("single_file", None, "exact",
+                 "the transformer read from one checkpoint file (its format: comfyui_scaled_fp8, gguf_q8_0, ...) into "
+                 "the fast layout; e4m3 codes with a per-tensor scale kept as rowwise FP8, bit for bit",
+                 loaded_plan("single_file")),
+    Optimization("dequantized", None, "exact",
+                 "tensors the file stores quantized (its source: fp8_e4m3fn_scaled, gguf_q4_0, ...) where the model "
+                 "keeps its dtype: the stored value computed in fp32, rounded once to that dtype", loaded_plan("dequantized")),
+    Optimization("requantized", None, "lossy",
+                 "FP8 block weights from a form the FP8 GEMMs cannot take as is (GGUF blocks, e5m2 codes, parts "
+                 "stored unlike each other): the stored value in fp32 quantized to rowwise e4m3, a second rounding "
+                 "(against the file's own dequantized weights: the fp8 bound)", loaded_plan("requantized"),
+                 bound=FP8_BOUND),
     Optimization("vae_2d_decode", "vae_2d_decode", "exact",
                  "an image's VAE decode as the 2D convolutions its causal 3D ones amount to", plan_vae_2d_decode),
 )

@@ -89,7 +89,8 @@ class FastPipelineMixin(FastPipelineState, FastLoraPipeline, FastCheckpointPipel
                      offload_hooks=transformer is not None and has_offload_hooks(transformer), vae_2d=why_not_2d(self.vae),
                      enhancer=getattr(self, "prompt_enhancer", None) is not None, parallel=self._parallel_labels(),
                      diffusers_cache=transformer.step_cache_name if fused else None,
-                     cache_rule=getattr(transformer.native_step_cache, "kind", None) if fused else None)
+                     cache_rule=getattr(transformer.native_step_cache, "kind", None) if fused else None,
+                     loaded=transformer.single_file.applied if fused and transformer.single_file else ())
 
     def _parallel_labels(self) -> tuple[str, ...]:
         return ()

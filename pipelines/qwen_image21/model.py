@@ -58,6 +58,8 @@ from ..core.model.unsupported import Unsupported, refuse
 from ..core.runtime.context import forward_context, get_context, record
 from ..core.runtime.cuda_graph import GraphCaptureError, Graphs, read_by_graph, signature
 from .block import Attention, FastBlock21, Rows
+from .single_file import QwenImage21SingleFile
+from .single_file import layout as family_layout
 
 STOCK_CONFIG = {name: p.default for name, p in
                 inspect.signature(QwenImage21Transformer2DModel.__init__).parameters.items() if name != "self"}
@@ -152,7 +154,7 @@ class PrefixCache:
         return self.slots[key][1]
 
 
-class FastQwenImage21Transformer(Unsupported, LoraAdapters, ModelMixin, ConfigMixin):
+class FastQwenImage21Transformer(Unsupported, LoraAdapters, QwenImage21SingleFile, ModelMixin, ConfigMixin):
     """Drop-in for diffusers' QwenImage21Transformer2DModel: the same forward arguments (kv_cache and kv_cache_mode
     included) and output, its config plus "fast_config", cache_context, LoRAs through diffusers' API (the 2512
     model's adapters.py on this model's sites: LORA_SITES; attention_kwargs={"scale": s} scales them). Stock methods
@@ -160,6 +162,7 @@ class FastQwenImage21Transformer(Unsupported, LoraAdapters, ModelMixin, ConfigMi
 
     config_name = "config.json"
     lora_sites, block_class, stock_model_name = LORA_SITES, FastBlock21, "QwenImage21Transformer2DModel"
+    single_file_layout, stock_config_fields = family_layout(LORA_SITES), STOCK_CONFIG  # single_file.py
     parallel_advice = "render one image per process (FastConfig(parallel=...) is not on Qwen-Image-2.1 yet)"
     _no_split_modules = ["FastBlock21"]
     _supports_gradient_checkpointing = False
@@ -197,6 +200,7 @@ class FastQwenImage21Transformer(Unsupported, LoraAdapters, ModelMixin, ConfigMi
         self.requires_grad_(False)
         self.lora_state = LoraState()
         self.weight_source = None  # fuse_lora requantizes an FP8 weight from its dequantized form (adapters.py)
+        self.single_file = None  # from_single_file: what it kept, dequantized, requantized (core/single_file/)
         self.prefix_cache = PrefixCache()
         self._cache_name: str | None = None
         self.layouts: dict[tuple, Layout] = {}  # by Layout.key
@@ -240,7 +244,7 @@ class FastQwenImage21Transformer(Unsupported, LoraAdapters, ModelMixin, ConfigMi
         fp8 = self.fast_config.fp8
         return ([("fused_transformer", True)] + ([("fp8", True)] if fp8 else [])
                 + ([("fp8_fast_accum", True)] if fp8 and self.fast_config.fp8_fast_accum else [])
-                + [("attention", self.attention_backend)])
+                + [("attention", self.attention_backend)] + list(self.single_file.applied if self.single_file else ()))
 
     # ---- diffusers' CacheMixin surface: the pipeline names each pass; the step caches are not supported here
 
@@ -272,12 +276,16 @@ class FastQwenImage21Transformer(Unsupported, LoraAdapters, ModelMixin, ConfigMi
         checkpoint = FastCheckpoint(cls, pretrained_model_name_or_path, subfolder, unsupported)
         run = checkpoint.run_config(fast_config)
         device = torch.device(device or "cpu")
-        with torch.device("meta"):
-            model = cls(run, **checkpoint.stock_config(STOCK_CONFIG))
+        model = cls.meta_model(run, checkpoint.stock_config(STOCK_CONFIG))
         checkpoint.load_into(model, device, variant, torch_dtype)
         if run.attention != "auto":
             resolve_backend(run.attention, device, model.dtype)
         return model.requires_grad_(False).eval()
+
+    @classmethod
+    def meta_model(cls, run: FastTransformerConfig, stock_config: dict) -> "FastQwenImage21Transformer":
+        with torch.device("meta"):
+            return cls(run, **stock_config)
 
     # ---- forward
 

@@ -64,7 +64,7 @@ class FastQwenImage21Pipeline(FastPipelineState, FastLoraPipeline, FastCheckpoin
                      fast_accum=fused and transformer.fast_config.fp8 and transformer.fast_config.fp8_fast_accum,
                      attention=transformer.attention_backend if fused else None,
                      offload_hooks=transformer is not None and has_offload_hooks(transformer), vae_2d=QWEN21_VAE,
-                     enhancer=False)
+                     enhancer=False, loaded=transformer.single_file.applied if fused and transformer.single_file else ())
 
     @functools.wraps(QwenImage21Pipeline.__call__)
     def __call__(self, *args, **kwargs):

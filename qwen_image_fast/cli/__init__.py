@@ -40,8 +40,8 @@ from .inputs import check_pipeline_inputs, check_pipeline_options, sizes_from_im
 from .jobs import TINY_SIZE, TINY_STEPS, command_line_entries, make_jobs, read_prompt_file, render_defaults, shard
 from .loras import resolve_lora
 from .manifest import find_conflict
-from .models import (LoadError, check_enhancer, check_model, labels_for, load_pipeline, pipeline_class,
-                     resolve_model)
+from .models import (STOCK_PRESET, LoadError, check_enhancer, check_model, labels_for, load_pipeline, pipeline_class,
+                     resolve_model, single_files)
 from .plan import dry_run_report
 from .output import missing_folders, prepare_out_dir, remove_empty_folders
 from .parser import build_parser, command_config
@@ -84,19 +84,24 @@ def run_render(args) -> int:
             raise ValueError("no prompts: give them as arguments or with --prompts FILE")
         entries = read_prompt_file(args.prompts) if args.prompts else command_line_entries(args.prompt)
         check_model(args.model)
+        files = single_files(args)  # --model FILE: its configs and other components from --base
+        if files is not None and args.preset == STOCK_PRESET:
+            raise ValueError(f"--preset {STOCK_PRESET} renders diffusers' own pipeline from a checkpoint folder; a "
+                             "--model file loads into the fast pipeline (another --preset)")
         rank, world_size, local_rank = distributed_env()
         device = resolve_device(args.device, rank, local_rank)
         model, why = resolve_model(args.model, device)  # auto: tiny-random, or the real model when cached
+        source = files.base if files else model  # where the configs are read
         config = command_config(args)
         check_kernels_on(device, config)
-        pipeline = pipeline_class(model)
-        shape = image_group_shape(args, model, pipeline, rank, world_size)
+        pipeline = pipeline_class(source)
+        shape = image_group_shape(args, source, pipeline, rank, world_size)
         if shape is not None:
             config = config.replace(parallel=args.parallel, ulysses_degree=args.ulysses)
         config = config.replace(memory=memory_setting(args.max_memory, args.preset, pipeline, args.parallel))
         loras = tuple(resolve_lora(source, scale) for source, scale in args.lora)
-        check_pipeline_options(pipeline, model, config, lightning=args.lightning, fmt=args.format)
-        model_shape = ModelShape.of(model, pipeline)
+        check_pipeline_options(pipeline, source, config, lightning=args.lightning, fmt=args.format)
+        model_shape = ModelShape.of(source, pipeline)
         if config.cache is not None and model_shape is not None:
             check_cache_blocks(config.cache.Fn, config.cache.Bn, model_shape.layers, f"{model}'s transformer",
                                f"--cache {config.cache.label()}")
@@ -104,11 +109,11 @@ def run_render(args) -> int:
         jobs = make_jobs(entries, render_defaults(args, tiny=test_size, pipeline=pipeline))
         shrunk = (condition_area_divisor() if test_size and pipeline in SHRINKS_INPUTS and any(j.images for j in jobs)
                   else None)
-        labels = labels_for(model, args.preset, config, enhancer=args.enhance, loras=loras, lightning=args.lightning,
+        labels = labels_for(files.label if files else model, args.preset, config, enhancer=args.enhance, loras=loras, lightning=args.lightning,
                             test_width=model_shape.width if test_size else None, shrunk_inputs=shrunk)
         check_triton_on_cpu(device, labels, args.enhance)
-        check_pipeline_inputs(jobs, pipeline, model, size_given=bool(args.aspect or args.width))
-        check_sizes(jobs, model_shape, model, device, args.max_memory)
+        check_pipeline_inputs(jobs, pipeline, source, size_given=bool(args.aspect or args.width))
+        check_sizes(jobs, model_shape, source, device, args.max_memory)
         warning = cpu_time_warning(jobs, model_shape, args.preset) if device.type == "cpu" else None
         if args.enhance is not None and pipeline != "QwenImagePipeline":
             raise ValueError(f"--enhance rewrites text-to-image prompts; {pipeline} ({model}) takes instructions "
@@ -120,6 +125,8 @@ def run_render(args) -> int:
             print(warning, file=sys.stderr, flush=True)
         if args.dry_run:
             print(dry_run_report(config, labels, pipeline, device, shape, jobs))
+            if files is not None:
+                print("\n".join(files.describe(config, pipeline)))
             return 0
         # with --parallel an image group renders what one process renders without it
         group_index, groups = (rank // shape.group_size, shape.dp) if shape is not None else (rank, world_size)
@@ -150,7 +157,8 @@ def run_render(args) -> int:
             return loaded[0]
         cap_memory(args.max_memory, device)
         try:
-            loaded.append(load_pipeline(model, labels.preset, labels.config, device, labels.loras, labels.lightning))
+            loaded.append(load_pipeline(model, labels.preset, labels.config, device, labels.loras, labels.lightning,
+                                        files=files))
         except LoadError:  # a LoRA that cannot be loaded: the error names it
             raise
         except Exception as e:  # e.g. not a complete checkpoint: a one-line error, not a traceback

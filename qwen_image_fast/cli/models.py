@@ -82,8 +82,67 @@ def check_checkpoint(option: str, name: str, marker: str):
 
 
 def check_model(model: str):
-    if model not in (TINY_MODEL_ID, "auto"):
+    if model not in (TINY_MODEL_ID, "auto") and not Path(model).expanduser().is_file():
         check_checkpoint("--model", model, "model_index.json")
+
+
+FILE_SUFFIXES = (".safetensors", ".sft", ".gguf")
+
+
+@dataclass(frozen=True)
+class SingleFiles:
+    """--model FILE: the transformer from the file, the text encoder and VAE from --text-encoder / --vae files or
+    from --base, which gives the configs, tokenizer and scheduler (pipelines/loading.py from_single_files)."""
+
+    transformer: str
+    base: str
+    text_encoder: str | None = None
+    vae: str | None = None
+
+    @property
+    def label(self) -> str:
+        """What the images record as their model."""
+        parts = [f"base {self.base}"] + [f"{name} {path}" for name, path in (("text encoder", self.text_encoder),
+                                                                            ("vae", self.vae)) if path]
+        return f"{self.transformer} ({', '.join(parts)})"
+
+    def describe(self, config: FastConfig, pipeline: str) -> list[str]:
+        """For --dry-run: what each file is, and what loading will keep, dequantize or requantize (from the
+        headers: no tensor is read)."""
+        from ..pipelines.core.single_file.formats import CheckpointFile
+        from ..pipelines.loading import BY_CLASS_NAME
+
+        model_class = next(cls for cls in BY_CLASS_NAME.values()
+                           if cls.stock_class.__name__ == pipeline).fast_transformer_class
+        loaded = model_class.plan_single_file(self.transformer, config=self.base, subfolder="transformer",
+                                              fast_config=config.transformer_config())
+        lines = [f"transformer file {CheckpointFile(self.transformer).describe()}"]
+        lines += [f"  {line}" for line in loaded.describe()] or ["  every tensor kept as the file stores it"]
+        lines += [f"{name} file {CheckpointFile(path).describe()} (quantized tensors dequantized to BF16)"
+                  for name, path in (("text encoder", self.text_encoder), ("vae", self.vae)) if path]
+        return lines
+
+
+def single_files(args) -> SingleFiles | None:
+    """--model FILE and its companions, checked; None for a checkpoint folder or hub id (which take none of
+    --base, --text-encoder, --vae)."""
+    path = Path(args.model).expanduser()
+    companions = [option for option, value in (("--base", args.base), ("--text-encoder", args.text_encoder),
+                                               ("--vae", args.vae)) if value is not None]
+    if not path.is_file():
+        if companions:
+            raise ValueError(f"{companions[0]} goes with a --model file (a transformer .safetensors or .gguf); "
+                             f"--model {args.model} is a checkpoint with its own components")
+        return None
+    if path.suffix not in FILE_SUFFIXES:
+        raise ValueError(f"--model {args.model}: a file, but not {', '.join(FILE_SUFFIXES)}: give a checkpoint "
+                         "folder, a hub id, or a transformer .safetensors / .gguf file")
+    for option, value in (("--text-encoder", args.text_encoder), ("--vae", args.vae)):
+        if value is not None and not Path(value).expanduser().is_file():
+            raise ValueError(f"{option} {value}: no such file")
+    base = args.base or REAL_MODEL_ID
+    check_checkpoint("--base", base, "model_index.json")
+    return SingleFiles(str(path), base, args.text_encoder, args.vae)
 
 
 def check_enhancer(enhance: str | None):
@@ -202,24 +261,28 @@ def add_loras(pipe, loras: tuple[Lora, ...]):
 
 
 def load_pipeline(model: str, preset: str, config: FastConfig, device, loras: tuple[Lora, ...] = (),
-                  lightning: bool = False, stock=None):
+                  lightning: bool = False, stock=None, files: SingleFiles | None = None):
     """STOCK_PRESET: diffusers' own QwenImagePipeline, untouched, so that comparisons are against code this project
     did not write (it samples with the checkpoint's Euler scheduler only; LoRAs load as diffusers loads them, not
     fused). Any other preset: QwenImageFastPipeline with `config`; LoRAs are fused, on the BF16 stock pipeline
     before it is converted (one FP8 rounding of the merged weights) unless the checkpoint is a fast one (FP8
     already: folded into those weights). Real weights load in BF16; tiny-random is built in FP32.
     lightning: the Lightning LoRAs' scheduler replaces the checkpoint's. stock: a stock pipeline already built (a
-    benchmark's random full-size one) in place of loading `model`."""
+    benchmark's random full-size one) in place of loading `model`. files: --model FILE's (the fast pipeline from
+    them; LoRAs folded into its FP8 weights, as for a fast checkpoint)."""
     import diffusers
     import torch
 
     from ..pipelines.core.pipeline_base import is_fast_checkpoint, load_stock
-    from ..pipelines.loading import from_pretrained, is_fast_pipeline, optimize
+    from ..pipelines.loading import from_pretrained, from_single_files, is_fast_pipeline, optimize
     from ..pipelines.qwen_image.samplers import lightning_scheduler
 
-    name = pipeline_class_name(model) if stock is None else type(stock).__name__
+    name = type(stock).__name__ if stock is not None else pipeline_class_name(files.base if files else model)
     if stock is not None:
         pipe = stock
+    elif files is not None:
+        pipe = from_single_files(files.base, transformer=files.transformer, text_encoder=files.text_encoder,
+                                 vae=files.vae, fast_config=config, device=device, dtype=torch.bfloat16)
     elif model == TINY_MODEL_ID:
         from ..pipelines.tiny import tiny_pipeline
 

@@ -111,7 +111,7 @@ def add_optimization_options(add):
         raise TypeError(f"VALUE_OPTIONS {sorted(VALUE_OPTIONS)} and option_names.VALUE_FIELDS {sorted(VALUE_FIELDS)} "
                         "must name the same fields")
     for opt in REGISTRY:
-        if opt.field in OWN_OPTIONS:
+        if opt.name in OWN_OPTIONS:
             continue
         about = f"{opt.kind}: {opt.summary}"
         if opt.field in VALUE_OPTIONS:
@@ -129,7 +129,7 @@ def add_optimization_options(add):
 def command_config(args) -> FastConfig:
     """The command's one FastConfig: --preset's, with the optimization options given (None: not given).
     ValueError for an option given with STOCK_PRESET, which runs diffusers' own pipeline (it would be ignored)."""
-    given = [opt for opt in REGISTRY if opt.field not in OWN_OPTIONS and getattr(args, opt.field) is not None]
+    given = [opt for opt in REGISTRY if opt.name not in OWN_OPTIONS and getattr(args, opt.field) is not None]
     if args.preset == STOCK_PRESET and given:
         raise ValueError(f"--preset {STOCK_PRESET} runs the stock diffusers pipeline, which takes none of our options; "
                          f"{', '.join(option_of(opt) for opt in given)} needs another preset")
@@ -151,7 +151,14 @@ def build_parser() -> argparse.ArgumentParser:
     add("--model", default=REAL_MODEL_ID,
         help=f"hub id or local folder (default {REAL_MODEL_ID}); {TINY_MODEL_ID}: a tiny random model built in "
              f"memory (its images are noise); auto: the real model if cached locally and a GPU is there, else "
-             f"{TINY_MODEL_ID}")
+             f"{TINY_MODEL_ID}; or a transformer file (.safetensors in ComfyUI's or diffusers' layout, BF16, FP8 or "
+             "scaled FP8; .gguf), with the configs, tokenizer and other weights from --base")
+    add("--base", metavar="FOLDER|ID",
+        help=f"with a --model file: the diffusers checkpoint its configs, tokenizer and scheduler (and the weights "
+             f"no file gives) come from (default {REAL_MODEL_ID})")
+    add("--text-encoder", metavar="FILE", help="with a --model file: the text encoder from this file (ComfyUI's "
+        "Qwen2.5-VL file, FP8-scaled or BF16)")
+    add("--vae", metavar="FILE", help="with a --model file: the VAE from this file (ComfyUI's or diffusers' layout)")
     add("--preset", choices=PRESETS, default=PRESETS[0],
         help=f"{PRESETS[0]}: every optimization; {STOCK_PRESET}: the stock diffusers pipeline")
     add("--aspect", choices=tuple(ASPECTS),

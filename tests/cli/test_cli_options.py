@@ -22,7 +22,7 @@ def test_every_registered_optimization_has_its_option():
     render_help = build_parser()._subparsers._group_actions[0].choices["render"].format_help()
     for opt in REGISTRY:
         assert option_of(opt) in render_help, opt.name
-        if opt.field not in OWN_OPTIONS and getattr(FastConfig(), opt.field) is True:
+        if opt.name not in OWN_OPTIONS and getattr(FastConfig(), opt.field) is True:
             assert option_of(opt) == f"--no-{opt.field.replace('_', '-')}"
 
 

@@ -49,6 +49,7 @@ from .block import FastBlock, JointInputs, Tail, add_tail
 from ...core.model.checkpoint import CheckpointWeights, FastCheckpoint
 from ...core.model.lora import BLOCK_SITES, LoraState, lora_scale_of
 from .modulation import ModulationLayout, ModulationTable, ModulationTables
+from .single_file import QwenImageSingleFile
 from .step_caches import StepCaches, past_hooks
 from ...core.model.unsupported import Unsupported
 
@@ -85,8 +86,8 @@ def check_triton_runs_on(device: torch.device):
 
 
 
-class FastQwenImageTransformer(Unsupported, StepCaches, ModulationTable, LoraAdapters, HookedForward, ModelMixin,
-                               ConfigMixin):
+class FastQwenImageTransformer(Unsupported, StepCaches, ModulationTable, LoraAdapters, HookedForward,
+                               QwenImageSingleFile, ModelMixin, ConfigMixin):
     """Drop-in for diffusers' QwenImageTransformer2DModel: same forward arguments and output, its config (plus
     "fast_config": how the block linears are stored and run), dtype, device, cache_context, and every weight
     registered, so `.to()`, `state_dict()`, `save_pretrained()` and offload hooks see them all.
@@ -100,6 +101,7 @@ class FastQwenImageTransformer(Unsupported, StepCaches, ModulationTable, LoraAda
 
     config_name = "config.json"
     lora_sites, block_class, stock_model_name = BLOCK_SITES, FastBlock, "QwenImageTransformer2DModel"  # adapters.py
+    stock_config_fields = STOCK_CONFIG  # single_file.py
     _no_split_modules = ["FastBlock"]
     _supports_gradient_checkpointing = False
     _supports_group_offloading = True
@@ -135,6 +137,7 @@ class FastQwenImageTransformer(Unsupported, StepCaches, ModulationTable, LoraAda
         self.modulation_tables = ModulationTables()
         self.lora_state = LoraState()
         self.weight_source: CheckpointWeights | None = None  # the BF16 masters of the FP8 weights (fuse_lora)
+        self.single_file = None  # from_single_file: what it kept, dequantized, requantized (core/single_file/)
 
     @staticmethod
     def _pos_embed(config: dict) -> nn.Module:
@@ -190,14 +193,19 @@ class FastQwenImageTransformer(Unsupported, StepCaches, ModulationTable, LoraAda
         device = torch.device(device or "cpu")
         if not torch.cuda.is_available():
             check_triton_runs_on(device)
-        stock_config = checkpoint.stock_config(STOCK_CONFIG)
-        with torch.device("meta"):
-            model = cls(run, **stock_config)
-        model.pos_embed = cls._pos_embed({**STOCK_CONFIG, **stock_config})
+        model = cls.meta_model(run, checkpoint.stock_config(STOCK_CONFIG))
         checkpoint.load_into(model, device, variant, torch_dtype)
         if run.attention != "auto":
             resolve_backend(run.attention, device, model.dtype)
         return model.requires_grad_(False).eval()
+
+    @classmethod
+    def meta_model(cls, run: FastTransformerConfig, stock_config: dict) -> "FastQwenImageTransformer":
+        """The structure on the meta device, its rotary tables computed (from_pretrained, from_single_file)."""
+        with torch.device("meta"):
+            model = cls(run, **stock_config)
+        model.pos_embed = cls._pos_embed({**STOCK_CONFIG, **stock_config})
+        return model
 
     # ---- what pipelines and users touch on a diffusers model
 
@@ -231,7 +239,8 @@ class FastQwenImageTransformer(Unsupported, StepCaches, ModulationTable, LoraAda
         kernel = self.fp8_attention_in(get_context().ulysses)
         return ([("fused_transformer", True)] + ([("fp8", True)] if fp8 else [])
                 + ([("fp8_fast_accum", True)] if fp8 and self.fast_config.fp8_fast_accum else [])
-                + [("attention", self.attention_backend)] + ([("fp8_attention", kernel)] if kernel else []))
+                + [("attention", self.attention_backend)] + ([("fp8_attention", kernel)] if kernel else [])
+                + list(self.single_file.applied if self.single_file else ()))
 
     def lora_key(self) -> tuple:
         """What a forward's output depends on beyond its arguments and the weights: the LoRA scale of the forward

@@ -1,0 +1,214 @@
+"""Single checkpoint files into the fast transformers (core/single_file/), each format written by the tests from
+tiny random weights (core/single_file/writers.py, which names the tools whose rules it follows), against the same
+weights loaded from a diffusers folder and against stock diffusers holding what the file means."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from diffusers import QwenImageTransformer2DModel
+from helpers import assert_close
+from safetensors.torch import load_file, save_file
+
+from qwen_image_fast.kernels._utils import rel_rms_error
+from qwen_image_fast.pipelines.core.config import FastTransformerConfig
+from qwen_image_fast.pipelines.core.optimizations import BY_NAME
+from qwen_image_fast.pipelines.core.single_file import writers
+from qwen_image_fast.pipelines.core.single_file.formats import COMFY_PREFIX, CheckpointFileError
+from qwen_image_fast.pipelines.qwen_image.model.transformer import FastQwenImageTransformer
+
+# widths of whole Q8_0 / Q4_0 blocks (32), so the GGUF fixtures quantize every block weight, as at the real sizes
+CONFIG = dict(patch_size=2, in_channels=16, out_channels=4, num_layers=2, attention_head_dim=16, num_attention_heads=2,
+              joint_attention_dim=16, axes_dims_rope=(8, 4, 4))
+FP8_OFF, FP8_ON = FastTransformerConfig(fp8=False), FastTransformerConfig(fp8=True)
+
+
+def stock_model(seed: int = 0) -> QwenImageTransformer2DModel:
+    torch.manual_seed(seed)
+    model = QwenImageTransformer2DModel(**CONFIG).eval()
+    with torch.no_grad():  # non-trivial biases and norm weights, so a dropped one shows
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    return model
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    """Every format of the same BF16 weights, and their diffusers folder."""
+    root = tmp_path_factory.mktemp("single_files")
+    stock = stock_model().to(torch.bfloat16)
+    stock.save_pretrained(root / "folder")
+    state = stock.state_dict()
+    return {fmt: writers.write(state, root / f"{fmt}.{'gguf' if fmt.startswith('gguf') else 'safetensors'}", fmt)
+            for fmt in writers.FORMATS} | {"folder": root / "folder"}
+
+
+def meaning(path) -> dict[str, torch.Tensor]:
+    """What a file means, in fp32, computed here from the raw file (safetensors: codes x scale_weight /
+    weight_scale; GGUF: gguf's own dequantization), for the stock reference."""
+    if str(path).endswith(".gguf"):
+        import gguf
+
+        reader = gguf.GGUFReader(path)
+        return {t.name: torch.from_numpy(np.array(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32))
+                .reshape(tuple(int(d) for d in reversed(t.shape))) for t in reader.tensors}
+    raw = {k.removeprefix(COMFY_PREFIX): v for k, v in load_file(path).items()}
+    out = {}
+    for name, t in raw.items():
+        if name.endswith((".scale_weight", ".weight_scale", ".scale_input", ".comfy_quant")) or name == "scaled_fp8":
+            continue
+        layer = name.removesuffix(".weight")
+        scale = raw.get(f"{layer}.scale_weight", raw.get(f"{layer}.weight_scale", torch.ones(())))
+        out[name] = t.float() * scale.float() if t.dtype == torch.float8_e4m3fn else t.float()
+    return out
+
+
+def inputs(batch: int = 2):
+    torch.manual_seed(1)
+    return dict(hidden_states=torch.randn(batch, 16, 16), encoder_hidden_states=torch.randn(batch, 5, 16),
+                encoder_hidden_states_mask=None, timestep=torch.tensor([0.3, 0.8])[:batch],
+                img_shapes=[[(1, 4, 4)]] * batch)
+
+
+@torch.no_grad()
+def run(model):
+    return model(**inputs()).sample
+
+
+@pytest.mark.parametrize("fmt", ["diffusers_bf16", "comfyui_bf16"])
+def test_a_bf16_file_loads_as_its_diffusers_folder_does(files, fmt):
+    """Bit for bit the model from_diffusers makes of the same weights from the folder (FP8 codes and scales too)."""
+    stock = QwenImageTransformer2DModel.from_pretrained(files["folder"], torch_dtype=torch.bfloat16)
+    for config in (FP8_ON, FP8_OFF):
+        ours = FastQwenImageTransformer.from_single_file(files[fmt], config=files["folder"], fast_config=config)
+        folder = FastQwenImageTransformer.from_diffusers(stock, config)
+        a, b = ours.state_dict(), folder.state_dict()
+        assert a.keys() == b.keys()
+        assert all(a[k].dtype == b[k].dtype and torch.equal(a[k].view(torch.uint8) if a[k].dtype.itemsize == 1 else
+                                                            a[k], b[k].view(torch.uint8) if b[k].dtype.itemsize == 1
+                                                            else b[k]) for k in a)
+        assert ours.single_file.applied == (("single_file", fmt),)
+
+
+@pytest.mark.parametrize("fmt", ["comfyui_scaled_fp8", "comfyui_quant_fp8", "comfyui_fp8"])
+def test_fp8_codes_and_scales_are_kept_bit_for_bit(files, fmt):
+    raw = {k.removeprefix(COMFY_PREFIX): v for k, v in load_file(files[fmt]).items()}
+    ours = FastQwenImageTransformer.from_single_file(files[fmt], fast_config=FP8_ON, torch_dtype=torch.float32)
+    block = ours.transformer_blocks[1]
+    parts = [raw[f"transformer_blocks.1.attn.{n}.weight"] for n in ("to_q", "to_k", "to_v")]
+    scales = [raw.get(f"transformer_blocks.1.attn.{n}.scale_weight", raw.get(
+        f"transformer_blocks.1.attn.{n}.weight_scale", torch.ones(()))) for n in ("to_q", "to_k", "to_v")]
+    assert torch.equal(block.img_qkv.weight_q.view(torch.uint8), torch.cat(parts).view(torch.uint8))
+    assert torch.equal(block.img_qkv.weight_scale, torch.cat([s.float().expand(p.shape[0]) for s, p in
+                                                               zip(scales, parts)]))
+    # the modulation linears stay in the model's dtype: dequantized from the file's FP8, and applied says so
+    assert block.img_mod[1].weight.dtype == torch.float32
+    source = "fp8_e4m3fn" if fmt == "comfyui_fp8" else "fp8_e4m3fn_scaled"
+    assert ("dequantized", source) in ours.single_file.applied and not any(
+        name == "requantized" for name, _ in ours.single_file.applied)
+
+
+@pytest.mark.parametrize("fmt", ["comfyui_bf16", "comfyui_scaled_fp8", "comfyui_quant_fp8", "comfyui_fp8",
+                                 "gguf_q8_0", "gguf_q4_0"])
+def test_the_forward_equals_stock_holding_what_the_file_means(files, fmt):
+    """fp32, FP8 off: to 1e-5 (every format is exact there: its values computed in fp32); FP8 on: inside the fp8
+    bound, and for GGUF the requantization is labelled (the registry's lossy `requantized`)."""
+    stock = QwenImageTransformer2DModel(**CONFIG).eval()
+    stock.load_state_dict(meaning(files[fmt]))
+    ref = run(stock)
+    exact = FastQwenImageTransformer.from_single_file(files[fmt], fast_config=FP8_OFF, torch_dtype=torch.float32)
+    assert_close(run(exact), ref, tol=1e-5)
+    fp8 = FastQwenImageTransformer.from_single_file(files[fmt], fast_config=FP8_ON, torch_dtype=torch.float32)
+    assert 0 < rel_rms_error(run(fp8), ref) <= BY_NAME["fp8"].bound.tiny
+    requantized = [value for name, value in fp8.single_file.applied if name == "requantized"]
+    assert requantized == ([fmt] if fmt.startswith("gguf") else [])
+    assert BY_NAME["requantized"].kind == "lossy" and BY_NAME["requantized"].bound is BY_NAME["fp8"].bound
+
+
+def test_the_config_is_read_off_the_file(files, tmp_path):
+    """No config=: the file's shapes give it; the Edit-2511 marker gives zero_cond_t; Layered is refused."""
+    # CONFIG's rotary axes sum to its head width 16; the stock default's (16, 56, 56) to 128: a file of 128-wide
+    # heads infers, one of 16-wide heads asks for config=
+    with pytest.raises(CheckpointFileError, match="pass config="):
+        FastQwenImageTransformer.from_single_file(files["comfyui_bf16"])
+    torch.manual_seed(0)
+    wide = QwenImageTransformer2DModel(**{**CONFIG, "attention_head_dim": 128, "axes_dims_rope": (16, 56, 56),
+                                          "num_attention_heads": 1, "num_layers": 3})
+    state = {COMFY_PREFIX + k: v for k, v in wide.state_dict().items()}
+    save_file(state, tmp_path / "plain.safetensors")
+    save_file({**state, COMFY_PREFIX + "__index_timestep_zero__": torch.empty(0)}, tmp_path / "2511.safetensors")
+    plain = FastQwenImageTransformer.from_single_file(tmp_path / "plain.safetensors", fast_config=FP8_OFF)
+    expected = {**{k: wide.config[k] for k in CONFIG}, "attention_head_dim": 128, "num_attention_heads": 1,
+                "num_layers": 3, "zero_cond_t": False}
+    assert {k: plain.config[k] for k in expected} == {**expected, "axes_dims_rope": plain.config["axes_dims_rope"]}
+    edit = FastQwenImageTransformer.from_single_file(tmp_path / "2511.safetensors", fast_config=FP8_OFF)
+    assert edit.config["zero_cond_t"] is True
+    save_file({**state, COMFY_PREFIX + "time_text_embed.addition_t_embedding.weight": torch.zeros(2, 128)},
+              tmp_path / "layered.safetensors")
+    with pytest.raises(CheckpointFileError, match="Layered"):
+        FastQwenImageTransformer.from_single_file(tmp_path / "layered.safetensors")
+
+
+def test_bad_files_are_refused_in_one_line_naming_the_first_key(files, tmp_path):
+    state = load_file(files["comfyui_scaled_fp8"])
+    dropped = COMFY_PREFIX + "transformer_blocks.1.attn.to_k.weight"
+    save_file({k: v for k, v in state.items() if k != dropped}, tmp_path / "missing.safetensors")
+    save_file({**state, COMFY_PREFIX + "transformer_blocks.0.extra.weight": torch.zeros(2)},
+              tmp_path / "unknown.safetensors")
+    data = files["comfyui_scaled_fp8"].read_bytes()
+    (tmp_path / "truncated.safetensors").write_bytes(data[: len(data) // 2])
+    save_file({"encoder.conv1.weight": torch.zeros(4, 3, 3, 3, 3)}, tmp_path / "vae.safetensors")
+    (tmp_path / "truncated.gguf").write_bytes(files["gguf_q8_0"].read_bytes()[:4000])
+    cases = {"missing": "missing 'transformer_blocks.1.attn.to_k.weight'",
+             "unknown": "unknown key 'transformer_blocks.0.extra.weight'",
+             "truncated": "not a readable safetensors or GGUF file", "vae": "is not a QwenImageTransformer2DModel file"}
+    for name, message in cases.items():
+        with pytest.raises(CheckpointFileError, match=message) as e:
+            FastQwenImageTransformer.from_single_file(tmp_path / f"{name}.safetensors", config=files["folder"])
+        assert "\n" not in str(e.value)
+    with pytest.raises(CheckpointFileError, match="not a readable GGUF file"):
+        FastQwenImageTransformer.from_single_file(tmp_path / "truncated.gguf", config=files["folder"])
+    with pytest.raises(ValueError, match="quantization_config"):
+        FastQwenImageTransformer.from_single_file(files["comfyui_bf16"], quantization_config=object())
+    # ComfyUI's other quantized formats are named, not guessed at
+    nvfp4 = dict(state)
+    nvfp4[COMFY_PREFIX + "transformer_blocks.0.attn.to_q.comfy_quant"] = torch.tensor(
+        list(json.dumps({"format": "nvfp4"}).encode()), dtype=torch.uint8)
+    save_file(nvfp4, tmp_path / "nvfp4.safetensors")
+    with pytest.raises(CheckpointFileError, match="'nvfp4'"):
+        FastQwenImageTransformer.from_single_file(tmp_path / "nvfp4.safetensors", config=files["folder"])
+
+
+def test_qwen21_comfyui_file_with_its_fused_swiglu(tmp_path):
+    """ComfyUI's 2.1 layout fuses SwiGLU's gate and up projections (gate rows first, as diffusers'
+    convert_qwen_image21_transformer_checkpoint_to_diffusers splits them): scaled FP8 loads with its codes, and the
+    forward equals stock diffusers' holding what the file means."""
+    from qwen_image_fast.pipelines.qwen_image21.model import FastQwenImage21Transformer
+    from qwen_image_fast.pipelines.tiny import tiny_qwen21_components
+
+    stock = tiny_qwen21_components()["transformer"]
+    state = {}
+    for name, t in stock.state_dict().items():
+        if name.endswith("img_mlp.gate_layer.weight"):
+            up = stock.state_dict()[name.replace("gate_layer", "proj")]
+            state[name.replace("gate_layer", "gate_up")] = torch.cat([t, up])
+        elif not name.endswith("img_mlp.proj.weight"):
+            state[name] = t
+    path = writers.write(state, tmp_path / "qwen21.safetensors", "comfyui_scaled_fp8")
+    ours = FastQwenImage21Transformer.from_single_file(path, config=dict(stock.config), fast_config=FP8_OFF,
+                                                       torch_dtype=torch.float32)
+    meant = meaning(path)
+    for name in [n for n in meant if n.endswith("gate_up.weight")]:
+        meant[name.replace("gate_up", "gate_layer")], meant[name.replace("gate_up", "proj")] = meant.pop(name).chunk(2)
+    stock.load_state_dict(meant)
+    torch.manual_seed(0)
+    x = dict(hidden_states=torch.randn(1, 16, 16), encoder_hidden_states=torch.randn(1, 6, 24),
+             timestep=torch.tensor([0.5]), img_shapes=[[(1, 4, 4)]], img_mask=None)
+    with torch.no_grad():
+        assert_close(ours(**x).sample, stock(**x).sample, tol=1e-5)
+    fp8 = FastQwenImage21Transformer.from_single_file(path, config=dict(stock.config), fast_config=FP8_ON)
+    raw = load_file(path)
+    gate_up = raw[COMFY_PREFIX + "transformer_blocks.0.img_mlp.gate_up.weight"]
+    assert torch.equal(fp8.transformer_blocks[0].gate_up.weight_q.view(torch.uint8), gate_up.view(torch.uint8))
