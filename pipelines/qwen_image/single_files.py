@@ -94,7 +94,7 @@ def text_encoder_from_file(path, base, dtype: torch.dtype):
     with init_empty_weights(include_buffers=False):  # weights on the meta device, rotary tables computed
         encoder = Qwen2_5_VLForConditionalGeneration(config)
     if "lm_head.weight" not in state:
-        if config.get_text_config().tie_word_embeddings:
+        if config.tie_word_embeddings:
             state["lm_head.weight"] = state["model.language_model.embed_tokens.weight"]
         else:
             logger.warning("%s has no lm_head: zeros (the pipelines read the text encoder's hidden states only)", path)

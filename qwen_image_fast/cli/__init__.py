@@ -101,6 +101,8 @@ def run_render(args) -> int:
         config = config.replace(memory=memory_setting(args.max_memory, args.preset, pipeline, args.parallel))
         loras = tuple(resolve_lora(source, scale) for source, scale in args.lora)
         check_pipeline_options(pipeline, source, config, lightning=args.lightning, fmt=args.format)
+        if files is not None:  # each file's header read: a wrong or broken file is refused before anything is written
+            files.check(config, pipeline)
         model_shape = ModelShape.of(source, pipeline)
         if config.cache is not None and model_shape is not None:
             check_cache_blocks(config.cache.Fn, config.cache.Bn, model_shape.layers, f"{model}'s transformer",
@@ -124,9 +126,7 @@ def run_render(args) -> int:
         if warning and rank == 0:
             print(warning, file=sys.stderr, flush=True)
         if args.dry_run:
-            print(dry_run_report(config, labels, pipeline, device, shape, jobs))
-            if files is not None:
-                print("\n".join(files.describe(config, pipeline)))
+            print(dry_run_report(config, labels, pipeline, device, shape, jobs, files))
             return 0
         # with --parallel an image group renders what one process renders without it
         group_index, groups = (rank // shape.group_size, shape.dp) if shape is not None else (rank, world_size)

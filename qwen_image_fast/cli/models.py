@@ -106,20 +106,38 @@ class SingleFiles:
                                                                             ("vae", self.vae)) if path]
         return f"{self.transformer} ({', '.join(parts)})"
 
-    def describe(self, config: FastConfig, pipeline: str) -> list[str]:
-        """For --dry-run: what each file is, and what loading will keep, dequantize or requantize (from the
-        headers: no tensor is read)."""
-        from ..pipelines.core.single_file.formats import CheckpointFile
+    def plan(self, config: FastConfig, pipeline: str):
+        """What loading the transformer file will keep, dequantize or requantize (core/single_file/fast_state.py
+        Loaded), from the headers: no tensor is read."""
         from ..pipelines.loading import BY_CLASS_NAME
 
         model_class = next(cls for cls in BY_CLASS_NAME.values()
                            if cls.stock_class.__name__ == pipeline).fast_transformer_class
-        loaded = model_class.plan_single_file(self.transformer, config=self.base, subfolder="transformer",
-                                              fast_config=config.transformer_config())
+        return model_class.plan_single_file(self.transformer, config=self.base, subfolder="transformer",
+                                            fast_config=config.transformer_config())
+
+    def check(self, config: FastConfig, pipeline: str):
+        """Every file readable, the transformer's a transformer this pipeline takes with base's config (its keys
+        and shapes), the others' headers readable: CheckpointFileError (a ValueError) in one line otherwise."""
+        from ..pipelines.core.single_file.formats import CheckpointFile
+
+        self.plan(config, pipeline)
+        for path in (self.text_encoder, self.vae):
+            if path:
+                CheckpointFile(path)
+
+    def describe(self, loaded) -> list[str]:
+        """For --dry-run: each file, and what loading does with what it stores."""
+        from ..pipelines.core.single_file.formats import CheckpointFile
+
         lines = [f"transformer file {CheckpointFile(self.transformer).describe()}"]
         lines += [f"  {line}" for line in loaded.describe()] or ["  every tensor kept as the file stores it"]
-        lines += [f"{name} file {CheckpointFile(path).describe()} (quantized tensors dequantized to BF16)"
-                  for name, path in (("text encoder", self.text_encoder), ("vae", self.vae)) if path]
+        for name, path in (("text encoder", self.text_encoder), ("vae", self.vae)):
+            if path:
+                file = CheckpointFile(path)
+                quantized = sorted(s for s in file.sources() if s.startswith(("fp8", "gguf_q")))
+                lines.append(f"{name} file {file.describe()}" + (
+                    f"\n  dequantized from {', '.join(quantized)} to BF16" if quantized else ""))
         return lines
 
 

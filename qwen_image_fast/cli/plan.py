@@ -7,8 +7,9 @@ from .models import STOCK_PRESET, TINY_MODEL_ID, Labels
 from .option_names import option_of
 
 
-def command_facts(config: FastConfig, labels: Labels, pipeline: str, device, shape) -> Facts:
-    """The Facts a pipeline built by this command would have (no offload hooks: the command adds none)."""
+def command_facts(config: FastConfig, labels: Labels, pipeline: str, device, shape, loaded: tuple = ()) -> Facts:
+    """The Facts a pipeline built by this command would have (no offload hooks: the command adds none); loaded:
+    what loading a --model file will do (SingleFiles.plan)."""
     import torch
 
     from ..pipelines.core.pipeline_base import fp8_supported
@@ -25,10 +26,12 @@ def command_facts(config: FastConfig, labels: Labels, pipeline: str, device, sha
     return Facts(pipeline=pipeline, fused=fused, device=device.type, fp8=fp8, fast_accum=fp8 and config.fp8_fast_accum,
                  fp8_attention=fp8_attention, fp8_attention_why=why,
                  attention=resolve_backend(config.attention, device, dtype) if fused else None, offload_hooks=False,
-                 vae_2d=QWEN21_VAE if pipeline == QWEN21 else None, enhancer=labels.enhancer is not None, parallel=parallel)
+                 vae_2d=QWEN21_VAE if pipeline == QWEN21 else None, enhancer=labels.enhancer is not None, parallel=parallel,
+                 loaded=loaded if fused else ())
 
 
-def dry_run_report(config: FastConfig, labels: Labels, pipeline: str, device, shape, jobs) -> str:
+def dry_run_report(config: FastConfig, labels: Labels, pipeline: str, device, shape, jobs, files=None) -> str:
+    """files: --model FILE's (SingleFiles): what each file is, and what loading will keep, dequantize, requantize."""
     with_cfg = sum(job.cfg > 1 and job.negative_prompt is not None for job in jobs)
     sizes = ", ".join(dict.fromkeys(("sized from the input image" if job.width is None else
                                      f"{job.width}x{job.height}") + f" in {job.steps} steps" for job in jobs))
@@ -37,7 +40,9 @@ def dry_run_report(config: FastConfig, labels: Labels, pipeline: str, device, sh
     if labels.preset == STOCK_PRESET:
         return "\n".join(lines + ["diffusers' own pipeline runs, untouched: none of the optimizations below"])
     rows = [("optimization", "option", "runs", "kind", "bound, or why it does not run")]
-    for opt, plan in plans(config, command_facts(config, labels, pipeline, device, shape)):
+    loaded = files.plan(config, pipeline) if files is not None else None
+    facts = command_facts(config, labels, pipeline, device, shape, loaded.applied if loaded else ())
+    for opt, plan in plans(config, facts):
         runs = ", ".join(opt.label(value) for value in plan.values) if plan.values else "no" if plan.why_not else "off"
         if plan.values and opt.name in CFG_ONLY and with_cfg < len(jobs):
             runs += f" ({with_cfg} of {len(jobs)} images have CFG)" if with_cfg else " (no image has CFG: no)"
@@ -45,7 +50,7 @@ def dry_run_report(config: FastConfig, labels: Labels, pipeline: str, device, sh
         rows.append((opt.name, option_of(opt), runs, opt.kind, note))
     widths = [max(len(row[i]) for row in rows) for i in range(4)]
     return "\n".join(lines + ["  ".join(cell.ljust(width) for cell, width in zip(row[:4], widths)) + "  " + row[4]
-                              for row in rows])
+                              for row in rows] + (files.describe(loaded) if files is not None else []))
 
 
 def describe(bound) -> str:

@@ -320,9 +320,14 @@ def case_vae_2d_decode(stock_latents, monkeypatch):
 
 
 CASES = {name.removeprefix("case_"): function for name, function in globals().items() if name.startswith("case_")}
-# Optimizations whose a, b and c need more than one process: checked under torchrun (gloo) by these tests.
+# Optimizations whose a, b and c need more than one process (checked under torchrun, gloo) or a file written in
+# each format: checked by these tests.
 ELSEWHERE = {"parallel": ("test_parallel", "test_parallel_against_stock"),
-             "step_cache": ("test_step_caches", "test_dbcache_decides_and_computes_as_its_reference")}
+             "step_cache": ("test_step_caches", "test_dbcache_decides_and_computes_as_its_reference"),
+             # what loading a single checkpoint file did: against stock holding what the file means
+             "single_file": ("test_single_file", "test_a_bf16_file_loads_as_its_diffusers_folder_does"),
+             "dequantized": ("test_single_file", "test_fp8_codes_and_scales_are_kept_bit_for_bit"),
+             "requantized": ("test_single_file", "test_the_forward_equals_stock_holding_what_the_file_means")}
 
 
 def test_every_optimization_has_a_case():

@@ -95,7 +95,8 @@ def test_a_bf16_file_loads_as_its_diffusers_folder_does(files, fmt):
 @pytest.mark.parametrize("fmt", ["comfyui_scaled_fp8", "comfyui_quant_fp8", "comfyui_fp8"])
 def test_fp8_codes_and_scales_are_kept_bit_for_bit(files, fmt):
     raw = {k.removeprefix(COMFY_PREFIX): v for k, v in load_file(files[fmt]).items()}
-    ours = FastQwenImageTransformer.from_single_file(files[fmt], fast_config=FP8_ON, torch_dtype=torch.float32)
+    ours = FastQwenImageTransformer.from_single_file(files[fmt], config=CONFIG, fast_config=FP8_ON,
+                                                     torch_dtype=torch.float32)
     block = ours.transformer_blocks[1]
     parts = [raw[f"transformer_blocks.1.attn.{n}.weight"] for n in ("to_q", "to_k", "to_v")]
     scales = [raw.get(f"transformer_blocks.1.attn.{n}.scale_weight", raw.get(
@@ -118,9 +119,11 @@ def test_the_forward_equals_stock_holding_what_the_file_means(files, fmt):
     stock = QwenImageTransformer2DModel(**CONFIG).eval()
     stock.load_state_dict(meaning(files[fmt]))
     ref = run(stock)
-    exact = FastQwenImageTransformer.from_single_file(files[fmt], fast_config=FP8_OFF, torch_dtype=torch.float32)
+    exact = FastQwenImageTransformer.from_single_file(files[fmt], config=CONFIG, fast_config=FP8_OFF,
+                                                      torch_dtype=torch.float32)
     assert_close(run(exact), ref, tol=1e-5)
-    fp8 = FastQwenImageTransformer.from_single_file(files[fmt], fast_config=FP8_ON, torch_dtype=torch.float32)
+    fp8 = FastQwenImageTransformer.from_single_file(files[fmt], config=CONFIG, fast_config=FP8_ON,
+                                                    torch_dtype=torch.float32)
     assert 0 < rel_rms_error(run(fp8), ref) <= BY_NAME["fp8"].bound.tiny
     requantized = [value for name, value in fp8.single_file.applied if name == "requantized"]
     assert requantized == ([fmt] if fmt.startswith("gguf") else [])
@@ -153,8 +156,8 @@ def test_the_config_is_read_off_the_file(files, tmp_path):
 
 def test_bad_files_are_refused_in_one_line_naming_the_first_key(files, tmp_path):
     state = load_file(files["comfyui_scaled_fp8"])
-    dropped = COMFY_PREFIX + "transformer_blocks.1.attn.to_k.weight"
-    save_file({k: v for k, v in state.items() if k != dropped}, tmp_path / "missing.safetensors")
+    dropped = COMFY_PREFIX + "transformer_blocks.1.attn.to_k."  # the layer: its weight and scales
+    save_file({k: v for k, v in state.items() if not k.startswith(dropped)}, tmp_path / "missing.safetensors")
     save_file({**state, COMFY_PREFIX + "transformer_blocks.0.extra.weight": torch.zeros(2)},
               tmp_path / "unknown.safetensors")
     data = files["comfyui_scaled_fp8"].read_bytes()
@@ -203,12 +206,141 @@ def test_qwen21_comfyui_file_with_its_fused_swiglu(tmp_path):
     for name in [n for n in meant if n.endswith("gate_up.weight")]:
         meant[name.replace("gate_up", "gate_layer")], meant[name.replace("gate_up", "proj")] = meant.pop(name).chunk(2)
     stock.load_state_dict(meant)
-    torch.manual_seed(0)
+    torch.manual_seed(0)  # what QwenImage21Pipeline hands the transformer: 6 text tokens, a 4x4-token target
     x = dict(hidden_states=torch.randn(1, 16, 16), encoder_hidden_states=torch.randn(1, 6, 24),
-             timestep=torch.tensor([0.5]), img_shapes=[[(1, 4, 4)]], img_mask=None)
+             timestep=torch.tensor([0.5]), img_shapes=[[(1, 4, 4)]],
+             img_mask=torch.cat([torch.zeros(6, dtype=torch.bool), torch.ones(4, dtype=torch.bool)])[None])
     with torch.no_grad():
         assert_close(ours(**x).sample, stock(**x).sample, tol=1e-5)
     fp8 = FastQwenImage21Transformer.from_single_file(path, config=dict(stock.config), fast_config=FP8_ON)
     raw = load_file(path)
     gate_up = raw[COMFY_PREFIX + "transformer_blocks.0.img_mlp.gate_up.weight"]
     assert torch.equal(fp8.transformer_blocks[0].gate_up.weight_q.view(torch.uint8), gate_up.view(torch.uint8))
+
+
+# ---- ComfyUI's three files into a pipeline
+
+# A Qwen-Image VAE with the real block structure (4 stages, 2 residual blocks: diffusers' Wan-layout converter
+# counts its blocks so), tiny widths
+WAN_STRUCTURE_VAE = dict(base_dim=8, z_dim=4, dim_mult=[1, 2, 4, 4], num_res_blocks=2,
+                         temperal_downsample=[False, True, True], latents_mean=[0.0] * 4, latents_std=[1.0] * 4)
+RESIDUAL = {"norm1.gamma": "residual.0.gamma", "conv1": "residual.2", "norm2.gamma": "residual.3.gamma",
+            "conv2": "residual.6", "conv_shortcut": "shortcut"}
+
+
+def wan_key(key: str) -> str:
+    """A diffusers AutoencoderKLQwenImage key in ComfyUI's Wan-2.1 layout: the inverse of diffusers'
+    convert_wan_vae_to_diffusers (the fixture checks the round trip)."""
+    import re
+
+    def residual(rest):
+        part = next(d for d in RESIDUAL if rest == d or rest.startswith(d + "."))
+        return RESIDUAL[part] + rest[len(part):]
+
+    fixed = {"quant_conv": "conv1", "post_quant_conv": "conv2", "encoder.conv_in": "encoder.conv1",
+             "decoder.conv_in": "decoder.conv1", "encoder.norm_out.gamma": "encoder.head.0.gamma",
+             "decoder.norm_out.gamma": "decoder.head.0.gamma", "encoder.conv_out": "encoder.head.2",
+             "decoder.conv_out": "decoder.head.2"}
+    for d, w in fixed.items():
+        if key == d or key.startswith(d + "."):
+            return w + key[len(d):]
+    rules = ((r"(encoder|decoder)\.mid_block\.resnets\.(\d)\.(.+)", lambda m: f"{m[1]}.middle.{2 * int(m[2])}."
+              f"{residual(m[3])}"),
+             (r"(encoder|decoder)\.mid_block\.attentions\.0\.(.+)", lambda m: f"{m[1]}.middle.1.{m[2]}"),
+             (r"encoder\.down_blocks\.(\d+)\.(resample|time_conv)(.*)", lambda m: f"encoder.downsamples.{m[1]}.{m[2]}"
+              f"{m[3]}"),
+             (r"encoder\.down_blocks\.(\d+)\.(.+)", lambda m: f"encoder.downsamples.{m[1]}.{residual(m[2])}"),
+             (r"decoder\.up_blocks\.(\d+)\.upsamplers\.0\.(.+)", lambda m: f"decoder.upsamples.{4 * int(m[1]) + 3}."
+              f"{m[2]}"),
+             (r"decoder\.up_blocks\.1\.resnets\.0\.conv_shortcut\.(.+)", lambda m: f"decoder.upsamples.4.shortcut."
+              f"{m[1]}"),
+             (r"decoder\.up_blocks\.(\d+)\.resnets\.(\d+)\.(.+)", lambda m: f"decoder.upsamples."
+              f"{4 * int(m[1]) + int(m[2])}.{residual(m[3])}"))
+    for pattern, wan in rules:
+        if m := re.fullmatch(pattern, key):
+            return wan(m)
+    raise KeyError(key)
+
+
+def legacy_text_encoder_key(key: str) -> str:
+    """transformers 5's Qwen2.5-VL key in the legacy layout ComfyUI's text encoder files keep."""
+    return key.replace("model.language_model.", "model.", 1).replace("model.visual.", "visual.", 1)
+
+
+@pytest.fixture(scope="module")
+def comfy_files(tmp_path_factory):
+    """A tiny pipeline as ComfyUI's three files (scaled-FP8 transformer and text encoder without lm_head, a
+    Wan-layout VAE), a base folder with its configs and tokenizer only, and the stock pipeline holding what the
+    files mean."""
+    from diffusers import QwenImagePipeline
+    from diffusers.loaders.single_file_utils import convert_wan_vae_to_diffusers
+
+    from qwen_image_fast.pipelines.tiny import tiny_components
+
+    root = tmp_path_factory.mktemp("comfy_files")
+    stock = QwenImagePipeline(**tiny_components(transformer_config={k: CONFIG[k] for k in (
+        "num_attention_heads",)}, vae_config=WAN_STRUCTURE_VAE))
+    stock.save_pretrained(root / "base")
+    for part in ("transformer", "text_encoder", "vae"):
+        for weights in (root / "base" / part).glob("*.safetensors"):
+            weights.unlink()
+    transformer = writers.write(stock.transformer.state_dict(), root / "transformer.safetensors",
+                                "comfyui_scaled_fp8")
+    te_state = {legacy_text_encoder_key(k): v for k, v in stock.text_encoder.state_dict().items()
+                if k != "lm_head.weight"}
+    text_encoder = writers.write(te_state, root / "text_encoder.safetensors", "comfyui_scaled_fp8", prefix="",
+                                 quantized=lambda name, t: t.dim() == 2 and ".layers." in name)
+    vae_state = {wan_key(k): v.contiguous() for k, v in stock.vae.state_dict().items()}
+    assert set(convert_wan_vae_to_diffusers(dict(vae_state))) == set(stock.vae.state_dict())
+    save_file(vae_state, root / "vae.safetensors")
+    stock.transformer.load_state_dict(meaning(transformer))
+    te_meaning = meaning(text_encoder)
+    stock.text_encoder.load_state_dict({k: te_meaning[legacy_text_encoder_key(k)] for k in
+                                        stock.text_encoder.state_dict() if k != "lm_head.weight"}, strict=False)
+    return dict(base=root / "base", transformer=transformer, text_encoder=text_encoder, vae=root / "vae.safetensors",
+                stock=stock)
+
+
+def test_comfyuis_three_files_render_as_stock_holding_what_they_mean(comfy_files):
+    from qwen_image_fast import FastConfig, from_single_files
+
+    fast = from_single_files(comfy_files["base"], transformer=comfy_files["transformer"],
+                             text_encoder=comfy_files["text_encoder"], vae=comfy_files["vae"],
+                             fast_config=FastConfig(fp8=False), dtype=torch.float32)
+    case = dict(prompt="a cat", negative_prompt="blurry", height=32, width=48, num_inference_steps=3,
+                true_cfg_scale=4.0)
+    ours = fast(**case, output_type="latent", generator=torch.Generator().manual_seed(0)).images
+    ref = comfy_files["stock"](**case, output_type="latent", generator=torch.Generator().manual_seed(0)).images
+    assert_close(ours, ref, tol=1e-5)
+    assert "single_file:comfyui_scaled_fp8" in fast.applied and "dequantized:fp8_e4m3fn_scaled" in fast.applied
+    images = fast(**case, output_type="pt", generator=torch.Generator().manual_seed(0)).images
+    stock_images = comfy_files["stock"](**case, output_type="pt", generator=torch.Generator().manual_seed(0)).images
+    assert_close(images, stock_images, tol=1e-5)  # the VAE from its Wan-layout file decodes as stock's
+    with pytest.raises(CheckpointFileError, match="not a Qwen2.5-VL text encoder file"):
+        from_single_files(comfy_files["base"], transformer=comfy_files["transformer"], text_encoder=comfy_files["vae"],
+                          dtype=torch.float32)
+
+
+def test_render_takes_the_three_files_says_what_each_is_and_refuses_a_wrong_one(comfy_files, tmp_path, capsys):
+    """The command line: --model FILE with --base / --text-encoder / --vae; --dry-run names each file and what
+    will be dequantized; the images record the files and what loading did; a wrong file exits 2 in one line with
+    nothing written."""
+    from qwen_image_fast.command import main
+
+    files = ["--model", str(comfy_files["transformer"]), "--base", str(comfy_files["base"]), "--text-encoder",
+             str(comfy_files["text_encoder"]), "--vae", str(comfy_files["vae"]), "--device", "cpu", "--width", "32",
+             "--height", "32", "--steps", "2"]
+    assert main(["render", *files, "--out", str(tmp_path / "dry"), "--dry-run", "a cat"]) == 0
+    report = capsys.readouterr().out
+    assert "single_file:comfyui_scaled_fp8" in report and "dequantized:fp8_e4m3fn_scaled" in report
+    assert "dequantized from fp8_e4m3fn_scaled: img_mod.1.weight, txt_mod.1.weight" in report
+    assert "text encoder file text_encoder.safetensors" in report and not (tmp_path / "dry").exists()
+    assert main(["render", *files, "--out", str(tmp_path / "out"), "a cat"]) == 0
+    record = json.loads((tmp_path / "out" / "manifest.jsonl").read_text().splitlines()[0])
+    assert record["model"].startswith(str(comfy_files["transformer"])) and str(comfy_files["vae"]) in record["model"]
+    assert "single_file:comfyui_scaled_fp8" in record["applied"]
+    wrong = [*files[:2], "--model", str(comfy_files["vae"])]  # argparse keeps the last --model
+    with pytest.raises(SystemExit) as exit_info:
+        main(["render", *files, *wrong[2:], "--out", str(tmp_path / "wrong"), "a cat"])
+    assert exit_info.value.code == 2 and not (tmp_path / "wrong").exists()
+    assert "is not a QwenImageTransformer2DModel file" in capsys.readouterr().err.strip().splitlines()[-1]

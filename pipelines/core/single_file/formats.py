@@ -267,4 +267,5 @@ class CheckpointFile:
         """One line for --dry-run: what the file is."""
         kinds = ", ".join(sorted(self.sources()))
         marks = f"; markers {sorted(self.markers)}" if self.markers else ""
-        return f"{self.path.name}: {self.kind}, {self.layout} keys, {len(self.names)} tensors ({kinds}){marks}"
+        keys = {"comfyui": ", ComfyUI's keys", "gguf": ""}.get(self.layout, "")
+        return f"{self.path.name}: {self.kind}{keys}, {len(self.names)} tensors ({kinds}){marks}"

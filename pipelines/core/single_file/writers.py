@@ -38,18 +38,21 @@ def scaled_fp8(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (w / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale.reshape(())
 
 
-def write(state: dict[str, torch.Tensor], path, fmt: str, architecture: str = "qwen_image") -> Path:
-    """Write `state` (stock names) to path in format fmt (FORMATS); BF16 where the format keeps floats."""
+def write(state: dict[str, torch.Tensor], path, fmt: str, architecture: str = "qwen_image",
+          quantized=quantized_weight, prefix: str | None = None) -> Path:
+    """Write `state` (stock names) to path in format fmt (FORMATS); BF16 where the format keeps floats.
+    quantized(name, tensor): which tensors the quantized formats quantize; prefix: the keys' (default: ComfyUI's
+    diffusion-model prefix for the comfyui formats; a text encoder's file has none)."""
     path = Path(path)
     if fmt.startswith("gguf_"):
         return _write_gguf(state, path, fmt.removeprefix("gguf_"), architecture)
     from safetensors.torch import save_file
 
-    prefix = "" if fmt == "diffusers_bf16" else COMFY_PREFIX
+    prefix = ("" if fmt == "diffusers_bf16" else COMFY_PREFIX) if prefix is None else prefix
     out, metadata = {}, None
     for name, tensor in state.items():
         tensor = tensor.detach().to("cpu")
-        if fmt in ("comfyui_fp8", "comfyui_scaled_fp8", "comfyui_quant_fp8") and quantized_weight(name, tensor):
+        if fmt in ("comfyui_fp8", "comfyui_scaled_fp8", "comfyui_quant_fp8") and quantized(name, tensor):
             layer = prefix + name.removesuffix(".weight")
             if fmt == "comfyui_fp8":
                 out[prefix + name] = tensor.to(torch.float8_e4m3fn)

@@ -3,8 +3,6 @@ model's (core/single_file/), and its config read off a file that carries none.""
 
 import re
 
-import torch
-
 from ...core.model.lora import BLOCK_SITES
 from ...core.single_file.fast_state import FamilyLayout
 from ...core.single_file.formats import CheckpointFile, CheckpointFileError
@@ -23,14 +21,6 @@ class QwenImageSingleFile(SingleFileModel):
     family_keys = ("txt_norm.weight", "img_in.weight", "transformer_blocks.0.attn.norm_q.weight")
     other_families = {"txt_in.text_norm.weight": ("a Qwen-Image-2.1 transformer",
                                                   "FastQwenImage21Transformer.from_single_file")}
-
-    @classmethod
-    def check_load(cls, run, device, dtype):
-        from .transformer import check_triton_runs_on
-
-        if not torch.cuda.is_available():
-            check_triton_runs_on(device)  # a CPU without Triton's interpreter: says how to fix it
-        super().check_load(run, device, dtype)
 
     @classmethod
     def infer_stock_config(cls, file: CheckpointFile) -> dict:

@@ -200,6 +200,12 @@ class FastQwenImageTransformer(Unsupported, StepCaches, ModulationTable, LoraAda
         return model.requires_grad_(False).eval()
 
     @classmethod
+    def check_load(cls, run: FastTransformerConfig, device: torch.device, dtype: torch.dtype):
+        if not torch.cuda.is_available():
+            check_triton_runs_on(device)  # a CPU without Triton's interpreter: says how to fix it
+        super().check_load(run, device, dtype)
+
+    @classmethod
     def meta_model(cls, run: FastTransformerConfig, stock_config: dict) -> "FastQwenImageTransformer":
         """The structure on the meta device, its rotary tables computed (from_pretrained, from_single_file)."""
         with torch.device("meta"):
