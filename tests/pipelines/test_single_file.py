@@ -344,3 +344,19 @@ def test_render_takes_the_three_files_says_what_each_is_and_refuses_a_wrong_one(
         main(["render", *files, *wrong[2:], "--out", str(tmp_path / "wrong"), "a cat"])
     assert exit_info.value.code == 2 and not (tmp_path / "wrong").exists()
     assert "is not a QwenImageTransformer2DModel file" in capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def test_q8_0_in_torch_is_ggufs_own_byte_for_byte():
+    """The torch Q8_0 writer and reader (threads: the benchmark's 20B parameters) against gguf-py's numpy, on blocks
+    with ties at .5, a zero block and one of a single value."""
+    import gguf
+
+    from qwen_image_fast.pipelines.core.single_file.formats import dequantize_q8_0
+
+    torch.manual_seed(0)
+    x = torch.randn(16, 256) * 0.02
+    x[0, :32], x[1, :32], x[2, :32] = 0, 0.5, torch.arange(32) - 15.5
+    q8_0 = gguf.GGMLQuantizationType.Q8_0
+    ours, theirs = writers.quantize_q8_0(x).numpy(), gguf.quants.quantize(x.numpy(), q8_0)
+    assert ours.shape == theirs.shape and (ours == theirs).all()
+    assert np.array_equal(dequantize_q8_0(torch.from_numpy(theirs)).numpy(), gguf.quants.dequantize(theirs, q8_0))

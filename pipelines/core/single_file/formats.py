@@ -36,6 +36,17 @@ RUNTIME_SUFFIXES = (".scale_input", ".input_scale", ".comfy_quant")
 COMFY_FP8_FORMATS = {"float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
 
 
+Q8_0_BLOCK = 32  # values a Q8_0 block holds: an fp16 scale d, then 32 int8 codes q (34 bytes); a value is d * q
+
+
+def dequantize_q8_0(raw: torch.Tensor) -> torch.Tensor:
+    """GGUF Q8_0 bytes [..., n * 34] -> fp32 [..., n * 32]: d * q, exact in fp32 (11 x 8 significant bits)."""
+    blocks = raw.reshape(-1, 2 + Q8_0_BLOCK)
+    d = blocks[:, :2].contiguous().view(torch.float16).float()
+    q = blocks[:, 2:].contiguous().view(torch.int8).float()
+    return (d * q).reshape(*raw.shape[:-1], -1)
+
+
 class CheckpointFileError(ValueError):
     """A file that cannot be read as a checkpoint of the model asked for: one line naming the file and why."""
 
@@ -212,9 +223,12 @@ class CheckpointFile:
         if tensor.tensor_type in (qtype.F32, qtype.F16):
             values = torch.from_numpy(np.array(tensor.data)).reshape(shape)
             return Stored(values, None, float_source(values.dtype))
-        values = self._gguf.quants.dequantize(tensor.data, tensor.tensor_type)  # fp32
-        return Stored(torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).reshape(shape), None,
-                      f"gguf_{tensor.tensor_type.name.lower()}")
+        if tensor.tensor_type == qtype.Q8_0:  # in torch (threads), exactly as gguf's numpy does it
+            values = dequantize_q8_0(torch.from_numpy(np.array(tensor.data)))  # a copy: the file is mapped read-only
+        else:
+            values = torch.from_numpy(np.ascontiguousarray(self._gguf.quants.dequantize(tensor.data, tensor.tensor_type),
+                                                           dtype=np.float32))
+        return Stored(values.reshape(shape), None, f"gguf_{tensor.tensor_type.name.lower()}")
 
     # ----
 

@@ -73,6 +73,18 @@ def write(state: dict[str, torch.Tensor], path, fmt: str, architecture: str = "q
     return path
 
 
+def quantize_q8_0(tensor: torch.Tensor) -> torch.Tensor:
+    """[rows, n * 32] -> GGUF Q8_0 bytes [rows, n * 34] uint8, in torch (threads; gguf's numpy takes minutes at 20B
+    parameters) by gguf-py's rule (gguf/quants.py Q8_0): d = amax / 127 per block of 32 in fp32, q = x / d rounded
+    half away from zero, d stored as fp16 (tests/pipelines/test_single_file.py checks it byte for byte)."""
+    x = tensor.float().reshape(-1, 32)
+    d = x.abs().amax(dim=1, keepdim=True) / 127
+    scaled = x * torch.where(d == 0, torch.zeros_like(d), 1 / d)
+    q = (scaled.sign() * (scaled.abs() + 0.5).floor()).to(torch.int8)
+    raw = torch.cat([d.to(torch.float16).view(torch.uint8), q.view(torch.uint8)], dim=1)
+    return raw.reshape(tensor.shape[0], -1)
+
+
 def _write_gguf(state: dict, path: Path, qtype_name: str, architecture: str) -> Path:
     import gguf
     import numpy as np
@@ -83,10 +95,13 @@ def _write_gguf(state: dict, path: Path, qtype_name: str, architecture: str) -> 
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     for name, tensor in state.items():
         array = tensor.detach().float().cpu().numpy()
+        tensor = tensor.detach().cpu()
         if tensor.dim() <= 1 or tensor.numel() <= GGUF_SMALL:
             writer.add_tensor(name, array.astype(np.float32))
         elif quantized_weight(name, tensor) and array.shape[-1] % block == 0:
-            writer.add_tensor(name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
+            codes = quantize_q8_0(tensor).numpy() if qtype == gguf.GGMLQuantizationType.Q8_0 else \
+                gguf.quants.quantize(array, qtype)
+            writer.add_tensor(name, codes, raw_dtype=qtype)
         else:
             writer.add_tensor(name, array.astype(np.float16))
     writer.write_header_to_file()
