@@ -70,6 +70,10 @@ class Stored:
     def quantized(self) -> bool:
         return self.scale is not None or self.source.startswith("gguf_q")
 
+    def to(self, device) -> "Stored":
+        """On device (the file's bytes moved as stored: what the loader computes from them, it computes there)."""
+        return Stored(self.values.to(device), None if self.scale is None else self.scale.to(device), self.source)
+
     def row_scales(self) -> torch.Tensor:
         """The scale of each row [rows] fp32."""
         return self.scale.float().reshape(-1).expand(self.values.shape[0]).contiguous()
