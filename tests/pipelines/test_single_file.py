@@ -164,13 +164,16 @@ def test_bad_files_are_refused_in_one_line_naming_the_first_key(files, tmp_path)
     (tmp_path / "truncated.safetensors").write_bytes(data[: len(data) // 2])
     save_file({"encoder.conv1.weight": torch.zeros(4, 3, 3, 3, 3)}, tmp_path / "vae.safetensors")
     (tmp_path / "truncated.gguf").write_bytes(files["gguf_q8_0"].read_bytes()[:4000])
+    (tmp_path / "junk.safetensors").write_bytes(b"not a checkpoint at all")
     cases = {"missing": "missing 'transformer_blocks.1.attn.to_k.weight'",
              "unknown": "unknown key 'transformer_blocks.0.extra.weight'",
-             "truncated": "not a readable safetensors or GGUF file", "vae": "is not a QwenImageTransformer2DModel file"}
+             "truncated": "truncated", "vae": "is not a QwenImageTransformer2DModel file"}
     for name, message in cases.items():
         with pytest.raises(CheckpointFileError, match=message) as e:
             FastQwenImageTransformer.from_single_file(tmp_path / f"{name}.safetensors", config=files["folder"])
         assert "\n" not in str(e.value)
+    with pytest.raises(CheckpointFileError, match="not a readable safetensors or GGUF file"):
+        FastQwenImageTransformer.from_single_file(tmp_path / "junk.safetensors", config=files["folder"])
     with pytest.raises(CheckpointFileError, match="not a readable GGUF file"):
         FastQwenImageTransformer.from_single_file(tmp_path / "truncated.gguf", config=files["folder"])
     with pytest.raises(ValueError, match="quantization_config"):

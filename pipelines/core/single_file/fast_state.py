@@ -56,8 +56,8 @@ class FileView:
                     self._split[part_name] = (name, i, len(parts))
         self.names = names
 
-    def get(self, name: str, peek: bool = False) -> Stored:
-        read = self.file.peek if peek else self.file.get
+    def get(self, name: str, peek: bool = False, device="cpu") -> Stored:
+        read = self.file.peek if peek else (lambda key: self.file.get(key, device))
         if name not in self._split:
             return read(name)
         fused, i, of = self._split[name]
@@ -192,12 +192,12 @@ def load_file_into(model, file: CheckpointFile, layout: FamilyLayout, device, dt
     loaded = Loaded(file.label)
     state = {}
     for path, parts in linears.items():
-        stored = [file.get(f"{stock}.weight").to(device) for stock in parts]
-        biases = [file.get(f"{stock}.bias").to(device) for stock in parts] if layout.biases else None
+        stored = [file.get(f"{stock}.weight", device=device) for stock in parts]
+        biases = [file.get(f"{stock}.bias", device=device) for stock in parts] if layout.biases else None
         state.update(_linear_state(path, model.get_submodule(path), stored, biases, dtype, device, loaded))
         del stored, biases
     for key, stock in sources.items():
-        stored = file.get(stock).to(device)
+        stored = file.get(stock, device=device)
         if stored.quantized:
             loaded.note("dequantized", stored.source, key)
         state[key] = (stored.value(dtype) if stored.values.is_floating_point() else stored.values).to(device)

@@ -51,6 +51,58 @@ class CheckpointFileError(ValueError):
     """A file that cannot be read as a checkpoint of the model asked for: one line naming the file and why."""
 
 
+SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
+                      "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "U8": torch.uint8,
+                      "I8": torch.int8, "I16": torch.int16, "I32": torch.int32, "I64": torch.int64, "BOOL": torch.bool}
+
+
+class SafetensorsFile:
+    """A safetensors file read tensor by tensor with plain reads (its format: an 8-byte little-endian header length,
+    a JSON header of {name: {dtype, shape, data_offsets}} and "__metadata__", then the data), not memory-mapped: a
+    mapped file's touched pages count in the process's resident memory until it is closed, the whole file by the
+    end of a load; this holds one tensor at a time."""
+
+    def __init__(self, path: Path):
+        self.path, size = path, path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+            length = int.from_bytes(head, "little") if len(head) == 8 else -1
+            if not 2 <= length <= min(size - 8, 100 << 20):
+                raise CheckpointFileError(f"{path}: not a readable safetensors or GGUF file (no safetensors header)")
+            try:
+                header = json.loads(f.read(length))
+            except (UnicodeDecodeError, json.JSONDecodeError) as e:
+                raise CheckpointFileError(f"{path}: not a readable safetensors or GGUF file ({e})") from None
+        self.metadata = header.pop("__metadata__", None) or {}
+        self.entries, self._data = header, 8 + length
+        end = max((e["data_offsets"][1] for e in header.values()), default=0)
+        if self._data + end > size:
+            raise CheckpointFileError(f"{path}: truncated ({size} bytes; its header lists {self._data + end})")
+        unknown = {e["dtype"] for e in header.values()} - set(SAFETENSORS_DTYPES)
+        if unknown:
+            raise CheckpointFileError(f"{path}: tensors of dtype {sorted(unknown)}, which this reader does not know")
+
+    def keys(self) -> list[str]:
+        return list(self.entries)
+
+    def shape(self, key: str) -> tuple:
+        return tuple(self.entries[key]["shape"])
+
+    def dtype_name(self, key: str) -> str:
+        return self.entries[key]["dtype"]
+
+    def get_tensor(self, key: str, device="cpu") -> torch.Tensor:
+        entry = self.entries[key]
+        start, stop = entry["data_offsets"]
+        buffer = bytearray(stop - start)
+        with open(self.path, "rb", buffering=0) as f:
+            f.seek(self._data + start)
+            f.readinto(buffer)
+        dtype = SAFETENSORS_DTYPES[entry["dtype"]]
+        raw = torch.frombuffer(buffer, dtype=torch.uint8) if buffer else torch.empty(0, dtype=torch.uint8)
+        return raw.to(device).view(dtype).reshape(entry["shape"])
+
+
 @dataclass
 class Stored:
     """One tensor as the file means it: `values` (a float tensor, or FP8 codes when `scale` is set: they mean
@@ -69,10 +121,6 @@ class Stored:
     @property
     def quantized(self) -> bool:
         return self.scale is not None or self.source.startswith("gguf_q")
-
-    def to(self, device) -> "Stored":
-        """On device (the file's bytes moved as stored: what the loader computes from them, it computes there)."""
-        return Stored(self.values.to(device), None if self.scale is None else self.scale.to(device), self.source)
 
     def row_scales(self) -> torch.Tensor:
         """The scale of each row [rows] fp32."""
@@ -112,13 +160,8 @@ class CheckpointFile:
     # ---- safetensors
 
     def _open_safetensors(self):
-        from safetensors import safe_open
-
-        try:
-            self._file = safe_open(self.path, framework="pt")
-            keys, metadata = list(self._file.keys()), self._file.metadata() or {}
-        except Exception as e:  # safetensors' own error says truncated / not a header
-            raise CheckpointFileError(f"{self.path}: not a readable safetensors or GGUF file ({e})") from None
+        self._file = SafetensorsFile(self.path)
+        keys, metadata = self._file.keys(), self._file.metadata
         prefixed = [k for k in keys if k.startswith(COMFY_PREFIX)]
         self.layout = "comfyui" if prefixed else "diffusers"
         if prefixed and len(prefixed) != len(keys):
@@ -141,7 +184,7 @@ class CheckpointFile:
             elif name.startswith("__") and name.endswith("__"):  # ComfyUI's flag buffers
                 self.markers.add(name)
             else:
-                names[name] = tuple(self._file.get_slice(self._key[name]).get_shape())
+                names[name] = self._file.shape(self._key[name])
         self.names = names
         for weight in self._scales:
             if weight not in names:
@@ -167,15 +210,15 @@ class CheckpointFile:
                 configs[name.removesuffix(".comfy_quant")] = json.loads(raw.numpy().tobytes().decode())
         return configs
 
-    def _get_safetensors(self, name: str) -> Stored:
-        values = self._file.get_tensor(self._key[name])
+    def _get_safetensors(self, name: str, device) -> Stored:
+        values = self._file.get_tensor(self._key[name], device)
         scale_key = self._scales.get(name)
         if values.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
             fmt = self._formats.get(name)
             if fmt is not None and COMFY_FP8_FORMATS[fmt] != values.dtype:
                 raise CheckpointFileError(f"{self.path}: '{name}' is {values.dtype} but its comfy_quant says {fmt}")
-            scale = (self._file.get_tensor(scale_key).float() if scale_key is not None
-                     else torch.ones((), dtype=torch.float32))
+            scale = (self._file.get_tensor(scale_key, device).float() if scale_key is not None
+                     else torch.ones((), dtype=torch.float32, device=device))
             if scale.numel() not in (1, values.shape[0]):
                 raise CheckpointFileError(
                     f"{self.path}: '{name}' has a scale of shape {tuple(scale.shape)}; qwen-image-fast reads one scale "
@@ -216,28 +259,33 @@ class CheckpointFile:
             self._tensors[name], names[name] = tensor, shape
         self.names = names
 
-    def _get_gguf(self, name: str) -> Stored:
-        import numpy as np
-
+    def _get_gguf(self, name: str, device) -> Stored:
+        """The tensor's bytes read from the file (not through the reader's memory map, whose touched pages would
+        stay resident), decoded on `device`."""
         tensor, shape = self._tensors[name], self.names[name]
+        buffer = bytearray(tensor.n_bytes)
+        with open(self.path, "rb", buffering=0) as f:
+            f.seek(tensor.data_offset)
+            f.readinto(buffer)
+        raw = torch.frombuffer(buffer, dtype=torch.uint8).to(device)
         qtype = self._gguf.GGMLQuantizationType
-        if tensor.tensor_type == qtype.BF16:
-            raw = torch.from_numpy(np.ascontiguousarray(tensor.data).view(np.uint16).astype(np.int16))
-            return Stored(raw.view(torch.bfloat16).reshape(shape).clone(), None, "bf16")
-        if tensor.tensor_type in (qtype.F32, qtype.F16):
-            values = torch.from_numpy(np.array(tensor.data)).reshape(shape)
+        floats = {qtype.BF16: torch.bfloat16, qtype.F16: torch.float16, qtype.F32: torch.float32}
+        if tensor.tensor_type in floats:
+            values = raw.view(floats[tensor.tensor_type]).reshape(shape)
             return Stored(values, None, float_source(values.dtype))
-        if tensor.tensor_type == qtype.Q8_0:  # in torch (threads), exactly as gguf's numpy does it
-            values = dequantize_q8_0(torch.from_numpy(np.array(tensor.data)))  # a copy: the file is mapped read-only
+        if tensor.tensor_type == qtype.Q8_0:  # in torch, exactly as gguf's numpy does it
+            values = dequantize_q8_0(raw.reshape(shape[0], -1))
         else:
-            values = torch.from_numpy(np.ascontiguousarray(self._gguf.quants.dequantize(tensor.data, tensor.tensor_type),
-                                                           dtype=np.float32))
+            import numpy as np
+
+            values = torch.from_numpy(np.ascontiguousarray(self._gguf.quants.dequantize(
+                raw.cpu().numpy().reshape(shape[0], -1), tensor.tensor_type), dtype=np.float32)).to(device)
         return Stored(values.reshape(shape), None, f"gguf_{tensor.tensor_type.name.lower()}")
 
-    # ----
-
-    def get(self, name: str) -> Stored:
-        return self._get_gguf(name) if self.kind == "gguf" else self._get_safetensors(name)
+    def get(self, name: str, device="cpu") -> Stored:
+        """`name` as the file means it, its bytes read onto `device` (what is computed from them, computed there)."""
+        device = torch.device(device)
+        return self._get_gguf(name, device) if self.kind == "gguf" else self._get_safetensors(name, device)
 
     def peek(self, name: str) -> Stored:
         """How `name` is stored, from the header alone: a Stored on the meta device (for --dry-run)."""
@@ -248,7 +296,7 @@ class CheckpointFile:
             return Stored(torch.empty(shape, dtype=dtype, device="meta"), None,
                           source if source.startswith("gguf_q") else float_source(dtype))
         dtype = {"F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "BF16": torch.bfloat16,
-                 "F16": torch.float16}.get(self._file.get_slice(self._key[name]).get_dtype(), torch.float32)
+                 "F16": torch.float16}.get(self._file.dtype_name(self._key[name]), torch.float32)
         values = torch.empty(shape, dtype=dtype, device="meta")
         if dtype.itemsize != 1:
             return Stored(values, None, float_source(dtype))
@@ -260,7 +308,7 @@ class CheckpointFile:
         """How the file's tensors are stored, without reading them (dtype names from the header)."""
         if self.kind == "gguf":
             return {f"gguf_{t.tensor_type.name.lower()}" for t in self._tensors.values()}
-        dtypes = {self._file.get_slice(self._key[n]).get_dtype() for n in self.names}
+        dtypes = {self._file.dtype_name(self._key[n]) for n in self.names}
         scaled = "_scaled" if self._scales else ""
         names = {"F8_E4M3": "fp8_e4m3fn" + scaled, "F8_E5M2": "fp8_e5m2" + scaled, "BF16": "bf16", "F16": "fp16",
                  "F32": "fp32"}

@@ -87,23 +87,22 @@ def quantize_q8_0(tensor: torch.Tensor) -> torch.Tensor:
 
 def _write_gguf(state: dict, path: Path, qtype_name: str, architecture: str) -> Path:
     import gguf
-    import numpy as np
 
     qtype = gguf.GGMLQuantizationType[qtype_name.upper()]
     block, _ = gguf.GGML_QUANT_SIZES[qtype]
     writer = gguf.GGUFWriter(str(path), arch=architecture)
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    near = "cuda" if torch.cuda.is_available() else "cpu"  # where Q8_0 blocks are computed (the benchmark's 20B)
     for name, tensor in state.items():
-        array = tensor.detach().float().cpu().numpy()
-        tensor = tensor.detach().cpu()
+        tensor = tensor.detach()
         if tensor.dim() <= 1 or tensor.numel() <= GGUF_SMALL:
-            writer.add_tensor(name, array.astype(np.float32))
-        elif quantized_weight(name, tensor) and array.shape[-1] % block == 0:
-            codes = quantize_q8_0(tensor).numpy() if qtype == gguf.GGMLQuantizationType.Q8_0 else \
-                gguf.quants.quantize(array, qtype)
+            writer.add_tensor(name, tensor.float().cpu().numpy())
+        elif quantized_weight(name, tensor) and tensor.shape[-1] % block == 0:
+            codes = (quantize_q8_0(tensor.to(near)).cpu().numpy() if qtype == gguf.GGMLQuantizationType.Q8_0 else
+                     gguf.quants.quantize(tensor.float().cpu().numpy(), qtype))
             writer.add_tensor(name, codes, raw_dtype=qtype)
         else:
-            writer.add_tensor(name, array.astype(np.float16))
+            writer.add_tensor(name, tensor.to(torch.float16).cpu().numpy())
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
