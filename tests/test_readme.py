@@ -36,6 +36,9 @@ NEEDS = {
         "a usage line (tests/server runs the server)",
     'qwen-image-fast compare out/baseline out/fast --out out/report --min-psnr 30':
         "two folders of renders (tests/test_compare.py)",
+    'qwen-image-fast render --model qwen_image_2512_fp8_e4m3fn_scaled.safetensors --text-encoder '
+    'qwen_2.5_vl_7b_fp8_scaled.safetensors --vae qwen_image_vae.safetensors --dry-run "a fox"':
+        "ComfyUI's files and Qwen-Image-2512's configs (tests/pipelines/test_single_file.py runs render on tiny ones)",
 }
 # lines the tiny model (2 blocks) refuses, as the README says next to them: cache-dit's Fn=8 needs a deeper model
 NEEDS_MORE = {
@@ -88,6 +91,8 @@ CHECKPOINTS = {"Qwen/Qwen-Image-2512": "QwenImagePipeline", "Qwen/Qwen-Image-Edi
                "Qwen/Qwen-Image-2.1": "QwenImage21Pipeline"}
 # a block (by its first line) -> what it needs that CI has not
 PY_NEEDS = {
+    "from qwen_image_fast import FastQwenImageTransformer, from_single_files": "ComfyUI's and a GGUF file "
+    "(tests/pipelines/test_single_file.py loads tiny ones of each format)",
     "from qwen_image_fast import QwenImageFastPipeline, lightning_scheduler": "the Lightning LoRA from the hub",
     'pipe = QwenImageFastPipeline.from_pretrained("Qwen/Qwen-Image-Edit-2511", fast_config=FastConfig('
     'fp8_attention="auto"), ...)': "a fragment ('...': the arguments of the blocks above)",

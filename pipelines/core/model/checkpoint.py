@@ -37,13 +37,12 @@ def weight_files(folder: Path, variant: str | None = None) -> list[Path]:
 
 def load_weights(folder: Path, device: torch.device, variant: str | None = None) -> dict[str, torch.Tensor]:
     """Every tensor of a diffusers model folder onto device."""
-    from ..single_file.formats import SafetensorsFile
+    from safetensors.torch import load_file
 
     state = {}
     for file in weight_files(folder, variant):
-        if file.suffix == ".safetensors":  # read tensor by tensor, not mapped: one tensor at a time in host memory
-            shard = SafetensorsFile(file)
-            state.update({key: shard.get_tensor(key, device) for key in shard.keys()})
+        if file.suffix == ".safetensors":
+            state.update(load_file(file, device=str(device)))
         else:
             state.update(torch.load(file, map_location=device, weights_only=True))
     return state

@@ -57,10 +57,10 @@ SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch
 
 
 class SafetensorsFile:
-    """A safetensors file read tensor by tensor with plain reads (its format: an 8-byte little-endian header length,
-    a JSON header of {name: {dtype, shape, data_offsets}} and "__metadata__", then the data), not memory-mapped: a
-    mapped file's touched pages count in the process's resident memory until it is closed, the whole file by the
-    end of a load; this holds one tensor at a time."""
+    """A safetensors file: its header checked here (an 8-byte little-endian header length, a JSON header of {name:
+    {dtype, shape, data_offsets}} and "__metadata__", then the data: a truncated or foreign file is refused in one
+    line), its tensors read one at a time through safetensors' memory map. Plain reads instead (no mapped pages
+    resident) loaded the fast folder in 34.4 s against 19.2 s mapped on an H200 (benchmarks/RESULTS.md)."""
 
     def __init__(self, path: Path):
         self.path, size = path, path.stat().st_size
@@ -74,7 +74,7 @@ class SafetensorsFile:
             except (UnicodeDecodeError, json.JSONDecodeError) as e:
                 raise CheckpointFileError(f"{path}: not a readable safetensors or GGUF file ({e})") from None
         self.metadata = header.pop("__metadata__", None) or {}
-        self.entries, self._data = header, 8 + length
+        self.entries, self._data, self._handle = header, 8 + length, None
         end = max((e["data_offsets"][1] for e in header.values()), default=0)
         if self._data + end > size:
             raise CheckpointFileError(f"{path}: truncated ({size} bytes; its header lists {self._data + end})")
@@ -92,15 +92,11 @@ class SafetensorsFile:
         return self.entries[key]["dtype"]
 
     def get_tensor(self, key: str, device="cpu") -> torch.Tensor:
-        entry = self.entries[key]
-        start, stop = entry["data_offsets"]
-        buffer = bytearray(stop - start)
-        with open(self.path, "rb", buffering=0) as f:
-            f.seek(self._data + start)
-            f.readinto(buffer)
-        dtype = SAFETENSORS_DTYPES[entry["dtype"]]
-        raw = torch.frombuffer(buffer, dtype=torch.uint8) if buffer else torch.empty(0, dtype=torch.uint8)
-        return raw.to(device).view(dtype).reshape(entry["shape"])
+        if self._handle is None:
+            from safetensors import safe_open
+
+            self._handle = safe_open(self.path, framework="pt")
+        return self._handle.get_tensor(key).to(device)
 
 
 @dataclass
