@@ -53,6 +53,13 @@ if INTERPRETED:
 TILE_ELEMENTS = 2048 * (32 if INTERPRETED else 1)
 
 
+def interpreted_fit(block: int, extent: int) -> int:
+    """Under the interpreter, a tile no longer than the power of two covering what it tiles (`extent` rows or
+    elements): its NumPy operations run over every element of the tile, masked or not, and a test tensor's few rows
+    in a 65536-element tile cost most of a launch. On a GPU, `block` as given (the tuned launch is unchanged)."""
+    return min(block, triton.next_power_of_2(max(1, extent))) if INTERPRETED else block
+
+
 def row_launch(n_cols: int) -> dict:
     """Block width and warps for kernels that keep one row of `n_cols` in registers."""
     block = triton.next_power_of_2(n_cols)
@@ -64,7 +71,7 @@ def rows_launch(n_rows: int, n_cols: int) -> tuple[tuple[int], dict]:
     """Grid and settings for kernels that hold a [BLOCK_M, BLOCK_N] tile of whole rows in registers: one row per
     program at the real widths (>= 2048), several narrow rows per program (~TILE_ELEMENTS a tile)."""
     settings = row_launch(n_cols)
-    block_m = max(1, TILE_ELEMENTS // settings["BLOCK_N"])
+    block_m = interpreted_fit(max(1, TILE_ELEMENTS // settings["BLOCK_N"]), n_rows)
     return (triton.cdiv(n_rows, block_m),), dict(settings, BLOCK_M=block_m)
 
 
@@ -85,7 +92,7 @@ def chunked_rows_launch(n_rows: int, n_cols: int) -> tuple[tuple[int], dict]:
                           num_warps=settings["num_warps"])
     chunk, num_chunks = min(((triton.next_power_of_2(triton.cdiv(n_cols, c)), c) for c in range(1, MAX_CHUNKS + 1)),
                             key=lambda split: (split[0] * split[1], split[0]))  # least padding, then smallest chunk
-    block_m = 1 << max(0, (TILE_ELEMENTS // (chunk * num_chunks)).bit_length() - 1)  # 1 on a GPU
+    block_m = interpreted_fit(1 << max(0, (TILE_ELEMENTS // (chunk * num_chunks)).bit_length() - 1), n_rows)  # GPU: 1
     return (triton.cdiv(n_rows, block_m),), dict(BLOCK_M=block_m, CHUNK=chunk, NUM_CHUNKS=num_chunks,
                                                  num_warps=min(16, max(4, chunk // 512)))
 

@@ -21,7 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import FLOAT_DTYPES, FP8_DTYPE, FP8_MAX, TILE_ELEMENTS, check_tensor, head_block, round_to
+from ._utils import (FLOAT_DTYPES, FP8_DTYPE, FP8_MAX, TILE_ELEMENTS, check_tensor, head_block, interpreted_fit,
+                     round_to)
 from .rms_norm import rms_norm_ref, rms_norm_tile, row_rstd
 from .rope import rope_interleaved_tile, rope_qwen_image_ref
 
@@ -144,7 +145,7 @@ def qkv_pack(
     if b * n_tok * h == 0:
         return
     block_h, block_d = head_block(h), triton.next_power_of_2(d)
-    block_t = max(1, TILE_ELEMENTS // 2 // (block_h * block_d))  # real shapes (8 heads x 128): a token a program
+    block_t = interpreted_fit(max(1, TILE_ELEMENTS // 2 // (block_h * block_d)), b * n_tok)  # real: a token a program
     q_scale, k_scale = qk_scales if qk_scales is not None else (None, None)
     _qkv_pack_kernel[(triton.cdiv(b * n_tok, block_t), triton.cdiv(h, block_h))](
         QKV=qkv, WQ=norm_q_weight, WK=norm_k_weight, F=freqs, Q=q_out, K=k_out, V=v_out, QS=q_scale, KS=k_scale,

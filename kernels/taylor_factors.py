@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._utils import FLOAT_DTYPES, TILE_ELEMENTS, check_tensor, round_to
+from ._utils import FLOAT_DTYPES, TILE_ELEMENTS, check_tensor, interpreted_fit, round_to
 
 
 @triton.jit
@@ -59,8 +59,9 @@ def taylor_factors_update(out: torch.Tensor, factors: torch.Tensor, orders: int,
     n = out.numel()
     if n == 0:
         return
-    _taylor_factors_update_kernel[(triton.cdiv(n, TILE_ELEMENTS),)](
-        out, factors, delta, factors.stride(0), n, ORDERS=orders, BLOCK=TILE_ELEMENTS, num_warps=8)
+    block = interpreted_fit(TILE_ELEMENTS, n)
+    _taylor_factors_update_kernel[(triton.cdiv(n, block),)](
+        out, factors, delta, factors.stride(0), n, ORDERS=orders, BLOCK=block, num_warps=8)
 
 
 def taylor_factors_update_ref(out: torch.Tensor, factors: torch.Tensor, orders: int, delta: torch.Tensor) -> None:
