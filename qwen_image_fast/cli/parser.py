@@ -103,6 +103,20 @@ VALUE_GRAMMAR = {"cache": "dbcache[:Fn,Bn,threshold] (cache-dit's DBCache; defau
                           ",ts=N (warm-up, max cached, max in a row, TaylorSeer order of the cached residual)"}
 
 
+FILE_MODEL_HELP = ("; or a transformer file (.safetensors in ComfyUI's or diffusers' layout, BF16, FP8 or scaled FP8; "
+                   ".gguf), with the configs, tokenizer and other weights from --base")
+
+
+def add_single_file_options(add):
+    """--model FILE's companions (render and serve): where its configs and other components come from."""
+    add("--base", metavar="FOLDER|ID",
+        help=f"with a --model file: the diffusers checkpoint its configs, tokenizer and scheduler (and the weights "
+             f"no file gives) come from (default {REAL_MODEL_ID})")
+    add("--text-encoder", metavar="FILE", help="with a --model file: the text encoder from this file (ComfyUI's "
+        "Qwen2.5-VL file, FP8-scaled or BF16)")
+    add("--vae", metavar="FILE", help="with a --model file: the VAE from this file (ComfyUI's or diffusers' layout)")
+
+
 def add_optimization_options(add):
     """One option per registered optimization (optimizations.REGISTRY): --no-<field> for one on by default, a value
     for the others. Each stores into args.<field> (None: the preset's value)."""
@@ -151,14 +165,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--model", default=REAL_MODEL_ID,
         help=f"hub id or local folder (default {REAL_MODEL_ID}); {TINY_MODEL_ID}: a tiny random model built in "
              f"memory (its images are noise); auto: the real model if cached locally and a GPU is there, else "
-             f"{TINY_MODEL_ID}; or a transformer file (.safetensors in ComfyUI's or diffusers' layout, BF16, FP8 or "
-             "scaled FP8; .gguf), with the configs, tokenizer and other weights from --base")
-    add("--base", metavar="FOLDER|ID",
-        help=f"with a --model file: the diffusers checkpoint its configs, tokenizer and scheduler (and the weights "
-             f"no file gives) come from (default {REAL_MODEL_ID})")
-    add("--text-encoder", metavar="FILE", help="with a --model file: the text encoder from this file (ComfyUI's "
-        "Qwen2.5-VL file, FP8-scaled or BF16)")
-    add("--vae", metavar="FILE", help="with a --model file: the VAE from this file (ComfyUI's or diffusers' layout)")
+             f"{TINY_MODEL_ID}" + FILE_MODEL_HELP)
+    add_single_file_options(add)
     add("--preset", choices=PRESETS, default=PRESETS[0],
         help=f"{PRESETS[0]}: every optimization; {STOCK_PRESET}: the stock diffusers pipeline")
     add("--aspect", choices=tuple(ASPECTS),
@@ -247,7 +255,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "one pipeline call; /v1/models, /health, /metrics, and a page at /.")
     add = serve_parser.add_argument
     add("--model", default=REAL_MODEL_ID, help=f"hub id or local folder (default {REAL_MODEL_ID}); {TINY_MODEL_ID}: "
-        "a tiny random model (its images are noise); auto: the real model if cached and a GPU is there")
+        "a tiny random model (its images are noise); auto: the real model if cached and a GPU is there"
+        + FILE_MODEL_HELP)
+    add_single_file_options(add)
     add("--preset", choices=PRESETS, default=PRESETS[0],
         help=f"{PRESETS[0]}: every optimization; {STOCK_PRESET}: the stock diffusers pipeline")
     add("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")

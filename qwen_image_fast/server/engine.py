@@ -44,6 +44,7 @@ class EngineSpec:
     # (module, function, kwargs) building a stock pipeline in place of loading `model` (bench_serve.py's random
     # full-size weights); the module must be importable in the engine (spawned engines get the server's sys.path)
     factory: tuple[str, str, dict] | None = None
+    files: object = None  # cli.models.SingleFiles: --model FILE and its companions
 
 
 @dataclass(frozen=True)
@@ -157,7 +158,8 @@ def load(spec: EngineSpec):
 
         module, function, kwargs = spec.factory
         stock = getattr(importlib.import_module(module), function)(**kwargs)
-    pipe = load_pipeline(spec.model, spec.preset, spec.config, device, lightning=spec.lightning, stock=stock)
+    pipe = load_pipeline(spec.model, spec.preset, spec.config, device, lightning=spec.lightning, stock=stock,
+                         files=spec.files)
     for name, file in spec.loras:
         pipe.load_lora_weights(file, adapter_name=name)
     if spec.loras:

@@ -101,7 +101,7 @@ def plan_serve(args):
     takes: (served, scheduler, metrics, image settings, API key)."""
     from ..cli.devices import check_kernels_on, resolve_device
     from ..cli.inputs import PIPELINE_INPUTS, check_pipeline_options
-    from ..cli.models import check_model, pipeline_class, resolve_model
+    from ..cli.models import STOCK_PRESET, check_model, pipeline_class, resolve_model, single_files
     from ..cli.parser import command_config
     from ..cli.sizes import SHRINKS_INPUTS, ModelShape
     from ..pipelines.tiny import CONDITION_AREA_DIVISOR
@@ -110,26 +110,34 @@ def plan_serve(args):
     from .scheduler import Scheduler
 
     check_model(args.model)
+    files = single_files(args)  # --model FILE: its configs and other components from --base
+    if files is not None and args.preset == STOCK_PRESET:
+        raise ValueError(f"--preset {STOCK_PRESET} serves diffusers' own pipeline from a checkpoint folder; a --model "
+                         "file loads into the fast pipeline (another --preset)")
     devices = engine_devices(args)
     device = resolve_device(devices[0], 0, None)
     model, _ = resolve_model(args.model, device)
+    source = files.base if files else model  # where the configs and the tokenizer are read
     config = command_config(args)
     check_kernels_on(device, config)
-    pipeline = pipeline_class(model)
+    pipeline = pipeline_class(source)
     if pipeline not in PIPELINE_INPUTS:
         raise ValueError(f"--model {model} is a {pipeline} checkpoint; serve runs {', '.join(PIPELINE_INPUTS)}")
-    check_pipeline_options(pipeline, model, config, lightning=args.lightning, fmt="png")
+    check_pipeline_options(pipeline, source, config, lightning=args.lightning, fmt="png")
+    if files is not None:  # each file's header read: a wrong or broken file is refused before anything starts
+        files.check(config, pipeline)
     check_loras(args)
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
-    shape = ModelShape.of(model, pipeline)
-    served = served_of(args, model, pipeline, shape)
-    settings = dict(model=model, preset=args.preset, endpoint=f"/v1/images/{served.endpoint}")
+    shape = ModelShape.of(source, pipeline)
+    served = served_of(args, source, pipeline, shape)
+    settings = dict(model=files.label if files else model, preset=args.preset,
+                    endpoint=f"/v1/images/{served.endpoint}")
     warm_up = {} if served.endpoint == "edits" else dict(
         width=served.default_size[0], height=served.default_size[1], steps=served.min_steps, cfg=served.default_cfg,
         guidance_scale=None, works=(Work("warm-up", served.default_negative if served.default_cfg > 1 else None, 0,
                                          "png", 100, {}),))
     shrink = CONDITION_AREA_DIVISOR if shape is not None and shape.test_size and pipeline in SHRINKS_INPUTS else None
-    specs = [EngineSpec(model=model, preset=args.preset, config=config, device=d, loras=tuple(args.lora),
+    specs = [EngineSpec(model=model, preset=args.preset, config=config, device=d, loras=tuple(args.lora), files=files,
                         lora_dir=args.lora_dir, lightning=args.lightning, max_memory=args.max_memory,
                         warm_up=warm_up, shrink_inputs=shrink) for d in devices]
     metrics = Metrics()
