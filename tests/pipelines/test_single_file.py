@@ -266,3 +266,21 @@ def test_q8_0_in_torch_is_ggufs_own_byte_for_byte():
     ours, theirs = writers.quantize_q8_0(x).numpy(), gguf.quants.quantize(x.numpy(), q8_0)
     assert ours.shape == theirs.shape and (ours == theirs).all()
     assert np.array_equal(dequantize_q8_0(torch.from_numpy(theirs)).numpy(), gguf.quants.dequantize(theirs, q8_0))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["comfyui_scaled_fp8", "gguf_q8_0", "comfyui_bf16"])
+def test_a_file_loads_onto_the_gpu_as_onto_the_cpu(files, fmt):
+    """Straight onto the GPU (each tensor's bytes decoded, dequantized and quantized there): bit for bit the model a
+    CPU load gives (the CPU loads are checked against stock above), and its forward runs there."""
+    kwargs = dict(config=CONFIG, fast_config=FP8_ON, torch_dtype=torch.bfloat16)
+    cpu = FastQwenImageTransformer.from_single_file(files[fmt], **kwargs).state_dict()
+    gpu = FastQwenImageTransformer.from_single_file(files[fmt], device="cuda", **kwargs)
+    for name, tensor in gpu.state_dict().items():
+        assert tensor.device.type == "cuda" and tensor.dtype == cpu[name].dtype, name
+        assert torch.equal(tensor.cpu().view(torch.uint8), cpu[name].view(torch.uint8)), name
+    x = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in inputs().items()}
+    with torch.no_grad():
+        out = gpu(**{**x, "hidden_states": x["hidden_states"].bfloat16(),
+                     "encoder_hidden_states": x["encoder_hidden_states"].bfloat16()}).sample
+    assert out.shape == x["hidden_states"].shape and bool(torch.isfinite(out).all())
