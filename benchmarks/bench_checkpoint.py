@@ -29,7 +29,6 @@ Appends to results/checkpoint.jsonl (bench "checkpoint_formats").
 
 import argparse
 import gc
-import json
 import os
 import shutil
 import subprocess

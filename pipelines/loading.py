@@ -2,10 +2,8 @@
 pipeline of whatever a checkpoint holds (picked from its model_index.json, as diffusers' DiffusionPipeline does),
 over every model family (the leaves qwen_image/ and qwen_image21/, the qwen35/ prompt enhancer)."""
 
-import torch
-
 from .core.config import FastConfig
-from .core.pipeline_base import init_arguments, model_index
+from .core.pipeline_base import init_arguments, load_dtype, model_index
 from .core.prompt_enhancer import resolve_enhancer
 from .qwen_image.family import IMAGE_CONDITIONED
 from .qwen_image.single_files import text_encoder_from_file, vae_from_file
@@ -86,18 +84,15 @@ def from_single_files(base, transformer=None, text_encoder=None, vae=None, fast_
     if (text_encoder or vae) and cls is FastQwenImage21Pipeline:
         raise ValueError("text_encoder= and vae= files are read for the Qwen-Image-2512 family; Qwen-Image-2.1's "
                          "come from base (its diffusers folder or hub id)")
-    dtype = kwargs.get("dtype", kwargs.get("torch_dtype", torch.float32))
-    dtype_of = (lambda part: dtype.get(part, dtype.get("default", torch.float32))) if isinstance(dtype, dict) else \
-        (lambda part: dtype)
     if transformer is not None:
         if not config.fused_transformer:
             raise ValueError("a transformer file loads into the fast transformer: fast_config must keep "
                              "fused_transformer=True")
         kwargs["transformer"] = cls.fast_transformer_class.from_single_file(
-            transformer, config=base, subfolder="transformer", torch_dtype=dtype_of("transformer"),
+            transformer, config=base, subfolder="transformer", torch_dtype=load_dtype(kwargs, "transformer"),
             device="cpu" if config.memory == "low" else device, fast_config=config.transformer_config())
     if text_encoder is not None:
-        kwargs["text_encoder"] = text_encoder_from_file(text_encoder, base, dtype_of("text_encoder"))
+        kwargs["text_encoder"] = text_encoder_from_file(text_encoder, base, load_dtype(kwargs, "text_encoder"))
     if vae is not None:
-        kwargs["vae"] = vae_from_file(vae, base, dtype_of("vae"))
+        kwargs["vae"] = vae_from_file(vae, base, load_dtype(kwargs, "vae"))
     return cls.from_pretrained(base, fast_config=config, device=device, **kwargs)

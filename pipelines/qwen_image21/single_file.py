@@ -1,10 +1,8 @@
 """Qwen-Image-2.1's transformer from one checkpoint file (core/single_file/): its stock tensors into the fast
 model's, ComfyUI's fused SwiGLU as diffusers reads it, and its config read off a file that carries none."""
 
-import re
-
 from ..core.single_file.fast_state import FamilyLayout
-from ..core.single_file.formats import CheckpointFile, CheckpointFileError
+from ..core.single_file.formats import CheckpointFile
 from ..core.single_file.model_loading import SingleFileModel
 
 
@@ -21,16 +19,11 @@ class QwenImage21SingleFile(SingleFileModel):
         defaults = cls.stock_config_fields
         head_dim = names["transformer_blocks.0.attn.norm_q.weight"][0]
         inner, in_features = names["img_in.weight"]
-        if sum(defaults["axes_dims_rope"]) != head_dim:
-            raise CheckpointFileError(
-                f"{file.path}: attention heads of {head_dim} channels, which the default rotary axes "
-                f"{tuple(defaults['axes_dims_rope'])} do not split: pass config= (the model's diffusers folder or "
-                "hub id, or a config dict)")
+        cls.check_default_axes(file, head_dim)
         gate = names.get("transformer_blocks.0.img_mlp.gate_layer.weight") or (
             names["transformer_blocks.0.img_mlp.gate_up.weight"][0] // 2,)
         patch = defaults["patch_size"]
-        return dict(num_layers=1 + max(int(m.group(1)) for name in names
-                                       if (m := re.match(r"transformer_blocks\.(\d+)\.", name))),
+        return dict(num_layers=cls.block_count(file),
                     attention_head_dim=head_dim, num_attention_heads=inner // head_dim,
                     in_channels=in_features // patch ** 2, out_channels=names["proj_out.weight"][0] // patch ** 2,
                     context_in_dim=names["txt_in.in_layer.weight"][1], mlp_ratio=gate[0] // inner)

@@ -40,11 +40,11 @@ from .inputs import check_pipeline_inputs, check_pipeline_options, sizes_from_im
 from .jobs import TINY_SIZE, TINY_STEPS, command_line_entries, make_jobs, read_prompt_file, render_defaults, shard
 from .loras import resolve_lora
 from .manifest import find_conflict
-from .models import (STOCK_PRESET, LoadError, check_enhancer, check_model, labels_for, load_pipeline, pipeline_class,
-                     resolve_model, single_files)
+from .models import (LoadError, check_enhancer, check_model, labels_for, load_pipeline, pipeline_class, resolve_model,
+                     single_files)
 from .plan import dry_run_report
 from .output import missing_folders, prepare_out_dir, remove_empty_folders
-from .parser import build_parser, command_config
+from .parser import command_config
 from .sizes import SHRINKS_INPUTS, ModelShape, check_sizes, cpu_time_warning
 from .run import Terminated, format_summary, render_jobs
 
@@ -85,9 +85,6 @@ def run_render(args) -> int:
         entries = read_prompt_file(args.prompts) if args.prompts else command_line_entries(args.prompt)
         check_model(args.model)
         files = single_files(args)  # --model FILE: its configs and other components from --base
-        if files is not None and args.preset == STOCK_PRESET:
-            raise ValueError(f"--preset {STOCK_PRESET} renders diffusers' own pipeline from a checkpoint folder; a "
-                             "--model file loads into the fast pipeline (another --preset)")
         rank, world_size, local_rank = distributed_env()
         device = resolve_device(args.device, rank, local_rank)
         model, why = resolve_model(args.model, device)  # auto: tiny-random, or the real model when cached
@@ -111,8 +108,9 @@ def run_render(args) -> int:
         jobs = make_jobs(entries, render_defaults(args, tiny=test_size, pipeline=pipeline))
         shrunk = (condition_area_divisor() if test_size and pipeline in SHRINKS_INPUTS and any(j.images for j in jobs)
                   else None)
-        labels = labels_for(files.label if files else model, args.preset, config, enhancer=args.enhance, loras=loras, lightning=args.lightning,
-                            test_width=model_shape.width if test_size else None, shrunk_inputs=shrunk)
+        labels = labels_for(files.label if files else model, args.preset, config, enhancer=args.enhance, loras=loras,
+                            lightning=args.lightning, test_width=model_shape.width if test_size else None,
+                            shrunk_inputs=shrunk)
         check_triton_on_cpu(device, labels, args.enhance)
         check_pipeline_inputs(jobs, pipeline, source, size_given=bool(args.aspect or args.width))
         check_sizes(jobs, model_shape, source, device, args.max_memory)

@@ -142,8 +142,8 @@ class SingleFiles:
 
 
 def single_files(args) -> SingleFiles | None:
-    """--model FILE and its companions, checked; None for a checkpoint folder or hub id (which take none of
-    --base, --text-encoder, --vae)."""
+    """--model FILE and its companions, checked (render's and serve's); None for a checkpoint folder or hub id
+    (which take none of --base, --text-encoder, --vae)."""
     path = Path(args.model).expanduser()
     companions = [option for option, value in (("--base", args.base), ("--text-encoder", args.text_encoder),
                                                ("--vae", args.vae)) if value is not None]
@@ -152,6 +152,9 @@ def single_files(args) -> SingleFiles | None:
             raise ValueError(f"{companions[0]} goes with a --model file (a transformer .safetensors or .gguf); "
                              f"--model {args.model} is a checkpoint with its own components")
         return None
+    if args.preset == STOCK_PRESET:
+        raise ValueError(f"--preset {STOCK_PRESET} runs diffusers' own pipeline from a checkpoint folder; a --model "
+                         "file loads into the fast pipeline (another --preset)")
     if path.suffix not in FILE_SUFFIXES:
         raise ValueError(f"--model {args.model}: a file, but not {', '.join(FILE_SUFFIXES)}: give a checkpoint "
                          "folder, a hub id, or a transformer .safetensors / .gguf file")

@@ -26,8 +26,8 @@ def command_facts(config: FastConfig, labels: Labels, pipeline: str, device, sha
     return Facts(pipeline=pipeline, fused=fused, device=device.type, fp8=fp8, fast_accum=fp8 and config.fp8_fast_accum,
                  fp8_attention=fp8_attention, fp8_attention_why=why,
                  attention=resolve_backend(config.attention, device, dtype) if fused else None, offload_hooks=False,
-                 vae_2d=QWEN21_VAE if pipeline == QWEN21 else None, enhancer=labels.enhancer is not None, parallel=parallel,
-                 loaded=loaded if fused else ())
+                 vae_2d=QWEN21_VAE if pipeline == QWEN21 else None, enhancer=labels.enhancer is not None,
+                 parallel=parallel, loaded=loaded if fused else ())
 
 
 def dry_run_report(config: FastConfig, labels: Labels, pipeline: str, device, shape, jobs, files=None) -> str:

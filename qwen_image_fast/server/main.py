@@ -101,7 +101,7 @@ def plan_serve(args):
     takes: (served, scheduler, metrics, image settings, API key)."""
     from ..cli.devices import check_kernels_on, resolve_device
     from ..cli.inputs import PIPELINE_INPUTS, check_pipeline_options
-    from ..cli.models import STOCK_PRESET, check_model, pipeline_class, resolve_model, single_files
+    from ..cli.models import check_model, pipeline_class, resolve_model, single_files
     from ..cli.parser import command_config
     from ..cli.sizes import SHRINKS_INPUTS, ModelShape
     from ..pipelines.tiny import CONDITION_AREA_DIVISOR
@@ -111,9 +111,6 @@ def plan_serve(args):
 
     check_model(args.model)
     files = single_files(args)  # --model FILE: its configs and other components from --base
-    if files is not None and args.preset == STOCK_PRESET:
-        raise ValueError(f"--preset {STOCK_PRESET} serves diffusers' own pipeline from a checkpoint folder; a --model "
-                         "file loads into the fast pipeline (another --preset)")
     devices = engine_devices(args)
     device = resolve_device(devices[0], 0, None)
     model, _ = resolve_model(args.model, device)

@@ -108,6 +108,25 @@ def test_the_forward_equals_stock_holding_what_the_file_means(files, fmt):
     assert BY_NAME["requantized"].kind == "lossy" and BY_NAME["requantized"].bound is BY_NAME["fp8"].bound
 
 
+def test_diffusers_own_from_single_file_and_ours_load_the_same_model(files):
+    """The same file and config= through stock diffusers' QwenImageTransformer2DModel.from_single_file and ours
+    (fp32, FP8 off): the same forward; the arguments that fetch a config are refused where there is none to fetch,
+    and a hub id takes them (offline here: huggingface_hub's own error, not an ignored argument)."""
+    stock = QwenImageTransformer2DModel.from_single_file(str(files["diffusers_bf16"]), config=str(files["folder"]),
+                                                         torch_dtype=torch.float32)
+    ours = FastQwenImageTransformer.from_single_file(files["diffusers_bf16"], config=files["folder"],
+                                                     torch_dtype=torch.float32, fast_config=FP8_OFF)
+    assert_close(run(ours), run(stock), tol=1e-5)
+    for kwargs in (dict(token="t"), dict(subfolder="transformer", config=CONFIG), dict(local_files_only=True)):
+        with pytest.raises(ValueError, match="nothing is fetched"):
+            FastQwenImageTransformer.from_single_file(files["diffusers_bf16"], **kwargs)
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    with pytest.raises((LocalEntryNotFoundError, OSError)):
+        FastQwenImageTransformer.from_single_file(files["diffusers_bf16"], config="someone/not-cached",
+                                                  subfolder="transformer", local_files_only=True)
+
+
 def test_the_config_is_read_off_the_file(files, tmp_path):
     """No config=: the file's shapes give it; the Edit-2511 marker gives zero_cond_t; Layered is refused."""
     # CONFIG's rotary axes sum to its head width 16; the stock default's (16, 56, 56) to 128: a file of 128-wide
@@ -245,6 +264,10 @@ def test_render_takes_the_three_files_says_what_each_is_and_refuses_a_wrong_one(
     record = json.loads((tmp_path / "out" / "manifest.jsonl").read_text().splitlines()[0])
     assert record["model"].startswith(str(comfy_files["transformer"])) and str(comfy_files["vae"]) in record["model"]
     assert "single_file:comfyui_scaled_fp8" in record["applied"]
+    with pytest.raises(SystemExit) as exit_info:  # diffusers' own pipeline cannot take the files
+        main(["render", *files, "--preset", "baseline", "--out", str(tmp_path / "stock"), "a cat"])
+    assert exit_info.value.code == 2 and not (tmp_path / "stock").exists()
+    assert "--preset baseline runs diffusers' own pipeline" in capsys.readouterr().err
     wrong = [*files[:2], "--model", str(comfy_files["vae"])]  # argparse keeps the last --model
     with pytest.raises(SystemExit) as exit_info:
         main(["render", *files, *wrong[2:], "--out", str(tmp_path / "wrong"), "a cat"])

@@ -141,6 +141,21 @@ def check_names(file: "FileView", model, layout: FamilyLayout) -> tuple[dict, di
     return linears, sources
 
 
+def keeps_codes(linear: FastLinear, parts: list[Stored]) -> bool:
+    """Whether the fast linear takes its parts' e4m3 codes and scales as the file stores them."""
+    return linear.fp8 and all(p.e4m3_codes for p in parts)
+
+
+def note_linear(loaded: Loaded, path: str, linear: FastLinear, parts: list[Stored]):
+    """What becomes of the parts the file stores quantized, when the codes are not kept: requantized into an FP8
+    linear, dequantized into a BF16 one."""
+    if keeps_codes(linear, parts):
+        return
+    for p in parts:
+        if p.quantized:
+            loaded.note("requantized" if linear.fp8 else "dequantized", p.source, f"{path}.weight")
+
+
 def _linear_state(path: str, linear: FastLinear, parts: list[Stored], biases: list[Stored] | None, dtype, device,
                   loaded: Loaded) -> dict:
     if biases is None:  # no stock biases: zeros give the output dtype and add nothing (as from_stock does)
@@ -148,7 +163,8 @@ def _linear_state(path: str, linear: FastLinear, parts: list[Stored], biases: li
     else:
         bias = torch.cat([b.value(dtype) for b in biases]).to(device)
     state = {f"{path}.bias": bias}
-    if linear.fp8 and all(p.e4m3_codes for p in parts):  # the file's codes and scales, as they are
+    note_linear(loaded, path, linear, parts)
+    if keeps_codes(linear, parts):  # the file's codes and scales, as they are
         state[f"{path}.weight_q"] = torch.cat([p.values for p in parts]).to(device)
         state[f"{path}.weight_scale"] = torch.cat([p.row_scales() for p in parts]).to(device)
         return state
@@ -160,8 +176,6 @@ def _linear_state(path: str, linear: FastLinear, parts: list[Stored], biases: li
         state[f"{path}.weight_q"], state[f"{path}.weight_scale"] = q, s.view(-1)
     else:
         state[f"{path}.weight"] = torch.cat([p.value(dtype) for p in parts]).to(device)
-    for p in quantized:
-        loaded.note("requantized" if linear.fp8 else "dequantized", p.source, f"{path}.weight")
     return state
 
 
@@ -171,12 +185,8 @@ def plan_file_into(model, file: CheckpointFile, layout: FamilyLayout) -> Loaded:
     linears, sources = check_names(file, model, layout)
     loaded = Loaded(file.label)
     for path, parts in linears.items():
-        linear = model.get_submodule(path)
         stored = [file.get(f"{stock}.weight", peek=True) for stock in parts]
-        if not (linear.fp8 and all(p.e4m3_codes for p in stored)):
-            for p in stored:
-                if p.quantized:
-                    loaded.note("requantized" if linear.fp8 else "dequantized", p.source, f"{path}.weight")
+        note_linear(loaded, path, model.get_submodule(path), stored)
     for key, stock in sources.items():
         stored = file.get(stock, peek=True)
         if stored.quantized:

@@ -60,7 +60,8 @@ class SafetensorsFile:
     """A safetensors file: its header checked here (an 8-byte little-endian header length, a JSON header of {name:
     {dtype, shape, data_offsets}} and "__metadata__", then the data: a truncated or foreign file is refused in one
     line), its tensors read one at a time through safetensors' memory map. Plain reads instead (no mapped pages
-    resident) loaded the fast folder in 34.4 s against 19.2 s mapped on an H200 (benchmarks/RESULTS.md)."""
+    resident) loaded the fast folder in 34.4 s against 19.2 s mapped, on two H200 machines (c919a0a against 3bd4e92;
+    not recorded: the benchmark's check was not reached)."""
 
     def __init__(self, path: Path):
         self.path, size = path, path.stat().st_size
@@ -133,6 +134,13 @@ class Stored:
 
 def float_source(dtype: torch.dtype) -> str:
     return {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}.get(dtype, str(dtype))
+
+
+def stored_source(dtype: torch.dtype, scaled: bool) -> str:
+    """How a safetensors tensor of `dtype` is stored: "fp8_e4m3fn(_scaled)", "fp8_e5m2(_scaled)", "bf16", ..."""
+    if dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        return ("fp8_e4m3fn" if dtype == torch.float8_e4m3fn else "fp8_e5m2") + ("_scaled" if scaled else "")
+    return float_source(dtype)
 
 
 class CheckpointFile:
@@ -219,8 +227,7 @@ class CheckpointFile:
                 raise CheckpointFileError(
                     f"{self.path}: '{name}' has a scale of shape {tuple(scale.shape)}; qwen-image-fast reads one scale "
                     f"per tensor or per output row ({values.shape[0]}), not per block")
-            kind = "fp8_e4m3fn" if values.dtype == torch.float8_e4m3fn else "fp8_e5m2"
-            return Stored(values, scale, kind + ("_scaled" if scale_key is not None else ""))
+            return Stored(values, scale, stored_source(values.dtype, scale_key is not None))
         if scale_key is not None:
             raise CheckpointFileError(f"{self.path}: '{name}' is {values.dtype} with a scale: not a format this reads")
         return Stored(values, None, float_source(values.dtype))
@@ -291,24 +298,17 @@ class CheckpointFile:
             dtype = {"gguf_bf16": torch.bfloat16, "gguf_f16": torch.float16}.get(source, torch.float32)
             return Stored(torch.empty(shape, dtype=dtype, device="meta"), None,
                           source if source.startswith("gguf_q") else float_source(dtype))
-        dtype = {"F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "BF16": torch.bfloat16,
-                 "F16": torch.float16}.get(self._file.dtype_name(self._key[name]), torch.float32)
-        values = torch.empty(shape, dtype=dtype, device="meta")
-        if dtype.itemsize != 1:
-            return Stored(values, None, float_source(dtype))
-        scaled = name in self._scales
-        kind = "fp8_e4m3fn" if dtype == torch.float8_e4m3fn else "fp8_e5m2"
-        return Stored(values, torch.empty((), device="meta"), kind + ("_scaled" if scaled else ""))
+        dtype = SAFETENSORS_DTYPES[self._file.dtype_name(self._key[name])]
+        fp8 = dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+        return Stored(torch.empty(shape, dtype=dtype, device="meta"), torch.empty((), device="meta") if fp8 else None,
+                      stored_source(dtype, name in self._scales))
 
     def sources(self) -> set[str]:
         """How the file's tensors are stored, without reading them (dtype names from the header)."""
         if self.kind == "gguf":
             return {f"gguf_{t.tensor_type.name.lower()}" for t in self._tensors.values()}
-        dtypes = {self._file.dtype_name(self._key[n]) for n in self.names}
-        scaled = "_scaled" if self._scales else ""
-        names = {"F8_E4M3": "fp8_e4m3fn" + scaled, "F8_E5M2": "fp8_e5m2" + scaled, "BF16": "bf16", "F16": "fp16",
-                 "F32": "fp32"}
-        return {names.get(d, d.lower()) for d in dtypes}
+        return {stored_source(SAFETENSORS_DTYPES[self._file.dtype_name(self._key[n])], n in self._scales)
+                for n in self.names}
 
     @property
     def label(self) -> str:

@@ -3,6 +3,8 @@ torch_dtype, device, ...) and behaviour, over the formats formats.py reads, stra
 (fast_state.py). A family's model class says how (SingleFileModel's class attributes)."""
 
 import json
+import re
+from pathlib import Path
 
 import torch
 
@@ -19,7 +21,7 @@ NOT_HERE = {
     "original_config": "an original (non-diffusers) YAML config: pass config= (a diffusers folder or hub id)",
     "quantization_config": "the fast model's FP8 is fast_config's (FastTransformerConfig(fp8=...))",
     "low_cpu_mem_usage": "loading always streams tensor by tensor",
-    "disable_mmap": "the file is always memory-mapped",
+    "disable_mmap": "a safetensors file is read through its memory map, a GGUF file with plain reads",
 }
 
 
@@ -36,6 +38,20 @@ class SingleFileModel:
     @classmethod
     def infer_stock_config(cls, file: CheckpointFile) -> dict:
         raise NotImplementedError
+
+    @staticmethod
+    def block_count(file: CheckpointFile) -> int:
+        """The transformer blocks a file holds (transformer_blocks.<i>.*)."""
+        return 1 + max(int(m.group(1)) for name in file.names if (m := re.match(r"transformer_blocks\.(\d+)\.", name)))
+
+    @classmethod
+    def check_default_axes(cls, file: CheckpointFile, head_dim: int):
+        """A file read without config= takes the stock default rotary axes: they must split its heads."""
+        axes = tuple(cls.stock_config_fields["axes_dims_rope"])
+        if sum(axes) != head_dim:
+            raise CheckpointFileError(
+                f"{file.path}: attention heads of {head_dim} channels, which the default rotary axes {axes} do not "
+                "split: pass config= (the model's diffusers folder or hub id, or a config dict)")
 
     @classmethod
     def meta_model(cls, run: FastTransformerConfig, stock_config: dict):
@@ -62,24 +78,29 @@ class SingleFileModel:
 
     @classmethod
     def stock_config_from(cls, file: CheckpointFile, config, subfolder: str | None, hub: dict) -> dict:
-        """config: a diffusers model folder or hub id (with subfolder), its config dict, or None: read off the file
-        (infer_stock_config: shapes and ComfyUI's markers; what neither shows is refused there, never guessed)."""
+        """config: a diffusers model folder or hub id (with subfolder; hub: hf_hub_download's arguments for a hub
+        id), its config dict, or None: read off the file (infer_stock_config: shapes and ComfyUI's markers; what
+        neither shows is refused there, never guessed). subfolder or hub arguments with no config to fetch are
+        refused, not ignored."""
+        idle = (["subfolder"] if subfolder is not None else []) + sorted(hub)
+        if idle and (config is None or isinstance(config, dict)):  # nothing is fetched: they would change nothing
+            raise ValueError(f"{', '.join(name + '=' for name in idle)} say where to fetch config= from (a diffusers "
+                             f"folder or hub id); with config={'None' if config is None else 'a dict'} nothing is "
+                             "fetched")
         if config is None:
             return cls.infer_stock_config(file)
         if isinstance(config, dict):
             values = dict(config)
+        elif Path(config).expanduser().is_dir():  # a folder as it is (hub arguments say nothing of it)
+            values = json.loads((local_folder(config, subfolder) / cls.config_name).read_text())
         else:
-            folder = local_folder(config, subfolder) if not hub else None
-            if folder is None:
-                from huggingface_hub import hf_hub_download
+            from huggingface_hub import hf_hub_download
 
-                path = hf_hub_download(str(config), cls.config_name, subfolder=subfolder, **hub)
-                values = json.loads(open(path).read())
-            else:
-                values = json.loads((folder / cls.config_name).read_text())
-            if values.get("_class_name") not in (cls.stock_model_name, cls.__name__, None):
-                raise ValueError(f"config {config} is a {values.get('_class_name')} config, not a "
-                                 f"{cls.stock_model_name} one")
+            path = hf_hub_download(str(config), cls.config_name, subfolder=subfolder, **hub)
+            values = json.loads(Path(path).read_text())
+        if values.get("_class_name") not in (cls.stock_model_name, cls.__name__, None):
+            raise ValueError(f"config {config} is a {values.get('_class_name')} config, not a "
+                             f"{cls.stock_model_name} one")
         return {name: value for name, value in values.items() if name in cls.stock_config_fields}
 
     @classmethod
@@ -95,9 +116,9 @@ class SingleFileModel:
         unsupported = sorted(set(kwargs) - set(HUB_ARGUMENTS))
         if unsupported:
             name = unsupported[0]
+            takes = f"config, subfolder, torch_dtype, device, fast_config, {', '.join(HUB_ARGUMENTS)}"
             raise ValueError(f"{cls.__name__}.from_single_file does not take {name}=" +
-                             (f": {NOT_HERE[name]}" if name in NOT_HERE else
-                              f" (it takes config, subfolder, torch_dtype, device, fast_config, {', '.join(HUB_ARGUMENTS)})"))
+                             (f": {NOT_HERE[name]}" if name in NOT_HERE else f" (it takes {takes})"))
         if not isinstance(pretrained_model_link_or_path, (str, bytes)) and not hasattr(pretrained_model_link_or_path,
                                                                                           "__fspath__"):
             raise TypeError(f"{cls.__name__}.from_single_file takes a file path, got "

@@ -1,8 +1,6 @@
 """Qwen-Image-2512 (and its family's) transformer from one checkpoint file: how its stock tensors become the fast
 model's (core/single_file/), and its config read off a file that carries none."""
 
-import re
-
 from ...core.model.lora import BLOCK_SITES
 from ...core.single_file.fast_state import FamilyLayout
 from ...core.single_file.formats import CheckpointFile, CheckpointFileError
@@ -35,13 +33,8 @@ class QwenImageSingleFile(SingleFileModel):
         head_dim = names["transformer_blocks.0.attn.norm_q.weight"][0]
         inner, in_channels = names["img_in.weight"]
         patch = cls.stock_config_fields["patch_size"]
-        axes = cls.stock_config_fields["axes_dims_rope"]
-        if sum(axes) != head_dim:
-            raise CheckpointFileError(
-                f"{file.path}: attention heads of {head_dim} channels, which the default rotary axes {tuple(axes)} "
-                "do not split: pass config= (the model's diffusers folder or hub id, or a config dict)")
-        return dict(num_layers=1 + max(int(m.group(1)) for name in names
-                                       if (m := re.match(r"transformer_blocks\.(\d+)\.", name))),
+        cls.check_default_axes(file, head_dim)
+        return dict(num_layers=cls.block_count(file),
                     attention_head_dim=head_dim, num_attention_heads=inner // head_dim, in_channels=in_channels,
                     out_channels=names["proj_out.weight"][0] // patch ** 2,
                     joint_attention_dim=names["txt_in.weight"][1], zero_cond_t=EDIT_2511_MARKER in file.markers)
