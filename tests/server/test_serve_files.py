@@ -1,6 +1,6 @@
 """`qwen-image-fast serve --model FILE --base DIR --text-encoder FILE --vae FILE`: ComfyUI's three files (tiny, written
 by tests/single_file_fixtures.py) served; a generations request equals render's pipeline call from the same files in
-this process pixel for pixel, its settings name the files; a wrong file stops serve before it starts (exit 2, one
+this process pixel for pixel (through the official openai client), and says what loading the file did; a wrong file stops serve before it starts (exit 2, one
 line)."""
 
 import subprocess
@@ -8,7 +8,7 @@ import sys
 
 import pytest
 import torch
-from serving import Server, decoded, in_process_images
+from serving import API_KEY, Server, decoded, in_process_images
 from single_file_fixtures import write_comfy_files
 
 SIZE = (32, 32)
@@ -38,15 +38,16 @@ def test_a_request_equals_the_pipeline_from_the_same_files(server, files):
     from qwen_image_fast import FastConfig
     from qwen_image_fast.cli.models import SingleFiles, load_pipeline
 
-    body = dict(prompt="a fox", size=f"{SIZE[0]}x{SIZE[1]}", num_inference_steps=2, seed=3, true_cfg_scale=4.0,
-                negative_prompt="blurry", response_format="b64_json")
-    with server.client() as client:
-        response = client.post("/v1/images/generations", json=body)
-    assert response.status_code == 200, response.text
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{server.url}/v1", api_key=API_KEY)
+    answer = client.images.generate(prompt="a fox", size=f"{SIZE[0]}x{SIZE[1]}", extra_body={
+        "seed": 3, "num_inference_steps": 2, "true_cfg_scale": 4.0, "negative_prompt": "blurry"})
+    assert "single_file:comfyui_scaled_fp8" in answer.model_extra["applied"], answer.model_extra
     single = SingleFiles(str(files["transformer"]), str(files["base"]), str(files["text_encoder"]), str(files["vae"]))
     pipe = load_pipeline(single.transformer, "fast", FastConfig(), torch.device("cpu"), files=single)
     want = in_process_images(pipe, prompts=["a fox"], seeds=[3], size=SIZE, steps=2, cfg=4.0, negative="blurry")
-    assert (decoded(response.json()["data"][0]["b64_json"]) == want[0]).all()
+    assert (decoded(answer.data[0].b64_json) == want[0]).all()
 
 
 def test_a_wrong_file_stops_serve_before_it_starts(files):
