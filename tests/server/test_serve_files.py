@@ -1,7 +1,7 @@
 """`qwen-image-fast serve --model FILE --base DIR --text-encoder FILE --vae FILE`: ComfyUI's three files (tiny, written
-by tests/single_file_fixtures.py) served; a generations request equals render's pipeline call from the same files in
-this process pixel for pixel (through the official openai client), and says what loading the file did; a wrong file stops serve before it starts (exit 2, one
-line)."""
+by tests/single_file_fixtures.py) served; a generations request through the official openai client equals render's
+pipeline call from the same files in this process pixel for pixel, and says what loading the file did; a wrong file
+stops serve before it starts (exit 2, one line)."""
 
 import subprocess
 import sys
