@@ -291,6 +291,29 @@ def test_q8_0_in_torch_is_ggufs_own_byte_for_byte():
     assert np.array_equal(dequantize_q8_0(torch.from_numpy(theirs)).numpy(), gguf.quants.dequantize(theirs, q8_0))
 
 
+def resident_file_pages_mib() -> float:
+    """This process's resident pages that are a mapped file's (RssFile), MiB."""
+    line = next(x for x in open("/proc/self/status") if x.startswith("RssFile:"))
+    return int(line.split()[1]) / 1024
+
+
+def test_a_file_read_whole_leaves_one_tensor_resident_not_the_file(tmp_path):
+    """Reading every tensor of a 128 MiB file leaves none of its mapped pages resident in this process (they would
+    count in its peak memory as the file's size: the benchmark's 20 GB), and each read is its own memory holding the
+    file's bytes."""
+    from qwen_image_fast.pipelines.core.single_file.formats import CheckpointFile
+
+    torch.manual_seed(0)
+    state = {f"w{i}": torch.randn(4096, 2048) for i in range(4)}  # 4 x 32 MiB
+    save_file(state, tmp_path / "big.safetensors")
+    file, before = CheckpointFile(tmp_path / "big.safetensors"), resident_file_pages_mib()
+    read = {name: file.get(name).values for name in file.names}
+    assert resident_file_pages_mib() - before < 16
+    for name, tensor in state.items():
+        assert torch.equal(read[name], tensor)
+        assert read[name].untyped_storage().nbytes() == tensor.numel() * 4  # not a view of the map
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["comfyui_scaled_fp8", "gguf_q8_0", "comfyui_bf16"])
 def test_a_file_loads_onto_the_gpu_as_onto_the_cpu(files, fmt):
