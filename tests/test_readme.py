@@ -39,6 +39,9 @@ NEEDS = {
     'qwen-image-fast render --model qwen_image_2512_fp8_e4m3fn_scaled.safetensors --text-encoder '
     'qwen_2.5_vl_7b_fp8_scaled.safetensors --vae qwen_image_vae.safetensors --dry-run "a fox"':
         "ComfyUI's files and Qwen-Image-2512's configs (tests/pipelines/test_single_file.py runs render on tiny ones)",
+    "qwen-image-fast render --engine ray --ray-address auto --prompts prompts.parquet --out /shared/out":
+        "a Ray cluster begun with `ray start` and a shared folder (tests/cli/test_render_ray.py runs it on a local "
+        "cluster)",
 }
 # lines the tiny model (2 blocks) refuses, as the README says next to them: cache-dit's Fn=8 needs a deeper model
 NEEDS_MORE = {

@@ -22,30 +22,26 @@ its own file:
     output.py    what an image records, atomic writes, the output folder
     manifest.py  manifest.jsonl and resume
     run.py       rendering the jobs: batches, progress, the summary
+    render_plan.py  every check of `render` before a model loads (check_render -> RenderPlan)
+    ray_stage.py    --engine ray's actor (Renderer: a Ray Data stage) and render_spec
+    ray_engine.py   --engine ray's driver: the cluster, the stage, the manifest
 
 torch, diffusers and the model code are imported inside functions in all of them, so that `--help` answers at once.
 """
 
-import contextlib
-import dataclasses
 import signal
 import sys
 import threading
 from pathlib import Path
 
-from ..pipelines.core.config import check_cache_blocks
-from .devices import (cap_memory, check_cfg_parallel, check_kernels_on, check_triton_on_cpu, distributed_env,
-                      image_group_shape, memory_setting, resolve_device, start_mesh)
-from .inputs import check_pipeline_inputs, check_pipeline_options, sizes_from_image
-from .jobs import TINY_SIZE, TINY_STEPS, command_line_entries, make_jobs, read_prompt_file, render_defaults, shard
-from .loras import resolve_lora
+from .devices import cap_memory, start_mesh
+from .inputs import sizes_from_image
+from .jobs import TINY_SIZE, TINY_STEPS, command_line_entries, read_prompt_file, shard
 from .manifest import find_conflict
-from .models import (LoadError, check_enhancer, check_model, labels_for, load_pipeline, pipeline_class, resolve_model,
-                     single_files)
+from .models import LoadError, check_enhancer, load_pipeline
 from .plan import dry_run_report
 from .output import missing_folders, prepare_out_dir, remove_empty_folders
-from .parser import command_config
-from .sizes import SHRINKS_INPUTS, ModelShape, check_sizes, cpu_time_warning
+from .render_plan import RenderPlan, check_ray_engine, check_render, shrunk_inputs
 from .run import Terminated, format_summary, render_jobs
 
 INTERRUPTED = 130  # 128 + SIGINT, as shells report it
@@ -59,21 +55,6 @@ def one_line(text: str, limit: int = 400) -> str:
     return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
-def condition_area_divisor() -> int:
-    from ..pipelines.tiny import CONDITION_AREA_DIVISOR
-
-    return CONDITION_AREA_DIVISOR
-
-
-def shrunk_inputs(divisor: int | None):
-    """The edit pipelines' input images shrunk by `divisor` (a test-size model), or nothing changed."""
-    if divisor is None:
-        return contextlib.nullcontext()
-    from ..pipelines.tiny import small_condition_images
-
-    return small_condition_images(divisor)
-
-
 def run_render(args) -> int:
     # Everything that can be checked without loading a model, before the output folder exists.
     try:
@@ -83,48 +64,17 @@ def run_render(args) -> int:
         if not args.prompt and not args.prompts:
             raise ValueError("no prompts: give them as arguments or with --prompts FILE")
         entries = read_prompt_file(args.prompts) if args.prompts else command_line_entries(args.prompt)
-        check_model(args.model)
-        files = single_files(args)  # --model FILE: its configs and other components from --base
-        rank, world_size, local_rank = distributed_env()
-        device = resolve_device(args.device, rank, local_rank)
-        model, why = resolve_model(args.model, device)  # auto: tiny-random, or the real model when cached
-        source = files.base if files else model  # where the configs are read
-        config = command_config(args)
-        check_kernels_on(device, config)
-        pipeline = pipeline_class(source)
-        shape = image_group_shape(args, source, pipeline, rank, world_size)
-        if shape is not None:
-            config = config.replace(parallel=args.parallel, ulysses_degree=args.ulysses)
-        config = config.replace(memory=memory_setting(args.max_memory, args.preset, pipeline, args.parallel))
-        loras = tuple(resolve_lora(source, scale) for source, scale in args.lora)
-        check_pipeline_options(pipeline, source, config, lightning=args.lightning, fmt=args.format)
-        if files is not None:  # each file's header read: a wrong or broken file is refused before anything is written
-            files.check(config, pipeline)
-        model_shape = ModelShape.of(source, pipeline)
-        if config.cache is not None and model_shape is not None:
-            check_cache_blocks(config.cache.Fn, config.cache.Bn, model_shape.layers, f"{model}'s transformer",
-                               f"--cache {config.cache.label()}")
-        test_size = model_shape is not None and model_shape.test_size
-        jobs = make_jobs(entries, render_defaults(args, tiny=test_size, pipeline=pipeline))
-        shrunk = (condition_area_divisor() if test_size and pipeline in SHRINKS_INPUTS and any(j.images for j in jobs)
-                  else None)
-        labels = labels_for(files.label if files else model, args.preset, config, enhancer=args.enhance, loras=loras,
-                            lightning=args.lightning, test_width=model_shape.width if test_size else None,
-                            shrunk_inputs=shrunk)
-        check_triton_on_cpu(device, labels, args.enhance)
-        check_pipeline_inputs(jobs, pipeline, source, size_given=bool(args.aspect or args.width))
-        check_sizes(jobs, model_shape, source, device, args.max_memory)
-        warning = cpu_time_warning(jobs, model_shape, args.preset) if device.type == "cpu" else None
-        if args.enhance is not None and pipeline != "QwenImagePipeline":
-            raise ValueError(f"--enhance rewrites text-to-image prompts; {pipeline} ({model}) takes instructions "
-                             "about an input image: leave --enhance out")
-        if shape is not None:
-            check_cfg_parallel(args.parallel, jobs)
-        uncached = uncached_labels(args, config, labels, world_size)
+        check_ray_engine(args)
+        plan = check_render(args, entries)
+        jobs, labels, model, why, files, pipeline = plan.jobs, plan.labels, plan.model, plan.why, plan.files, \
+            plan.pipeline
+        device, rank, world_size, shape, shrunk, uncached = plan.device, plan.rank, plan.world_size, plan.shape, \
+            plan.shrunk, plan.uncached
+        test_size, warning = plan.test_size, plan.warning
         if warning and rank == 0:
             print(warning, file=sys.stderr, flush=True)
         if args.dry_run:
-            print(dry_run_report(config, labels, pipeline, device, shape, jobs, files))
+            print(dry_run_report(labels.config, labels, pipeline, device, shape, jobs, files))
             return 0
         # with --parallel an image group renders what one process renders without it
         group_index, groups = (rank // shape.group_size, shape.dp) if shape is not None else (rank, world_size)
@@ -148,6 +98,8 @@ def run_render(args) -> int:
             raise
     except ValueError as e:
         args.parser.error(one_line(e))
+    if args.engine == "ray":
+        return run_on_ray(args, plan, out_dir, created)
     loaded = []  # the pipeline, loaded once: --compare-uncached renders with it again, its step cache off
 
     def load_pipe():
@@ -224,23 +176,32 @@ def run_render(args) -> int:
     return 1 if summary.failed else 0
 
 
-def uncached_labels(args, config, labels, world_size: int):
-    """--compare-uncached: the labels of the same render without the step cache (None without the option)."""
-    if args.compare_uncached is None:
-        return None
-    if config.cache is None:
-        raise ValueError("--compare-uncached renders the same images without the step cache and compares: give "
-                         "--cache RULE")
-    if world_size > 1:
-        raise ValueError("--compare-uncached runs in one process; render each folder with several, then compare")
-    uncached, out = Path(args.compare_uncached).resolve(), Path(args.out).resolve()
-    if uncached == out:
-        raise ValueError(f"--compare-uncached {args.compare_uncached} is --out: give the uncached images their own "
-                         "folder")
-    if uncached.is_relative_to(out) or out.is_relative_to(uncached):  # one set of images inside the other's folder
-        raise ValueError(f"--compare-uncached {args.compare_uncached} and --out {args.out}: one folder is inside the "
-                         "other; give the uncached images a folder beside --out")
-    return dataclasses.replace(labels, config=config.replace(cache=None))
+def run_on_ray(args, plan: RenderPlan, out_dir: Path, created: list[Path]) -> int:
+    """`render --engine ray` once the checks passed and the folder exists (ray_engine.py)."""
+    from .ray_engine import render_on_ray
+    from .ray_stage import RenderSpec
+
+    spec = RenderSpec(model=plan.model, files=plan.files, labels=plan.labels, device=plan.device.type,
+                      fmt=args.format, out_dir=str(out_dir), batch_size=args.batch_size, defaults=plan.defaults,
+                      shrunk=plan.shrunk)
+    print(f"model {plan.model} ({plan.why}, {plan.pipeline}), preset {args.preset}, on Ray "
+          f"({args.ray_address or 'a local cluster'}), device {spec.device}; {len(plan.jobs)} prompts -> {out_dir}",
+          flush=True)
+    try:
+        with shrunk_inputs(plan.shrunk):
+            summary = render_on_ray(spec, plan.jobs, out_dir, plan.labels, resume=args.resume,
+                                    address=args.ray_address, workers=args.workers, batch_size=args.batch_size)
+    except ValueError as e:  # the cluster: unreachable, or without what the render needs
+        remove_empty_folders(created)
+        args.parser.error(one_line(e))
+    except KeyboardInterrupt as e:
+        remove_empty_folders(created)
+        terminated = isinstance(e, Terminated)
+        print(f"{'terminated (SIGTERM)' if terminated else 'interrupted'}; the images recorded so far are kept in "
+              f"{out_dir} (the same command resumes)", file=sys.stderr, flush=True)
+        return TERMINATED if terminated else INTERRUPTED
+    print(format_summary(summary, plan.labels, out_dir), flush=True)
+    return 1 if summary.failed else 0
 
 
 def report_comparison(a_dir: Path, b_dir: Path, report_dir, by_name: bool = False,

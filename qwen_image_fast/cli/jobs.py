@@ -37,7 +37,7 @@ MAX_SEED = 2**64 - 1
 JSONL_FIELDS = {"prompt", "negative_prompt", "seed", "width", "height", "steps", "cfg", "id", "images", "mask",
                 "strength"}
 ID_CHARACTERS = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
-PROMPT_FILE_SUFFIXES = {".txt", "", ".jsonl"}  # what read_prompt_file reads (text: one prompt a line)
+PROMPT_FILE_SUFFIXES = {".txt", "", ".jsonl", ".parquet"}  # what read_prompt_file reads (text: one prompt a line)
 
 
 @dataclass(frozen=True)
@@ -87,7 +87,10 @@ def read_prompt_file(path: str | Path) -> list[dict]:
     path = Path(path)
     if path.suffix.lower() not in PROMPT_FILE_SUFFIXES:  # a .csv read as text would render its header as a prompt
         raise ValueError(f"--prompts {path}: a {path.suffix} file, which render does not read; allowed: .txt (or no "
-                         "suffix: one prompt a line) and .jsonl (one JSON object a line)")
+                         "suffix: one prompt a line), .jsonl (one JSON object a line) and .parquet (a prompt column "
+                         "and the JSONL fields as columns)")
+    if path.suffix.lower() == ".parquet":
+        return read_parquet_prompts(path)
     try:
         lines = path.read_text(encoding="utf-8-sig").splitlines()  # -sig: a byte-order mark is not the prompt's
     except (OSError, UnicodeDecodeError) as e:
@@ -103,6 +106,27 @@ def read_prompt_file(path: str | Path) -> list[dict]:
         entries.append(parse_jsonl_line(path, number, line) if jsonl else {"line": number, "prompt": line.strip()})
     if not entries:
         raise ValueError(f"--prompts {path}: no prompts in it (blank lines and # comments are skipped)")
+    return entries
+
+
+def read_parquet_prompts(path: Path) -> list[dict]:
+    """A Parquet file (pyarrow, with the `ray` extra): a "prompt" column and any of the JSONL fields as columns, one
+    row a prompt; a row's null is a field it does not give. Each row checked as a JSONL line is ("row N")."""
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise ValueError(f"--prompts {path}: reading Parquet needs pyarrow: pip install 'qwen-image-fast[ray]'") \
+            from None
+    try:
+        table = pq.read_table(path)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"--prompts {path}: not a readable Parquet file ({e})") from None
+    if "prompt" not in table.column_names:
+        raise ValueError(f"--prompts {path}: no \"prompt\" column (its columns: {', '.join(table.column_names)})")
+    entries = [parse_jsonl_line(path, number, json.dumps({k: v for k, v in row.items() if v is not None}), "row")
+               for number, row in enumerate(table.to_pylist(), start=1)]
+    if not entries:
+        raise ValueError(f"--prompts {path}: no rows in it")
     return entries
 
 
@@ -135,9 +159,9 @@ def command_line_entries(prompts: list[str]) -> list[dict]:
     return [{"prompt": prompt} for prompt in prompts]
 
 
-def parse_jsonl_line(path: Path, number: int, line: str) -> dict:
+def parse_jsonl_line(path: Path, number: int, line: str, unit: str = "line") -> dict:
     def bad(why):
-        return ValueError(f"--prompts {path}, line {number}: {why}")
+        return ValueError(f"--prompts {path}, {unit} {number}: {why}")
 
     try:
         entry = json.loads(line)
@@ -194,9 +218,10 @@ def derive_seed(base: int, index: int, id: str | None) -> int:
     return base + (zlib.crc32(id.encode()) if id is not None else index)
 
 
-def make_jobs(entries: list[dict], defaults: Defaults) -> list[Job]:
-    """Entries (read_prompt_file, or command_line_entries) -> jobs. ValueError when two would write the same file,
-    or a derived seed leaves 0..MAX_SEED."""
+def make_jobs(entries: list[dict], defaults: Defaults, first_index: int = 0) -> list[Job]:
+    """Entries (read_prompt_file, or command_line_entries) -> jobs, the first at index `first_index` (a Ray stage's
+    rows are a part of the whole list). ValueError when two would write the same file, or a derived seed leaves
+    0..MAX_SEED."""
     jobs, seen, read = [], {}, {}
 
     def input_image(path: str, what: str) -> InputImage:
@@ -204,7 +229,7 @@ def make_jobs(entries: list[dict], defaults: Defaults) -> list[Job]:
             read[path, what] = read_input_image(path, what)
         return read[path, what]
 
-    for index, entry in enumerate(entries):
+    for index, entry in enumerate(entries, start=first_index):
         where = f"line {entry['line']}" if "line" in entry else f"prompt {index + 1}"
         images = (tuple(input_image(path, f"{where}: images") for path in entry["images"]) if "images" in entry
                   else defaults.images)

@@ -222,6 +222,15 @@ def build_parser() -> argparse.ArgumentParser:
              "with memory='low' (the text encoder and the transformer take turns on the GPU, the modulation weights "
              f"stay on the host; the same images), at least {LOW_MEMORY_GIB:g}; on CUDA the process is capped there "
              "(torch.cuda.set_per_process_memory_fraction) and fails with out-of-memory rather than use more")
+    add("--engine", choices=("local", "ray"), default="local",
+        help="local: this process (and torchrun's others) renders; ray: a pool of Ray actors, one GPU each, on the "
+             "cluster at --ray-address (pip install 'qwen-image-fast[ray]'), into the same files and manifest")
+    add("--ray-address", metavar="auto|HOST:PORT|ray://HOST:PORT",
+        help="--engine ray: the cluster to join (auto: the one `ray start` began on this node; default: a new local "
+             "one for this command)")
+    add("--workers", type=int_at_least(1),
+        help="--engine ray: actors rendering at once, one GPU each (default: one per GPU of the cluster; 1 on a "
+             "cluster without GPUs)")
     add_optimization_options(add)
     add("--dry-run", action="store_true",
         help="print what would run (each optimization: on, off, or why it cannot run here; exact or lossy, with its "

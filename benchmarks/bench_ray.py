@@ -1,0 +1,106 @@
+"""`render --engine ray` against the local render (issue 46): the same prompts and seeds, each run the command as a
+user runs it (a fresh process: model load and, for Ray, the cluster's start included), its images checked equal to
+the reference run's pixel for pixel before any time is kept.
+
+    python3 benchmarks/bench_ray.py --gpus 1              # one GPU: --engine ray (1 worker) against the local render
+    python3 benchmarks/bench_ray.py --gpus 2              # two GPUs: --engine ray with 2 workers against 1
+    python3 benchmarks/bench_ray.py --tiny                # CPU logic check (tiny-random), nothing recorded
+
+Weights: random at the real size (compare_stock_vs_fast.save_random_checkpoint: the full-size transformer and VAE,
+a tiny text encoder), saved once to --checkpoint-dir; 1024x1024, 50 steps, CFG 4, the fast preset. images_per_s =
+prompts / wall seconds of the whole command. Rows to results/ray.jsonl (bench "ray": engine, gpus, workers,
+prompts, images_per_s, seconds, ratio to the reference run).
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import append_results, environment  # noqa: E402
+
+TINY_ARGS = ["--model", "tiny-random", "--device", "cpu", "--preset", "baseline", "--width", "32", "--height", "32",
+             "--steps", "2"]
+
+
+def real_args(checkpoint: Path) -> list[str]:
+    return ["--model", str(checkpoint), "--width", "1024", "--height", "1024", "--steps", "50", "--cfg", "4"]
+
+
+def run(label: str, args: list[str], prompts: Path, out: Path) -> float:
+    """The command's wall seconds; exits on failure with its output's tail."""
+    command = [sys.executable, "-m", "qwen_image_fast", "render", *args, "--prompts", str(prompts), "--out", str(out)]
+    start = time.perf_counter()
+    done = subprocess.run(command, capture_output=True, text=True)
+    seconds = time.perf_counter() - start
+    if done.returncode != 0:
+        sys.exit(f"{label} failed ({done.returncode}):\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}")
+    print(f"{label}: {seconds:.1f} s; {done.stdout.strip().splitlines()[-2 if 'note:' in done.stdout else -1]}",
+          flush=True)
+    return seconds
+
+
+def same_images(a: Path, b: Path, n: int) -> bool:
+    names = sorted(p.name for p in a.glob("*.png"))
+    return len(names) == n and names == sorted(p.name for p in b.glob("*.png")) and all(
+        np.array_equal(np.asarray(Image.open(a / name)), np.asarray(Image.open(b / name))) for name in names)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--gpus", type=int, choices=(1, 2), default=1)
+    parser.add_argument("--prompts", type=int, help="default 16 on one GPU, 32 on two (4 with --tiny)")
+    parser.add_argument("--checkpoint-dir", type=Path, default=Path("/tmp/qwen-image-random-full-size"))
+    parser.add_argument("--tiny", action="store_true")
+    parser.add_argument("--out", type=Path, default=None, help="results folder (default benchmarks/results)")
+    args = parser.parse_args()
+    n = args.prompts or (4 if args.tiny else 16 * args.gpus)
+    if args.tiny:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+        common = TINY_ARGS
+    else:
+        from compare_stock_vs_fast import save_random_checkpoint
+
+        common = real_args(save_random_checkpoint(args.checkpoint_dir))
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        prompts = tmp / "prompts.jsonl"
+        prompts.write_text("".join(json.dumps({"prompt": f"a photo, number {i}", "id": f"p{i}"}) + "\n"
+                                   for i in range(n)))
+        if args.gpus == 1:  # the local render, then Ray with one worker
+            runs = [("local", 1, common), ("ray", 1, [*common, "--engine", "ray", "--workers", "1"])]
+        else:  # Ray with one worker, then two
+            runs = [("ray", 1, [*common, "--engine", "ray", "--workers", "1"]),
+                    ("ray", 2, [*common, "--engine", "ray", "--workers", "2"])]
+        seconds = {}
+        for engine, workers, run_args in runs:
+            seconds[engine, workers] = run(f"{engine} x{workers}", run_args, prompts, tmp / f"{engine}{workers}")
+        (ref_engine, ref_workers), (engine, workers) = seconds
+        same = same_images(tmp / f"{ref_engine}{ref_workers}", tmp / f"{engine}{workers}", n)
+        print(f"check: the {n} images of {engine} x{workers} equal {ref_engine} x{ref_workers}'s pixel for pixel: "
+              f"{same}", flush=True)
+        if not same:
+            print("FAILED the check: no row recorded", flush=True)
+            sys.exit(1)
+    reference = seconds[ref_engine, ref_workers]
+    rows = [dict(environment(), bench="ray", engine=e, gpus=args.gpus, workers=w, prompts=n, seconds=s,
+                 images_per_s=n / s, vs_reference=reference / s, reference=f"{ref_engine} x{ref_workers}",
+                 config="1024x1024, 50 steps, cfg 4, fast preset, random full-size weights")
+            for (e, w), s in seconds.items()]
+    for row in rows:
+        print(f"{row['engine']} x{row['workers']}: {row['images_per_s']:.3f} images/s ({row['vs_reference']:.2f}x "
+              f"{row['reference']})", flush=True)
+    if not args.tiny:
+        append_results("ray", rows, args.out)
+
+
+if __name__ == "__main__":
+    main()

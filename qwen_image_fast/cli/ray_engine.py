@@ -1,0 +1,105 @@
+"""`render --engine ray`: the jobs rendered by a pool of Ray actors (qwen_image_fast.ray.Renderer), one GPU each,
+on the cluster at --ray-address (a local one started for the command without it), into the same folder, files and
+manifest as the local render. This process is the manifest's only writer (records appended as they arrive, merged
+at the end); resume, compare and the folder's rules are the local render's.
+"""
+
+import json
+import os
+import socket
+import time
+from pathlib import Path
+
+from tqdm import tqdm
+
+from .manifest import MANIFEST, append_line, drop_partial_last_line, is_done, merge_manifests, read_records
+from .output import remove_stale_temp_files
+from .run import Summary
+
+CONNECT_TIMEOUT_S = 5.0
+
+
+def import_ray():
+    try:
+        import ray
+        import ray.data  # noqa: F401
+    except ImportError:
+        raise ValueError("--engine ray needs Ray Data: pip install 'qwen-image-fast[ray]'") from None
+    return ray
+
+
+def check_reachable(address: str):
+    """--ray-address HOST:PORT (a head node's GCS port): refused at once, in one line, if nothing listens there,
+    instead of Ray's own minutes of retries. "auto" and ray://HOST:PORT (Ray Client) are left to ray.init."""
+    if address == "auto" or address.startswith("ray://"):
+        return
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"--ray-address {address!r}: give auto, HOST:PORT (a head node's address) or ray://HOST:PORT")
+    try:
+        socket.create_connection((host, int(port)), timeout=CONNECT_TIMEOUT_S).close()
+    except OSError as e:
+        raise ValueError(f"--ray-address {address}: no Ray head node reachable there ({e.strerror or e}); start one "
+                         "with `ray start --head`, or leave --ray-address out for a local cluster") from None
+
+
+def connect(ray, address: str | None):
+    """ray.init on the cluster at `address` (None: a new local one), the actors' environment forwarded."""
+    from .ray_stage import FORWARDED_ENV
+
+    env = {name: os.environ[name] for name in FORWARDED_ENV if name in os.environ}
+    if address is not None:
+        check_reachable(address)
+    try:
+        ray.init(address=address, runtime_env={"env_vars": env}, log_to_driver=False,
+                 logging_level="ERROR", configure_logging=True)
+    except ConnectionError as e:
+        raise ValueError(f"--ray-address {address}: cannot connect ({e})") from None
+
+
+def render_on_ray(spec, jobs: list, out_dir: Path, labels, *, resume: bool, address: str | None, workers: int,
+                  batch_size: int) -> Summary:
+    """Render the jobs not already done; returns the command's summary. KeyboardInterrupt: what was recorded is
+    merged into the manifest first (the actors stop with this driver)."""
+    from .ray_stage import Renderer, job_json
+
+    ray = import_ray()
+    remove_stale_temp_files(out_dir, jobs)
+    records = read_records(out_dir) if resume else {}
+    pending = [job for job in jobs if not is_done(job, records, out_dir, spec.fmt, labels)]
+    summary = Summary(skipped=len(jobs) - len(pending))
+    if not pending:
+        return summary
+    connect(ray, address)
+    manifest = out_dir / MANIFEST
+    drop_partial_last_line(manifest)
+    gpu = spec.device != "cpu"
+    ds = ray.data.from_items([{"job": job_json(job)} for job in pending], override_num_blocks=len(pending))
+    rendered = ds.map_batches(Renderer, fn_constructor_kwargs={"spec": spec}, batch_size=batch_size,
+                              concurrency=workers, num_gpus=1 if gpu else 0, num_cpus=0 if gpu else 1,
+                              max_restarts=-1, max_task_retries=-1)
+    start = time.perf_counter()
+    try:
+        with tqdm(total=len(pending), desc="images", unit="img") as bar:
+            for batch in rendered.iter_batches(batch_size=None, batch_format="numpy"):
+                for text in batch["record"]:
+                    record = json.loads(str(text))
+                    bar.update()
+                    if "failed" in record:
+                        summary.failed += 1
+                        tqdm.write(f"failed: {record['file']}: {record['failed']}")
+                        continue
+                    found = record.pop("found", False)
+                    append_line(manifest, record)
+                    summary.skipped += found
+                    summary.written += not found
+                    summary.applied = tuple(record.get("applied", ()))
+    except KeyboardInterrupt:
+        merge_manifests(out_dir)
+        raise
+    finally:
+        ray.shutdown()
+    summary.seconds = time.perf_counter() - start  # wall time: the actors' startup and model loads included
+    merge_manifests(out_dir)
+    remove_stale_temp_files(out_dir, jobs)
+    return summary

@@ -1,0 +1,171 @@
+"""Rendering on a Ray cluster: a Ray Data stage (Renderer) and the driver behind `render --engine ray`.
+
+Renderer is a callable class for `Dataset.map_batches`: each actor loads the pipeline once (one GPU each, as Ray
+assigns it) and renders its batches of rows into the output folder, each image written atomically (a temporary
+file renamed into place) with its settings embedded, as the local `render` writes it; it returns one manifest record
+per row. The driver (render_on_ray) is the manifest's only writer: it appends each record as it arrives and merges
+at the end, so a record is never written twice.
+
+Exactly once, whatever fails:
+- an actor killed mid-batch: Ray Data restarts it and retries the batch (its actors run with max_restarts=-1 and
+  max_task_retries=-1); a retried row's image is written again under its own temporary name and renamed over the
+  same file, holding the same pixels (the seed fixes them);
+- before rendering a row, an actor looks for its image: a file there whose embedded settings are this row's is
+  not rendered again, only recorded (a batch retried after some of its images were written, or a driver restarted
+  after images whose records it never received);
+- a driver killed and started again: the manifest says what is done; the rest is rendered, or recorded as above.
+
+Rows: what the driver sends (one "job" column, a job's fields as JSON), or a user's own dataset whose columns are
+the JSONL fields (prompt required; id, seed, width, height, steps, cfg, negative_prompt, images, mask, strength)
+and "index" (the row's position, from which a seed is derived when neither seed nor id is given), with the
+defaults of the spec's command line for the rest.
+"""
+
+import json
+import math
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from .inputs import InputImage
+from .jobs import Defaults, Job, make_jobs, parse_jsonl_line
+from .manifest import differing_settings
+from .models import Labels, SingleFiles
+from .output import image_settings, read_settings, save_image, settings_of
+
+# The environment an actor needs as the driver has it (the Triton interpreter on a CPU, the hub offline).
+FORWARDED_ENV = ("TRITON_INTERPRET", "HF_HUB_OFFLINE", "OMP_NUM_THREADS")
+
+
+@dataclass(frozen=True)
+class RenderSpec:
+    """What every actor renders with: the checks of `render` already passed on the driver. device: "cuda" (the GPU
+    Ray gives the actor) or "cpu"; shrunk: a test-size model's input-image divisor (None otherwise); defaults: the
+    command line's, for rows that are not the driver's jobs."""
+
+    model: str
+    files: SingleFiles | None
+    labels: Labels
+    device: str
+    fmt: str
+    out_dir: str
+    batch_size: int
+    defaults: Defaults
+    shrunk: int | None = None
+
+
+def job_json(job: Job) -> str:
+    """A job as the driver's rows carry it (input images as their path, hash and size)."""
+    return json.dumps(asdict(job))
+
+
+def job_from_json(text: str) -> Job:
+    fields = json.loads(text)
+    fields["images"] = tuple(InputImage(i["path"], i["sha256"], tuple(i["size"])) for i in fields["images"])
+    mask = fields["mask"]
+    fields["mask"] = None if mask is None else InputImage(mask["path"], mask["sha256"], tuple(mask["size"]))
+    return Job(**fields)
+
+
+def present(value) -> bool:
+    """A column's value in a row that has it (Arrow / pandas fill a missing one with None or NaN)."""
+    return value is not None and not (isinstance(value, float) and math.isnan(value))
+
+
+def plain(value):
+    """A numpy scalar or array (Ray Data's numpy batches) as the Python value JSONL would give."""
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    return value
+
+
+def jobs_of(batch: dict, defaults: Defaults) -> list[Job]:
+    """A batch's rows (column -> values) -> jobs: the driver's "job" column, or JSONL-field columns with "index"."""
+    rows = [{k: plain(v[i]) for k, v in batch.items()} for i in range(len(next(iter(batch.values()))))]
+    if "job" in batch:
+        return [job_from_json(row["job"]) for row in rows]
+    if "index" not in batch:
+        raise ValueError("a row without an \"index\" column (its position in the whole list: image names and derived "
+                         "seeds come from it)")
+    jobs = []
+    for row in rows:
+        entry = {k: v for k, v in row.items() if present(v)}
+        index = int(entry.pop("index"))
+        entry = parse_jsonl_line(Path("(a Ray Data row)"), index, json.dumps(entry), "index")
+        jobs.append(make_jobs([entry], defaults, first_index=index)[0])
+    return jobs
+
+
+def render_spec(options: list[str]) -> RenderSpec:
+    """The spec of `render`'s options (e.g. ["--model", "Qwen/Qwen-Image-2512", "--steps", "50", "--out", "DIR"]):
+    checked as the command checks them (against a stand-in prompt: the rows bring the real ones), the output folder
+    made. The rows' device is this process's (cuda where it has a GPU). ValueError names a refused option."""
+    from .render_plan import check_ray_engine, check_render
+    from .output import prepare_out_dir
+    from .parser import build_parser
+
+    try:
+        args = build_parser().parse_args(["render", *options, "--engine", "ray"])
+    except SystemExit:
+        raise ValueError(f"render options {options}: refused (argparse's message above)") from None
+    check_ray_engine(args)
+    plan = check_render(args, [{"prompt": "(the rows' prompts)"}])
+    return RenderSpec(model=plan.model, files=plan.files, labels=plan.labels, device=plan.device.type,
+                      fmt=args.format, out_dir=str(prepare_out_dir(args.out)), batch_size=args.batch_size,
+                      defaults=plan.defaults, shrunk=plan.shrunk)
+
+
+class Renderer:
+    """A Ray Data stage: `ds.map_batches(Renderer, fn_constructor_kwargs={"spec": spec}, num_gpus=1, concurrency=N,
+    batch_size=B)`. Loads the pipeline once per actor; each call renders the batch's rows (the ones whose image is
+    not already there with the same settings) and returns {"record": [a manifest record as JSON, one per row]};
+    a row whose pipeline call failed gets {"file", "index", "failed": why}."""
+
+    def __init__(self, spec: RenderSpec):
+        from .models import load_pipeline
+
+        self.spec, self.out_dir = spec, Path(spec.out_dir)
+        labels = spec.labels
+        self.pipe = load_pipeline(spec.model, labels.preset, labels.config, spec.device, labels.loras,
+                                  labels.lightning, files=spec.files)
+
+    def done_record(self, job: Job) -> dict | None:
+        """The record of a job whose image is already there with this job's settings (embedded), else None."""
+        name = f"{job.stem}.{self.spec.fmt}"
+        try:
+            embedded = read_settings(self.out_dir / name)
+        except (OSError, SyntaxError, ValueError):
+            return None
+        if not embedded or differing_settings(job, embedded, self.spec.labels):
+            return None
+        return dict(file=name, id=job.id, index=job.index, **embedded, time=time.time(), found=True)
+
+    def __call__(self, batch: dict) -> dict:
+        from .render_plan import shrunk_inputs
+        from .run import batches_of, run_batch
+
+        spec, records = self.spec, []
+        todo = []
+        for job in jobs_of(batch, spec.defaults):
+            record = self.done_record(job)
+            records.append(record) if record is not None else todo.append(job)
+        for group in batches_of(todo, spec.batch_size):
+            start = time.perf_counter()
+            try:
+                with shrunk_inputs(spec.shrunk):
+                    images = run_batch(self.pipe, group, on_step=None)
+            except Exception as e:  # reported by the driver, counted as failed; the other rows go on
+                records += [dict(file=f"{job.stem}.{spec.fmt}", index=job.index, failed=f"{type(e).__name__}: {e}")
+                            for job in group]
+                continue
+            applied = tuple(getattr(self.pipe, "applied", ()))
+            computed = getattr(self.pipe, "blocks_computed", None) if spec.labels.config.cache is not None else None
+            seconds = round((time.perf_counter() - start) / len(group), 3)
+            for job, image in zip(group, images):
+                name = f"{job.stem}.{spec.fmt}"
+                settings = image_settings(settings_of(job, spec.labels), None, applied, computed)
+                save_image(image, self.out_dir / name, spec.fmt, settings)
+                records.append(dict(file=name, id=job.id, index=job.index, **settings, seconds=seconds,
+                                    worker=os.getpid(), time=time.time()))
+        return {"record": [json.dumps(record, ensure_ascii=False) for record in records]}

@@ -1,0 +1,216 @@
+"""render --engine ray on a real Ray cluster this module starts (`ray start --head --block` on loopback, two CPUs, its
+own temporary folder), the tiny model on the CPU: the local render's images and manifest, exactly once when a
+worker or the driver is killed mid-run, and bad input refused in one line."""
+
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from cli_helpers import BASELINE, TINY, images, manifest, pixels
+
+from qwen_image_fast.command import main
+
+RENDERER_PROCESS = "MapBatches(Renderer)"  # in the title Ray gives an actor process of the render stage
+SLOW = [*BASELINE, "--steps", "16"]  # ~0.3 s an image: slow enough to kill a run in the middle
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """The head node's address; the cluster stops with the `ray start --block` process group. Token authentication
+    (Ray's default from 2.59) with a token of this module's, which the renders below inherit from os.environ."""
+    port, temp = free_port(), tempfile.mkdtemp(prefix="/tmp/qif-ray-")  # short: Ray's socket paths have a limit
+    auth = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16), "RAY_USAGE_STATS_ENABLED": "0",
+            "RAY_NODE_IP_ADDRESS": "127.0.0.1"}
+    saved = {name: os.environ.get(name) for name in auth}
+    os.environ.update(auth)
+    env = dict(os.environ)
+    head = subprocess.Popen(["ray", "start", "--head", "--block", "--node-ip-address", "127.0.0.1", "--port", str(port),
+                             "--num-cpus", "2", "--num-gpus", "0", "--include-dashboard", "false", "--temp-dir", temp,
+                             "--disable-usage-stats"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True, executable=str(Path(sys.executable).with_name("ray")))
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            break
+        except OSError:
+            assert head.poll() is None and time.monotonic() < deadline, "the Ray head node did not start"
+            time.sleep(0.2)
+    yield f"127.0.0.1:{port}"
+    os.killpg(head.pid, signal.SIGKILL)
+    head.wait()
+    shutil.rmtree(temp, ignore_errors=True)
+    for name, value in saved.items():
+        os.environ.pop(name) if value is None else os.environ.__setitem__(name, value)
+
+
+def render(*args) -> list[str]:
+    return [sys.executable, "-m", "qwen_image_fast", "render", *args]
+
+
+def prompts_file(tmp_path: Path, n: int) -> Path:
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"prompt {i}", "id": f"p{i}"}) + "\n" for i in range(n)))
+    return path
+
+
+def renderer_pids() -> list[int]:
+    pids = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and RENDERER_PROCESS in (proc / "cmdline").read_bytes().decode(errors="replace"):
+                pids.append(int(proc.name))
+        except OSError:
+            continue
+    return pids
+
+
+def wait_for_images(process, out_dir: Path, n: int):
+    deadline = time.monotonic() + 120
+    while len(images(out_dir)) < n:
+        assert process.poll() is None, f"the render exited ({process.returncode}) before {n} images"
+        assert time.monotonic() < deadline, f"fewer than {n} images after 120 s"
+        time.sleep(0.05)
+
+
+def check_exactly_once(out_dir: Path, n: int):
+    lines = manifest(out_dir)
+    assert sorted(line["file"] for line in lines) == sorted(f"p{i}-{line_seed(i)}.png" for i in range(n))
+    assert len({line["file"] for line in lines}) == n
+    assert sorted(path.name for path in images(out_dir)) == sorted(line["file"] for line in lines)
+    assert not list(out_dir.glob(".tmp-*"))
+
+
+def line_seed(i: int) -> int:
+    import zlib
+
+    return zlib.crc32(f"p{i}".encode())  # --seed 0 + crc32(id)
+
+
+def test_24_prompts_on_two_workers_are_the_local_renders_from_parquet(cluster, tmp_path):
+    """Prompts from Parquet; the local render from the same prompts as JSONL: the same files, pixels and settings,
+    and `compare` pairs them all. The stock pipeline (0.03 s an image; the fast preset's kernels under the
+    interpreter take 1 s: they run through the stage in the test below)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    jsonl = prompts_file(tmp_path, 24)
+    parquet = tmp_path / "prompts.parquet"
+    pq.write_table(pa.Table.from_pylist([json.loads(line) for line in jsonl.read_text().splitlines()]), parquet)
+    done = subprocess.run(render(*BASELINE, "--engine", "ray", "--ray-address", cluster, "--workers", "2", "--prompts",
+                                 str(parquet), "--out", str(tmp_path / "ray")), capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "24 written, 0 skipped (already done), 0 failed" in done.stdout
+    assert main(["render", *BASELINE, "--prompts", str(jsonl), "--out", str(tmp_path / "local")]) == 0
+    check_exactly_once(tmp_path / "ray", 24)
+    ours, local = manifest(tmp_path / "ray"), {line["file"]: line for line in manifest(tmp_path / "local")}
+    assert {line["worker"] for line in ours} and len({line["worker"] for line in ours}) == 2  # both actors rendered
+    drop = {"seconds", "time", "worker", "rank"}
+    for line in ours:
+        assert {k: v for k, v in line.items() if k not in drop} == {k: v for k, v in local[line["file"]].items()
+                                                                     if k not in drop}
+        assert np.array_equal(pixels(tmp_path / "ray" / line["file"]), pixels(tmp_path / "local" / line["file"]))
+    assert main(["compare", str(tmp_path / "ray"), str(tmp_path / "local"), "--out", str(tmp_path / "report")]) == 0
+
+
+def test_a_worker_killed_mid_run_leaves_every_image_once(cluster, tmp_path):
+    out_dir = tmp_path / "out"
+    process = subprocess.Popen(render(*SLOW, "--engine", "ray", "--ray-address", cluster, "--workers", "2",
+                                      "--prompts", str(prompts_file(tmp_path, 24)), "--out", str(out_dir)),
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    wait_for_images(process, out_dir, 4)
+    pids = renderer_pids()
+    assert pids, "no actor process of the render stage found"
+    os.kill(pids[0], signal.SIGKILL)
+    assert len(images(out_dir)) < 24, "the render finished before a worker was killed"
+    output = process.communicate(timeout=300)[0]
+    assert process.returncode == 0, output[-3000:]
+    check_exactly_once(out_dir, 24)
+
+
+def test_a_driver_killed_and_run_again_renders_only_the_rest(cluster, tmp_path):
+    out_dir, prompts = tmp_path / "out", prompts_file(tmp_path, 24)
+    command = render(*SLOW, "--engine", "ray", "--ray-address", cluster, "--workers", "2", "--prompts", str(prompts),
+                     "--out", str(out_dir))
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wait_for_images(process, out_dir, 6)
+    process.kill()
+    process.wait()
+    time.sleep(1)  # its actors die with it (they may finish the image they were writing)
+    before = {path.name: path.stat().st_mtime_ns for path in images(out_dir)}
+    assert 6 <= len(before) < 24
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = next(line for line in done.stdout.splitlines() if "written," in line)
+    written, skipped = int(summary.split()[0]), int(summary.split()[2])
+    assert written == 24 - len(before) and skipped == len(before), summary
+    assert {name: (out_dir / name).stat().st_mtime_ns for name in before} == before  # none rendered again
+    check_exactly_once(out_dir, 24)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--ray-address", "127.0.0.1:1"], "--ray-address 127.0.0.1:1: no Ray head node reachable there"),
+    (["--workers", "0"], "--workers: must be >= 1"),
+    (["--parallel", "cfg"], "--engine ray does not take --parallel"),
+])
+def test_bad_input_exits_2_in_one_line(args, message, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["render", *BASELINE, "--engine", "ray", *args, "--out", str(tmp_path / "out"), "a cat"])
+    assert exit_info.value.code == 2 and not (tmp_path / "out").exists()
+    assert message in capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def test_a_parquet_file_without_a_prompt_column_exits_2(tmp_path, capsys):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"text": ["a cat"]}), tmp_path / "p.parquet")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["render", *BASELINE, "--engine", "ray", "--prompts", str(tmp_path / "p.parquet"), "--out",
+              str(tmp_path / "out")])
+    assert exit_info.value.code == 2 and not (tmp_path / "out").exists()
+    assert 'no "prompt" column (its columns: text)' in capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def test_the_stage_in_a_users_own_ray_data_pipeline(cluster, tmp_path):
+    """Renderer in a Dataset of the user's own columns (the JSONL fields and "index"), its spec from render's
+    options, the fast preset (its Triton kernels under the interpreter): the images the local render makes of the
+    same prompts, and one record per row."""
+    import ray
+
+    from qwen_image_fast.ray import Renderer, render_spec
+
+    rows = [{"prompt": f"prompt {i}", "id": f"p{i}", "index": i, "steps": 2 + i % 2} for i in range(4)]
+    spec = render_spec([*TINY, "--out", str(tmp_path / "ray")])
+    ray.init(address=cluster, logging_level="ERROR", log_to_driver=False)
+    try:
+        records = ray.data.from_items(rows).map_batches(Renderer, fn_constructor_kwargs={"spec": spec}, batch_size=2,
+                                                        concurrency=1, num_cpus=1).take_all()
+    finally:
+        ray.shutdown()
+    records = sorted((json.loads(r["record"]) for r in records), key=lambda r: r["index"])
+    assert [r["file"] for r in records] == [f"p{i}-{line_seed(i)}.png" for i in range(4)]
+    jsonl = tmp_path / "p.jsonl"
+    jsonl.write_text("".join(json.dumps({k: v for k, v in row.items() if k != "index"}) + "\n" for row in rows))
+    assert main(["render", *TINY, "--prompts", str(jsonl), "--out", str(tmp_path / "local")]) == 0
+    for record in records:
+        assert "fp8" in record["applied"] and record["preset"] == "fast"
+        assert record["steps"] == 2 + record["index"] % 2
+        assert np.array_equal(pixels(tmp_path / "ray" / record["file"]), pixels(tmp_path / "local" / record["file"]))
