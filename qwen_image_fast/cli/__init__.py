@@ -190,10 +190,15 @@ def run_on_ray(args, plan: RenderPlan, out_dir: Path, created: list[Path]) -> in
     try:
         with shrunk_inputs(plan.shrunk):
             summary = render_on_ray(spec, plan.jobs, out_dir, plan.labels, resume=args.resume,
-                                    address=args.ray_address, workers=args.workers, batch_size=args.batch_size)
+                                    address=args.ray_address, workers=args.workers, batch_size=args.batch_size,
+                                    device_given=args.device is not None)
     except ValueError as e:  # the cluster: unreachable, or without what the render needs
         remove_empty_folders(created)
         args.parser.error(one_line(e))
+    except Exception as e:  # the stage failed (e.g. a write on a full disk, a model its actors cannot load)
+        remove_empty_folders(created)
+        args.parser.error(one_line(f"--engine ray: the render stage failed ({type(e).__name__}: {e}); the images "
+                                   f"recorded so far are kept in {out_dir} (the same command resumes)"))
     except KeyboardInterrupt as e:
         remove_empty_folders(created)
         terminated = isinstance(e, Terminated)

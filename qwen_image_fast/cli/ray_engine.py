@@ -57,10 +57,24 @@ def connect(ray, address: str | None):
         raise ValueError(f"--ray-address {address}: cannot connect ({e})") from None
 
 
-def render_on_ray(spec, jobs: list, out_dir: Path, labels, *, resume: bool, address: str | None, workers: int,
-                  batch_size: int) -> Summary:
-    """Render the jobs not already done; returns the command's summary. KeyboardInterrupt: what was recorded is
-    merged into the manifest first (the actors stop with this driver)."""
+def actor_count(ray, gpu: bool, workers: int | None, device_given: bool) -> int:
+    """--workers, or one per GPU of the cluster (1 on CPUs). Refused: GPU actors on a cluster without GPUs, and
+    CPU actors chosen only because this process has no GPU while the cluster has some (render's checks pick this
+    process's device: the images would come from the CPU without anyone asking for it)."""
+    gpus = int(ray.cluster_resources().get("GPU", 0))
+    if gpu and gpus == 0:
+        raise ValueError("--engine ray: the cluster has no GPU for the actors; add GPU nodes, or give --device cpu")
+    if not gpu and gpus and not device_given:
+        raise ValueError(f"--engine ray: this process has no GPU, so render's checks chose the CPU, but the cluster "
+                         f"has {gpus} GPU(s): run the command on a node with a GPU, or give --device cpu to render "
+                         "on CPUs")
+    return workers or (gpus if gpu else 1)
+
+
+def render_on_ray(spec, jobs: list, out_dir: Path, labels, *, resume: bool, address: str | None,
+                  workers: int | None, batch_size: int, device_given: bool) -> Summary:
+    """Render the jobs not already done; returns the command's summary. On KeyboardInterrupt or an error of the
+    stage, what was recorded is merged into the manifest first (the actors stop with this driver)."""
     from .ray_stage import Renderer, job_json
 
     ray = import_ray()
@@ -71,9 +85,14 @@ def render_on_ray(spec, jobs: list, out_dir: Path, labels, *, resume: bool, addr
     if not pending:
         return summary
     connect(ray, address)
+    gpu = spec.device != "cpu"
+    try:
+        workers = actor_count(ray, gpu, workers, device_given)
+    except ValueError:
+        ray.shutdown()
+        raise
     manifest = out_dir / MANIFEST
     drop_partial_last_line(manifest)
-    gpu = spec.device != "cpu"
     ds = ray.data.from_items([{"job": job_json(job)} for job in pending], override_num_blocks=len(pending))
     rendered = ds.map_batches(Renderer, fn_constructor_kwargs={"spec": spec}, batch_size=batch_size,
                               concurrency=workers, num_gpus=1 if gpu else 0, num_cpus=0 if gpu else 1,
@@ -94,7 +113,7 @@ def render_on_ray(spec, jobs: list, out_dir: Path, labels, *, resume: bool, addr
                     summary.skipped += found
                     summary.written += not found
                     summary.applied = tuple(record.get("applied", ()))
-    except KeyboardInterrupt:
+    except BaseException:  # Ctrl-C, SIGTERM, or the stage failed: what was recorded goes into the manifest first
         merge_manifests(out_dir)
         raise
     finally:

@@ -165,6 +165,14 @@ def test_a_driver_killed_and_run_again_renders_only_the_rest(cluster, tmp_path):
     check_exactly_once(out_dir, 24)
 
 
+def test_without_workers_one_actor_renders_on_a_cluster_without_gpus(cluster, tmp_path):
+    done = subprocess.run(render(*BASELINE, "--engine", "ray", "--ray-address", cluster, "--out", str(tmp_path / "out"),
+                                 "a cat"), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "1 written, 0 skipped (already done), 0 failed" in done.stdout
+    assert len({line["worker"] for line in manifest(tmp_path / "out")}) == 1
+
+
 @pytest.mark.parametrize("args, message", [
     (["--ray-address", "127.0.0.1:1"], "--ray-address 127.0.0.1:1: no Ray head node reachable there"),
     (["--workers", "0"], "--workers: must be >= 1"),
