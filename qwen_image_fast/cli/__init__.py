@@ -75,6 +75,10 @@ def run_render(args) -> int:
             print(warning, file=sys.stderr, flush=True)
         if args.dry_run:
             print(dry_run_report(labels.config, labels, pipeline, device, shape, jobs, files))
+            if args.engine == "ray":
+                workers = args.workers or ("one per GPU of the cluster" if device.type == "cuda" else 1)
+                print(f"engine ray: {args.ray_address or 'a local cluster'}, {workers} actor(s) on {device.type}, "
+                      "each running the plan above")
             return 0
         # with --parallel an image group renders what one process renders without it
         group_index, groups = (rank // shape.group_size, shape.dp) if shape is not None else (rank, world_size)

@@ -185,6 +185,13 @@ def test_bad_input_exits_2_in_one_line(args, message, tmp_path, capsys):
     assert message in capsys.readouterr().err.strip().splitlines()[-1]
 
 
+def test_dry_run_names_the_engine(tmp_path, capsys):
+    assert main(["render", *TINY, "--engine", "ray", "--workers", "3", "--dry-run", "--out", str(tmp_path / "out"),
+                 "a cat"]) == 0
+    assert "engine ray: a local cluster, 3 actor(s) on cpu, each running the plan above" in capsys.readouterr().out
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_parquet_file_without_a_prompt_column_exits_2(tmp_path, capsys):
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -222,3 +229,38 @@ def test_the_stage_in_a_users_own_ray_data_pipeline(cluster, tmp_path):
         assert "fp8" in record["applied"] and record["preset"] == "fast"
         assert record["steps"] == 2 + record["index"] % 2
         assert np.array_equal(pixels(tmp_path / "ray" / record["file"]), pixels(tmp_path / "local" / record["file"]))
+
+
+class FailsOn:
+    """The stage's pipeline, raising for one prompt (a call that fails as an out-of-memory one would), counting
+    the calls that reach it."""
+
+    def __init__(self, pipe, prompt: str):
+        self.pipe, self.prompt, self.calls = pipe, prompt, 0
+
+    def __call__(self, **kwargs):
+        self.calls += 1
+        if self.prompt in kwargs["prompt"]:
+            raise RuntimeError(f"no memory for {self.prompt!r}")
+        return self.pipe(**kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.pipe, name)
+
+
+def test_the_stage_reports_a_failed_call_renders_the_rest_and_never_twice(tmp_path):
+    """The stage in this process (no cluster): a row whose pipeline call fails gets a `failed` record and the
+    others render; called again with the same rows (a retried batch), the finished image is recorded from its file,
+    not rendered again."""
+    from qwen_image_fast.ray import Renderer, render_spec
+
+    stage = Renderer(render_spec([*BASELINE, "--out", str(tmp_path / "out")]))
+    stage.pipe = FailsOn(stage.pipe, "boom")
+    batch = {"prompt": np.array(["a cat", "boom"], dtype=object), "index": np.array([0, 1])}
+    first = [json.loads(r) for r in stage(batch)["record"]]
+    assert [r.get("failed") for r in sorted(first, key=lambda r: r["index"])] == [None, "RuntimeError: no memory for "
+                                                                                        "'boom'"]
+    assert stage.pipe.calls == 2 and [p.name for p in images(tmp_path / "out")] == ["00000-0.png"]
+    again = {r["index"]: r for r in (json.loads(r) for r in stage(batch)["record"])}
+    assert again[0]["found"] and again[0]["prompt"] == "a cat" and "failed" in again[1]
+    assert stage.pipe.calls == 3  # only the failed row was tried again
