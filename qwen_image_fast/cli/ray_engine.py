@@ -93,16 +93,21 @@ def render_on_ray(spec, jobs: list, out_dir: Path, labels, *, resume: bool, addr
         raise
     manifest = out_dir / MANIFEST
     drop_partial_last_line(manifest)
+    # one row a block: a retried task (its actor killed) redoes one row, never a block some of whose records were
+    # already sent (the per-block overhead, milliseconds, is nothing beside an image's seconds)
     ds = ray.data.from_items([{"job": job_json(job)} for job in pending], override_num_blocks=len(pending))
     rendered = ds.map_batches(Renderer, fn_constructor_kwargs={"spec": spec}, batch_size=batch_size,
                               concurrency=workers, num_gpus=1 if gpu else 0, num_cpus=0 if gpu else 1,
                               max_restarts=-1, max_task_retries=-1)
-    start = time.perf_counter()
+    start, seen = time.perf_counter(), set()
     try:
         with tqdm(total=len(pending), desc="images", unit="img") as bar:
             for batch in rendered.iter_batches(batch_size=None, batch_format="numpy"):
                 for text in batch["record"]:
                     record = json.loads(str(text))
+                    if record["file"] in seen:  # a retried row's second record: the first was kept
+                        continue
+                    seen.add(record["file"])
                     bar.update()
                     if "failed" in record:
                         summary.failed += 1
