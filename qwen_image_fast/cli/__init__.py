@@ -185,9 +185,7 @@ def run_on_ray(args, plan: RenderPlan, out_dir: Path, created: list[Path]) -> in
     from .ray_engine import render_on_ray
     from .ray_stage import RenderSpec
 
-    spec = RenderSpec(model=plan.model, files=plan.files, labels=plan.labels, device=plan.device.type,
-                      fmt=args.format, out_dir=str(out_dir), batch_size=args.batch_size, defaults=plan.defaults,
-                      shrunk=plan.shrunk)
+    spec = RenderSpec.of(plan, args, out_dir)
     print(f"model {plan.model} ({plan.why}, {plan.pipeline}), preset {args.preset}, on Ray "
           f"({args.ray_address or 'a local cluster'}), device {spec.device}; {len(plan.jobs)} prompts -> {out_dir}",
           flush=True)

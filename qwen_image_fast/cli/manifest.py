@@ -13,7 +13,7 @@ from pathlib import Path
 
 from .jobs import Job
 from .models import Labels
-from .output import read_settings, settings_of, to_json, write_atomic
+from .output import read_settings, remove_stale_temp_files, settings_of, to_json, write_atomic
 
 MANIFEST = "manifest.jsonl"
 MANIFEST_LOCK = ".manifest.lock"
@@ -113,6 +113,14 @@ def is_done(job: Job, records: dict[str, dict], out_dir: Path, fmt: str, labels:
     name = f"{job.stem}.{fmt}"
     record = records.get(name)
     return record is not None and (out_dir / name).exists() and not differing_settings(job, record, labels)
+
+
+def pending_jobs(jobs: list[Job], out_dir: Path, fmt: str, labels: Labels, resume: bool) -> list[Job]:
+    """The jobs left to render in out_dir (all of them without resume), once the temporary files a killed run left
+    for them are removed."""
+    remove_stale_temp_files(out_dir, jobs)
+    records = read_records(out_dir) if resume else {}
+    return [job for job in jobs if not is_done(job, records, out_dir, fmt, labels)]
 
 
 def recorded_settings(path: Path, records: dict[str, dict]) -> dict:

@@ -12,8 +12,9 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from .manifest import MANIFEST, append_line, drop_partial_last_line, is_done, merge_manifests, read_records
+from .manifest import MANIFEST, append_line, drop_partial_last_line, merge_manifests, pending_jobs
 from .output import remove_stale_temp_files
+from .ray_stage import FORWARDED_ENV, Renderer, job_json
 from .run import Summary
 
 CONNECT_TIMEOUT_S = 5.0
@@ -45,8 +46,6 @@ def check_reachable(address: str):
 
 def connect(ray, address: str | None):
     """ray.init on the cluster at `address` (None: a new local one), the actors' environment forwarded."""
-    from .ray_stage import FORWARDED_ENV
-
     env = {name: os.environ[name] for name in FORWARDED_ENV if name in os.environ}
     if address is not None:
         check_reachable(address)
@@ -75,12 +74,8 @@ def render_on_ray(spec, jobs: list, out_dir: Path, labels, *, resume: bool, addr
                   workers: int | None, batch_size: int, device_given: bool) -> Summary:
     """Render the jobs not already done; returns the command's summary. On KeyboardInterrupt or an error of the
     stage, what was recorded is merged into the manifest first (the actors stop with this driver)."""
-    from .ray_stage import Renderer, job_json
-
     ray = import_ray()
-    remove_stale_temp_files(out_dir, jobs)
-    records = read_records(out_dir) if resume else {}
-    pending = [job for job in jobs if not is_done(job, records, out_dir, spec.fmt, labels)]
+    pending = pending_jobs(jobs, out_dir, spec.fmt, labels, resume)
     summary = Summary(skipped=len(jobs) - len(pending))
     if not pending:
         return summary

@@ -30,9 +30,12 @@ from pathlib import Path
 
 from .inputs import InputImage
 from .jobs import Defaults, Job, make_jobs, parse_jsonl_line
-from .manifest import differing_settings
-from .models import Labels, SingleFiles
-from .output import image_settings, read_settings, save_image, settings_of
+from .manifest import differing_settings, recorded_settings
+from .models import Labels, SingleFiles, load_pipeline
+from .output import prepare_out_dir
+from .parser import build_parser
+from .render_plan import RenderPlan, check_ray_engine, check_render, shrunk_inputs
+from .run import batches_of, call_facts, run_batch, save_rendered
 
 # The environment an actor needs as the driver has it (the Triton interpreter on a CPU, the hub offline).
 FORWARDED_ENV = ("TRITON_INTERPRET", "HF_HUB_OFFLINE", "OMP_NUM_THREADS")
@@ -53,6 +56,12 @@ class RenderSpec:
     batch_size: int
     defaults: Defaults
     shrunk: int | None = None
+
+    @classmethod
+    def of(cls, plan: RenderPlan, args, out_dir: Path) -> "RenderSpec":
+        """The spec of a checked render (check_render's plan, its arguments) into out_dir, made."""
+        return cls(model=plan.model, files=plan.files, labels=plan.labels, device=plan.device.type, fmt=args.format,
+                   out_dir=str(out_dir), batch_size=args.batch_size, defaults=plan.defaults, shrunk=plan.shrunk)
 
 
 def job_json(job: Job) -> str:
@@ -101,19 +110,13 @@ def render_spec(options: list[str]) -> RenderSpec:
     """The spec of `render`'s options (e.g. ["--model", "Qwen/Qwen-Image-2512", "--steps", "50", "--out", "DIR"]):
     checked as the command checks them (against a stand-in prompt: the rows bring the real ones), the output folder
     made. The rows' device is this process's (cuda where it has a GPU). ValueError names a refused option."""
-    from .render_plan import check_ray_engine, check_render
-    from .output import prepare_out_dir
-    from .parser import build_parser
-
     try:
         args = build_parser().parse_args(["render", *options, "--engine", "ray"])
     except SystemExit:
         raise ValueError(f"render options {options}: refused (argparse's message above)") from None
     check_ray_engine(args)
     plan = check_render(args, [{"prompt": "(the rows' prompts)"}])
-    return RenderSpec(model=plan.model, files=plan.files, labels=plan.labels, device=plan.device.type,
-                      fmt=args.format, out_dir=str(prepare_out_dir(args.out)), batch_size=args.batch_size,
-                      defaults=plan.defaults, shrunk=plan.shrunk)
+    return RenderSpec.of(plan, args, prepare_out_dir(args.out))
 
 
 class Renderer:
@@ -123,8 +126,6 @@ class Renderer:
     a row whose pipeline call failed gets {"file", "index", "failed": why}."""
 
     def __init__(self, spec: RenderSpec):
-        from .models import load_pipeline
-
         self.spec, self.out_dir = spec, Path(spec.out_dir)
         labels = spec.labels
         self.pipe = load_pipeline(spec.model, labels.preset, labels.config, spec.device, labels.loras,
@@ -133,23 +134,19 @@ class Renderer:
     def done_record(self, job: Job) -> dict | None:
         """The record of a job whose image is already there with this job's settings (embedded), else None."""
         name = f"{job.stem}.{self.spec.fmt}"
-        try:
-            embedded = read_settings(self.out_dir / name)
-        except (OSError, SyntaxError, ValueError):
-            return None
+        embedded = recorded_settings(self.out_dir / name, {})  # {} without the file
         if not embedded or differing_settings(job, embedded, self.spec.labels):
             return None
         return dict(file=name, id=job.id, index=job.index, **embedded, time=time.time(), found=True)
 
     def __call__(self, batch: dict) -> dict:
-        from .render_plan import shrunk_inputs
-        from .run import batches_of, run_batch
-
-        spec, records = self.spec, []
-        todo = []
+        spec, records, todo = self.spec, [], []
         for job in jobs_of(batch, spec.defaults):
             record = self.done_record(job)
-            records.append(record) if record is not None else todo.append(job)
+            if record is None:
+                todo.append(job)
+            else:
+                records.append(record)
         for group in batches_of(todo, spec.batch_size):
             start = time.perf_counter()
             try:
@@ -159,13 +156,9 @@ class Renderer:
                 records += [dict(file=f"{job.stem}.{spec.fmt}", index=job.index, failed=f"{type(e).__name__}: {e}")
                             for job in group]
                 continue
-            applied = tuple(getattr(self.pipe, "applied", ()))
-            computed = getattr(self.pipe, "blocks_computed", None) if spec.labels.config.cache is not None else None
+            applied, computed = call_facts(self.pipe, spec.labels)
             seconds = round((time.perf_counter() - start) / len(group), 3)
             for job, image in zip(group, images):
-                name = f"{job.stem}.{spec.fmt}"
-                settings = image_settings(settings_of(job, spec.labels), None, applied, computed)
-                save_image(image, self.out_dir / name, spec.fmt, settings)
-                records.append(dict(file=name, id=job.id, index=job.index, **settings, seconds=seconds,
-                                    worker=os.getpid(), time=time.time()))
+                record = save_rendered(job, image, self.out_dir, spec.fmt, spec.labels, applied, computed)
+                records.append({**record, "seconds": seconds, "worker": os.getpid(), "time": time.time()})
         return {"record": [json.dumps(record, ensure_ascii=False) for record in records]}

@@ -16,10 +16,10 @@ from tqdm import tqdm
 
 from .inputs import image_mode
 from .jobs import Job
-from .manifest import (MANIFEST, append_line, drop_partial_last_line, is_done, manifest_path, merge_manifests,
-                       read_lines, read_records)
+from .manifest import (MANIFEST, append_line, drop_partial_last_line, manifest_path, merge_manifests, pending_jobs,
+                       read_lines)
 from .models import Labels
-from .output import image_settings, remove_stale_temp_files, save_image, settings_of
+from .output import image_settings, save_image, settings_of
 
 
 class Terminated(KeyboardInterrupt):
@@ -134,6 +134,23 @@ def run_batch(pipe, batch: list[Job], on_step, prompts: list[str] | None = None,
     ).images
 
 
+def call_facts(pipe, labels: Labels) -> tuple[tuple[str, ...], float | None]:
+    """What the pipeline call just made ran (pipe.applied; empty for stock) and, with a step cache, the fraction of
+    the transformer's blocks it computed."""
+    computed = getattr(pipe, "blocks_computed", None) if labels.config.cache is not None else None
+    return tuple(getattr(pipe, "applied", ())), computed
+
+
+def save_rendered(job: Job, image: Image.Image, out_dir: Path, fmt: str, labels: Labels, applied: tuple,
+                  computed: float | None, rewrite: str | None = None) -> dict:
+    """The job's image written into out_dir, its settings embedded; returns its manifest record without the
+    timing: file, id, index and the settings."""
+    name = f"{job.stem}.{fmt}"
+    settings = image_settings(settings_of(job, labels), rewrite, applied, computed)
+    save_image(image, out_dir / name, fmt, settings)
+    return dict(file=name, id=job.id, index=job.index, **settings)
+
+
 def render_jobs(load_pipe: Callable, jobs: list[Job], out_dir: Path, labels: Labels, *, fmt: str = "png",
                 resume: bool = True, batch_size: int = 1, rank: int = 0, world_size: int = 1,
                 load_enhancer: Callable | None = None, group=None) -> Summary:
@@ -149,9 +166,7 @@ def render_jobs(load_pipe: Callable, jobs: list[Job], out_dir: Path, labels: Lab
     leader = group is None or group.is_image_leader
     pending = []
     if leader:
-        remove_stale_temp_files(out_dir, jobs)
-        records = read_records(out_dir) if resume else {}
-        pending = [job for job in jobs if not is_done(job, records, out_dir, fmt, labels)]
+        pending = pending_jobs(jobs, out_dir, fmt, labels, resume)
     if group is not None:
         wanted = set(group.share([job.index for job in pending]))
         pending = [job for job in jobs if job.index in wanted]
@@ -195,8 +210,7 @@ def render_jobs(load_pipe: Callable, jobs: list[Job], out_dir: Path, labels: Lab
                     summary.failed += len(batch)
                     tqdm.write(f"{prefix}failed: {', '.join(job.stem for job in batch)}: {type(e).__name__}: {e}")
                     continue
-                summary.applied = tuple(getattr(pipe, "applied", ()))  # what this call ran
-                computed = getattr(pipe, "blocks_computed", None) if labels.config.cache is not None else None
+                summary.applied, computed = call_facts(pipe, labels)
                 seconds = (time.perf_counter() - start) / len(batch)
                 timing = {"seconds": round(seconds, 3)}
                 if enhancer is not None:
@@ -204,11 +218,8 @@ def render_jobs(load_pipe: Callable, jobs: list[Job], out_dir: Path, labels: Lab
                 for job, image, rewrite in zip(batch, images, enhanced):
                     if not leader:
                         continue
-                    name = f"{job.stem}.{fmt}"
-                    settings = image_settings(settings_of(job, labels), rewrite, summary.applied, computed)
-                    save_image(image, out_dir / name, fmt, settings)
-                    append_line(shard_path, dict(file=name, id=job.id, index=job.index, **settings, **timing,
-                                                 rank=rank, time=time.time()))
+                    record = save_rendered(job, image, out_dir, fmt, labels, summary.applied, computed, rewrite)
+                    append_line(shard_path, {**record, **timing, "rank": rank, "time": time.time()})
                     summary.written += 1
                     images_bar.update()
                 summary.enhance_seconds += enhance_seconds
