@@ -204,23 +204,33 @@ def test_a_parquet_file_without_a_prompt_column_exits_2(tmp_path, capsys):
     assert 'no "prompt" column (its columns: text)' in capsys.readouterr().err.strip().splitlines()[-1]
 
 
+# A user's own Ray Data script (run as its own process: Ray reads its token settings once per process, and another
+# test of this worker may have imported ray before the cluster's token was in the environment)
+USER_PIPELINE = """
+import json, sys
+import ray
+from qwen_image_fast.ray import Renderer, render_spec
+
+address, options, rows = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3])
+spec = render_spec(options)
+ray.init(address=address, logging_level="ERROR", log_to_driver=False)
+records = ray.data.from_items(rows).map_batches(Renderer, fn_constructor_kwargs={"spec": spec}, batch_size=2,
+                                                concurrency=1, num_cpus=1).take_all()
+print(json.dumps([r["record"] for r in records]))
+"""
+
+
 def test_the_stage_in_a_users_own_ray_data_pipeline(cluster, tmp_path):
     """Renderer in a Dataset of the user's own columns (the JSONL fields and "index"), its spec from render's
     options, the fast preset (its Triton kernels under the interpreter): the images the local render makes of the
     same prompts, and one record per row."""
-    import ray
-
-    from qwen_image_fast.ray import Renderer, render_spec
-
     rows = [{"prompt": f"prompt {i}", "id": f"p{i}", "index": i, "steps": 2 + i % 2} for i in range(4)]
-    spec = render_spec([*TINY, "--out", str(tmp_path / "ray")])
-    ray.init(address=cluster, logging_level="ERROR", log_to_driver=False)
-    try:
-        records = ray.data.from_items(rows).map_batches(Renderer, fn_constructor_kwargs={"spec": spec}, batch_size=2,
-                                                        concurrency=1, num_cpus=1).take_all()
-    finally:
-        ray.shutdown()
-    records = sorted((json.loads(r["record"]) for r in records), key=lambda r: r["index"])
+    done = subprocess.run([sys.executable, "-c", USER_PIPELINE, cluster,
+                           json.dumps([*TINY, "--out", str(tmp_path / "ray")]), json.dumps(rows)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    records = json.loads(done.stdout.strip().splitlines()[-1])
+    records = sorted((json.loads(r) for r in records), key=lambda r: r["index"])
     assert [r["file"] for r in records] == [f"p{i}-{line_seed(i)}.png" for i in range(4)]
     jsonl = tmp_path / "p.jsonl"
     jsonl.write_text("".join(json.dumps({k: v for k, v in row.items() if k != "index"}) + "\n" for row in rows))
