@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from .inputs import InputImage
+from .devices import cap_memory
 from .jobs import Defaults, Job, make_jobs, parse_jsonl_line
 from .manifest import differing_settings, recorded_settings
 from .models import Labels, SingleFiles, load_pipeline
@@ -56,12 +57,14 @@ class RenderSpec:
     batch_size: int
     defaults: Defaults
     shrunk: int | None = None
+    max_memory: float | None = None  # --max-memory: GiB each actor's process may use on its GPU (cap_memory)
 
     @classmethod
     def of(cls, plan: RenderPlan, args, out_dir: Path) -> "RenderSpec":
         """The spec of a checked render (check_render's plan, its arguments) into out_dir, made."""
         return cls(model=plan.model, files=plan.files, labels=plan.labels, device=plan.device.type, fmt=args.format,
-                   out_dir=str(out_dir), batch_size=args.batch_size, defaults=plan.defaults, shrunk=plan.shrunk)
+                   out_dir=str(out_dir), batch_size=args.batch_size, defaults=plan.defaults, shrunk=plan.shrunk,
+                   max_memory=args.max_memory)
 
 
 def job_json(job: Job) -> str:
@@ -126,7 +129,10 @@ class Renderer:
     a row whose pipeline call failed gets {"file", "index", "failed": why}."""
 
     def __init__(self, spec: RenderSpec):
+        import torch
+
         self.spec, self.out_dir = spec, Path(spec.out_dir)
+        cap_memory(spec.max_memory, torch.device(spec.device))  # as the local render caps its process
         labels = spec.labels
         self.pipe = load_pipeline(spec.model, labels.preset, labels.config, spec.device, labels.loras,
                                   labels.lightning, files=spec.files)

@@ -192,6 +192,17 @@ def test_dry_run_names_the_engine(tmp_path, capsys):
     assert not (tmp_path / "out").exists()
 
 
+def test_the_spec_carries_every_option_an_actor_needs(tmp_path):
+    """render_spec keeps what the actors apply themselves: the memory cap (cap_memory on their GPU), the format,
+    the batch size, the checked defaults."""
+    from qwen_image_fast.ray import render_spec
+
+    spec = render_spec([*BASELINE, "--max-memory", "60", "--format", "webp", "--batch-size", "3", "--seed", "7",
+                        "--out", str(tmp_path / "out")])
+    assert (spec.max_memory, spec.fmt, spec.batch_size, spec.defaults.seed) == (60.0, "webp", 3, 7)
+    assert (tmp_path / "out").is_dir()
+
+
 def test_a_parquet_file_without_a_prompt_column_exits_2(tmp_path, capsys):
     import pyarrow as pa
     import pyarrow.parquet as pq
