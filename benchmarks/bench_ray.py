@@ -5,6 +5,8 @@ the reference run's pixel for pixel before any time is kept.
     python3 benchmarks/bench_ray.py --gpus 1              # one GPU: --engine ray (1 worker) against the local render
     python3 benchmarks/bench_ray.py --gpus 2              # two GPUs: --engine ray with 2 workers against 1
     python3 benchmarks/bench_ray.py --tiny                # CPU logic check (tiny-random), nothing recorded
+    python3 benchmarks/bench_ray.py --gpus 2 --work DIR --only reference   # the two runs in two calls (each run's
+    python3 benchmarks/bench_ray.py --gpus 2 --work DIR --only other       # images and seconds kept in DIR between)
 
 Weights: random at the real size (compare_stock_vs_fast.save_random_checkpoint: the full-size transformer and VAE,
 a tiny text encoder), saved once to --checkpoint-dir; 1024x1024, 50 steps, CFG 4, the fast preset. images_per_s =
@@ -15,6 +17,7 @@ prompts, images_per_s, seconds, ratio to the reference run).
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -60,8 +63,14 @@ def main():
     parser.add_argument("--prompts", type=int, help="default 16 on one GPU, 32 on two (4 with --tiny)")
     parser.add_argument("--checkpoint-dir", type=Path, default=Path("/tmp/qwen-image-random-full-size"))
     parser.add_argument("--tiny", action="store_true")
+    parser.add_argument("--work", type=Path, help="keeps each run's images and seconds (seconds.json), so that "
+                        "--only can make the two runs in two calls; default a temporary folder")
+    parser.add_argument("--only", choices=("reference", "other"),
+                        help="make one run; the other's images and seconds are read from --work when kept there")
     parser.add_argument("--out", type=Path, default=None, help="results folder (default benchmarks/results)")
     args = parser.parse_args()
+    if args.only and not args.work:
+        parser.error("--only needs --work (where the other run's images and seconds are kept)")
     n = args.prompts or (4 if args.tiny else 16 * args.gpus)
     if args.tiny:
         os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -70,31 +79,45 @@ def main():
         from compare_stock_vs_fast import save_random_checkpoint
 
         common = real_args(save_random_checkpoint(args.checkpoint_dir))
+    if args.gpus == 1:  # the local render, then Ray with one worker
+        runs = [("local", 1, common), ("ray", 1, [*common, "--engine", "ray", "--workers", "1"])]
+    else:  # Ray with one worker, then two
+        runs = [("ray", 1, [*common, "--engine", "ray", "--workers", "1"]),
+                ("ray", 2, [*common, "--engine", "ray", "--workers", "2"])]
     with tempfile.TemporaryDirectory() as tmp:
-        tmp = Path(tmp)
-        prompts = tmp / "prompts.jsonl"
+        work = args.work or Path(tmp)
+        work.mkdir(parents=True, exist_ok=True)
+        prompts = work / "prompts.jsonl"
         prompts.write_text("".join(json.dumps({"prompt": f"a photo, number {i}", "id": f"p{i}"}) + "\n"
                                    for i in range(n)))
-        if args.gpus == 1:  # the local render, then Ray with one worker
-            runs = [("local", 1, common), ("ray", 1, [*common, "--engine", "ray", "--workers", "1"])]
-        else:  # Ray with one worker, then two
-            runs = [("ray", 1, [*common, "--engine", "ray", "--workers", "1"]),
-                    ("ray", 2, [*common, "--engine", "ray", "--workers", "2"])]
-        seconds = {}
-        for engine, workers, run_args in runs:
-            seconds[engine, workers] = run(f"{engine} x{workers}", run_args, prompts, tmp / f"{engine}{workers}")
-        (ref_engine, ref_workers), (engine, workers) = seconds
-        same = same_images(tmp / f"{ref_engine}{ref_workers}", tmp / f"{engine}{workers}", n)
-        print(f"check: the {n} images of {engine} x{workers} equal {ref_engine} x{ref_workers}'s pixel for pixel: "
-              f"{same}", flush=True)
+        kept = work / "seconds.json"
+        seconds = json.loads(kept.read_text()) if kept.exists() else {}
+        for role, (engine, workers, run_args) in zip(("reference", "other"), runs):
+            label = f"{engine} x{workers}"
+            if args.only not in (None, role):
+                continue
+            out = work / f"{engine}{workers}"
+            shutil.rmtree(out, ignore_errors=True)  # a fresh run: render would resume a kept folder, rendering none
+            seconds[label] = run(label, run_args, prompts, out)
+            seconds[label + " prompts"] = n
+            kept.write_text(json.dumps(seconds))
+        labels = [f"{engine} x{workers}" for engine, workers, _ in runs]
+        if any(seconds.get(label + " prompts") != n for label in labels):
+            print(f"kept in {work}: {sorted(seconds)}; a row needs both runs of {n} prompts", flush=True)
+            return
+        (ref_engine, ref_workers, _), (engine, workers, _) = runs
+        same = same_images(work / f"{ref_engine}{ref_workers}", work / f"{engine}{workers}", n)
+        print(f"check: the {n} images of {labels[1]} equal {labels[0]}'s pixel for pixel: {same}", flush=True)
         if not same:
             print("FAILED the check: no row recorded", flush=True)
             sys.exit(1)
-    reference = seconds[ref_engine, ref_workers]
-    rows = [dict(environment(), bench="ray", engine=e, gpus=args.gpus, workers=w, prompts=n, seconds=s,
-                 images_per_s=n / s, vs_reference=reference / s, reference=f"{ref_engine} x{ref_workers}",
+    reference = seconds[labels[0]]
+    calls = "two calls on one machine (--only)" if args.only else "one call"
+    rows = [dict(environment(), bench="ray", engine=engine, gpus=args.gpus, workers=workers, prompts=n,
+                 seconds=seconds[label], images_per_s=n / seconds[label], vs_reference=reference / seconds[label],
+                 reference=labels[0], calls=calls,
                  config="1024x1024, 50 steps, cfg 4, fast preset, random full-size weights")
-            for (e, w), s in seconds.items()]
+            for (engine, workers, _), label in zip(runs, labels)]
     for row in rows:
         print(f"{row['engine']} x{row['workers']}: {row['images_per_s']:.3f} images/s ({row['vs_reference']:.2f}x "
               f"{row['reference']})", flush=True)
