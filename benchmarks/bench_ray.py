@@ -11,7 +11,9 @@ the reference run's pixel for pixel before any time is kept.
 Weights: random at the real size (compare_stock_vs_fast.save_random_checkpoint: the full-size transformer and VAE,
 a tiny text encoder), saved once to --checkpoint-dir; 1024x1024, 50 steps, CFG 4, the fast preset. images_per_s =
 prompts / wall seconds of the whole command. Rows to results/ray.jsonl (bench "ray": engine, gpus, workers,
-prompts, images_per_s, seconds, ratio to the reference run).
+prompts, images_per_s, seconds, ratio to the reference run). Beside the whole command's rate, each row splits it in
+two from the images' file times: first_image_s (start to the first image: cluster, actor, model load, warm-up, one
+image) and steady_images_per_s (the pool at work: the sum over workers of (images - 1) / (last - first image)).
 """
 
 import argparse
@@ -38,17 +40,29 @@ def real_args(checkpoint: Path) -> list[str]:
     return ["--model", str(checkpoint), "--width", "1024", "--height", "1024", "--steps", "50", "--cfg", "4"]
 
 
-def run(label: str, args: list[str], prompts: Path, out: Path) -> float:
-    """The command's wall seconds; exits on failure with its output's tail."""
+def run(label: str, args: list[str], prompts: Path, out: Path) -> dict:
+    """The command's wall seconds and its timeline (timeline()); exits on failure with its output's tail."""
     command = [sys.executable, "-m", "qwen_image_fast", "render", *args, "--prompts", str(prompts), "--out", str(out)]
-    start = time.perf_counter()
+    start, start_epoch = time.perf_counter(), time.time()
     done = subprocess.run(command, capture_output=True, text=True)
     seconds = time.perf_counter() - start
     if done.returncode != 0:
         sys.exit(f"{label} failed ({done.returncode}):\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}")
-    print(f"{label}: {seconds:.1f} s; {done.stdout.strip().splitlines()[-2 if 'note:' in done.stdout else -1]}",
-          flush=True)
-    return seconds
+    first_image_s, steady = timeline(out, start_epoch)
+    print(f"{label}: {seconds:.1f} s; first image at {first_image_s:.1f} s, then {steady:.4f} images/s; "
+          f"{done.stdout.strip().splitlines()[-2 if 'note:' in done.stdout else -1]}", flush=True)
+    return {"seconds": seconds, "first_image_s": first_image_s, "steady_images_per_s": steady}
+
+
+def timeline(out: Path, start_epoch: float) -> tuple[float, float]:
+    """(seconds from the command's start to its first image file, the steady rate: the sum over workers (the
+    records' "worker"; the local render is one) of (images - 1) / (last - first image's file time))."""
+    times: dict = {}
+    for line in (out / "manifest.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        times.setdefault(record.get("worker", 0), []).append((out / record["file"]).stat().st_mtime)
+    steady = sum((len(t) - 1) / (max(t) - min(t)) for t in times.values() if len(t) > 1)
+    return min(min(t) for t in times.values()) - start_epoch, steady
 
 
 def same_images(a: Path, b: Path, n: int) -> bool:
@@ -98,11 +112,10 @@ def main():
                 continue
             out = work / f"{engine}{workers}"
             shutil.rmtree(out, ignore_errors=True)  # a fresh run: render would resume a kept folder, rendering none
-            seconds[label] = run(label, run_args, prompts, out)
-            seconds[label + " prompts"] = n
+            seconds[label] = {**run(label, run_args, prompts, out), "prompts": n}
             kept.write_text(json.dumps(seconds))
         labels = [f"{engine} x{workers}" for engine, workers, _ in runs]
-        if any(seconds.get(label + " prompts") != n for label in labels):
+        if any(seconds.get(label, {}).get("prompts") != n for label in labels):
             print(f"kept in {work}: {sorted(seconds)}; a row needs both runs of {n} prompts", flush=True)
             return
         (ref_engine, ref_workers, _), (engine, workers, _) = runs
@@ -113,14 +126,17 @@ def main():
             sys.exit(1)
     reference = seconds[labels[0]]
     calls = "two calls on one machine (--only)" if args.only else "one call"
-    rows = [dict(environment(), bench="ray", engine=engine, gpus=args.gpus, workers=workers, prompts=n,
-                 seconds=seconds[label], images_per_s=n / seconds[label], vs_reference=reference / seconds[label],
+    rows = [dict(environment(), bench="ray", engine=engine, gpus=args.gpus, workers=workers,
+                 **seconds[label], images_per_s=n / seconds[label]["seconds"],
+                 vs_reference=reference["seconds"] / seconds[label]["seconds"],
+                 steady_vs_reference=seconds[label]["steady_images_per_s"] / reference["steady_images_per_s"],
                  reference=labels[0], calls=calls,
                  config="1024x1024, 50 steps, cfg 4, fast preset, random full-size weights")
             for (engine, workers, _), label in zip(runs, labels)]
     for row in rows:
         print(f"{row['engine']} x{row['workers']}: {row['images_per_s']:.3f} images/s ({row['vs_reference']:.2f}x "
-              f"{row['reference']})", flush=True)
+              f"{row['reference']}); steady {row['steady_images_per_s']:.4f} images/s "
+              f"({row['steady_vs_reference']:.2f}x); first image at {row['first_image_s']:.1f} s", flush=True)
     if not args.tiny:
         append_results("ray", rows, args.out)
 

@@ -7,7 +7,6 @@ at the end); resume, compare and the folder's rules are the local render's.
 import json
 import os
 import socket
-import time
 from pathlib import Path
 
 from tqdm import tqdm
@@ -94,7 +93,7 @@ def render_on_ray(spec, jobs: list, out_dir: Path, labels, *, resume: bool, addr
     rendered = ds.map_batches(Renderer, fn_constructor_kwargs={"spec": spec}, batch_size=batch_size,
                               concurrency=workers, num_gpus=1 if gpu else 0, num_cpus=0 if gpu else 1,
                               max_restarts=-1, max_task_retries=-1)
-    start, seen = time.perf_counter(), set()
+    seen = set()
     try:
         with tqdm(total=len(pending), desc="images", unit="img") as bar:
             for batch in rendered.iter_batches(batch_size=None, batch_format="numpy"):
@@ -112,13 +111,13 @@ def render_on_ray(spec, jobs: list, out_dir: Path, labels, *, resume: bool, addr
                     append_line(manifest, record)
                     summary.skipped += found
                     summary.written += not found
+                    summary.seconds += 0 if found else record["seconds"]  # s/image: an image's render, as locally
                     summary.applied = tuple(record.get("applied", ()))
     except BaseException:  # Ctrl-C, SIGTERM, or the stage failed: what was recorded goes into the manifest first
         merge_manifests(out_dir)
         raise
     finally:
         ray.shutdown()
-    summary.seconds = time.perf_counter() - start  # wall time: the actors' startup and model loads included
     merge_manifests(out_dir)
     remove_stale_temp_files(out_dir, jobs)
     return summary

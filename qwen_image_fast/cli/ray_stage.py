@@ -122,6 +122,22 @@ def render_spec(options: list[str]) -> RenderSpec:
     return RenderSpec.of(plan, args, prepare_out_dir(args.out))
 
 
+def gpu_actor_threads(forwarded: dict, node_cpus: int, node_gpus: int) -> int | None:
+    """torch's CPU threads in a GPU actor: None (leave them) where the driver forwarded OMP_NUM_THREADS, else the
+    node's cores shared among its GPUs' actors. Ray starts an actor that asks for no CPU with OMP_NUM_THREADS=1,
+    while the local render's torch uses every core (the host side of the model load, the images' encoding)."""
+    if "OMP_NUM_THREADS" in forwarded:
+        return None
+    return max(1, node_cpus // max(1, node_gpus))
+
+
+def node_cpus_and_gpus(ray) -> tuple[int, int]:
+    """This actor's node: its CPUs (the ones this process may run on) and its GPUs, as Ray counts them."""
+    node = ray.get_runtime_context().get_node_id()
+    resources = next(n["Resources"] for n in ray.nodes() if n["NodeID"] == node)
+    return len(os.sched_getaffinity(0)), int(resources.get("GPU", 1))
+
+
 class Renderer:
     """A Ray Data stage: `ds.map_batches(Renderer, fn_constructor_kwargs={"spec": spec}, num_gpus=1, concurrency=N,
     batch_size=B)`. Loads the pipeline once per actor; each call renders the batch's rows (the ones whose image is
@@ -132,6 +148,12 @@ class Renderer:
         import torch
 
         self.spec, self.out_dir = spec, Path(spec.out_dir)
+        if spec.device != "cpu":
+            import ray
+
+            threads = gpu_actor_threads(ray.get_runtime_context().runtime_env.env_vars(), *node_cpus_and_gpus(ray))
+            if threads is not None:
+                torch.set_num_threads(threads)
         cap_memory(spec.max_memory, torch.device(spec.device))  # as the local render caps its process
         labels = spec.labels
         self.pipe = load_pipeline(spec.model, labels.preset, labels.config, spec.device, labels.loras,

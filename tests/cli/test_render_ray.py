@@ -285,3 +285,15 @@ def test_the_stage_reports_a_failed_call_renders_the_rest_and_never_twice(tmp_pa
     again = {r["index"]: r for r in (json.loads(r) for r in stage(batch)["record"])}
     assert again[0]["found"] and again[0]["prompt"] == "a cat" and "failed" in again[1]
     assert stage.pipe.calls == 3  # only the failed row was tried again
+
+
+def test_a_gpu_actor_uses_its_share_of_the_node_s_cores():
+    """Ray starts an actor that asks for no CPU with OMP_NUM_THREADS=1 (torch on one thread), where the local render
+    uses every core: a GPU actor takes its node's cores divided among the node's GPUs, unless the driver forwarded
+    OMP_NUM_THREADS (then the user's value stands)."""
+    from qwen_image_fast.cli.ray_stage import gpu_actor_threads
+
+    assert gpu_actor_threads({}, node_cpus=32, node_gpus=2) == 16
+    assert gpu_actor_threads({}, node_cpus=16, node_gpus=1) == 16
+    assert gpu_actor_threads({}, node_cpus=4, node_gpus=8) == 1
+    assert gpu_actor_threads({"OMP_NUM_THREADS": "3"}, node_cpus=32, node_gpus=2) is None
