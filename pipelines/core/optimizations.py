@@ -59,7 +59,7 @@ class Facts:
     pipeline: str  # the diffusers pipeline class it is, or is the fast version of, e.g. "QwenImageEditPlusPipeline"
     fused: bool  # the transformer is the fused FastQwenImageTransformer
     device: str  # where the transformer runs: "cuda" or "cpu"
-    fp8: bool  # its block linears run FP8 GEMMs (False on a GPU without FP8 tensor cores)
+    fp8: bool  # its block linears run FP8 GEMMs (False on a GPU that cannot: fp8_why)
     fast_accum: bool  # ... with fast accumulation
     attention: str | None  # the attention backend it runs (None: not fused)
     offload_hooks: bool  # accelerate's or diffusers' offload hooks on the transformer
@@ -72,6 +72,7 @@ class Facts:
     cache_rule: str | None = None  # ... the rule making its decisions (native_rule): "first_block", "taylorseer",
     # "pyramid_broadcast", "faster_cache", "sea_cache"
     loaded: tuple = ()  # a transformer from one checkpoint file: (label name, value) pairs (core/single_file/)
+    fp8_why: str | None = None  # why this device runs no FP8 GEMM (gpu_support.fp8_gemm_why_not), None where it can
 
     @property
     def text_to_image(self) -> bool:
@@ -158,8 +159,7 @@ def plan_fp8(config: FastConfig, facts: Facts) -> Plan:
     if asked and set(config.bf16_linears) >= {"img_qkv", "img_out", "img_fc1", "img_fc2", "txt_qkv", "txt_out",
                                               "txt_fc1", "txt_fc2"}:
         return Plan(why_not="bf16_linears keeps every block linear in BF16")
-    return plain(asked, None if facts.fp8 else "this GPU has no FP8 tensor cores (compute capability < 8.9): BF16 "
-                                                "GEMMs run")
+    return plain(asked, None if facts.fp8 else facts.fp8_why or "FP8 GEMMs do not run on this device")
 
 
 def plan_fast_accum(config: FastConfig, facts: Facts) -> Plan:

@@ -16,6 +16,7 @@ from diffusers.pipelines.pipeline_utils import logger as diffusers_pipeline_logg
 
 from .config import FastConfig, check_cache_blocks
 from .hub import check_path_or_id, local_folder
+from .gpu_support import fp8_gemm_why_not
 from .optimizations import CallRecord, Facts, planned_labels, plans, refused_by_image_conditioned
 
 logger = logging.getLogger(__name__)
@@ -26,17 +27,13 @@ FAST_TRANSFORMERS = ("FastQwenImageTransformer", "FastQwenImage21Transformer")
 FAST_QWEN_IMAGE_VAE = "FastAutoencoderKLQwenImage"  # qwen_image/model/vae.py's class, as model_index.json names it
 
 
-def fp8_supported(device: torch.device) -> bool:
-    return device.type == "cpu" or (device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9))
-
-
 def transformer_config_on(config: FastConfig, device: torch.device):
-    """config's transformer options for a model on `device`: BF16 GEMMs, with a warning, on a GPU without FP8 tensor
-    cores (applied then lacks fp8, and says why in --dry-run)."""
+    """config's transformer options for a model on `device`: BF16 GEMMs, with a warning, on a GPU that cannot run
+    the FP8 ones (gpu_support.py; applied then lacks fp8, and --dry-run says why)."""
     transformer_config = config.transformer_config()
-    if config.fp8 and not fp8_supported(device):
-        logger.warning("fp8=True but %s has no FP8 tensor cores (compute capability < 8.9): running BF16 GEMMs",
-                       torch.cuda.get_device_name(device))
+    why = fp8_gemm_why_not(device) if config.fp8 else None
+    if why is not None:
+        logger.warning("fp8=True on %s: %s", torch.cuda.get_device_name(device), why)
         transformer_config = transformer_config.__class__(**{**transformer_config.to_dict(), "fp8": False})
     return transformer_config
 

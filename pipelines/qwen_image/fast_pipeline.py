@@ -17,6 +17,7 @@ import torch
 from diffusers import AutoencoderKLQwenImage
 
 from ..core.config import FastConfig
+from ..core.gpu_support import fp8_gemm_why_not
 from ..core.optimizations import CallRecord, Facts, runs_cache_rule, step_cache_conflict
 from ..core.pipeline_base import (FastCheckpointPipeline, FastLoraPipeline, FastPipelineState, check_blocks_for_cache,
                                   check_given_fast_transformer, refuse_text_to_image_only, transformer_config_on)
@@ -85,6 +86,7 @@ class FastPipelineMixin(FastPipelineState, FastLoraPipeline, FastCheckpointPipel
                      fp8_attention_why=why,
                      device="cpu" if transformer is None else transformer.device.type, fp8=fp8,
                      fast_accum=fp8 and transformer.fast_config.fp8_fast_accum,
+                     fp8_why=fp8_gemm_why_not(transformer.device) if fused and not fp8 else None,
                      attention=transformer.attention_backend if fused else None,
                      offload_hooks=transformer is not None and has_offload_hooks(transformer), vae_2d=why_not_2d(self.vae),
                      enhancer=getattr(self, "prompt_enhancer", None) is not None, parallel=self._parallel_labels(),

@@ -14,6 +14,7 @@ import torch
 from diffusers import QwenImage21Pipeline
 
 from ..core.config import FastConfig
+from ..core.gpu_support import fp8_gemm_why_not
 from ..core.optimizations import QWEN21_VAE, CallRecord, Facts, step_cache_conflict
 from ..core.pipeline_base import (FastCheckpointPipeline, FastLoraPipeline, FastPipelineState,
                                   check_given_fast_transformer, refuse_text_to_image_only, transformer_config_on)
@@ -62,6 +63,7 @@ class FastQwenImage21Pipeline(FastPipelineState, FastLoraPipeline, FastCheckpoin
                      device="cpu" if transformer is None else transformer.device.type,
                      fp8=fused and transformer.fast_config.fp8,
                      fast_accum=fused and transformer.fast_config.fp8 and transformer.fast_config.fp8_fast_accum,
+                     fp8_why=fp8_gemm_why_not(transformer.device) if fused and not transformer.fast_config.fp8 else None,
                      attention=transformer.attention_backend if fused else None,
                      offload_hooks=transformer is not None and has_offload_hooks(transformer), vae_2d=QWEN21_VAE,
                      enhancer=False, loaded=transformer.single_file.applied if fused and transformer.single_file else ())

@@ -12,18 +12,20 @@ def command_facts(config: FastConfig, labels: Labels, pipeline: str, device, sha
     what loading a --model file will do (SingleFiles.plan)."""
     import torch
 
-    from ..pipelines.core.pipeline_base import fp8_supported
+    from ..pipelines.core.gpu_support import fp8_gemm_why_not
     from ..pipelines.core.model.attention import resolve_backend
     from ..pipelines.core.model.fp8_attention import fp8_attention_kernel
 
     fused = config.fused_transformer
-    fp8 = fused and config.fp8 and fp8_supported(device)
+    fp8_why = fp8_gemm_why_not(device) if fused and config.fp8 else None
+    fp8 = fused and config.fp8 and fp8_why is None
     dtype = torch.float32 if labels.model == TINY_MODEL_ID else torch.bfloat16
     parallel = () if shape is None else ((("cfg2",) if shape.cfg > 1 else ())
                                          + ((f"ulysses{shape.ulysses}",) if shape.ulysses > 1 else ()))
     fp8_attention, why = (fp8_attention_kernel(config.fp8_attention, device, dtype)
                           if fused and pipeline != QWEN21 else (None, None))
     return Facts(pipeline=pipeline, fused=fused, device=device.type, fp8=fp8, fast_accum=fp8 and config.fp8_fast_accum,
+                 fp8_why=fp8_why,
                  fp8_attention=fp8_attention, fp8_attention_why=why,
                  attention=resolve_backend(config.attention, device, dtype) if fused else None, offload_hooks=False,
                  vae_2d=QWEN21_VAE if pipeline == QWEN21 else None, enhancer=labels.enhancer is not None,
@@ -37,6 +39,10 @@ def dry_run_report(config: FastConfig, labels: Labels, pipeline: str, device, sh
                                      f"{job.width}x{job.height}") + f" in {job.steps} steps" for job in jobs))
     lines = [f"dry run: model {labels.model} ({pipeline}), preset {labels.preset}, device {device}; {len(jobs)} "
              f"image(s) ({sizes}), {with_cfg} with CFG; nothing loaded or written"]
+    if device.type == "cuda":
+        from ..pipelines.core.gpu_support import describe_gpu
+
+        lines.append(describe_gpu(device))
     if labels.preset == STOCK_PRESET:
         return "\n".join(lines + ["diffusers' own pipeline runs, untouched: none of the optimizations below"])
     rows = [("optimization", "option", "runs", "kind", "bound, or why it does not run")]

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..config import ATTENTION_BACKENDS as BACKENDS
+from ..gpu_support import support_on
 
 
 @cache
@@ -32,17 +33,21 @@ FA4_DTYPES = (torch.float16, torch.bfloat16)
 
 
 def resolve_backend(name: str, device: torch.device, dtype: torch.dtype = torch.bfloat16) -> str:
-    """'auto' -> FlashAttention-4 on a Hopper/Blackwell GPU when importable and the model is fp16/bf16, else cuDNN
-    SDPA on CUDA, else SDPA."""
+    """'auto' -> FlashAttention-4 on a Hopper or datacenter-Blackwell GPU (gpu_support.py) when importable and the
+    model is fp16/bf16, else cuDNN SDPA on a GPU that has it (compute capability 8.0 on), else SDPA."""
     if name not in BACKENDS:
         raise ValueError(f"attention={name!r}; allowed: {', '.join(BACKENDS)}")
     cuda = device.type == "cuda"
+    support = support_on(device) if cuda else None
     if name == "auto":
-        if cuda and dtype in FA4_DTYPES and torch.cuda.get_device_capability(device)[0] >= 9 and fa4_available():
+        if cuda and dtype in FA4_DTYPES and support.fa4_auto and fa4_available():
             return "fa4"
-        return "cudnn" if cuda else "sdpa"
+        return "cudnn" if cuda and support.cudnn else "sdpa"
     if name in ("fa4", "cudnn") and not cuda:
         raise ValueError(f"attention={name!r} needs a CUDA device, the model is on {device}")
+    if name in ("fa4", "cudnn") and not support.cudnn:  # FlashAttention-4 and cuDNN SDPA both start at 8.0
+        raise ValueError(f"attention={name!r} needs compute capability 8.0 or newer, this GPU is "
+                         f"{support.capability[0]}.{support.capability[1]}: use attention='sdpa' or 'auto'")
     if name == "fa4" and dtype not in FA4_DTYPES:
         raise ValueError(f"attention='fa4' needs a float16/bfloat16 model, this one is {dtype}")
     if name == "fa4" and not fa4_available():

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from ....kernels.quantize_heads import quantize_fp8_heads
+from ..gpu_support import support_on
 
 INSTALL = "pip install 'qwen-image-fast[fp8-attention]'"
 PACKAGES = {"cudnn": ("nvidia-cudnn-frontend", "cudnn"), "fa3": ("tokenspeed-fa3", "flash_attn_interface")}
@@ -40,9 +41,8 @@ def fp8_attention_kernel(name: str, device: torch.device, dtype: torch.dtype) ->
     why = None
     if device.type != "cuda":
         why = f"needs a CUDA GPU (the transformer runs on {device})"
-    elif torch.cuda.get_device_capability(device) != (9, 0):
-        why = "runs on Hopper (compute capability 9.0) only; this GPU is {}.{}".format(
-            *torch.cuda.get_device_capability(device))
+    elif support_on(device).fp8_attention_why:
+        why = support_on(device).fp8_attention_why
     elif dtype != torch.bfloat16:
         why = f"needs a bfloat16 model, this one is {dtype}"
     if why is None:
