@@ -74,6 +74,10 @@ def check_triton_on_cpu(device, labels: Labels, enhance: str | None = None):
 # 42.5 GiB; memory="low" peaks at 21.7 GiB reserved at 1024^2 and 23.0 at 1328^2.
 FAST_PIPELINE_GIB = 48.0
 LOW_MEMORY_GIB = 22.0
+# What the fast pipeline of a Qwen-Image-2512-size model needs on a GPU: its measured peak (42.5 GiB reserved at
+# 1328^2) and the CUDA context (~0.5 GiB); QWEN_IMAGE_2512_SHAPE: (transformer width, layers) it was measured at.
+FAST_PIPELINE_PEAK_GIB = 43.0
+QWEN_IMAGE_2512_SHAPE = (3072, 60)
 
 
 def memory_setting(max_memory: float | None, preset: str, pipeline: str, parallel: str | None) -> str:
@@ -90,6 +94,31 @@ def memory_setting(max_memory: float | None, preset: str, pipeline: str, paralle
         raise ValueError(f"--max-memory {max_memory:g} below {FAST_PIPELINE_GIB:g} needs memory='low', which runs in "
                          f"the fast text-to-image pipeline alone; {why}: leave --max-memory out")
     return "low"
+
+
+def check_gpu_fits(device, max_memory: float | None, preset: str, pipeline: str, model_shape) -> None:
+    """Without --max-memory, a GPU too small for the fast pipeline of a Qwen-Image-2512-size model (model_shape:
+    sizes.ModelShape) is refused before anything loads, with the --max-memory that runs it (memory='low': the same
+    images), or saying that none does."""
+    if (max_memory is not None or device.type != "cuda" or preset == STOCK_PRESET or model_shape is None
+            or (model_shape.width, model_shape.layers) != QWEN_IMAGE_2512_SHAPE):
+        return
+    import torch
+
+    properties = torch.cuda.get_device_properties(device)
+    total = properties.total_memory / 2**30
+    if total >= FAST_PIPELINE_PEAK_GIB:
+        return
+    where = (f"{device} ({properties.name}) has {total:.1f} GiB, and the fast pipeline needs about "
+             f"{FAST_PIPELINE_PEAK_GIB:g}")
+    if total < LOW_MEMORY_GIB:
+        raise ValueError(f"{where} ({LOW_MEMORY_GIB:g} with --max-memory, its low-memory mode): GPUs this small are "
+                         "not served yet")
+    if pipeline != "QwenImagePipeline":
+        raise ValueError(f"{where}; its low-memory mode (--max-memory) runs the text-to-image pipeline only, not "
+                         f"{pipeline}")
+    raise ValueError(f"{where}: add --max-memory {int(total)} (memory='low': the same images bit for bit in about "
+                     f"{LOW_MEMORY_GIB:g} GiB)")
 
 
 def cap_memory(max_memory: float | None, device) -> None:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from ..pipelines.core.config import check_cache_blocks
 from .devices import check_cfg_parallel, check_kernels_on, check_triton_on_cpu, distributed_env, image_group_shape, \
-    memory_setting, resolve_device
+    check_gpu_fits, memory_setting, resolve_device
 from .inputs import check_pipeline_inputs, check_pipeline_options
 from .jobs import make_jobs, render_defaults
 from .loras import resolve_lora
@@ -86,6 +86,7 @@ def check_render(args, entries: list[dict]) -> RenderPlan:
                         shrunk_inputs=shrunk)
     check_triton_on_cpu(device, labels, args.enhance)
     check_pipeline_inputs(jobs, pipeline, source, size_given=bool(args.aspect or args.width))
+    check_gpu_fits(device, args.max_memory, args.preset, pipeline, model_shape)
     check_sizes(jobs, model_shape, source, device, args.max_memory)
     warning = cpu_time_warning(jobs, model_shape, args.preset) if device.type == "cpu" else None
     if args.enhance is not None and pipeline != "QwenImagePipeline":

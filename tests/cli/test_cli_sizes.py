@@ -93,3 +93,52 @@ def test_a_large_size_on_the_cpu_warns_with_an_estimate(capsys):
                    "otherwise\n")
     _, err = dry_run(capsys, "--model", "tiny-random", "--width", "512", "--height", "512")
     assert err == ""  # ~4 s a step: no warning
+
+
+@pytest.mark.parametrize("gib, pipeline, expected", [
+    (79.2, "QwenImagePipeline", None),  # an H100: the fast pipeline fits
+    (44.4, "QwenImagePipeline", None),  # an L40S (48 GB): 42.5 GiB peak and the context fit
+    (39.4, "QwenImagePipeline", "has 39.4 GiB, and the fast pipeline needs about 43: add --max-memory 39"),
+    (23.6, "QwenImagePipeline", "has 23.6 GiB, and the fast pipeline needs about 43: add --max-memory 23 "
+                                "(memory='low': the same images bit for bit in about 22 GiB)"),
+    (23.6, "QwenImageEditPlusPipeline", "its low-memory mode (--max-memory) runs the text-to-image pipeline only, "
+                                        "not QwenImageEditPlusPipeline"),
+    (15.6, "QwenImagePipeline", "has 15.6 GiB, and the fast pipeline needs about 43 (22 with --max-memory, its "
+                                "low-memory mode): GPUs this small are not served yet"),
+])
+def test_a_gpu_too_small_for_the_fast_pipeline_is_told_the_memory_mode_before_loading(monkeypatch, gib, pipeline,
+                                                                                         expected):
+    """Without --max-memory, a Qwen-Image-2512-size model on a GPU below the fast pipeline's measured peak: refused
+    before anything loads, naming the --max-memory that runs it (or that none does). Not checked: with --max-memory
+    (memory_setting's rules), the stock preset, another model size, the CPU."""
+    from types import SimpleNamespace
+
+    from qwen_image_fast.cli.devices import check_gpu_fits
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device: SimpleNamespace(total_memory=int(gib * 2**30), name="a mocked GPU"))
+    cuda = torch.device("cuda", 0)
+    size_2512 = ModelShape(width=3072, layers=60, patch=2, vae_scale=8, vae_channels=96, dtype_bytes=2)
+    if expected is None:
+        check_gpu_fits(cuda, None, "fast", pipeline, size_2512)
+    else:
+        with pytest.raises(ValueError, match="cuda:0 \\(a mocked GPU\\) ") as refused:
+            check_gpu_fits(cuda, None, "fast", pipeline, size_2512)
+        assert expected in str(refused.value)
+    size_21 = ModelShape(width=2560, layers=40, patch=1, vae_scale=16, vae_channels=96, dtype_bytes=2)
+    for unchecked in ((cuda, 24.0, "fast", pipeline, size_2512), (cuda, None, "baseline", pipeline, size_2512),
+                      (cuda, None, "fast", pipeline, size_21), (torch.device("cpu"), None, "fast", pipeline, size_2512)):
+        check_gpu_fits(*unchecked)
+
+
+def test_render_checks_the_gpu_s_size_before_anything_loads(monkeypatch, capsys):
+    """check_render asks check_gpu_fits (above) with the run's device, --max-memory, preset, pipeline and the model's
+    shape: a GPU cannot run here, so the check is seen through its arguments."""
+    from qwen_image_fast.cli import render_plan
+
+    asked = []
+    monkeypatch.setattr(render_plan, "check_gpu_fits", lambda *args: asked.append(args))
+    dry_run(capsys, "--model", "tiny-random", "--preset", "fast", "--max-memory", "30")
+    [(device, max_memory, preset, pipeline, shape)] = asked
+    assert (device.type, max_memory, preset, pipeline) == ("cpu", 30.0, "fast", "QwenImagePipeline")
+    assert shape == ModelShape.of("tiny-random")
