@@ -210,7 +210,7 @@ def parse_jsonl_line(path: Path, number: int, line: str, unit: str = "line") -> 
         if not entry["id"] or not set(entry["id"]) <= ID_CHARACTERS or entry["id"].startswith("."):
             raise bad(f'"id" {entry["id"]!r} must be non-empty, use only letters, digits, ".", "_", "-" and not '
                       "start with \".\" (it names the file; hidden names are the tool's temporary files)")
-    return {"line": number, **entry}
+    return {unit: number, **entry}
 
 
 def derive_seed(base: int, index: int, id: str | None) -> int:
@@ -230,7 +230,7 @@ def make_jobs(entries: list[dict], defaults: Defaults, first_index: int = 0) -> 
         return read[path, what]
 
     for index, entry in enumerate(entries, start=first_index):
-        where = f"line {entry['line']}" if "line" in entry else f"prompt {index + 1}"
+        where = next((f"{unit} {entry[unit]}" for unit in ("line", "row") if unit in entry), f"prompt {index + 1}")
         images = (tuple(input_image(path, f"{where}: images") for path in entry["images"]) if "images" in entry
                   else defaults.images)
         mask = input_image(entry["mask"], f"{where}: mask") if "mask" in entry else defaults.mask

@@ -215,6 +215,19 @@ def test_a_parquet_file_without_a_prompt_column_exits_2(tmp_path, capsys):
     assert 'no "prompt" column (its columns: text)' in capsys.readouterr().err.strip().splitlines()[-1]
 
 
+def test_a_parquet_row_s_bad_value_is_named_by_its_row(tmp_path, capsys):
+    """A Parquet file's rows are checked as JSONL lines are, and named "row N" (not "line N") in the message."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"prompt": ["a cat", "a dog"], "negative_prompt": [None, "blurry"], "cfg": [4.0, 1.0]}),
+                   tmp_path / "p.parquet")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["render", *BASELINE, "--prompts", str(tmp_path / "p.parquet"), "--out", str(tmp_path / "out")])
+    assert exit_info.value.code == 2 and not (tmp_path / "out").exists()
+    assert "row 2: a negative_prompt with cfg 1" in capsys.readouterr().err.strip().splitlines()[-1]
+
+
 # A user's own Ray Data script (run as its own process: Ray reads its token settings once per process, and another
 # test of this worker may have imported ray before the cluster's token was in the environment)
 USER_PIPELINE = """
