@@ -7,7 +7,7 @@ import json
 import math
 import zlib
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
 from .inputs import QWEN21_PIPELINE, InputImage, read_input_image, sizes_from_image, valid_strength
 
@@ -82,34 +82,57 @@ class Job:
 
 
 def read_prompt_file(path: str | Path) -> list[dict]:
-    """A .jsonl file (objects with "prompt" and optional JSONL_FIELDS) or a text file (one prompt a line; blank
-    lines and lines starting with # skipped) -> entries {"line": n, "prompt": ..., ...}. ValueError names the line."""
-    path = Path(path)
-    if path.suffix.lower() not in PROMPT_FILE_SUFFIXES:  # a .csv read as text would render its header as a prompt
-        raise ValueError(f"--prompts {path}: a {path.suffix} file, which render does not read; allowed: .txt (or no "
+    """A .jsonl file (objects with "prompt" and optional JSONL_FIELDS), a .parquet file (read_parquet_prompts) or a
+    text file (one prompt a line; blank lines and lines starting with # skipped) -> entries {"line": n, "prompt":
+    ..., ...}. ValueError names the line. A URI (s3://, gs://, hdfs://, file://...) is read through pyarrow's
+    filesystems (the `ray` extra)."""
+    name = str(path)
+    suffix = PurePosixPath(name.split("://", 1)[-1]).suffix.lower()
+    if suffix not in PROMPT_FILE_SUFFIXES:  # a .csv read as text would render its header as a prompt
+        raise ValueError(f"--prompts {name}: a {suffix} file, which render does not read; allowed: .txt (or no "
                          "suffix: one prompt a line), .jsonl (one JSON object a line) and .parquet (a prompt column "
                          "and the JSONL fields as columns)")
-    if path.suffix.lower() == ".parquet":
-        return read_parquet_prompts(path)
+    if suffix == ".parquet":
+        return read_parquet_prompts(name)
     try:
-        lines = path.read_text(encoding="utf-8-sig").splitlines()  # -sig: a byte-order mark is not the prompt's
+        data = read_uri(name) if is_uri(name) else Path(name).read_bytes()
+        lines = data.decode("utf-8-sig").splitlines()  # -sig: a byte-order mark is not the prompt's
     except (OSError, UnicodeDecodeError) as e:
-        raise ValueError(f"--prompts {path}: cannot read it ({e})") from e
-    jsonl = path.suffix.lower() == ".jsonl"
+        raise ValueError(f"--prompts {name}: cannot read it ({e})") from e
+    jsonl = suffix == ".jsonl"
     entries = []
     for number, line in enumerate(lines, start=1):
         if not line.strip() or (not jsonl and line.lstrip().startswith("#")):
             continue
         if not jsonl and looks_like_json_object(line):
-            raise ValueError(f"--prompts {path}, line {number}: a JSON object in a text prompt file, which would be "
+            raise ValueError(f"--prompts {name}, line {number}: a JSON object in a text prompt file, which would be "
                              "taken as the prompt itself: name the file .jsonl to read its fields")
-        entries.append(parse_jsonl_line(path, number, line) if jsonl else {"line": number, "prompt": line.strip()})
+        entries.append(parse_jsonl_line(name, number, line) if jsonl else {"line": number, "prompt": line.strip()})
     if not entries:
-        raise ValueError(f"--prompts {path}: no prompts in it (blank lines and # comments are skipped)")
+        raise ValueError(f"--prompts {name}: no prompts in it (blank lines and # comments are skipped)")
     return entries
 
 
-def read_parquet_prompts(path: Path) -> list[dict]:
+def is_uri(name: str) -> bool:
+    return "://" in name
+
+
+def read_uri(uri: str) -> bytes:
+    """The bytes at `uri`, through the filesystem pyarrow opens for its scheme (OSError when it cannot)."""
+    try:
+        import pyarrow.fs
+    except ImportError:
+        raise ValueError(f"--prompts {uri}: reading a URI needs pyarrow: pip install 'qwen-image-fast[ray]'") \
+            from None
+    try:
+        filesystem, path = pyarrow.fs.FileSystem.from_uri(uri)
+        with filesystem.open_input_stream(path) as stream:
+            return stream.read()
+    except pyarrow.ArrowException as e:  # an unknown scheme, a filesystem pyarrow was built without
+        raise OSError(str(e)) from None
+
+
+def read_parquet_prompts(path: str) -> list[dict]:
     """A Parquet file (pyarrow, with the `ray` extra): a "prompt" column and any of the JSONL fields as columns, one
     row a prompt; a row's null is a field it does not give. Each row checked as a JSONL line is ("row N")."""
     try:
@@ -159,7 +182,7 @@ def command_line_entries(prompts: list[str]) -> list[dict]:
     return [{"prompt": prompt} for prompt in prompts]
 
 
-def parse_jsonl_line(path: Path, number: int, line: str, unit: str = "line") -> dict:
+def parse_jsonl_line(path: str | Path, number: int, line: str, unit: str = "line") -> dict:
     def bad(why):
         return ValueError(f"--prompts {path}, {unit} {number}: {why}")
 

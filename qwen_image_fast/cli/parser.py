@@ -161,7 +161,8 @@ def build_parser() -> argparse.ArgumentParser:
     add = render_parser.add_argument
     add("prompt", nargs="*", help="prompts (or use --prompts)")
     add("--prompts", metavar="FILE", help=".txt: one prompt a line (# comments); .jsonl: objects with prompt and "
-        "optional negative_prompt, seed, width, height, steps, cfg, id")
+        "optional negative_prompt, seed, width, height, steps, cfg, id; .parquet: a prompt column and those fields "
+        "as columns. A URI (s3://, gs://, hdfs://, file://) is read through pyarrow (the ray extra)")
     add("--model", default=REAL_MODEL_ID,
         help=f"hub id or local folder (default {REAL_MODEL_ID}); {TINY_MODEL_ID}: a tiny random model built in "
              f"memory (its images are noise); auto: the real model if cached locally and a GPU is there, else "
