@@ -126,8 +126,9 @@ def test_a_gpu_too_small_for_the_fast_pipeline_is_told_the_memory_mode_before_lo
             check_gpu_fits(cuda, None, "fast", pipeline, size_2512)
         assert expected in str(refused.value)
     size_21 = ModelShape(width=2560, layers=40, patch=1, vae_scale=16, vae_channels=96, dtype_bytes=2)
+    cpu = torch.device("cpu")
     for unchecked in ((cuda, 24.0, "fast", pipeline, size_2512), (cuda, None, "baseline", pipeline, size_2512),
-                      (cuda, None, "fast", pipeline, size_21), (torch.device("cpu"), None, "fast", pipeline, size_2512)):
+                      (cuda, None, "fast", pipeline, size_21), (cpu, None, "fast", pipeline, size_2512)):
         check_gpu_fits(*unchecked)
 
 

@@ -32,7 +32,8 @@ def gpu(monkeypatch):
 
     def set_gpu(capability, probe_error=None):
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
-        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: f"mocked sm_{capability[0]}{capability[1]}")
+        name = f"mocked sm_{capability[0]}{capability[1]}"
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
         monkeypatch.setattr(gpu_support, "rowwise_fp8_error", lambda index: probe_error)
 
     monkeypatch.setattr(attention, "fa4_available", lambda: True)

@@ -3,6 +3,8 @@ tiny random weights (core/single_file/writers.py, which names the tools whose ru
 weights loaded from a diffusers folder and against stock diffusers holding what the file means."""
 
 import json
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -312,6 +314,49 @@ def test_a_file_read_whole_leaves_one_tensor_resident_not_the_file(tmp_path):
     for name, tensor in state.items():
         assert torch.equal(read[name], tensor)
         assert read[name].untyped_storage().nbytes() == tensor.numel() * 4  # not a view of the map
+
+
+PEAK_OF_LOAD_WEIGHTS = """
+import sys, torch
+from qwen_image_fast.pipelines.core.model.checkpoint import load_weights
+def status(key):
+    return int(next(x for x in open("/proc/self/status") if x.startswith(key)).split()[1]) / 1024
+torch.empty(1, device=sys.argv[2])  # the CUDA context, before the measure
+before = status("VmRSS:")
+load_weights(__import__("pathlib").Path(sys.argv[1]), torch.device(sys.argv[2]))
+print(status("VmHWM:") - before)
+"""
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_a_fast_folder_loads_its_weights_one_tensor_at_a_time(tmp_path, device):
+    """A fast checkpoint folder's weights (core/model/checkpoint.load_weights, in shards as save_pretrained writes
+    them) read through the same mapped reader: safetensors' own load_file's tensors, dtypes included (FP8 codes,
+    fp32 scales), with the files' pages resident one tensor at a time (the process's peak: the tensors it keeps on
+    the host, not the files as well)."""
+    from qwen_image_fast.pipelines.core.model.checkpoint import load_weights
+
+    torch.manual_seed(0)
+    shards = {"diffusion_pytorch_model-00001-of-00002.safetensors": {
+                  f"w{i}": torch.randn(4096, 2048) for i in range(4)},
+              "diffusion_pytorch_model-00002-of-00002.safetensors": {
+                  "codes": torch.randn(4096, 4096).to(torch.float8_e4m3fn), "scale": torch.rand(4096),
+                  "bias": torch.randn(7).bfloat16()}}
+    for name, state in shards.items():
+        save_file(state, tmp_path / name)
+    weight_map = {key: name for name, state in shards.items() for key in state}
+    (tmp_path / "diffusion_pytorch_model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    # the host's peak in a fresh process: the tensors read when they stay on the CPU (144 MiB), and one tensor's
+    # mapped pages at a time (at most 32 MiB), not a file's (safetensors' load_file onto a GPU keeps the first
+    # file's 128 MiB of pages mapped until that file is done)
+    peak = subprocess.run([sys.executable, "-c", PEAK_OF_LOAD_WEIGHTS, str(tmp_path), device], capture_output=True,
+                          text=True, check=True).stdout
+    assert float(peak) < (144 if device == "cpu" else 0) + 64, f"load_weights raised the process's peak by {peak} MiB"
+    state = {key: tensor.cpu() for key, tensor in load_weights(tmp_path, torch.device(device)).items()}
+    theirs = {key: tensor for name in shards for key, tensor in load_file(tmp_path / name).items()}
+    assert sorted(state) == sorted(theirs)
+    for key, tensor in theirs.items():
+        assert state[key].dtype == tensor.dtype and torch.equal(state[key].view(torch.uint8), tensor.view(torch.uint8))
 
 
 @pytest.mark.gpu
