@@ -51,6 +51,9 @@ def run(label: str, args: list[str], prompts: Path, out: Path) -> dict:
     first_image_s, steady = timeline(out, start_epoch)
     print(f"{label}: {seconds:.1f} s; first image at {first_image_s:.1f} s, then {steady:.4f} images/s; "
           f"{done.stdout.strip().splitlines()[-2 if 'note:' in done.stdout else -1]}", flush=True)
+    for line in done.stdout.splitlines():
+        if line.startswith("Ray startup:"):  # where a Ray command's time went before its first image
+            print(f"  {line}", flush=True)
     return {"seconds": seconds, "first_image_s": first_image_s, "steady_images_per_s": steady}
 
 

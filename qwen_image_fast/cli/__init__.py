@@ -32,6 +32,7 @@ torch, diffusers and the model code are imported inside functions in all of them
 import signal
 import sys
 import threading
+import time
 from pathlib import Path
 
 from .devices import cap_memory, start_mesh
@@ -56,6 +57,7 @@ def one_line(text: str, limit: int = 400) -> str:
 
 
 def run_render(args) -> int:
+    started = time.time()  # --engine ray reports its startup from here
     # Everything that can be checked without loading a model, before the output folder exists.
     try:
         check_enhancer(args.enhance)  # first: `--enhance "a cat"` took the prompt for a model
@@ -103,7 +105,7 @@ def run_render(args) -> int:
     except ValueError as e:
         args.parser.error(one_line(e))
     if args.engine == "ray":
-        return run_on_ray(args, plan, out_dir, created)
+        return run_on_ray(args, plan, out_dir, created, started)
     loaded = []  # the pipeline, loaded once: --compare-uncached renders with it again, its step cache off
 
     def load_pipe():
@@ -180,7 +182,7 @@ def run_render(args) -> int:
     return 1 if summary.failed else 0
 
 
-def run_on_ray(args, plan: RenderPlan, out_dir: Path, created: list[Path]) -> int:
+def run_on_ray(args, plan: RenderPlan, out_dir: Path, created: list[Path], started: float) -> int:
     """`render --engine ray` once the checks passed and the folder exists (ray_engine.py)."""
     from .ray_engine import render_on_ray
     from .ray_stage import RenderSpec
@@ -193,7 +195,7 @@ def run_on_ray(args, plan: RenderPlan, out_dir: Path, created: list[Path]) -> in
         with shrunk_inputs(plan.shrunk):
             summary = render_on_ray(spec, plan.jobs, out_dir, plan.labels, resume=args.resume,
                                     address=args.ray_address, workers=args.workers, batch_size=args.batch_size,
-                                    device_given=args.device is not None)
+                                    device_given=args.device is not None, started=started)
     except ValueError as e:  # the cluster: unreachable, or without what the render needs
         remove_empty_folders(created)
         args.parser.error(one_line(e))

@@ -7,6 +7,7 @@ at the end); resume, compare and the folder's rules are the local render's.
 import json
 import os
 import socket
+import time
 from pathlib import Path
 
 from tqdm import tqdm
@@ -69,16 +70,32 @@ def actor_count(ray, gpu: bool, workers: int | None, device_given: bool) -> int:
     return workers or (gpus if gpu else 1)
 
 
+def startup_line(started: float, connected: float, startups: list[dict], first_image: float | None) -> str:
+    """Where a Ray command's time went before its first image, in seconds from the command's start: the cluster,
+    the actors' start (their __init__) and pipeline loads (the first and last actor to have one), the first image."""
+    line = f"Ray startup: cluster connected at {connected - started:.1f} s"
+    if startups:
+        inits, loads = sorted(s["init"] - started for s in startups), sorted(s["loaded"] - started for s in startups)
+        line += (f"; {len(startups)} actor(s) began at {inits[0]:.1f}-{inits[-1]:.1f} s and had the pipeline at "
+                 f"{loads[0]:.1f}-{loads[-1]:.1f} s (loading {min(b - a for a, b in zip(inits, loads)):.1f} s at "
+                 "the fastest)")
+    if first_image is not None:
+        line += f"; first image recorded at {first_image - started:.1f} s"
+    return line
+
+
 def render_on_ray(spec, jobs: list, out_dir: Path, labels, *, resume: bool, address: str | None,
-                  workers: int | None, batch_size: int, device_given: bool) -> Summary:
+                  workers: int | None, batch_size: int, device_given: bool, started: float) -> Summary:
     """Render the jobs not already done; returns the command's summary. On KeyboardInterrupt or an error of the
-    stage, what was recorded is merged into the manifest first (the actors stop with this driver)."""
+    stage, what was recorded is merged into the manifest first (the actors stop with this driver). started: the
+    command's start (time.time()), for its startup line."""
     ray = import_ray()
     pending = pending_jobs(jobs, out_dir, spec.fmt, labels, resume)
     summary = Summary(skipped=len(jobs) - len(pending))
     if not pending:
         return summary
     connect(ray, address)
+    connected, startups, first_image = time.time(), [], None
     gpu = spec.device != "cpu"
     try:
         workers = actor_count(ray, gpu, workers, device_given)
@@ -99,6 +116,8 @@ def render_on_ray(spec, jobs: list, out_dir: Path, labels, *, resume: bool, addr
             for batch in rendered.iter_batches(batch_size=None, batch_format="numpy"):
                 for text in batch["record"]:
                     record = json.loads(str(text))
+                    if "startup" in record:
+                        startups.append(record.pop("startup"))
                     if record["file"] in seen:  # a retried row's second record: the first was kept
                         continue
                     seen.add(record["file"])
@@ -108,6 +127,7 @@ def render_on_ray(spec, jobs: list, out_dir: Path, labels, *, resume: bool, addr
                         tqdm.write(f"failed: {record['file']}: {record['failed']}")
                         continue
                     found = record.pop("found", False)
+                    first_image = first_image or (None if found else time.time())
                     append_line(manifest, record)
                     summary.skipped += found
                     summary.written += not found
@@ -118,6 +138,7 @@ def render_on_ray(spec, jobs: list, out_dir: Path, labels, *, resume: bool, addr
         raise
     finally:
         ray.shutdown()
+    print(startup_line(started, connected, startups, first_image), flush=True)
     merge_manifests(out_dir)
     remove_stale_temp_files(out_dir, jobs)
     return summary

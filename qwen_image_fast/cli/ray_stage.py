@@ -142,9 +142,11 @@ class Renderer:
     """A Ray Data stage: `ds.map_batches(Renderer, fn_constructor_kwargs={"spec": spec}, num_gpus=1, concurrency=N,
     batch_size=B)`. Loads the pipeline once per actor; each call renders the batch's rows (the ones whose image is
     not already there with the same settings) and returns {"record": [a manifest record as JSON, one per row]};
-    a row whose pipeline call failed gets {"file", "index", "failed": why}."""
+    a row whose pipeline call failed gets {"file", "index", "failed": why}. An actor's first record also carries
+    "startup": when it began and had its pipeline (render_on_ray reports them and keeps them out of the manifest)."""
 
     def __init__(self, spec: RenderSpec):
+        started = time.time()
         import torch
 
         self.spec, self.out_dir = spec, Path(spec.out_dir)
@@ -158,6 +160,8 @@ class Renderer:
         labels = spec.labels
         self.pipe = load_pipeline(spec.model, labels.preset, labels.config, spec.device, labels.loras,
                                   labels.lightning, files=spec.files)
+        # when this actor began and had its pipeline (epoch seconds), sent once with its first record ("startup")
+        self.startup = {"worker": os.getpid(), "init": started, "loaded": time.time()}
 
     def done_record(self, job: Job) -> dict | None:
         """The record of a job whose image is already there with this job's settings (embedded), else None."""
@@ -189,4 +193,7 @@ class Renderer:
             for job, image in zip(group, images):
                 record = save_rendered(job, image, self.out_dir, spec.fmt, spec.labels, applied, computed)
                 records.append({**record, "seconds": seconds, "worker": os.getpid(), "time": time.time()})
+        if records and self.startup is not None:
+            records[0] = {**records[0], "startup": self.startup}  # the driver's, never in the manifest
+            self.startup = None
         return {"record": [json.dumps(record, ensure_ascii=False) for record in records]}

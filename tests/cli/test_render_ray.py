@@ -4,6 +4,7 @@ worker or the driver is killed mid-run, and bad input refused in one line."""
 
 import json
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -118,6 +119,10 @@ def test_24_prompts_on_two_workers_are_the_local_renders_from_parquet(cluster, t
                           timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "24 written, 0 skipped (already done), 0 failed" in done.stdout
+    startup = re.search(r"Ray startup: cluster connected at ([\d.]+) s; 2 actor\(s\) began at ([\d.]+)-([\d.]+) s and "
+                        r"had the pipeline at ([\d.]+)-([\d.]+) s .*; first image recorded at ([\d.]+) s", done.stdout)
+    connected, began, _, loaded, _, first = (float(x) for x in startup.groups())
+    assert 0 < connected <= began <= loaded <= first  # the actors' times, carried by a record, kept out of the manifest
     assert main(["render", *BASELINE, "--prompts", str(jsonl), "--out", str(tmp_path / "local")]) == 0
     check_exactly_once(tmp_path / "ray", 24)
     ours, local = manifest(tmp_path / "ray"), {line["file"]: line for line in manifest(tmp_path / "local")}
