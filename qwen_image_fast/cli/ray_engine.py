@@ -77,8 +77,8 @@ def startup_line(started: float, connected: float, startups: list[dict], first_i
     if startups:
         inits, loads = sorted(s["init"] - started for s in startups), sorted(s["loaded"] - started for s in startups)
         line += (f"; {len(startups)} actor(s) began at {inits[0]:.1f}-{inits[-1]:.1f} s and had the pipeline at "
-                 f"{loads[0]:.1f}-{loads[-1]:.1f} s (loading {min(b - a for a, b in zip(inits, loads)):.1f} s at "
-                 "the fastest)")
+                 f"{loads[0]:.1f}-{loads[-1]:.1f} s (loading {min(s['loaded'] - s['init'] for s in startups):.1f} s "
+                 "at the fastest)")
     if first_image is not None:
         line += f"; first image recorded at {first_image - started:.1f} s"
     return line

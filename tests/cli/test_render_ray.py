@@ -333,6 +333,17 @@ def test_the_stage_reports_a_failed_call_renders_the_rest_and_never_twice(tmp_pa
     assert stage.pipe.calls == 3  # only the failed row was tried again
 
 
+def test_the_startup_line_times_each_actor_s_own_load():
+    """The fastest load is an actor's own (its start to its pipeline), not the earliest start against the earliest
+    load of two different actors."""
+    from qwen_image_fast.cli.ray_engine import startup_line
+
+    actors = [{"worker": 1, "init": 101.0, "loaded": 110.0}, {"worker": 2, "init": 102.0, "loaded": 104.0}]
+    assert startup_line(100.0, 100.5, actors, 111.0) == (
+        "Ray startup: cluster connected at 0.5 s; 2 actor(s) began at 1.0-2.0 s and had the pipeline at 4.0-10.0 s "
+        "(loading 2.0 s at the fastest); first image recorded at 11.0 s")
+
+
 def test_a_gpu_actor_uses_its_share_of_the_node_s_cores():
     """Ray starts an actor that asks for no CPU with OMP_NUM_THREADS=1 (torch on one thread), where the local render
     uses every core: a GPU actor takes its node's cores divided among the node's GPUs, unless the driver forwarded

@@ -38,13 +38,12 @@ def fp8_attention_kernel(name: str, device: torch.device, dtype: torch.dtype) ->
     or ImportError naming the missing package."""
     if name == "off":
         return None, None
-    why = None
     if device.type != "cuda":
         why = f"needs a CUDA GPU (the transformer runs on {device})"
-    elif support_on(device).fp8_attention_why:
+    else:
         why = support_on(device).fp8_attention_why
-    elif dtype != torch.bfloat16:
-        why = f"needs a bfloat16 model, this one is {dtype}"
+        if why is None and dtype != torch.bfloat16:
+            why = f"needs a bfloat16 model, this one is {dtype}"
     if why is None:
         candidates = ["cudnn", "fa3"] if name == "auto" else [name]
         found = [kernel for kernel in candidates if installed(kernel)]
