@@ -3,7 +3,7 @@ pipeline of whatever a checkpoint holds (picked from its model_index.json, as di
 over every model family (the leaves qwen_image/ and qwen_image21/, the qwen35/ prompt enhancer)."""
 
 from .core.config import FastConfig
-from .core.pipeline_base import init_arguments, load_dtype, model_index
+from .core.pipeline.base import init_arguments, load_dtype, model_index
 from .core.prompt_enhancer import resolve_enhancer
 from .qwen_image.family import IMAGE_CONDITIONED
 from .qwen_image.single_files import text_encoder_from_file, vae_from_file

@@ -7,7 +7,7 @@ fast transformer gives what the stock one gives there (tests against each stock 
 pipeline's runner (core/runtime/runner.py): the transformer's forwards pair their CFG passes (batched_cfg) and replay
 from CUDA graphs (cuda_graphs) as in text-to-image, and the VAE decodes as 2D convolutions (vae_2d_decode). The
 options that would change what the text-to-image loop computes (sampler, cfg_fraction, memory, parallel) are refused
-here (core/pipeline_base.py's refuse_text_to_image_only), not ignored. The measurements are in benchmarks/RESULTS.md,
+here (core/pipeline/base.py's refuse_text_to_image_only), not ignored. The measurements are in benchmarks/RESULTS.md,
 "Editing and image-conditioned generation".
 
 Each fast class is its diffusers class with FastPipelineMixin before it; its constructor takes the stock one's

@@ -1,7 +1,7 @@
 """What every fast pipeline of the 2512 family adds to the diffusers pipeline class it extends (FastPipelineMixin,
 mixed in before it): building the fast components, `fast_config` (build options fixed, call options changeable),
-`applied` from the registry (core/optimizations.py), the runner of each call (core/runtime/runner.py); the LoRA
-methods and saving / loading come from the shared pipeline base (core/pipeline_base.py).
+`applied` from the registry (core/optimizations.py); the runner of each call, the LoRA methods and saving /
+loading come from the shared pipeline base (core/pipeline/base.py).
 
 Building (optimize(), from_pretrained, the diffusers constructor): the stock transformer is converted into the
 FastQwenImageTransformer (FastConfig.fused_transformer) and the VAE into the FastAutoencoderKLQwenImage
@@ -10,7 +10,6 @@ names the fast classes; `from_pretrained` loads it back as stored (FP8 weights n
 checkpoint by converting it.
 """
 
-import contextlib
 import logging
 
 import torch
@@ -18,12 +17,10 @@ from diffusers import AutoencoderKLQwenImage
 
 from ..core.config import FastConfig
 from ..core.gpu_support import fp8_gemm_why_not
-from ..core.optimizations import CallRecord, Facts, runs_cache_rule, step_cache_conflict
-from ..core.pipeline_base import (FastCheckpointPipeline, FastLoraPipeline, FastPipelineState, check_blocks_for_cache,
+from ..core.optimizations import Facts
+from ..core.pipeline.base import (FastCheckpointPipeline, FastLoraPipeline, FastPipelineState, check_blocks_for_cache,
                                   check_given_fast_transformer, refuse_text_to_image_only, transformer_config_on)
-from ..core.runtime.context import forward_context
 from ..core.runtime.offload import has_offload_hooks
-from ..core.runtime.runner import Runner
 from .model.transformer import FastQwenImageTransformer
 from .model.vae import FastAutoencoderKLQwenImage, as_vae_class, why_not_2d
 
@@ -42,14 +39,12 @@ class FastPipelineMixin(FastPipelineState, FastLoraPipeline, FastCheckpointPipel
     """Mixed in before a diffusers Qwen-Image pipeline class (`stock_class`)."""
 
     fast_transformer_class = FastQwenImageTransformer
-    runner: Runner
-    _last_step_cache = None  # the last call's runtime.step_cache.StepCacheRun (its branches' decisions), or None
 
     # ---- building
 
     def _set_up(self, config: FastConfig, device, **fast_state):
         """The fast components on `device` (None: where they are): the transformer converted unless it is fast
-        already (then its stored options must match config's), the VAE converted; the runner."""
+        already (then its stored options must match config's), the VAE converted; a new runner (_new_state)."""
         if self._image_conditioned:
             refuse_text_to_image_only(config, self.stock_class.__name__)
         transformer = self.transformer  # None: a pipeline built without one (e.g. to encode prompts only)
@@ -63,9 +58,7 @@ class FastPipelineMixin(FastPipelineState, FastLoraPipeline, FastCheckpointPipel
             self.register_modules(vae=as_vae_class(self.vae, FastAutoencoderKLQwenImage))
         elif not config.vae_2d_decode and type(self.vae) is FastAutoencoderKLQwenImage:  # a saved fast pipeline's
             self.register_modules(vae=as_vae_class(self.vae, AutoencoderKLQwenImage))
-        self._fast_config = config
-        self.runner = Runner()
-        self._last_call = None
+        self._new_state(config)
         self._set_up_pipeline(config, device, **fast_state)
 
     def _set_up_pipeline(self, config: FastConfig, device, **fast_state):
@@ -102,24 +95,4 @@ class FastPipelineMixin(FastPipelineState, FastLoraPipeline, FastCheckpointPipel
         """After a call: the fraction of its transformer blocks (times batch rows) that ran, 1.0 without a step
         cache; None before the first call, or when no fused transformer forward ran."""
         return None if self._last_call is None else self._last_call.blocks_fraction
-
-    @contextlib.contextmanager
-    def _fast_call(self, attention_kwargs: dict | None = None, will_run: dict[str, bool] | None = None,
-                   facts: Facts | None = None, **context):
-        """The runner of one call (CUDA graphs and batched CFG as the registry plans them: will_run, default
-        self.will_run()) and its record, which `applied` reads once the call has returned. facts: self.facts() if the
-        caller has them; context: more of the forward context (core/runtime/context.py)."""
-        facts = facts if facts is not None else self.facts()
-        will_run = will_run or self.will_run(facts)
-        conflict = step_cache_conflict(self.fast_config, facts)
-        if conflict:
-            raise ValueError(conflict)
-        record = CallRecord()
-        rule = self.transformer.native_step_cache if runs_cache_rule(self.fast_config, facts) else None
-        with self.runner.call(self.transformer, record, graphs=will_run["cuda_graphs"],
-                              pair_cfg=will_run["batched_cfg"], bucket=self.fast_config.text_bucket,
-                              attention_kwargs=attention_kwargs, step_cache=self.fast_config.cache or rule) as run, \
-                forward_context(**context):
-            yield run
-        self._last_call, self._last_step_cache = record, run.step_cache
 

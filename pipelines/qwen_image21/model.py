@@ -24,14 +24,15 @@ QwenImage21AttnProcessor's masks (SDPA; once a call with the prefix cache). With
 A forward's layout (the joint sequence's image slots and blocks, rotary tables, the keys' padding, the prefix's
 segments) depends on img_shapes, img_mask and the text mask only, which the pipeline passes unchanged at every
 step: it is built once (host work and syncs) and kept (Layout). In a pipeline call whose plan has CUDA graphs, a
-cached step (the target's tokens, from its latents and timestep to the output) replays from a graph captured at
-its second use, with the same layout, cache slot and shapes.
+cached step (the target's tokens, from its latents and timestep to the output) replays from a graph of the
+pipeline's runner (core/runtime/runner.py; the forward context's step_graphs) captured at its second use, keyed by
+the layout's content, the cache slot and the shapes.
 """
 
 import contextlib
 import functools
 import inspect
-import logging
+import itertools
 import math
 import weakref
 
@@ -56,7 +57,7 @@ from ..core.model.checkpoint import FastCheckpoint
 from ..core.model.lora import LoraState, lora_scale_of
 from ..core.model.unsupported import Unsupported, refuse
 from ..core.runtime.context import forward_context, get_context, record
-from ..core.runtime.cuda_graph import GraphCaptureError, Graphs, read_by_graph, signature
+from ..core.runtime.cuda_graph import read_by_graph, signature
 from .block import Attention, FastBlock21, Rows
 from .single_file import QwenImage21SingleFile
 from .single_file import layout as family_layout
@@ -69,9 +70,8 @@ SHARED_MODULES = ("pos_embed", "time_text_embed", "txt_in", "img_in", "modulatio
 # A LoRA's stock block module -> (the fast linear, which part of its rows; None: all) (core/model/lora.py)
 LORA_SITES = {"attn.to_q": ("qkv", 0), "attn.to_k": ("qkv", 1), "attn.to_v": ("qkv", 2), "attn.to_out.0": ("out", None),
               "img_mlp.gate_layer": ("gate_up", 0), "img_mlp.proj": ("gate_up", 1), "img_mlp.out": ("down", None)}
-logger = logging.getLogger(__name__)
 IMG_TOKENS_PER_SLOT = 4  # a vision-language image slot stands for 2 x 2 latent tokens (diffusers' constant)
-MAX_LAYOUTS = 16  # kept layouts (and the graphs that read them): past this, both are dropped
+MAX_LAYOUTS = 16  # kept layouts: past this, all are dropped (a graph keeps the tensors it reads: read_by_graph)
 
 
 class Layout:
@@ -81,7 +81,8 @@ class Layout:
     key validity [B, P] (None: no text mask), the keys' count and mask in the [target, prefix] order, and the
     prefix's segments."""
 
-    def __init__(self, model, img_shapes, img_mask, text_mask, batch: int, device):
+    def __init__(self, model, img_shapes, img_mask, text_mask, batch: int, device, key: tuple):
+        self.key = key  # Layout.key: what it is a function of
         repeats = torch.where(img_mask, IMG_TOKENS_PER_SLOT, 1)[0]
         self.repeats, self.image_pad_mask = repeats, torch.repeat_interleave(img_mask[0], repeats)
         self.target = math.prod(img_shapes[0][-1])
@@ -120,29 +121,40 @@ class PrefixCache:
     """Per pipeline cache (diffusers' QwenImage21KVCache objects are the handles): each block's key and value
     buffers [B, T + P, H, D], kept by the model across calls while their shape holds (CUDA graphs need fixed
     addresses). A handle is bound to a slot at its "extract" step; a slot of that shape whose handle is gone is
-    reused; a new slot frees those whose handles are gone first (another size's)."""
+    reused; a new slot frees those whose handles are gone first (another size's). Each slot has a serial number,
+    never reused: a graph keyed by it cannot be taken for one reading another slot's buffers; `freed` holds the
+    serials of freed slots until the graphs that read them are dropped (stale_graphs)."""
 
     def __init__(self):
-        self.slots: dict[tuple, list] = {}  # key -> [owner weakref, [(k, v)] per block]
+        self.slots: dict[tuple, list] = {}  # key -> [owner weakref, [(k, v)] per block, serial]
+        self.serials = itertools.count()
+        self.freed: set[int] = set()
 
-    def bind(self, handle, name: str, shape: tuple, dtype, device, n_blocks: int) -> tuple[list, list]:
-        """(the buffers of the slot bound to `handle`, the keys of the slots freed to make a new one)."""
+    def bind(self, handle, name: str, shape: tuple, dtype, device, n_blocks: int) -> list:
+        """The buffers of the slot bound to `handle` (a new slot frees those whose handles are gone first)."""
         for n in range(len(self.slots) + 1):
             key = (name, n, shape, dtype, str(device))
             slot = self.slots.get(key)
             if slot is None or slot[0]() is None or slot[0]() is handle:
                 break
-        freed = []
         if slot is None:
-            freed = [k for k, (owner, _) in self.slots.items() if owner() is None]
-            for k in freed:
-                del self.slots[k]
+            for k in [k for k, (owner, _, _) in self.slots.items() if owner() is None]:
+                self.freed.add(self.slots.pop(k)[2])
             buffers = [(torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device))
                        for _ in range(n_blocks)]
-            slot = self.slots[key] = [None, buffers]
+            slot = self.slots[key] = [None, buffers, next(self.serials)]
         slot[0] = weakref.ref(handle)
         handle.fast_prefix_slot = key
-        return slot[1], freed
+        return slot[1]
+
+    def serial(self, handle) -> int:
+        return self.slots[handle.fast_prefix_slot][2]
+
+    def stale_graphs(self, graphs):
+        """Drops the graphs (a CallGraphs) that read the buffers of freed slots."""
+        if self.freed:
+            graphs.drop(lambda key: key[2][0] == "cached_step" and key[2][1] in self.freed)
+            self.freed.clear()
 
     def of(self, handle) -> list:
         key = getattr(handle, "fast_prefix_slot", None)
@@ -164,6 +176,7 @@ class FastQwenImage21Transformer(Unsupported, LoraAdapters, QwenImage21SingleFil
     lora_sites, block_class, stock_model_name = LORA_SITES, FastBlock21, "QwenImage21Transformer2DModel"
     single_file_layout, stock_config_fields = family_layout(LORA_SITES), STOCK_CONFIG  # single_file.py
     parallel_advice = "render one image per process (FastConfig(parallel=...) is not on Qwen-Image-2.1 yet)"
+    graphs_its_steps = True  # the runner's graphs reach its cached steps through the forward context (step_graphs)
     _no_split_modules = ["FastBlock21"]
     _supports_gradient_checkpointing = False
 
@@ -206,8 +219,6 @@ class FastQwenImage21Transformer(Unsupported, LoraAdapters, QwenImage21SingleFil
         self.layouts: dict[tuple, Layout] = {}  # by Layout.key
         # (img_mask, its version, text mask, its version, shapes, (batch, device), key)
         self._last_layout: tuple | None = None
-        self.graphs = Graphs(max_graphs=MAX_LAYOUTS)  # the cached steps' (core/runtime/cuda_graph.py)
-        self._graphs_seen: set = set()  # graph keys run eagerly once
 
     @classmethod
     @torch.no_grad()
@@ -316,6 +327,7 @@ class FastQwenImage21Transformer(Unsupported, LoraAdapters, QwenImage21SingleFil
         device, dtype = hidden_states.device, hidden_states.dtype
         layout = self._layout(img_shapes, img_mask, encoder_hidden_states_mask, batch, device)
         backend = self.attention_backend
+        graphs = get_context().step_graphs  # the runner's, in a call whose plan has CUDA graphs
 
         if kv_cache_mode == "cached":  # only the target's tokens: their latents are the last `target` rows
             kvs = self.prefix_cache.of(kv_cache)
@@ -324,9 +336,14 @@ class FastQwenImage21Transformer(Unsupported, LoraAdapters, QwenImage21SingleFil
                                  f"forward needs {(batch, layout.target + layout.prefix)}: extract it anew")
             step = functools.partial(self._cached_step, layout, kvs, backend)
             inputs = dict(hidden_states=hidden_states[:, -layout.target:], timestep=timestep)
-            key = (signature(inputs), kv_cache.fast_prefix_slot, id(layout), backend,
-                   get_context().lora_scale, self.lora_state.version)  # the graph runs the adapters as they are
-            output = self._graphed(key, inputs, step) if get_context().cuda_graphs else step(**inputs)
+            if graphs is None:
+                return step(**inputs)
+            self.prefix_cache.stale_graphs(graphs)
+            # what the graph reads beside its inputs: the slot's buffers, the layout's tables (by content), the
+            # adapters as they are
+            key = (signature(inputs), self.lora_key(),
+                   ("cached_step", self.prefix_cache.serial(kv_cache), layout.key, backend))
+            return graphs.run(key, inputs, step)
         else:
             x = self._joint(hidden_states, encoder_hidden_states, img_mask, layout)
             modulation, temb = self._modulation(timestep, hidden_states)
@@ -335,10 +352,10 @@ class FastQwenImage21Transformer(Unsupported, LoraAdapters, QwenImage21SingleFil
             shape = (batch, layout.target + layout.prefix, self.config.num_attention_heads,
                      self.config.attention_head_dim)
             if kv_cache_mode == "extract":
-                kvs, freed = self.prefix_cache.bind(kv_cache, self._cache_name or "default", shape, dtype, device,
-                                                    len(self.transformer_blocks))
-                for key in [key for key in self.graphs.graphs if key[1] in freed]:  # they read the freed buffers
-                    del self.graphs.graphs[key]
+                kvs = self.prefix_cache.bind(kv_cache, self._cache_name or "default", shape, dtype, device,
+                                             len(self.transformer_blocks))
+                if graphs is not None:
+                    self.prefix_cache.stale_graphs(graphs)
             else:
                 scratch = (torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype,
                                                                                         device=device))
@@ -357,11 +374,9 @@ class FastQwenImage21Transformer(Unsupported, LoraAdapters, QwenImage21SingleFil
             return self.layouts[last[6]]
         key = Layout.key(img_shapes, img_mask, text_mask, batch, device)
         if key not in self.layouts:
-            if len(self.layouts) >= MAX_LAYOUTS:  # the graphs read the layouts' tensors: both go
+            if len(self.layouts) >= MAX_LAYOUTS:
                 self.layouts.clear()
-                self.graphs.clear()
-                self._graphs_seen.clear()
-            self.layouts[key] = Layout(self, img_shapes, img_mask, text_mask, batch, device)
+            self.layouts[key] = Layout(self, img_shapes, img_mask, text_mask, batch, device, key)
         self._last_layout = (weakref.ref(img_mask), img_mask._version,
                              weakref.ref(text_mask) if text_mask is not None else None,
                              text_mask._version if text_mask is not None else None, repr(img_shapes),
@@ -402,19 +417,6 @@ class FastQwenImage21Transformer(Unsupported, LoraAdapters, QwenImage21SingleFil
             _, y = residual_gate_layer_norm_modulate(x, tail[0], tail[1], torch.zeros_like(scale), scale,
                                                      mod_row=rows.mod_row, eps=self.norm_out.norm.eps)
         return self.proj_out(y)
-
-    def _graphed(self, key: tuple, inputs: dict, step) -> torch.Tensor:
-        """step(**inputs) from a CUDA graph from the second time `key` runs (the first compiles the kernels)."""
-        self.graphs.drop_if_weights_moved(self)
-        try:
-            out, replayed = self.graphs.run(key, inputs, step, self._graphs_seen)
-        except GraphCaptureError as e:  # the step runs eagerly; graphs stay off for this key
-            logger.warning("CUDA graph capture failed, the Qwen-Image-2.1 step runs eagerly: %s", e.__cause__ or e)
-            self._graphs_seen.discard(key)
-            return step(**inputs)
-        if replayed:
-            record("cuda_graphs")
-        return out
 
     def _joint(self, hidden_states, encoder_hidden_states, img_mask, layout: Layout):
         """The joint sequence [B, S, D] as diffusers builds it: text with each image slot expanded to 2 x 2 latent

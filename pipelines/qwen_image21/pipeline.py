@@ -2,10 +2,11 @@
 __call__, unchanged, around the fast Qwen-Image-2.1 transformer (model.py).
 
 What runs is the registry's (core/optimizations.py): fused_transformer, fp8 (every block linear),
-fp8_fast_accum, attention and cuda_graphs (the cached steps, model.py) run here; batched CFG and the step caches do
-not yet (the plan says why), and the options that would change diffusers' loop (sampler, cfg_fraction,
-memory, parallel) are refused, as for the 2512 family's image-conditioned pipelines. `applied` after a call is what
-the transformer recorded running.
+fp8_fast_accum, attention and cuda_graphs (the cached steps, model.py, from the graphs of the pipeline's runner)
+run here; batched CFG and the step caches do not yet (the plan says why), and the options that would change
+diffusers' loop (sampler, cfg_fraction, memory, parallel) are refused, as for the 2512 family's image-conditioned
+pipelines. Each call runs in the pipeline's runner (core/pipeline/base.py's _fast_call); `applied` after a call is
+what it recorded running.
 """
 
 import functools
@@ -15,10 +16,9 @@ from diffusers import QwenImage21Pipeline
 
 from ..core.config import FastConfig
 from ..core.gpu_support import fp8_gemm_why_not
-from ..core.optimizations import QWEN21_VAE, CallRecord, Facts, step_cache_conflict
-from ..core.pipeline_base import (FastCheckpointPipeline, FastLoraPipeline, FastPipelineState,
+from ..core.optimizations import QWEN21_VAE, Facts
+from ..core.pipeline.base import (FastCheckpointPipeline, FastLoraPipeline, FastPipelineState,
                                   check_given_fast_transformer, refuse_text_to_image_only, transformer_config_on)
-from ..core.runtime.context import forward_context
 from ..core.runtime.offload import has_offload_hooks
 from .model import FastQwenImage21Transformer
 
@@ -50,8 +50,7 @@ class FastQwenImage21Pipeline(FastPipelineState, FastLoraPipeline, FastCheckpoin
             device = torch.device(device) if device is not None else transformer.device
             self.register_modules(transformer=FastQwenImage21Transformer.from_diffusers(
                 transformer, transformer_config_on(config, device), device))
-        self._fast_config = config
-        self._last_call = None
+        self._new_state(config)
 
     def _check_fast_config(self, config: FastConfig):
         refuse_2512_only(config, type(self).__name__)  # as when the pipeline is built
@@ -70,11 +69,5 @@ class FastQwenImage21Pipeline(FastPipelineState, FastLoraPipeline, FastCheckpoin
 
     @functools.wraps(QwenImage21Pipeline.__call__)
     def __call__(self, *args, **kwargs):
-        conflict = step_cache_conflict(self.fast_config, self.facts())
-        if conflict:
-            raise ValueError(conflict)
-        record = CallRecord()
-        with forward_context(record=record, cuda_graphs=self.will_run()["cuda_graphs"]):
-            output = QwenImage21Pipeline.__call__(self, *args, **kwargs)
-        self._last_call = record
-        return output
+        with self._fast_call(kwargs.get("attention_kwargs")):
+            return QwenImage21Pipeline.__call__(self, *args, **kwargs)

@@ -294,7 +294,7 @@ def load_pipeline(model: str, preset: str, config: FastConfig, device, loras: tu
     import diffusers
     import torch
 
-    from ..pipelines.core.pipeline_base import is_fast_checkpoint, load_stock
+    from ..pipelines.core.pipeline.base import is_fast_checkpoint, load_stock
     from ..pipelines.loading import from_pretrained, from_single_files, is_fast_pipeline, optimize
     from ..pipelines.qwen_image.samplers import lightning_scheduler
 

@@ -177,9 +177,9 @@ def test_a_missing_folder_is_named(load, tmp_path):
 
 
 def test_the_base_knows_the_fast_classes_by_their_names():
-    """core/pipeline_base.py names the families' fast classes without importing them (a saved folder's
+    """core/pipeline/base.py names the families' fast classes without importing them (a saved folder's
     model_index.json names them so): the names must be the classes'."""
-    from qwen_image_fast.pipelines.core.pipeline_base import FAST_QWEN_IMAGE_VAE, FAST_TRANSFORMERS
+    from qwen_image_fast.pipelines.core.pipeline.base import FAST_QWEN_IMAGE_VAE, FAST_TRANSFORMERS
     from qwen_image_fast.pipelines.qwen_image.model.vae import FastAutoencoderKLQwenImage
     from qwen_image_fast.pipelines.qwen_image21.model import FastQwenImage21Transformer
 

@@ -269,7 +269,73 @@ def test_cached_steps_replay_from_graphs_across_calls(stand_in_graphs):
     # another size: its caches take new slots, which free the first size's (their handles are gone) and the graphs
     # that read them
     assert_close(latents(fast, **call, height=96), latents(tiny_pipeline(), **call, height=96), 1e-5, "96 high")
-    assert len(fast.transformer.prefix_cache.slots) == 2 and len(fast.transformer.graphs) == 2
+    assert len(fast.transformer.prefix_cache.slots) == 2 and len(fast.runner.graphs) == 2
+
+
+def test_a_slot_freed_without_graphs_never_replays_its_graphs(stand_in_graphs):
+    """The graphs live in the pipeline's runner, keyed by the prefix slot's serial number: a call without CUDA graphs
+    that frees a size's slots (another size) leaves their graphs behind, and when that size comes back its new slots
+    (the same shape, so the same place among the slots) capture anew instead of replaying graphs that read the
+    freed buffers; the stale graphs are dropped, and every call equals stock."""
+    call = dict(num_inference_steps=3, use_kv_cache=True)
+    expected = {height: latents(tiny_pipeline(), **call, height=height) for height in (64, 96)}
+    fast = optimize(tiny_pipeline(), FastConfig(fp8=False))
+    assert_close(latents(fast, **call, height=64), expected[64], 1e-5, "64 high, graphs")
+    assert len(stand_in_graphs["captures"]) == 2 and len(fast.runner.graphs) == 2
+    fast.fast_config = FastConfig(fp8=False, cuda_graphs=False)
+    assert_close(latents(fast, **call, height=96), expected[96], 1e-5, "96 high, no graphs")
+    assert "cuda_graphs" not in fast.applied and len(fast.runner.graphs) == 2  # nothing dropped them yet
+    fast.fast_config = FastConfig(fp8=False)
+    replays = len(stand_in_graphs["replays"])
+    assert_close(latents(fast, **call, height=64), expected[64], 1e-5, "64 high again, graphs")
+    assert len(stand_in_graphs["captures"]) == 4, "the new slots' steps are captured anew"
+    assert len(stand_in_graphs["replays"]) - replays == 2, stand_in_graphs
+    serials = {slot[2] for slot in fast.transformer.prefix_cache.slots.values()}
+    assert {key[2][1] for key in fast.runner.graphs.graphs} == serials, "the freed slots' graphs are dropped"
+
+
+def test_a_failed_capture_turns_the_steps_graphs_off_for_the_pipeline(stand_in_graphs, monkeypatch, caplog):
+    """A cached step's capture that fails warns, the step runs eagerly with the same result, and the pipeline's
+    runner captures and replays no more (the 2512 pipelines' policy: one runner, one policy)."""
+    from qwen_image_fast.pipelines.core.runtime import cuda_graph
+
+    def failing_capture(store, run, inputs, static=None, pool=None):
+        raise RuntimeError("stand-in capture failure")
+
+    monkeypatch.setattr(cuda_graph.Graphs, "capture", failing_capture)
+    call = dict(num_inference_steps=4, use_kv_cache=True)
+    expected = latents(tiny_pipeline(), **call)
+    fast = optimize(tiny_pipeline(), FastConfig(fp8=False))
+    with caplog.at_level("WARNING", logger="qwen_image_fast.pipelines.core.runtime"):
+        assert_close(latents(fast, **call), expected, 1e-5, "the call whose capture failed")
+    assert any("CUDA graph capture failed" in r.getMessage() for r in caplog.records), caplog.records
+    assert fast.runner.graphs_failed == "RuntimeError: stand-in capture failure"
+    assert_close(latents(fast, **call), expected, 1e-5, "the next call")
+    assert "cuda_graphs" not in fast.applied and len(fast.runner.graphs) == 0, fast.applied
+
+
+@pytest.mark.gpu
+def test_cached_steps_replay_real_graphs_on_gpu():
+    """Real CUDA graphs (the pipeline's runner's store): the tiny pipeline with CFG renders the same latents with
+    graphs as without, bit for bit, in two calls in a row (the second replays every cached step of both branches,
+    in the first call's slots), and applied says cuda_graphs."""
+    from qwen_image_fast.pipelines.tiny import tiny_qwen21_components
+
+    call = dict(prompt=["a cat", "a large dog in the park"], negative_prompt="blurry", true_cfg_scale=2.0, height=64,
+                width=64, num_inference_steps=4, output_type="latent")
+
+    def latents(pipe):
+        return pipe(**call, generator=torch.Generator("cuda").manual_seed(0)).images
+
+    eager = optimize(QwenImage21Pipeline(**tiny_qwen21_components()).to("cuda"),
+                     FastConfig(fp8=False, cuda_graphs=False))
+    expected = latents(eager)
+    assert "cuda_graphs" not in eager.applied
+    graphed = optimize(QwenImage21Pipeline(**tiny_qwen21_components()).to("cuda"), FastConfig(fp8=False))
+    for n in range(2):
+        assert torch.equal(latents(graphed), expected), f"call {n}"
+        assert "cuda_graphs" in graphed.applied, graphed.applied
+    assert len(graphed.runner.graphs) == 2 and graphed.runner.graphs_failed is None  # cond's and uncond's
 
 
 def test_optimized_pipeline_fp8_and_baseline():

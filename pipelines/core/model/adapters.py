@@ -11,6 +11,7 @@ from diffusers.loaders.lora_base import _func_optionally_disable_offloading
 from diffusers.utils import logging
 
 from ....kernels.fp8 import quantize_fp8_rowwise_ref
+from ..runtime.context import get_context
 from ..runtime.offload import has_offload_hooks
 from .linear import FastLinear
 from .lora import LoraLinear, LoraTargetLinear, site_of
@@ -67,6 +68,11 @@ class LoraAdapters:
         return super().save_pretrained(save_directory, is_main_process=is_main_process, save_function=save_function,
                                        safe_serialization=safe_serialization, variant=variant,
                                        max_shard_size=max_shard_size, push_to_hub=push_to_hub, **kwargs)
+
+    def lora_key(self) -> tuple:
+        """What a forward's output depends on beyond its arguments and the weights: the LoRA scale of the forward
+        and the adapters' state (a CUDA graph runs them as captured: part of its key)."""
+        return get_context().lora_scale, self.lora_state.version
 
     # ---- carried over from a stock model (from_diffusers)
 

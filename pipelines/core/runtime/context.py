@@ -18,8 +18,8 @@ call of the transformer), the runner puts a hook on the module (runtime/forward_
 - ulysses: the sequence-parallel group of a FastConfig(parallel="ulysses") call (runtime/parallel.py);
 - weights_take_turns: memory="low" (runtime/offload.py): the forward checks that the block linears are on its device;
 - record: the call's CallRecord (optimizations.py): what ran, for `applied`;
-- cuda_graphs: a Qwen-Image-2.1 call's plan (pipelines/qwen_image21/): its transformer replays the cached steps from
-  CUDA graphs.
+- step_graphs: in a call whose plan has CUDA graphs, for a model that graphs its own steps (Qwen-Image-2.1's cached
+  steps): the runner's store and the call's eager keys (runtime/cuda_graph.CallGraphs).
 """
 
 import contextlib
@@ -38,7 +38,7 @@ class ForwardContext:
     ulysses: Any = None  # parallel.Ulysses
     weights_take_turns: bool = False
     record: Any = None  # optimizations.CallRecord
-    cuda_graphs: bool = False
+    step_graphs: Any = None  # cuda_graph.CallGraphs
 
 
 _CONTEXT: ContextVar[ForwardContext] = ContextVar("qwen_image_fast_forward_context", default=ForwardContext())

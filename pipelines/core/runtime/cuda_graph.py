@@ -6,9 +6,11 @@ back to back. A graph is keyed by its forward's signature (every tensor argument
 non-tensor arguments such as img_shapes) and what else the forward reads that its arguments do not carry (the LoRA
 scale and adapters' version): a new resolution, batch or text length captures a new graph. Inputs are copied into
 the graph's static buffers before each replay; the output is copied out, so it stays valid after the next replay.
-When to capture is one policy, Graphs.run's, for every user (the runner, runner.py; the 2.1 transformer's cached
-steps): a key's first forward runs eagerly (it compiles the kernels and fills the model's caches), its second is
-captured, later ones replay.
+When to capture is one policy, Graphs.run's, for every user, and what a failed capture does is one too, CallGraphs.run's
+(the runner's whole forwards and step-cache pieces, runner.py; a model that graphs its own steps, such as Qwen-Image-2.1's
+cached steps, through the forward context's `step_graphs`): a key's first forward runs eagerly (it compiles the
+kernels and fills the model's caches), its second is captured, later ones replay; a failed capture turns the store's
+graphs off for the pipeline, with a warning.
 
 Pieces of a forward between which Python runs (a block under diffusers' step-cache hooks, runner.py) are captured
 into one shared memory pool: a piece's intermediates are dead once it returns, and its output is copied out right
@@ -24,10 +26,17 @@ frees its memory while a kept graph still reads it: whatever is allocated there 
 out of bounds at best, a wrong image and no error at worst.
 """
 
+import logging
 from collections import OrderedDict
 from contextvars import ContextVar
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
+
+from .context import record
+
+logger = logging.getLogger(__name__)
 
 # While a graph is captured: the tensors made outside it that its forward said it reads (read_by_graph)
 _CAPTURE_READS: ContextVar[list | None] = ContextVar("qwen_image_fast_capture_reads", default=None)
@@ -150,3 +159,36 @@ class Graphs:
         with torch.cuda.graph(graph, pool=pool):
             out = run(**{**inputs, **static})
         return graph, static, out
+
+
+@dataclass(frozen=True)
+class CallGraphs:
+    """One pipeline call's use of the runner's store: the store (kept across calls) and the keys the call ran
+    eagerly. The runner graphs its forwards through it, and sets it in the forward context (`step_graphs`) for a
+    model that graphs its own steps (its forward does host work first, then a fixed-shape step: Qwen-Image-2.1's
+    cached steps)."""
+
+    store: Graphs
+    seen: set
+
+    def run(self, key: tuple, inputs: dict, compute):
+        """compute(**inputs), from the store's graph of `key` from the second time it runs (Graphs.run), recorded
+        as cuda_graphs when replayed. A failed capture runs it eagerly, with a warning, and turns the store's
+        graphs off (Graphs.failed: the runner keeps them off for the pipeline); so does a store failed before."""
+        if self.store.failed:
+            return compute(**inputs)
+        try:
+            out, replayed = self.store.run(key, inputs, compute, self.seen)
+        except GraphCaptureError as e:
+            logger.warning("CUDA graph capture failed, running the transformer eagerly from now on: %s",
+                           e.__cause__ or e)
+            self.store.fail(str(e))
+            return compute(**inputs)
+        if replayed:
+            record("cuda_graphs")
+        return out
+
+    def drop(self, stale: Callable[[tuple], bool]):
+        """Drops the graphs whose key is stale (they read buffers their owner has let go of)."""
+        for key in [key for key in self.store.graphs if stale(key)]:
+            del self.store.graphs[key]

@@ -13,6 +13,9 @@ A pipeline owns one Runner (its graphs live across calls); each call opens a Cal
   2B (cfg_pairing.paired_inputs); the text-to-image loop calls it.
 - `new_forward(inputs)`: the call's hook on the fast transformer's forward (forward_hook.py), for the forwards a
   diffusers loop calls: pairs "cond" and "uncond" by speculation (cfg_pairing.Speculation) when batched CFG is on.
+- A model whose forward graphs its own steps (`graphs_its_steps`: Qwen-Image-2.1's, whose cached steps follow host
+  work on the prefix cache) finds the runner's store in the forward context (`step_graphs`, cuda_graph.CallGraphs):
+  the same store, capture policy and failure policy.
 Under diffusers' step caches (transformer.enable_cache) a forward runs eagerly, its hooks deciding on the host around
 the blocks (and their attention modules), unless the step cache runs it (a native rule, model/step_caches.py); with
 graphs each block replays from its own graphs instead (block_graphs.py: the whole block, or three pieces around a
@@ -22,14 +25,13 @@ What ran is recorded in the call's CallRecord (optimizations.py).
 
 import contextlib
 import functools
-import logging
 
 import torch
 
 from .block_graphs import BlockGraphs
 from .cfg_pairing import Speculation, bucketed_text, paired_inputs
 from .context import forward_context, get_context
-from .cuda_graph import GraphCaptureError, Graphs, signature
+from .cuda_graph import CallGraphs, Graphs, signature
 from .faster_cache import FasterCacheRule, FasterCacheRun
 from .forward_hook import hook_on
 from .offload import has_offload_hooks
@@ -40,7 +42,6 @@ from .taylorseer import TaylorSeerRule, TaylorSeerRun
 
 ATTENTION_RULES = (TaylorSeerRule, PyramidBroadcastRule, FasterCacheRule)
 
-logger = logging.getLogger(__name__)
 
 # Graphs a pipeline keeps: a paired CFG forward, or a cond and an uncond one, per output and condition size (with a
 # step cache three pieces each).
@@ -105,7 +106,10 @@ class Runner:
             step_cache = StepCacheRun(step_cache, len(transformer.transformer_blocks))
         run = CallRun(self, transformer, record, graphs=graphs, pair_cfg=pair_cfg, bucket=bucket,
                       attention_kwargs=attention_kwargs or {}, step_cache=step_cache)
-        with forward_context(record=record), hook_on(transformer, run) if run.fused else contextlib.nullcontext():
+        # a model that graphs its own steps (Qwen-Image-2.1's cached steps) does so with the runner's store
+        step_graphs = run.call_graphs if graphs and getattr(transformer, "graphs_its_steps", False) else None
+        with forward_context(record=record, step_graphs=step_graphs), \
+                hook_on(transformer, run) if run.fused else contextlib.nullcontext():
             yield run
 
 
@@ -125,6 +129,7 @@ class CallRun:
         self.graphs, self.pair_cfg, self.bucket = graphs and self.fused, pair_cfg, bucket
         self.attention_kwargs = attention_kwargs
         self.seen: set[tuple] = set()  # signatures run eagerly in this call
+        self.call_graphs = CallGraphs(runner.graphs, self.seen)
         self.speculation = Speculation() if pair_cfg and self.fused else None
 
     def forward(self, context: str, **inputs) -> torch.Tensor:
@@ -217,19 +222,12 @@ class CallRun:
                              (self.step_cache.rule.kind, names) + tuple(variant))
 
     def _graphed(self, inputs: dict, compute, piece: tuple = ()):
-        """compute(**inputs), from a graph of the runner's from the second time its key runs."""
-        key = (signature(inputs), self.transformer.lora_key(), piece)
-        try:
-            out, replayed = self.runner.graphs.run(key, inputs, compute, self.seen)
-        except GraphCaptureError as e:
-            logger.warning("CUDA graph capture failed, running the transformer eagerly from now on: %s",
-                           e.__cause__ or e)
+        """compute(**inputs), from a graph of the runner's from the second time its key runs (CallGraphs.run); after
+        a failed capture the call's later forwards run eagerly, unpadded."""
+        out = self.call_graphs.run((signature(inputs), self.transformer.lora_key(), piece), inputs, compute)
+        if self.runner.graphs.failed:
             self.graphs = False
-            self.runner.graphs.fail(str(e))
             self.runner.block_graphs.clear()
-            return compute(**inputs)
-        if replayed:
-            self.record.add("cuda_graphs", True)
         return out
 
     def pair(self, inputs: dict, negative_embeds: torch.Tensor, negative_mask: torch.Tensor | None,

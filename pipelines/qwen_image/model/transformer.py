@@ -248,11 +248,6 @@ class FastQwenImageTransformer(Unsupported, StepCaches, ModulationTable, LoraAda
                 + [("attention", self.attention_backend)] + ([("fp8_attention", kernel)] if kernel else [])
                 + list(self.single_file.applied if self.single_file else ()))
 
-    def lora_key(self) -> tuple:
-        """What a forward's output depends on beyond its arguments and the weights: the LoRA scale of the forward
-        and the adapters' state."""
-        return get_context().lora_scale, self.lora_state.version
-
     def _check_weights_on(self, device: torch.device, modulation: bool, take_turns: bool):
         """The block linears, and for a forward without a table the modulation weights, must be where the forward
         runs. take_turns: memory="low" (the forward context says so) keeps them on the host between turns; outside

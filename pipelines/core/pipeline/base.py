@@ -5,6 +5,7 @@ pipeline and loading it back (its FP8 weights as stored) or converting an upstre
 FastConfig against a pipeline that need no model family's code.
 """
 
+import contextlib
 import inspect
 import json
 import logging
@@ -14,10 +15,13 @@ import torch
 from diffusers import AutoencoderKLQwenImage
 from diffusers.pipelines.pipeline_utils import logger as diffusers_pipeline_logger
 
-from .config import FastConfig, check_cache_blocks
-from .hub import check_path_or_id, local_folder
-from .gpu_support import fp8_gemm_why_not
-from .optimizations import CallRecord, Facts, planned_labels, plans, refused_by_image_conditioned
+from ..config import FastConfig, check_cache_blocks
+from ..hub import check_path_or_id, local_folder
+from ..gpu_support import fp8_gemm_why_not
+from ..optimizations import (CallRecord, Facts, planned_labels, plans, refused_by_image_conditioned, runs_cache_rule,
+                            step_cache_conflict)
+from ..runtime.context import forward_context
+from ..runtime.runner import Runner
 
 logger = logging.getLogger(__name__)
 
@@ -109,7 +113,7 @@ def load_stock(pipeline_class: type, path_or_id, *args, **kwargs):
 
     takes_processor = "processor" in inspect.signature(pipeline_class.__init__).parameters
     if takes_processor and "processor" not in kwargs and not is_torchvision_available():
-        from .vl_processor import load_processor_without_torchvision
+        from ..vl_processor import load_processor_without_torchvision
 
         kwargs["processor"] = load_processor_without_torchvision(local_folder(path_or_id, "processor"))
     if type(kwargs.get("transformer")).__name__ not in FAST_TRANSFORMERS:
@@ -300,12 +304,15 @@ class FastPipelineState:
     with its fast transformer's class, `fast_transformer_class`): how it is built from components (_build: diffusers'
     constructor, then the family's _set_up), `fast_config` (build options fixed, call options changeable: the family
     checks the rest in _check_fast_config), what the next call will run (facts() is the family's, the plan the
-    registry's) and what the last one ran (`applied`, from the call's record)."""
+    registry's), the runner each call runs in (_fast_call: core/runtime/runner.py, whose CUDA graphs live across
+    calls) and what the last one ran (`applied`, from the call's record)."""
 
     stock_class: type
     fast_transformer_class: type
     _fast_config: FastConfig
+    runner: Runner
     _last_call: CallRecord | None = None  # what the last call ran (None before the first)
+    _last_step_cache = None  # the last call's runtime.step_cache.StepCacheRun (its branches' decisions), or None
 
     @classmethod
     def _build(cls, components: dict, config: FastConfig, device=None, **fast_state):
@@ -316,7 +323,13 @@ class FastPipelineState:
         return pipe
 
     def _set_up(self, config: FastConfig, device, **fast_state):
+        """The family's fast components; ends with _new_state(config)."""
         raise NotImplementedError
+
+    def _new_state(self, config: FastConfig):
+        self._fast_config = config
+        self.runner = Runner()
+        self._last_call = None
 
     @property
     def _image_conditioned(self) -> bool:
@@ -353,6 +366,26 @@ class FastPipelineState:
         if self._last_call is not None:
             return self._last_call.labels()
         return planned_labels(self.fast_config, self.facts())
+
+    @contextlib.contextmanager
+    def _fast_call(self, attention_kwargs: dict | None = None, will_run: dict[str, bool] | None = None,
+                   facts: Facts | None = None, **context):
+        """The runner of one call (CUDA graphs and batched CFG as the registry plans them: will_run, default
+        self.will_run()) and its record, which `applied` reads once the call has returned. facts: self.facts() if the
+        caller has them; context: more of the forward context (core/runtime/context.py)."""
+        facts = facts if facts is not None else self.facts()
+        will_run = will_run or self.will_run(facts)
+        conflict = step_cache_conflict(self.fast_config, facts)
+        if conflict:
+            raise ValueError(conflict)
+        record = CallRecord()
+        rule = self.transformer.native_step_cache if runs_cache_rule(self.fast_config, facts) else None
+        with self.runner.call(self.transformer, record, graphs=will_run["cuda_graphs"],
+                              pair_cfg=will_run["batched_cfg"], bucket=self.fast_config.text_bucket,
+                              attention_kwargs=attention_kwargs, step_cache=self.fast_config.cache or rule) as run, \
+                forward_context(**context):
+            yield run
+        self._last_call, self._last_step_cache = record, run.step_cache
 
     def _fast_transformer(self):
         """The fast transformer, or None (a pipeline built without fused_transformer keeps the stock one)."""
