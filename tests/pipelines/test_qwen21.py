@@ -321,8 +321,9 @@ def test_cached_steps_replay_real_graphs_on_gpu():
     in the first call's slots), and applied says cuda_graphs."""
     from qwen_image_fast.pipelines.tiny import tiny_qwen21_components
 
-    call = dict(prompt=["a cat", "a large dog in the park"], negative_prompt="blurry", true_cfg_scale=2.0, height=64,
-                width=64, num_inference_steps=4, output_type="latent")
+    # one negative prompt per prompt: diffusers 0.42.1's QwenImage21Pipeline fails on a single string for two prompts
+    call = dict(prompt=["a cat", "a large dog in the park"], negative_prompt=["blurry", "dark"], true_cfg_scale=2.0,
+                height=64, width=64, num_inference_steps=4, output_type="latent")
 
     def latents(pipe):
         return pipe(**call, generator=torch.Generator("cuda").manual_seed(0)).images
