@@ -58,6 +58,7 @@ def one_line(text: str, limit: int = 400) -> str:
 
 def run_render(args) -> int:
     started = time.time()  # --engine ray reports its startup from here
+    connection = None  # --engine ray: the cluster, connecting while the checks run (ray_engine.Connecting)
     # Everything that can be checked without loading a model, before the output folder exists.
     try:
         check_enhancer(args.enhance)  # first: `--enhance "a cat"` took the prompt for a model
@@ -67,6 +68,10 @@ def run_render(args) -> int:
             raise ValueError("no prompts: give them as arguments or with --prompts FILE")
         entries = read_prompt_file(args.prompts) if args.prompts else command_line_entries(args.prompt)
         check_ray_engine(args)
+        if args.engine == "ray" and not args.dry_run:
+            from .ray_engine import Connecting
+
+            connection = Connecting(args.ray_address)
         plan = check_render(args, entries)
         jobs, labels, model, why, files, pipeline = plan.jobs, plan.labels, plan.model, plan.why, plan.files, \
             plan.pipeline
@@ -103,9 +108,11 @@ def run_render(args) -> int:
             remove_empty_folders(created)
             raise
     except ValueError as e:
+        if connection is not None:
+            connection.close()
         args.parser.error(one_line(e))
     if args.engine == "ray":
-        return run_on_ray(args, plan, out_dir, created, started)
+        return run_on_ray(args, plan, out_dir, created, connection, started)
     loaded = []  # the pipeline, loaded once: --compare-uncached renders with it again, its step cache off
 
     def load_pipe():
@@ -182,8 +189,9 @@ def run_render(args) -> int:
     return 1 if summary.failed else 0
 
 
-def run_on_ray(args, plan: RenderPlan, out_dir: Path, created: list[Path], started: float) -> int:
-    """`render --engine ray` once the checks passed and the folder exists (ray_engine.py)."""
+def run_on_ray(args, plan: RenderPlan, out_dir: Path, created: list[Path], connection, started: float) -> int:
+    """`render --engine ray` once the checks passed and the folder exists (ray_engine.py), on the cluster
+    `connection` (ray_engine.Connecting) connects to."""
     from .ray_engine import render_on_ray
     from .ray_stage import RenderSpec
 
@@ -194,7 +202,7 @@ def run_on_ray(args, plan: RenderPlan, out_dir: Path, created: list[Path], start
     try:
         with shrunk_inputs(plan.shrunk):
             summary = render_on_ray(spec, plan.jobs, out_dir, plan.labels, resume=args.resume,
-                                    address=args.ray_address, workers=args.workers, batch_size=args.batch_size,
+                                    connection=connection, workers=args.workers, batch_size=args.batch_size,
                                     device_given=args.device is not None, started=started)
     except ValueError as e:  # the cluster: unreachable, or without what the render needs
         remove_empty_folders(created)

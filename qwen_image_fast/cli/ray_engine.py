@@ -6,7 +6,9 @@ at the end); resume, compare and the folder's rules are the local render's.
 
 import json
 import os
+import signal
 import socket
+import threading
 import time
 from pathlib import Path
 
@@ -45,15 +47,61 @@ def check_reachable(address: str):
 
 
 def connect(ray, address: str | None):
-    """ray.init on the cluster at `address` (None: a new local one), the actors' environment forwarded."""
+    """ray.init on the cluster at `address` (None: a new local one; check_reachable passed), the actors' environment
+    forwarded."""
     env = {name: os.environ[name] for name in FORWARDED_ENV if name in os.environ}
-    if address is not None:
-        check_reachable(address)
     try:
         ray.init(address=address, runtime_env={"env_vars": env}, log_to_driver=False,
                  logging_level="ERROR", configure_logging=True)
     except ConnectionError as e:
         raise ValueError(f"--ray-address {address}: cannot connect ({e})") from None
+
+
+class Connecting:
+    """The cluster, connected in a thread begun before render's checks (the model's files, the GPU's memory, the
+    output folder): importing Ray Data and ray.init take seconds (about 10 s on an H200 host, a new local cluster)
+    that would otherwise come before the actors can even start. The thread stays until close(): a local cluster's
+    processes are its children, started with a parent-death signal that fires when the thread that started them
+    ends. Ray's core worker in this process puts its crash handler on SIGTERM (a stack dump on stderr, then the
+    previous handler); wait(), on the command's thread, puts back the handler there was (the CLI's: 143, one line,
+    what was recorded kept)."""
+
+    def __init__(self, address: str | None):
+        if address is not None:
+            check_reachable(address)  # a wrong address is refused before anything else runs
+        self.address, self.began = address, time.time()
+        self.sigterm = signal.getsignal(signal.SIGTERM)  # None: not set from Python
+        self.ray, self.error, self.imported, self.connected = None, None, None, None
+        self.ready, self.closed = threading.Event(), threading.Event()
+        threading.Thread(target=self._connect, name="ray-connect", daemon=True).start()
+
+    def _connect(self):
+        try:
+            ray = import_ray()
+            self.imported = time.time()
+            connect(ray, self.address)
+            self.ray, self.connected = ray, time.time()
+        except BaseException as e:  # raised in the command's thread, by wait()
+            self.error = e
+        finally:
+            self.ready.set()
+        self.closed.wait()  # the local cluster's processes live as long as this thread
+
+    def wait(self):
+        """Ray, connected (the connection's error, if it failed); SIGTERM's handler as it was before."""
+        self.ready.wait()
+        if self.sigterm is not None and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, self.sigterm)
+        if self.error is not None:
+            raise self.error
+        return self.ray
+
+    def close(self):
+        """Disconnects (a local cluster started for the command stops)."""
+        self.ready.wait()
+        if self.ray is not None:
+            self.ray.shutdown()
+        self.closed.set()
 
 
 def actor_count(ray, gpu: bool, workers: int | None, device_given: bool) -> int:
@@ -70,10 +118,14 @@ def actor_count(ray, gpu: bool, workers: int | None, device_given: bool) -> int:
     return workers or (gpus if gpu else 1)
 
 
-def startup_line(started: float, connected: float, startups: list[dict], first_image: float | None) -> str:
-    """Where a Ray command's time went before its first image, in seconds from the command's start: the cluster,
-    the actors' start (their __init__) and pipeline loads (the first and last actor to have one), the first image."""
-    line = f"Ray startup: cluster connected at {connected - started:.1f} s"
+def startup_line(started: float, connection: dict, startups: list[dict], first_image: float | None) -> str:
+    """Where a Ray command's time went before its first image, in seconds from the command's start: the connection
+    (Connecting's times: it began, Ray imported, connected; checked, when the command's checks were done and it
+    began to wait), the actors' start (their __init__) and pipeline loads (the first and last actor to have one),
+    the first image."""
+    line = (f"Ray startup: checks done at {connection['checked'] - started:.1f} s; Ray imported at "
+            f"{connection['imported'] - started:.1f} s and cluster connected at {connection['connected'] - started:.1f}"
+            f" s (begun at {connection['began'] - started:.1f} s)")
     if startups:
         inits, loads = sorted(s["init"] - started for s in startups), sorted(s["loaded"] - started for s in startups)
         line += (f"; {len(startups)} actor(s) began at {inits[0]:.1f}-{inits[-1]:.1f} s and had the pipeline at "
@@ -84,23 +136,26 @@ def startup_line(started: float, connected: float, startups: list[dict], first_i
     return line
 
 
-def render_on_ray(spec, jobs: list, out_dir: Path, labels, *, resume: bool, address: str | None,
+def render_on_ray(spec, jobs: list, out_dir: Path, labels, *, resume: bool, connection: Connecting,
                   workers: int | None, batch_size: int, device_given: bool, started: float) -> Summary:
-    """Render the jobs not already done; returns the command's summary. On KeyboardInterrupt or an error of the
-    stage, what was recorded is merged into the manifest first (the actors stop with this driver). started: the
-    command's start (time.time()), for its startup line."""
-    ray = import_ray()
+    """Render the jobs not already done on the cluster `connection` connects to (closed when done); returns the
+    command's summary. On KeyboardInterrupt or an error of the stage, what was recorded is merged into the manifest
+    first (the actors stop with this driver). started: the command's start (time.time()), for its startup line."""
+    checked = time.time()
     pending = pending_jobs(jobs, out_dir, spec.fmt, labels, resume)
     summary = Summary(skipped=len(jobs) - len(pending))
     if not pending:
+        connection.close()
         return summary
-    connect(ray, address)
-    connected, startups, first_image = time.time(), [], None
+    ray = connection.wait()
+    times = dict(began=connection.began, imported=connection.imported, connected=connection.connected,
+                 checked=checked)
+    startups, first_image = [], None
     gpu = spec.device != "cpu"
     try:
         workers = actor_count(ray, gpu, workers, device_given)
     except ValueError:
-        ray.shutdown()
+        connection.close()
         raise
     manifest = out_dir / MANIFEST
     drop_partial_last_line(manifest)
@@ -137,8 +192,8 @@ def render_on_ray(spec, jobs: list, out_dir: Path, labels, *, resume: bool, addr
         merge_manifests(out_dir)
         raise
     finally:
-        ray.shutdown()
-    print(startup_line(started, connected, startups, first_image), flush=True)
+        connection.close()
+    print(startup_line(started, times, startups, first_image), flush=True)
     merge_manifests(out_dir)
     remove_stale_temp_files(out_dir, jobs)
     return summary

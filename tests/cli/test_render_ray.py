@@ -119,10 +119,13 @@ def test_24_prompts_on_two_workers_are_the_local_renders_from_parquet(cluster, t
                           timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "24 written, 0 skipped (already done), 0 failed" in done.stdout
-    startup = re.search(r"Ray startup: cluster connected at ([\d.]+) s; 2 actor\(s\) began at ([\d.]+)-([\d.]+) s and "
-                        r"had the pipeline at ([\d.]+)-([\d.]+) s .*; first image recorded at ([\d.]+) s", done.stdout)
-    connected, began, _, loaded, _, first = (float(x) for x in startup.groups())
-    assert 0 < connected <= began <= loaded <= first  # the actors' times, carried by a record, kept out of the manifest
+    startup = re.search(r"Ray startup: checks done at ([\d.]+) s; Ray imported at ([\d.]+) s and cluster connected "
+                        r"at ([\d.]+) s \(begun at ([\d.]+) s\); 2 actor\(s\) began at ([\d.]+)-([\d.]+) s and had the "
+                        r"pipeline at ([\d.]+)-([\d.]+) s .*; first image recorded at ([\d.]+) s", done.stdout)
+    checked, imported, connected, begun, began, _, loaded, _, first = (float(x) for x in startup.groups())
+    # the connection runs beside the checks (begun before they are done); the actors' times, carried by a record,
+    # kept out of the manifest
+    assert 0 <= begun < checked and begun < imported < connected <= began <= loaded <= first, startup.group(0)
     assert main(["render", *BASELINE, "--prompts", str(jsonl), "--out", str(tmp_path / "local")]) == 0
     check_exactly_once(tmp_path / "ray", 24)
     ours, local = manifest(tmp_path / "ray"), {line["file"]: line for line in manifest(tmp_path / "local")}
@@ -167,6 +170,26 @@ def test_a_driver_killed_and_run_again_renders_only_the_rest(cluster, tmp_path):
     written, skipped = int(summary.split()[0]), int(summary.split()[2])
     assert written == 24 - len(before) and skipped == len(before), summary
     assert {name: (out_dir / name).stat().st_mtime_ns for name in before} == before  # none rendered again
+    check_exactly_once(out_dir, 24)
+
+
+def test_sigterm_ends_the_driver_with_143_and_keeps_what_was_recorded(cluster, tmp_path):
+    """SIGTERM to the driver mid-run: one line and exit 143, as the local render (Ray's core worker in the driver
+    puts its crash handler on SIGTERM, a stack dump before the previous handler; the command puts its own back);
+    the manifest records only images that are there, and the same command renders the rest, each once."""
+    out_dir, prompts = tmp_path / "out", prompts_file(tmp_path, 24)
+    command = render(*SLOW, "--engine", "ray", "--ray-address", cluster, "--workers", "2", "--prompts", str(prompts),
+                     "--out", str(out_dir))
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    wait_for_images(process, out_dir, 4)
+    process.send_signal(signal.SIGTERM)
+    _, err = process.communicate(timeout=60)
+    assert process.returncode == 143, err[-3000:]
+    assert err.strip().splitlines()[-1].startswith("terminated (SIGTERM); the images recorded so far are kept in"), err
+    assert "SIGTERM received" not in err, err[-3000:]  # Ray's crash handler's stack dump
+    assert {line["file"] for line in manifest(out_dir)} <= {path.name for path in images(out_dir)}
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
     check_exactly_once(out_dir, 24)
 
 
@@ -339,9 +362,11 @@ def test_the_startup_line_times_each_actor_s_own_load():
     from qwen_image_fast.cli.ray_engine import startup_line
 
     actors = [{"worker": 1, "init": 101.0, "loaded": 110.0}, {"worker": 2, "init": 102.0, "loaded": 104.0}]
-    assert startup_line(100.0, 100.5, actors, 111.0) == (
-        "Ray startup: cluster connected at 0.5 s; 2 actor(s) began at 1.0-2.0 s and had the pipeline at 4.0-10.0 s "
-        "(loading 2.0 s at the fastest); first image recorded at 11.0 s")
+    connection = dict(began=100.1, imported=100.3, connected=100.5, checked=100.4)
+    assert startup_line(100.0, connection, actors, 111.0) == (
+        "Ray startup: checks done at 0.4 s; Ray imported at 0.3 s and cluster connected at 0.5 s (begun at 0.1 s); "
+        "2 actor(s) began at 1.0-2.0 s and had the pipeline at 4.0-10.0 s (loading 2.0 s at the fastest); first "
+        "image recorded at 11.0 s")
 
 
 def test_a_gpu_actor_uses_its_share_of_the_node_s_cores():
