@@ -162,9 +162,11 @@ def render_on_ray(spec, jobs: list, out_dir: Path, labels, *, resume: bool, conn
     # one row a block: a retried task (its actor killed) redoes one row, never a block some of whose records were
     # already sent (the per-block overhead, milliseconds, is nothing beside an image's seconds)
     ds = ray.data.from_items([{"job": job_json(job)} for job in pending], override_num_blocks=len(pending))
+    # a fixed pool; Ray Data (>= 2.60) runs its actors with max_restarts=-1 and max_task_retries=-1: an actor killed
+    # mid-batch is restarted and its batch retried (tests/cli/test_render_ray.py kills one)
     rendered = ds.map_batches(Renderer, fn_constructor_kwargs={"spec": spec}, batch_size=batch_size,
-                              concurrency=workers, num_gpus=1 if gpu else 0, num_cpus=0 if gpu else 1,
-                              max_restarts=-1, max_task_retries=-1)
+                              compute=ray.data.ActorPoolStrategy(size=workers), num_gpus=1 if gpu else 0,
+                              num_cpus=0 if gpu else 1)
     seen = set()
     try:
         with tqdm(total=len(pending), desc="images", unit="img") as bar:

@@ -7,8 +7,8 @@ per row. The driver (render_on_ray) is the manifest's only writer: it appends ea
 at the end, so a record is never written twice.
 
 Exactly once, whatever fails:
-- an actor killed mid-batch: Ray Data restarts it and retries the batch (its actors run with max_restarts=-1 and
-  max_task_retries=-1); a retried row's image is written again under its own temporary name and renamed over the
+- an actor killed mid-batch: Ray Data restarts it and retries the batch (Ray Data's actors run with max_restarts=-1
+  and max_task_retries=-1); a retried row's image is written again under its own temporary name and renamed over the
   same file, holding the same pixels (the seed fixes them);
 - before rendering a row, an actor looks for its image: a file there whose embedded settings are this row's is
   not rendered again, only recorded (a batch retried after some of its images were written, or a driver restarted
@@ -139,11 +139,12 @@ def node_cpus_and_gpus(ray) -> tuple[int, int]:
 
 
 class Renderer:
-    """A Ray Data stage: `ds.map_batches(Renderer, fn_constructor_kwargs={"spec": spec}, num_gpus=1, concurrency=N,
-    batch_size=B)`. Loads the pipeline once per actor; each call renders the batch's rows (the ones whose image is
-    not already there with the same settings) and returns {"record": [a manifest record as JSON, one per row]};
-    a row whose pipeline call failed gets {"file", "index", "failed": why}. An actor's first record also carries
-    "startup": when it began and had its pipeline (render_on_ray reports them and keeps them out of the manifest)."""
+    """A Ray Data stage: `ds.map_batches(Renderer, fn_constructor_kwargs={"spec": spec}, num_gpus=1,
+    compute=ray.data.ActorPoolStrategy(size=N), batch_size=B)`. Loads the pipeline once per actor; each call renders
+    the batch's rows (the ones whose image is not already there with the same settings) and returns {"record": [a
+    manifest record as JSON, one per row]}; a row whose pipeline call failed gets {"file", "index", "failed": why}.
+    An actor's first record also carries "startup": when it began and had its pipeline (render_on_ray reports them
+    and keeps them out of the manifest)."""
 
     def __init__(self, spec: RenderSpec):
         started = time.time()

@@ -295,7 +295,7 @@ address, options, rows = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.ar
 spec = render_spec(options)
 ray.init(address=address, logging_level="ERROR", log_to_driver=False)
 records = ray.data.from_items(rows).map_batches(Renderer, fn_constructor_kwargs={"spec": spec}, batch_size=2,
-                                                concurrency=1, num_cpus=1).take_all()
+                                                compute=ray.data.ActorPoolStrategy(size=1), num_cpus=1).take_all()
 print(json.dumps([r["record"] for r in records]))
 """
 
