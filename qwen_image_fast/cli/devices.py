@@ -70,13 +70,13 @@ def check_triton_on_cpu(device, labels: Labels, enhance: str | None = None):
                          "the command with TRITON_INTERPRET=1 (it must be set before Python starts)")
 
 
-# GiB, measured on an H200 (benchmarks/RESULTS.md, "Running in 24 GiB"): the fast pipeline's peak at 1328^2 is
-# 42.5 GiB; memory="low" peaks at 21.7 GiB reserved at 1024^2 and 23.0 at 1328^2.
-FAST_PIPELINE_GIB = 48.0
+# GiB, measured on an H200 (benchmarks/RESULTS.md, "Running in 24 GiB"). What the fast pipeline of a
+# Qwen-Image-2512-size model needs on a GPU: its peak (42.5 GiB reserved at 1328^2) and the CUDA context (~0.5 GiB);
+# one number for both questions it answers: which GPUs run it without --max-memory (check_gpu_fits), and which
+# --max-memory runs it rather than memory="low" (memory_setting). memory="low" peaks at 21.7 GiB reserved at
+# 1024^2 and 23.0 at 1328^2. QWEN_IMAGE_2512_SHAPE: (transformer width, layers) they were measured at.
+FAST_PIPELINE_GIB = 43.0
 LOW_MEMORY_GIB = 22.0
-# What the fast pipeline of a Qwen-Image-2512-size model needs on a GPU: its measured peak (42.5 GiB reserved at
-# 1328^2) and the CUDA context (~0.5 GiB); QWEN_IMAGE_2512_SHAPE: (transformer width, layers) it was measured at.
-FAST_PIPELINE_PEAK_GIB = 43.0
 QWEN_IMAGE_2512_SHAPE = (3072, 60)
 
 
@@ -107,10 +107,10 @@ def check_gpu_fits(device, max_memory: float | None, preset: str, pipeline: str,
 
     properties = torch.cuda.get_device_properties(device)
     total = properties.total_memory / 2**30
-    if total >= FAST_PIPELINE_PEAK_GIB:
+    if total >= FAST_PIPELINE_GIB:
         return
     where = (f"{device} ({properties.name}) has {total:.1f} GiB, and the fast pipeline needs about "
-             f"{FAST_PIPELINE_PEAK_GIB:g}")
+             f"{FAST_PIPELINE_GIB:g}")
     if total < LOW_MEMORY_GIB:
         raise ValueError(f"{where} ({LOW_MEMORY_GIB:g} with --max-memory, its low-memory mode): GPUs this small are "
                          "not served yet")

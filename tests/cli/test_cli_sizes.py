@@ -132,6 +132,27 @@ def test_a_gpu_too_small_for_the_fast_pipeline_is_told_the_memory_mode_before_lo
         check_gpu_fits(*unchecked)
 
 
+@pytest.mark.parametrize("gib", [44.4, 42.9])
+def test_one_number_says_whether_the_fast_pipeline_fits(monkeypatch, gib):
+    """A GPU of `gib` without --max-memory and --max-memory `gib` get the same answer: the fast pipeline where it
+    fits (an L40S's 44.4 GiB), memory='low' (with the flag) or a refusal naming it (without) where it does not."""
+    from types import SimpleNamespace
+
+    from qwen_image_fast.cli.devices import check_gpu_fits, memory_setting
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device: SimpleNamespace(total_memory=int(gib * 2**30), name="a mocked GPU"))
+    size_2512 = ModelShape(width=3072, layers=60, patch=2, vae_scale=8, vae_channels=96, dtype_bytes=2)
+    setting = memory_setting(gib, "fast", "QwenImagePipeline", None)
+    if gib > 43:
+        assert setting == "fast"
+        check_gpu_fits(torch.device("cuda", 0), None, "fast", "QwenImagePipeline", size_2512)
+    else:
+        assert setting == "low"
+        with pytest.raises(ValueError, match="add --max-memory 42"):
+            check_gpu_fits(torch.device("cuda", 0), None, "fast", "QwenImagePipeline", size_2512)
+
+
 def test_render_checks_the_gpu_s_size_before_anything_loads(monkeypatch, capsys):
     """check_render asks check_gpu_fits (above) with the run's device, --max-memory, preset, pipeline and the model's
     shape: a GPU cannot run here, so the check is seen through its arguments."""
