@@ -352,6 +352,19 @@ def test_optimized_pipeline_fp8_and_baseline():
     assert torch.equal(latents(baseline), expected) and baseline.applied == [], baseline.applied
 
 
+def test_a_few_step_sigma_schedule_through_diffusers_api_matches_stock(stand_in_graphs):
+    """A few-step LoRA's own schedule (6 sigmas, as the community's turbo LoRA for 2.1 passes them) through the stock
+    __call__'s sigmas=: the fast pipeline's latents equal stock's, with its cached steps replaying from graphs in a
+    second call."""
+    sigmas = [1.0, 0.92, 0.8, 0.62, 0.4, 0.15]
+    call = dict(num_inference_steps=len(sigmas), sigmas=sigmas, use_kv_cache=True)
+    expected = latents(tiny_pipeline(), **call)
+    fast = optimize(tiny_pipeline(), FastConfig(fp8=False))
+    for n in range(2):
+        assert_close(latents(fast, **call), expected, 1e-5, f"call {n}")
+    assert "cuda_graphs" in fast.applied and stand_in_graphs["replays"], fast.applied
+
+
 def test_sample_sigmas_carried_through_every_build(tmp_path):
     """A pipeline built with the checkpoint's sampling grid (QwenImage21Pipeline's optional sample_sigmas, which
     its __call__ samples on when no sigmas are passed): optimize(), from_pipe() and a fast save / from_pretrained
