@@ -57,6 +57,7 @@ class Defaults:
     strength: float | None = None
     text_size: tuple[int, int] | None = None
     negative_prompt_given: bool = False  # --negative-prompt on the command line (else the default one)
+    sigmas: tuple[float, ...] | None = None  # --sigmas: every job's schedule (its steps are their count)
 
 
 @dataclass(frozen=True)
@@ -75,6 +76,7 @@ class Job:
     images: tuple[InputImage, ...] = ()
     mask: InputImage | None = None
     strength: float | None = None
+    sigmas: tuple[float, ...] | None = None  # the schedule the pipeline samples on (sigmas=), one per step
 
     @property
     def stem(self) -> str:
@@ -282,7 +284,11 @@ def make_jobs(entries: list[dict], defaults: Defaults, first_index: int = 0) -> 
             images=images,
             mask=mask,
             strength=entry.get("strength", defaults.strength),
+            sigmas=defaults.sigmas,
         )
+        if job.sigmas is not None and job.steps != len(job.sigmas):
+            raise ValueError(f'{where}: "steps" {job.steps}, but --sigmas gives {len(job.sigmas)} (one per step): '
+                             'leave "steps" out, or give --sigmas for that many steps')
         if job.stem in seen:
             raise ValueError(f"{where} and {seen[job.stem]} would both write {job.stem}.*; give them different "
                              "ids or seeds")
@@ -330,8 +336,11 @@ def render_defaults(args, tiny: bool, pipeline: str = "QwenImagePipeline") -> De
     else:
         width, height = (TINY_SIZE, TINY_SIZE) if tiny else ASPECTS["1:1"]
     text_size = ((TINY_SIZE, TINY_SIZE) if tiny else (QWEN21_SIDE, QWEN21_SIDE)) if qwen21 and width is None else None
-    steps = args.steps or (TINY_STEPS if tiny else LIGHTNING_STEPS if args.lightning else QWEN21_STEPS if qwen21
-                           else REAL_STEPS)
+    if args.sigmas is not None and args.steps is not None and args.steps != len(args.sigmas):
+        raise ValueError(f"--steps {args.steps} with --sigmas of {len(args.sigmas)} values (one per step): give "
+                         "one or the other")
+    steps = (len(args.sigmas) if args.sigmas is not None else args.steps or
+             (TINY_STEPS if tiny else LIGHTNING_STEPS if args.lightning else QWEN21_STEPS if qwen21 else REAL_STEPS))
     cfg = (args.cfg if args.cfg is not None else LIGHTNING_CFG if args.lightning else QWEN21_CFG if qwen21
            else REAL_CFG)
     images = tuple(read_input_image(path, "--image") for path in args.image)
@@ -339,7 +348,7 @@ def render_defaults(args, tiny: bool, pipeline: str = "QwenImagePipeline") -> De
     negative = args.negative_prompt if args.negative_prompt is not None else NEGATIVE_PROMPT
     return Defaults(negative_prompt=negative, negative_prompt_given=args.negative_prompt is not None, seed=args.seed,
                     width=width, height=height, steps=steps, cfg=cfg, images=images, mask=mask,
-                    strength=args.strength, text_size=text_size)
+                    strength=args.strength, text_size=text_size, sigmas=args.sigmas)
 
 
 def shard(jobs: list[Job], rank: int, world_size: int) -> list[Job]:

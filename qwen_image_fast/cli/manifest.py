@@ -82,6 +82,8 @@ def merge_manifests(out_dir: Path):
 
 # The settings compared by what they are rather than as written: files by content, an empty set as none.
 BY_CONTENT = ("images", "mask", "loras", "options")
+# Settings recorded only when asked for (output.settings_of), so that folders made before they existed resume.
+WHEN_GIVEN = ("sigmas",)
 
 
 def content_identity(key: str, value):
@@ -104,6 +106,8 @@ def differing_settings(job: Job, recorded: dict, labels: Labels) -> list[str]:
     them: an image made with an input image is not a text-only job's, nor one made without it an edit's."""
     wanted = settings_of(job, labels)
     differing = [key for key, value in wanted.items() if key not in BY_CONTENT and recorded.get(key) != value]
+    # recorded only when given: an image made on a --sigmas schedule is not one of the default schedule's
+    differing += [key for key in WHEN_GIVEN if key in recorded and key not in wanted]
     differing += [key for key in BY_CONTENT if (key in wanted or key in recorded)
                   and content_identity(key, wanted.get(key)) != content_identity(key, recorded.get(key))]
     return differing

@@ -36,6 +36,8 @@ def settings_of(job: Job, labels: Labels) -> dict:
     settings = dict(prompt=job.prompt, negative_prompt=job.negative_prompt, seed=job.seed, width=job.width,
                     height=job.height, steps=job.steps, cfg=job.cfg, model=labels.model, preset=labels.preset,
                     scheduler=labels.scheduler, enhancer=labels.enhancer)
+    if job.sigmas is not None:  # only then: a folder rendered before --sigmas existed resumes as it was
+        settings["sigmas"] = list(job.sigmas)
     if job.images:  # what the image-conditioned pipelines were given (content hashes: resume compares those)
         settings |= dict(images=[image.record() for image in job.images],
                          mask=None if job.mask is None else job.mask.record(), strength=job.strength)

@@ -79,6 +79,19 @@ def strength_argument(text: str) -> float:
     return value
 
 
+def sigmas_argument(text: str) -> tuple[float, ...]:
+    """--sigmas S1,S2,...: a sampling schedule, numbers in (0, 1] each below the last, at least MIN_STEPS."""
+    values = tuple(finite_float()(part) for part in text.split(","))
+    if len(values) < MIN_STEPS:
+        raise argparse.ArgumentTypeError(f"needs at least {MIN_STEPS} comma-separated values (one per step), got "
+                                         f"{text!r}")
+    if not all(0 < value <= 1 for value in values):
+        raise argparse.ArgumentTypeError(f"each value must be in (0, 1], got {text!r}")
+    if any(b >= a for a, b in zip(values, values[1:])):
+        raise argparse.ArgumentTypeError(f"must decrease from each value to the next, got {text!r}")
+    return values
+
+
 def fraction(text: str) -> float:
     value = finite_float()(text)
     if not 0 < value <= 1:
@@ -183,6 +196,10 @@ def build_parser() -> argparse.ArgumentParser:
     add("--lora", type=lora_argument, action="append", default=[], metavar="PATH_OR_ID[:SCALE]",
         help="a LoRA .safetensors file, local or in a hub repo as OWNER/NAME/FILE.safetensors, at strength SCALE "
              "(default 1); repeatable. Recorded with each image (path, scale, sha256); fused with the fast preset")
+    add("--sigmas", type=sigmas_argument, metavar="S1,S2,...",
+        help="the sampling schedule, one sigma per step, decreasing in (0, 1] (a few-step LoRA's own, e.g. a "
+             "turbo LoRA's), passed to the pipeline as sigmas=; sets --steps to their count. Recorded with each "
+             "image (resume compares it); not with --scheduler dpm++2m, which takes none")
     add("--lightning", action="store_true",
         help=f"few-step sampling for a Lightning (step-distilled) LoRA: its Euler schedule (shift 3), "
              f"{LIGHTNING_STEPS} steps and cfg {LIGHTNING_CFG:g} unless --steps / --cfg say otherwise")

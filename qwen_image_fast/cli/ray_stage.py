@@ -77,6 +77,7 @@ def job_from_json(text: str) -> Job:
     fields["images"] = tuple(InputImage(i["path"], i["sha256"], tuple(i["size"])) for i in fields["images"])
     mask = fields["mask"]
     fields["mask"] = None if mask is None else InputImage(mask["path"], mask["sha256"], tuple(mask["size"]))
+    fields["sigmas"] = None if fields["sigmas"] is None else tuple(fields["sigmas"])
     return Job(**fields)
 
 

@@ -70,6 +70,9 @@ def check_render(args, entries: list[dict]) -> RenderPlan:
     config = config.replace(memory=memory_setting(args.max_memory, args.preset, pipeline, args.parallel))
     loras = tuple(resolve_lora(source, scale) for source, scale in args.lora)
     check_pipeline_options(pipeline, source, config, lightning=args.lightning, fmt=args.format)
+    if args.sigmas is not None and config.fused_transformer and config.scheduler == "dpm++2m":
+        raise ValueError("--sigmas with --scheduler dpm++2m: DPMSolverMultistepScheduler takes no sigmas; use "
+                         "--scheduler euler or unipc")
     if files is not None:  # each file's header read: a wrong or broken file is refused before anything is written
         files.check(config, pipeline)
     model_shape = ModelShape.of(source, pipeline)

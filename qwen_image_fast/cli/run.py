@@ -52,7 +52,8 @@ class Summary:
 def batch_key(job: Job) -> tuple:
     """Jobs with equal keys can share one pipeline call; one with input images runs alone (Edit-2509/2511's
     pipeline takes one prompt a call)."""
-    return job.width, job.height, job.steps, job.cfg, job.negative_prompt is None, job.index if job.images else None
+    return (job.width, job.height, job.steps, job.sigmas, job.cfg, job.negative_prompt is None,
+            job.index if job.images else None)
 
 
 def batches_of(jobs: list[Job], batch_size: int) -> list[list[Job]]:
@@ -123,6 +124,7 @@ def run_batch(pipe, batch: list[Job], on_step, prompts: list[str] | None = None,
         inputs |= {"mask_image": first.mask.load("L")} if first.mask is not None else {}
         inputs |= {"strength": first.strength} if first.strength is not None else {}
     inputs |= {"width": first.width, "height": first.height} if first.width is not None else {}
+    inputs |= {"sigmas": list(first.sigmas)} if first.sigmas is not None else {}
     return pipe(
         **text,
         true_cfg_scale=first.cfg,

@@ -231,6 +231,17 @@ BAD_INPUT = {
     "size-beyond-memory": (lambda tmp: ["--width", "40000", "--height", "40000", "--max-memory", "100", "a cat"],
                            "prompt 1: 40000x40000: needs at least 286.1 GiB (tiny-random's VAE decode and "
                            "transformer at this size), cpu has 100.0 GiB"),
+    "sigmas-above-one": (lambda tmp: ["--sigmas", "1.0,1.2", "a cat"],
+                         "argument --sigmas: each value must be in (0, 1], got '1.0,1.2'"),
+    "sigmas-rising": (lambda tmp: ["--sigmas", "1.0,0.5,0.7", "a cat"],
+                      "argument --sigmas: must decrease from each value to the next, got '1.0,0.5,0.7'"),
+    "sigmas-one-value": (lambda tmp: ["--sigmas", "0.9", "a cat"], "argument --sigmas: needs at least 2"),
+    "sigmas-and-other-steps": (lambda tmp: ["--sigmas", "1,0.5", "--steps", "3", "a cat"],
+                               "--steps 3 with --sigmas of 2 values (one per step): give one or the other"),
+    "sigmas-with-dpm": (lambda tmp: ["--preset", "fast", "--scheduler", "dpm++2m", "--sigmas", "1,0.5", "a cat"],
+                        "--sigmas with --scheduler dpm++2m: DPMSolverMultistepScheduler takes no sigmas"),
+    "sigmas-and-a-row-s-steps": (lambda tmp: ["--sigmas", "1,0.5", *jsonl('{"prompt": "a cat", "steps": 4}')(tmp)],
+                                 'line 1: "steps" 4, but --sigmas gives 2 (one per step)'),
     "max-memory-stock": (lambda tmp: ["--max-memory", "24", "a cat"],
                          "needs memory='low', which runs in the fast text-to-image pipeline alone; --preset baseline"),
 }

@@ -70,6 +70,37 @@ def test_lightning_flag_sets_the_few_step_sampler(tmp_path, capsys):
     assert np.array_equal(pixels(tmp_path / line["file"]), np.asarray(ref).astype(np.int16))
 
 
+def test_sigmas_sample_on_the_given_schedule_recorded_and_compared_on_resume(tmp_path, capsys):
+    """--sigmas: the stock pipeline called with the same sigmas= gives the same image; steps are their count; the
+    schedule is recorded (manifest and file) and resume compares it: the same schedule skips, another or none is
+    refused. Three sigmas: Qwen-Image's scheduler stretches a schedule to end at its shift_terminal, so of two only
+    the first would count."""
+    import torch
+
+    from qwen_image_fast.pipelines.tiny import tiny_pipeline
+
+    sigmas = [1.0, 0.8, 0.3]
+    common = ["render", "--model", "tiny-random", "--device", "cpu", "--width", "32", "--height", "32", "--preset",
+              "baseline", "--cfg", "1", "--out", str(tmp_path), "a cat"]
+    assert main([*common, "--sigmas", "1.0,0.8,0.3"]) == 0
+    line = manifest(tmp_path)[0]
+    assert (line["sigmas"], line["steps"]) == (sigmas, 3) and read_settings(tmp_path / line["file"])["sigmas"] == sigmas
+
+    def stock(**schedule):
+        return np.asarray(tiny_pipeline()("a cat", true_cfg_scale=1.0, width=32, height=32, num_inference_steps=3,
+                                          generator=torch.Generator("cpu").manual_seed(0), **schedule).images[0])
+
+    assert np.array_equal(pixels(tmp_path / line["file"]), stock(sigmas=sigmas).astype(np.int16))
+    assert not np.array_equal(stock(sigmas=sigmas), stock())  # the schedule is not the default one
+    capsys.readouterr()
+    assert main([*common, "--sigmas", "1.0,0.8,0.3"]) == 0
+    assert "0 written, 1 skipped" in capsys.readouterr().out
+    for other in (["--sigmas", "1.0,0.6,0.3"], ["--steps", "3"]):
+        with pytest.raises(SystemExit) as exit_info:
+            main([*common, *other])
+        assert exit_info.value.code == 2 and "made with other settings (sigmas" in capsys.readouterr().err
+
+
 def test_resume_renders_only_what_is_missing(tmp_path, capsys):
     args = ["render", *BASELINE, "--out", str(tmp_path), "a cat", "a dog", "a cow"]
     assert main(args) == 0
