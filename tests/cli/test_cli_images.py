@@ -151,6 +151,34 @@ def test_qwen21_renders_rgba_with_its_defaults_and_condition_images(checkpoints,
                 "--min-psnr", "30"]) == 0
 
 
+def test_qwen21_samples_on_a_few_step_schedule_from_the_command_line(checkpoints, tmp_path):
+    """--sigmas on a Qwen-Image-2.1 checkpoint (a turbo LoRA's kind of schedule): the baseline preset's image is the
+    stock pipeline's called with the same sigmas= and seed, pixel for pixel; the fast preset's compares with it."""
+    import diffusers
+    import torch
+
+    from qwen_image_fast.command import main as cli
+    from qwen_image_fast.pipelines.core.pipeline.base import load_stock
+
+    sigmas = [1.0, 0.8, 0.5, 0.3]
+    for preset in ("baseline", "fast"):
+        assert cli(["render", "--model", str(checkpoints / "qwen21"), "--device", "cpu", "--preset", preset,
+                    "--sigmas", ",".join(map(str, sigmas)), "--out", str(tmp_path / preset), "a cat"]) == 0
+    (line,) = manifest(tmp_path / "baseline")
+    assert (line["sigmas"], line["steps"]) == (sigmas, 4)
+    # diffusers' from_pretrained in BF16, as render loads a checkpoint (its processor built without torchvision:
+    # core/vl_processor.py)
+    stock = load_stock(diffusers.QwenImage21Pipeline, checkpoints / "qwen21", dtype=torch.bfloat16)
+    def ref(**schedule):
+        return np.asarray(stock("a cat", true_cfg_scale=1.0, width=64, height=64, num_inference_steps=4,
+                                generator=[torch.Generator("cpu").manual_seed(line["seed"])], **schedule).images[0])
+
+    assert np.array_equal(np.asarray(Image.open(tmp_path / "baseline" / line["file"])), ref(sigmas=sigmas))
+    assert not np.array_equal(ref(sigmas=sigmas), ref())  # not the default schedule's image
+    assert cli(["compare", str(tmp_path / "baseline"), str(tmp_path / "fast"), "--out", str(tmp_path / "report"),
+                "--min-psnr", "30"]) == 0
+
+
 def test_inpainting_from_jsonl_with_images_mask_and_strength(checkpoints, tmp_path):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"prompt": "a cat", "images": str(checkpoints / "a.png"),
