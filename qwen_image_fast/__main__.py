@@ -2,6 +2,6 @@
 
 import sys
 
-from .command import main
+from .command import exit_main
 
-sys.exit(main())
+sys.exit(exit_main())

@@ -6,7 +6,10 @@ Bad input exits with status 2, argparse's usage line and one line saying what is
 rest of what `render` guarantees).
 """
 
-from .cli import one_line, run_command
+import signal
+import sys
+
+from .cli import INTERRUPTED, one_line, run_command
 from .cli.parser import build_parser
 
 
@@ -21,3 +24,18 @@ def main(argv: list[str] | None = None) -> int:
             args.parser.error(one_line(e))
         return serve_forever(args, *plan)
     return run_command(args)
+
+
+def exit_main() -> int:
+    """The console script and `python -m qwen_image_fast`: main(), then Ctrl-C ignored while the interpreter exits.
+    The commands answer Ctrl-C themselves (130 and one line); one that lands in the last moments, once the command
+    has returned (its summary printed), is answered here the same way, and one during the interpreter's teardown is
+    ignored: never a traceback, nor death by the signal (status -2, no line)."""
+    try:
+        status = main()
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    except KeyboardInterrupt:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        print("qwen-image-fast: interrupted", file=sys.stderr, flush=True)
+        status = INTERRUPTED
+    return status

@@ -205,8 +205,10 @@ def test_ctrl_c_before_the_first_image_removes_the_new_folder_and_says_so(tmp_pa
     created is removed, and the message does not say images are kept in it (SIGTERM takes the same path)."""
     sent, status, said = SIGNALS["ctrl-c"]
     out_dir = tmp_path / "new" / "out"
+    # 5000 steps (~20 s): the image cannot be finished when the signal lands, however late it is delivered (with
+    # 50, ~0.3 s, a loaded machine let the whole command finish first)
     args = ["render", "--model", "tiny-random", "--device", "cpu", "--preset", "baseline", "--width", "64",
-            "--height", "64", "--steps", "50", "--out", str(out_dir), "a cat"]
+            "--height", "64", "--steps", "5000", "--out", str(out_dir), "a cat"]
     process = start_render(args, stdout=subprocess.PIPE)
     assert "-> " in process.stdout.readline()  # the start line, printed before the model loads
     process.send_signal(sent)
@@ -214,6 +216,24 @@ def test_ctrl_c_before_the_first_image_removes_the_new_folder_and_says_so(tmp_pa
     assert process.returncode == status and "Traceback" not in err
     assert err.splitlines()[-1] == f"{said}; nothing was written (the empty folder {out_dir} is removed)"
     assert not (tmp_path / "new").exists()
+
+
+def test_a_ctrl_c_after_the_summary_ends_with_a_status_and_at_most_one_line(tmp_path):
+    """Ctrl-C once the command has printed its summary: the command's status (0: it landed in the interpreter's
+    teardown, or after the exit) or 130 with one line (it landed as the command returned), never death by the
+    signal (-2) or a traceback. A race by nature: three tries."""
+    for attempt in range(3):
+        process = start_render(["render", "--model", "tiny-random", "--device", "cpu", "--preset", "baseline",
+                                "--width", "32", "--height", "32", "--steps", "2", "--out", str(tmp_path / str(attempt)),
+                                "a cat"], stdout=subprocess.PIPE)
+        while "written," not in process.stdout.readline():  # the summary line
+            assert process.poll() is None, process.stderr.read()[-2000:]
+        if process.poll() is None:
+            process.send_signal(signal.SIGINT)
+        err = process.communicate(timeout=60)[1]
+        assert process.returncode in (0, 130) and "Traceback" not in err, (attempt, process.returncode, err[-2000:])
+        if process.returncode == 130:
+            assert err.splitlines()[-1] == "qwen-image-fast: interrupted", err[-2000:]
 
 
 def test_an_image_made_from_an_input_image_is_not_a_text_only_jobs(tmp_path):
