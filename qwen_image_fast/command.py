@@ -38,4 +38,9 @@ def exit_main() -> int:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         print("qwen-image-fast: interrupted", file=sys.stderr, flush=True)
         status = INTERRUPTED
+    # CPython (3.11) marks a KeyboardInterrupt that leaves code run by exec() of a string (dataclasses and
+    # namedtuple build their methods so, during imports) as unhandled even when the command caught it, and `python
+    # -m` then ends by killing itself with SIGINT after the exit (status -2 after the command's line). Each exec of
+    # a string clears the mark as it starts; SIGINT is ignored by now, so this one cannot set it again.
+    exec("")
     return status
