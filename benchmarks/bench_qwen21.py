@@ -2,6 +2,7 @@
 
     python3 benchmarks/bench_qwen21.py [--sizes 1024,1328] [--condition] [--out DIR]          # the transformer
     python3 benchmarks/bench_qwen21.py --pipeline --tokenizer DIR [--sizes 1024,1328] [--condition]   # end to end
+        [--cache every:2,1,0 ...] [--steps6]
     python3 benchmarks/bench_qwen21.py --pipeline --tiny                                  # CPU logic check
 
 The transformer: random full-size weights (32 blocks of 4096, normal(0, 0.02)), bf16, batch 1 (2.1 is
@@ -23,7 +24,10 @@ Qwen3's vocabulary is the same plus a few added tokens) with Qwen's vision token
 and with --condition a 1024^2 condition image (RGBA) at 1024^2. Per row: seconds per image, the text encoding, VAE
 encode and decode times within it, ms per step (the rest over the steps), latent rel-RMS and image PSNR against
 stock. One timed call each after a 3-step warm-up call (ours captures its cached step's graph there, as a user's
-first call does).
+first call does). Each row's `variant`: "exact" (40 steps); with --steps6, "steps6" (stock and ours at 6 steps, a
+few-step LoRA's count); with --cache RULE, "cache" (ours with FastConfig(cache=RULE), checked against the same call
+run eagerly: the same decisions, latents within GRAPH_GATE; its error against stock and ours uncached, the blocks
+computed, and its decisions, beside it).
 
 The error is checked (GATE) before a speed is reported. Appends to results/qwen21.jsonl.
 """
@@ -196,11 +200,10 @@ def full_size_components(tokenizer_dir: Path) -> dict:
 
 def pipeline_rows(args, env: dict) -> list[dict]:
     """--pipeline: stock QwenImage21Pipeline and optimize() of the same components, end to end (the docstring)."""
-    from bench_edit import call, test_image
+    from bench_edit import test_image
     from diffusers import QwenImage21Pipeline
 
     from qwen_image_fast import FastConfig, optimize
-    from qwen_image_fast.cli.compare import psnr
     from qwen_image_fast.pipelines.tiny import tiny_qwen21_components
 
     device = torch.device("cpu" if args.tiny else "cuda")
@@ -222,37 +225,101 @@ def pipeline_rows(args, env: dict) -> list[dict]:
     rows = []
     for size, inputs in cases:
         kwargs = dict(prompt=PROMPT, height=size, width=size, **inputs)
-        results = {}
-        for impl, pipe in (("stock", stock), ("ours", fast)):
-            call(pipe, kwargs, 3, device)  # warm-up: kernels compiled, allocator settled, graphs captured
-            results[impl] = call(pipe, kwargs, steps, device)
-        ref_latents, ref_image = results["stock"][2], results["stock"][3]
-        emulated_error = None
-        if fp8:  # how far FP8 rounding itself moves this random-weight pipeline (done in PyTorch on stock)
-            with emulate_fp8(stock.transformer):
-                emulated_error = rel_rms_error(call(stock, kwargs, steps, device)[2], ref_latents)
-        gate = GATE if emulated_error is None else max(GATE, EMULATION_MARGIN * emulated_error)
-        what = f"{size}^2{' + condition' if inputs else ''}"
-        for impl in ("stock", "ours"):
-            seconds, parts, latents, image = results[impl]
-            error, db = rel_rms_error(latents, ref_latents), psnr(image, ref_image)
-            line = dict(env, bench="qwen21_pipeline", impl=impl, size=(size // 32) * 32, steps=steps,
-                        condition_images=len(inputs.get("image", ())), s_per_image=seconds,
-                        ms_per_step=1000 * (seconds - sum(parts.values())) / steps, latent_rel_rms=error,
-                        psnr_db=db, fp8_emulation_latent_rel_rms=emulated_error, gate=gate,
-                        applied=fast.applied if impl == "ours" else None, **parts)
-            print(f"{what:16s} {impl:5s} {seconds:6.2f} s  {line['ms_per_step']:6.1f} ms/step  text "
-                  f"{parts.get('text_s', 0):.3f} s  vae enc {parts.get('vae_encode_s', 0):.3f} s  dec "
-                  f"{parts.get('vae_decode_s', 0):.3f} s  latent rel-RMS {error:.2e} (FP8 emulated on stock: "
-                  f"{emulated_error or 0:.2e})  PSNR {db:.1f} dB", flush=True)
-            if impl == "ours":
-                if not error <= gate:
-                    print(f"  FAILED the check against stock ({error:.3e} > {gate:.3e}): no speed reported", flush=True)
-                    continue
-                line["speedup_vs_stock"] = results["stock"][0] / seconds
-                print(f"{what}: x{line['speedup_vs_stock']:.2f} end to end", flush=True)
-            rows.append(line)
+        for variant, variant_steps in (("exact", steps), *((("steps6", 6),) if args.steps6 else ())):
+            results = compare_with_stock(stock, fast, kwargs, variant_steps, device, fp8, env, rows,
+                                         dict(size=size, condition_images=len(inputs.get("image", ())),
+                                              variant=variant))
+            if variant == "exact":
+                for rule in args.cache:
+                    rows.extend(cache_row(fast, kwargs, steps, rule, results, device, env, size))
     return rows
+
+
+def compare_with_stock(stock, fast, kwargs: dict, steps: int, device, fp8: bool, env: dict, rows: list,
+                       about: dict) -> dict:
+    """Stock and ours on one call's arguments, each after a 3-step warm-up call; their rows appended to `rows`
+    (ours only within the gate); returns call()'s results by impl."""
+    from bench_edit import call
+
+    from qwen_image_fast.cli.compare import psnr
+
+    size, inputs = about["size"], about["condition_images"]
+    results = {}
+    for impl, pipe in (("stock", stock), ("ours", fast)):
+        call(pipe, kwargs, 3, device)  # warm-up: kernels compiled, allocator settled, graphs captured
+        results[impl] = call(pipe, kwargs, steps, device)
+    ref_latents, ref_image = results["stock"][2], results["stock"][3]
+    emulated_error = None
+    if fp8:  # how far FP8 rounding itself moves this random-weight pipeline (done in PyTorch on stock)
+        with emulate_fp8(stock.transformer):
+            emulated_error = rel_rms_error(call(stock, kwargs, steps, device)[2], ref_latents)
+    gate = GATE if emulated_error is None else max(GATE, EMULATION_MARGIN * emulated_error)
+    what = f"{size}^2{' + condition' if inputs else ''} {about['variant']}"
+    for impl in ("stock", "ours"):
+        seconds, parts, latents, image = results[impl]
+        error, db = rel_rms_error(latents, ref_latents), psnr(image, ref_image)
+        line = dict(env, bench="qwen21_pipeline", impl=impl, size=(size // 32) * 32, steps=steps,
+                    condition_images=inputs, variant=about["variant"], s_per_image=seconds,
+                    ms_per_step=1000 * (seconds - sum(parts.values())) / steps, latent_rel_rms=error,
+                    psnr_db=db, fp8_emulation_latent_rel_rms=emulated_error, gate=gate,
+                    applied=fast.applied if impl == "ours" else None, **parts)
+        print(f"{what:16s} {impl:5s} {seconds:6.2f} s  {line['ms_per_step']:6.1f} ms/step  text "
+              f"{parts.get('text_s', 0):.3f} s  vae enc {parts.get('vae_encode_s', 0):.3f} s  dec "
+              f"{parts.get('vae_decode_s', 0):.3f} s  latent rel-RMS {error:.2e} (FP8 emulated on stock: "
+              f"{emulated_error or 0:.2e})  PSNR {db:.1f} dB", flush=True)
+        if impl == "ours":
+            if not error <= gate:
+                print(f"  FAILED the check against stock ({error:.3e} > {gate:.3e}): no speed reported", flush=True)
+                continue
+            line["speedup_vs_stock"] = results["stock"][0] / seconds
+            print(f"{what}: x{line['speedup_vs_stock']:.2f} end to end", flush=True)
+        rows.append(line)
+    return results
+
+
+def cache_row(fast, kwargs: dict, steps: int, rule: str, results: dict, device, env: dict, size: int) -> list[dict]:
+    """Ours with FastConfig(cache=rule): graphed (after a 3-step warm-up call) against the same call run eagerly
+    (the check: the same decisions, latents within GRAPH_GATE; else no speed), and beside stock and ours uncached
+    (`results`: compare_with_stock's). The pipeline's config is put back."""
+    from bench_edit import call
+
+    from qwen_image_fast.cli.compare import psnr
+
+    config = fast.fast_config
+
+    def decisions():
+        return {name: "".join("C" if c else "-" for c, _ in branch.decisions)
+                for name, branch in fast._last_step_cache.branches.items()}
+
+    try:
+        fast.fast_config = config.replace(cache=rule, cuda_graphs=False)
+        eager = call(fast, kwargs, steps, device)
+        eager_decisions = decisions()
+        fast.fast_config = config.replace(cache=rule)
+        call(fast, kwargs, 3, device)  # warm-up: the pieces' graphs captured
+        seconds, parts, latents, image = call(fast, kwargs, steps, device)
+        label, ran, applied, decided = fast.fast_config.cache.label(), fast.blocks_computed, fast.applied, decisions()
+    finally:
+        fast.fast_config = config
+    (stock_s, _, stock_latents, stock_image), (ours_s, _, ours_latents, ours_image) = results["stock"], results["ours"]
+    graph_error = rel_rms_error(latents, eager[2])
+    line = dict(env, bench="qwen21_pipeline", impl="ours", variant="cache", cache=label, size=(size // 32) * 32,
+                steps=steps, condition_images=len(kwargs.get("image", ())), s_per_image=seconds,
+                ms_per_step=1000 * (seconds - sum(parts.values())) / steps, blocks_computed=ran, decisions=decided,
+                latent_rel_rms=rel_rms_error(latents, stock_latents), psnr_db=psnr(image, stock_image),
+                rel_rms_vs_uncached=rel_rms_error(latents, ours_latents), psnr_vs_uncached=psnr(image, ours_image),
+                graphed_vs_eager_rel_rms=graph_error, applied=applied, **parts)
+    print(f"{size}^2 cache {label}: {seconds:6.2f} s  {line['ms_per_step']:6.1f} ms/step  blocks {ran:.3f}  "
+          f"vs uncached rel-RMS {line['rel_rms_vs_uncached']:.3e} PSNR {line['psnr_vs_uncached']:.1f} dB  vs stock "
+          f"rel-RMS {line['latent_rel_rms']:.3e} PSNR {line['psnr_db']:.1f} dB  graphed vs eager {graph_error:.1e}  "
+          f"{decided}", flush=True)
+    if decided != eager_decisions or not graph_error <= GRAPH_GATE:
+        print(f"  FAILED: the graphed call differs from the eager one ({eager_decisions}, {graph_error:.3e}): no "
+              "speed reported", flush=True)
+        return []
+    line.update(speedup_vs_stock=stock_s / seconds, speedup_vs_uncached=ours_s / seconds)
+    print(f"  x{line['speedup_vs_stock']:.2f} stock, x{line['speedup_vs_uncached']:.2f} ours uncached", flush=True)
+    return [line]
 
 
 def transformer_rows(args, env: dict) -> list[dict]:
@@ -319,6 +386,9 @@ def main():
     parser.add_argument("--condition", action="store_true", help="also a row with a 1024^2 condition image")
     parser.add_argument("--attention", default="auto", help="ours: auto, fa4, cudnn, sdpa")
     parser.add_argument("--no-fp8", action="store_true", help="ours with BF16 block linears")
+    parser.add_argument("--cache", action="append", default=[],
+                        help="with --pipeline: also ours with FastConfig(cache=RULE) (repeatable), e.g. every:2,1,0")
+    parser.add_argument("--steps6", action="store_true", help="with --pipeline: also stock and ours at 6 steps")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     if args.pipeline and not args.tiny and args.tokenizer is None:

@@ -69,6 +69,11 @@ def unowned_reads(reads: ExternalReads, store: cuda_graph.Graphs, static: dict) 
     return unowned
 
 
+def batch_of(inputs: dict) -> int:
+    """A graphed forward's batch: its latents' (hidden_states), or a later piece's rows' (Qwen-Image-2.1's img)."""
+    return (inputs["hidden_states"] if "hidden_states" in inputs else inputs["img"]).shape[0]
+
+
 def install(setattr_, log: dict | None = None) -> dict:
     """Put the stand-in in place with `setattr_(obj, name, value)` (monkeypatch.setattr, or setattr in a worker
     process). Returns the log: the batch of each capture and replay in order, and the unowned reads."""
@@ -86,11 +91,11 @@ def install(setattr_, log: dict | None = None) -> dict:
         finally:
             log["capturing"] = False
         log["unowned"] += unowned_reads(reads, store, static)
-        log["captures"].append(inputs["hidden_states"].shape[0])
+        log["captures"].append(batch_of(inputs))
 
         class Graph:
             def replay(self):
-                log["replays"].append(inputs["hidden_states"].shape[0])
+                log["replays"].append(batch_of(inputs))
                 new = run(**inputs | static)
                 for into, value in zip(*((out, new) if isinstance(out, tuple) else ((out,), (new,)))):
                     if into is not None:

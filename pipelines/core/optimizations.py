@@ -248,8 +248,6 @@ def step_cache_conflict(config: FastConfig, facts: Facts) -> str | None:
                 "otherwise; use no parallel mode, or FirstBlockCacheConfig / TaylorSeerCacheConfig (a state per branch)")
     if config.cache is not None and not facts.fused:
         return "FastConfig(cache=...) needs fused_transformer"
-    if config.cache is not None and facts.qwen21:
-        return "FastConfig(cache=...) is not supported on Qwen-Image-2.1 yet (its prefix KV cache runs by default)"
     return None
 
 

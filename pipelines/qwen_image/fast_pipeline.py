@@ -90,9 +90,3 @@ class FastPipelineMixin(FastPipelineState, FastLoraPipeline, FastCheckpointPipel
     def _parallel_labels(self) -> tuple[str, ...]:
         return ()
 
-    @property
-    def blocks_computed(self) -> float | None:
-        """After a call: the fraction of its transformer blocks (times batch rows) that ran, 1.0 without a step
-        cache; None before the first call, or when no fused transformer forward ran."""
-        return None if self._last_call is None else self._last_call.blocks_fraction
-

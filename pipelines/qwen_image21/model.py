@@ -27,6 +27,14 @@ step: it is built once (host work and syncs) and kept (Layout). In a pipeline ca
 cached step (the target's tokens, from its latents and timestep to the output) replays from a graph of the
 pipeline's runner (core/runtime/runner.py; the forward context's step_graphs) captured at its second use, keyed by
 the layout's content, the cache slot and the shapes.
+
+Under a step cache (FastConfig(cache=DBCache(...)): the runner's StepCacheRun, core/runtime/step_cache.py, in the
+forward context) a forward runs in three pieces, front (blocks [0, Fn)), middle and back (the last Bn and the
+output), each cached step's a graph of its own; each cache_context ("cond", "uncond") is a branch deciding from the
+residual r over the front blocks of the target's rows. The prefill always runs the middle (its prefix keys and values
+fill every block's buffer) and keeps its target's rows' residuals; a cached step that skips the middle adds them to
+the front's output instead. A skipped block's buffers are not touched: the prefix part is written by the prefill
+only, the target part by every step that runs the block, before its attention reads it.
 """
 
 import contextlib
@@ -56,7 +64,7 @@ from ..core.model.numerics import clip_float16
 from ..core.model.checkpoint import FastCheckpoint
 from ..core.model.lora import LoraState, lora_scale_of
 from ..core.model.unsupported import Unsupported, refuse
-from ..core.runtime.context import forward_context, get_context, record
+from ..core.runtime.context import count_blocks, forward_context, get_context, record
 from ..core.runtime.cuda_graph import read_by_graph, signature
 from .block import Attention, FastBlock21, Rows
 from .single_file import QwenImage21SingleFile
@@ -176,7 +184,8 @@ class FastQwenImage21Transformer(Unsupported, LoraAdapters, QwenImage21SingleFil
     lora_sites, block_class, stock_model_name = LORA_SITES, FastBlock21, "QwenImage21Transformer2DModel"
     single_file_layout, stock_config_fields = family_layout(LORA_SITES), STOCK_CONFIG  # single_file.py
     parallel_advice = "render one image per process (FastConfig(parallel=...) is not on Qwen-Image-2.1 yet)"
-    graphs_its_steps = True  # the runner's graphs reach its cached steps through the forward context (step_graphs)
+    # the runner's graphs and step cache reach its steps through the forward context (step_graphs, step_cache)
+    runs_its_steps = True
     _no_split_modules = ["FastBlock21"]
     _supports_gradient_checkpointing = False
 
@@ -327,41 +336,56 @@ class FastQwenImage21Transformer(Unsupported, LoraAdapters, QwenImage21SingleFil
         device, dtype = hidden_states.device, hidden_states.dtype
         layout = self._layout(img_shapes, img_mask, encoder_hidden_states_mask, batch, device)
         backend = self.attention_backend
-        graphs = get_context().step_graphs  # the runner's, in a call whose plan has CUDA graphs
+        context = get_context()
+        graphs, step_cache = context.step_graphs, context.step_cache  # the runner's, when the call's plan has them
+        blocks = len(self.transformer_blocks)
 
         if kv_cache_mode == "cached":  # only the target's tokens: their latents are the last `target` rows
             kvs = self.prefix_cache.of(kv_cache)
             if kvs[0][0].shape[:2] != (batch, layout.target + layout.prefix):
                 raise ValueError(f"the prefix KV cache holds {tuple(kvs[0][0].shape[:2])} (batch, keys), this "
                                  f"forward needs {(batch, layout.target + layout.prefix)}: extract it anew")
-            step = functools.partial(self._cached_step, layout, kvs, backend)
-            inputs = dict(hidden_states=hidden_states[:, -layout.target:], timestep=timestep)
-            if graphs is None:
-                return step(**inputs)
-            self.prefix_cache.stale_graphs(graphs)
-            # what the graph reads beside its inputs: the slot's buffers, the layout's tables (by content), the
+            if graphs is not None:
+                self.prefix_cache.stale_graphs(graphs)
+            # what a graph reads beside its inputs: the slot's buffers, the layout's tables (by content), the
             # adapters as they are
-            key = (signature(inputs), self.lora_key(),
-                   ("cached_step", self.prefix_cache.serial(kv_cache), layout.key, backend))
-            return graphs.run(key, inputs, step)
+            graph_key = ("cached_step", self.prefix_cache.serial(kv_cache), layout.key, backend)
+            piece = functools.partial(self._cached_piece, graphs, graph_key, layout, kvs, backend)
+            inputs = dict(hidden_states=hidden_states[:, -layout.target:], timestep=timestep)
+            if step_cache is None:
+                count_blocks(blocks * batch, blocks * batch)
+                return piece("step", inputs)
+            return self._step_cached(step_cache, piece, inputs, batch, slice(None))
+
+        x = self._joint(hidden_states, encoder_hidden_states, img_mask, layout)
+        modulation, temb = self._modulation(timestep, hidden_states)
+        rows = Rows(modulation, layout.mod_row, layout.freqs, layout.prefix, layout.target)
+        plan = Attention(backend, layout.seqused_k, layout.key_mask, layout.segments, layout.key_valid)
+        shape = (batch, layout.target + layout.prefix, self.config.num_attention_heads,
+                 self.config.attention_head_dim)
+        if kv_cache_mode == "extract":
+            kvs = self.prefix_cache.bind(kv_cache, self._cache_name or "default", shape, dtype, device, blocks)
+            if graphs is not None:
+                self.prefix_cache.stale_graphs(graphs)
         else:
-            x = self._joint(hidden_states, encoder_hidden_states, img_mask, layout)
-            modulation, temb = self._modulation(timestep, hidden_states)
-            rows = Rows(modulation, layout.mod_row, layout.freqs, layout.prefix, layout.target)
-            plan = Attention(backend, layout.seqused_k, layout.key_mask, layout.segments, layout.key_valid)
-            shape = (batch, layout.target + layout.prefix, self.config.num_attention_heads,
-                     self.config.attention_head_dim)
-            if kv_cache_mode == "extract":
-                kvs = self.prefix_cache.bind(kv_cache, self._cache_name or "default", shape, dtype, device,
-                                             len(self.transformer_blocks))
-                if graphs is not None:
-                    self.prefix_cache.stale_graphs(graphs)
-            else:
-                scratch = (torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype,
-                                                                                        device=device))
-                kvs = [scratch] * len(self.transformer_blocks)
-            output = self._blocks_and_output(x, rows, plan, kvs, temb)
-        return output
+            scratch = (torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype,
+                                                                                    device=device))
+            kvs = [scratch] * blocks
+        if step_cache is None:
+            count_blocks(blocks * batch, blocks * batch)
+            return self._output(*self._blocks(x, None, rows, plan, kvs, 0, blocks), rows, temb)
+        piece = functools.partial(self._prefill_piece, x, rows, plan, kvs, temb, layout.target)
+        # a prefill's later steps compute the target's rows alone: its branch keeps their residuals
+        kept = slice(-layout.target, None) if kv_cache_mode == "extract" else slice(None)
+        return self._step_cached(step_cache, piece, {}, batch, kept)
+
+    def _step_cached(self, step_cache, piece, inputs: dict, batch: int, kept: slice) -> torch.Tensor:
+        """A forward under the call's step cache (core/runtime/step_cache.py), its branch the cache_context's."""
+        out, computes = step_cache.forward(piece, inputs, [self._cache_name or "cond"], kept)
+        config, blocks = step_cache.config, len(self.transformer_blocks)
+        record("step_cache", config.label())
+        count_blocks((blocks if computes[0] else config.Fn + config.Bn) * batch, blocks * batch)
+        return out
 
     def _layout(self, img_shapes, img_mask, text_mask, batch: int, device) -> Layout:
         """The forward's Layout: the last one when the pipeline passes the same mask tensors again, unmodified (no
@@ -392,23 +416,59 @@ class FastQwenImage21Transformer(Unsupported, LoraAdapters, QwenImage21SingleFil
         temb = self.time_text_embed(timestep, hidden_states)
         return self.modulation(temb), temb
 
-    def _cached_step(self, layout: Layout, kvs: list, backend: str, hidden_states, timestep) -> torch.Tensor:
-        """A cached step from the target's latents [B, T, C] and timestep: every token reads its sample's row."""
-        batch = hidden_states.shape[0]
+    def _cached_piece(self, graphs, graph_key: tuple, layout: Layout, kvs: list, backend: str, name: str,
+                      inputs: dict, start: int = 0, stop: int | None = None, img=None, txt=None):
+        """A cached step (name "step": all of it), or one piece of it under a step cache ("front": blocks
+        [0, stop) -> (x, None, r); "middle": [start, stop) on img -> (x, None); "back": [start, N) and the output),
+        from a graph of the runner's where the call has graphs."""
+        stop = len(self.transformer_blocks) if stop is None else stop
+        if name in ("middle", "back"):  # from the front's rows: the latents are not read again
+            inputs = dict(timestep=inputs["timestep"], img=img)
+        compute = functools.partial(self._cached_step, layout, kvs, backend, name, start, stop)
+        if graphs is None:
+            return compute(**inputs)
+        return graphs.run((signature(inputs), self.lora_key(), graph_key + (name, start, stop)), inputs, compute)
+
+    def _cached_step(self, layout: Layout, kvs: list, backend: str, name: str, start: int, stop: int, timestep,
+                     hidden_states=None, img=None):
+        """The blocks [start, stop) of a cached step on the target's rows: from its latents [B, T, C] (name "step"
+        and "front"), or from the rows img [B, T, D] a piece before it left; every token reads its sample's row."""
         # the layout's tables and masks and the prefix buffers, made before the step: a graph of it keeps them
         read_by_graph(layout.freqs, layout.seqused_k, layout.key_mask, *(t for kv in kvs for t in kv))
-        modulation, temb = self._modulation(timestep, hidden_states)
+        x = self.img_in(hidden_states) if img is None else img
+        batch = x.shape[0]
+        modulation, temb = self._modulation(timestep, x)
         rows = Rows(modulation[:batch], None, layout.freqs[layout.prefix:], 0, layout.target)
         plan = Attention(backend, layout.seqused_k, layout.key_mask)
-        return self._blocks_and_output(self.img_in(hidden_states), rows, plan, kvs, temb)
+        return self._piece(name, x, rows, plan, kvs, temb, start, stop, layout.target)
 
-    def _blocks_and_output(self, x, rows: Rows, plan: Attention, kvs: list, temb) -> torch.Tensor:
+    def _prefill_piece(self, x, rows: Rows, plan: Attention, kvs: list, temb, target: int, name: str, inputs: dict,
+                       start: int = 0, stop: int | None = None, img=None, txt=None):
+        """A piece of a forward of the joint sequence (a prefill, or a step without the prefix cache) under a step
+        cache: as _cached_piece's, eagerly (once a call), r of the target's rows."""
+        stop = len(self.transformer_blocks) if stop is None else stop
+        return self._piece(name, x if img is None else img, rows, plan, kvs, temb, start, stop, target)
+
+    def _piece(self, name: str, x, rows: Rows, plan: Attention, kvs: list, temb, start: int, stop: int, target: int):
+        if name in ("step", "back"):  # to the output
+            return self._output(*self._blocks(x, None, rows, plan, kvs, start, stop), rows, temb)
+        x_in, (x, tail) = x, self._blocks(x, None, rows, plan, kvs, start, stop)
+        if tail is not None:  # the last block's residual, which the next piece's first kernel would have fused
+            x = residual_gate(x, *tail, mod_row=rows.mod_row)
+        if name == "middle":
+            return x, None
+        return x, None, (x - x_in)[:, -target:]  # front: the residual over the first blocks, the target's rows
+
+    def _blocks(self, x, tail, rows: Rows, plan: Attention, kvs: list, start: int, stop: int):
+        """Blocks [start, stop) on x -> (x, the last block's residual left to the next kernel, or None)."""
         scratch_q = torch.empty(kvs[0][0].shape, dtype=x.dtype, device=x.device)
-        tail = None
-        for block, kv in zip(self.transformer_blocks, kvs):
+        for block, kv in zip(self.transformer_blocks[start:stop], kvs[start:stop]):
             x, tail = block(x, tail, rows, plan, kv, scratch_q)
             if x.dtype == torch.float16:  # diffusers' block clips its float16 output to the finite range
                 x, tail = clip_float16(residual_gate(x, *tail, mod_row=rows.mod_row)), None
+        return x, tail
+
+    def _output(self, x, tail, rows: Rows, temb) -> torch.Tensor:
         scale = self.norm_out.linear(self.norm_out.silu(temb).to(x.dtype))  # [G, D]
         scale = (scale if rows.mod_row is not None else scale[:x.shape[0]]).contiguous()
         if tail is None:

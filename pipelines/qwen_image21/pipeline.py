@@ -2,8 +2,9 @@
 __call__, unchanged, around the fast Qwen-Image-2.1 transformer (model.py).
 
 What runs is the registry's (core/optimizations.py): fused_transformer, fp8 (every block linear),
-fp8_fast_accum, attention and cuda_graphs (the cached steps, model.py, from the graphs of the pipeline's runner)
-run here; batched CFG and the step caches do not yet (the plan says why), and the options that would change
+fp8_fast_accum, attention, cuda_graphs (the cached steps, model.py, from the graphs of the pipeline's runner) and
+FastConfig(cache=...) (the step cache's pieces, model.py) run here; batched CFG and diffusers' step caches do not
+yet (the plan says why), and the options that would change
 diffusers' loop (sampler, cfg_fraction, memory, parallel) are refused, as for the 2512 family's image-conditioned
 pipelines. Each call runs in the pipeline's runner (core/pipeline/base.py's _fast_call); `applied` after a call is
 what it recorded running.
@@ -17,7 +18,7 @@ from diffusers import QwenImage21Pipeline
 from ..core.config import FastConfig
 from ..core.gpu_support import fp8_gemm_why_not
 from ..core.optimizations import QWEN21_VAE, Facts
-from ..core.pipeline.base import (FastCheckpointPipeline, FastLoraPipeline, FastPipelineState,
+from ..core.pipeline.base import (FastCheckpointPipeline, FastLoraPipeline, FastPipelineState, check_blocks_for_cache,
                                   check_given_fast_transformer, refuse_text_to_image_only, transformer_config_on)
 from ..core.runtime.offload import has_offload_hooks
 from .model import FastQwenImage21Transformer
@@ -44,6 +45,7 @@ class FastQwenImage21Pipeline(FastPipelineState, FastLoraPipeline, FastCheckpoin
     def _set_up(self, config: FastConfig, device):
         refuse_2512_only(config, type(self).__name__)
         transformer = self.transformer
+        check_blocks_for_cache(transformer, config)
         if isinstance(transformer, FastQwenImage21Transformer):
             check_given_fast_transformer(transformer, config)
         elif config.fused_transformer and transformer is not None:
@@ -54,6 +56,7 @@ class FastQwenImage21Pipeline(FastPipelineState, FastLoraPipeline, FastCheckpoin
 
     def _check_fast_config(self, config: FastConfig):
         refuse_2512_only(config, type(self).__name__)  # as when the pipeline is built
+        check_blocks_for_cache(self.transformer, config)
 
     def facts(self) -> Facts:
         transformer = self.transformer

@@ -105,9 +105,6 @@ def check_pipeline_options(pipeline: str, model: str, config, lightning: bool, f
     if lightning:
         raise ValueError(f"--lightning samples for Qwen-Image-2512's Lightning LoRAs; {model} is a Qwen-Image-2.1 "
                          "checkpoint (40 steps, guidance distilled in): leave --lightning out")
-    if config.cache is not None:
-        raise ValueError(f"--cache: the step caches do not run on Qwen-Image-2.1 yet ({model}; its prefix KV "
-                         "cache runs by default): leave --cache out")
     if fmt == "jpg":
         raise ValueError(f"--format jpg: {model} renders RGBA images, and JPEG has no alpha channel: use --format "
                          "png or webp")

@@ -176,8 +176,9 @@ BAD_INPUT = {
     "model-fails-to-load": (unloadable_model, "cannot read its model_index.json ('_class_name')"),
     "qwen21-lightning": (lambda tmp: qwen21_model(tmp, "--lightning"),
                          "--lightning samples for Qwen-Image-2512's Lightning LoRAs"),
-    "qwen21-cache": (lambda tmp: qwen21_model(tmp, "--preset", "fast", "--cache", "every:2,1,0"),
-                     "--cache: the step caches do not run on Qwen-Image-2.1 yet"),
+    "qwen21-cache-too-deep": (lambda tmp: qwen21_model(tmp, "--preset", "fast", "--cache", "every:2,1,1"),
+                              "--cache dbcache:F1B1:every2:w0: Fn=1 + Bn=1 leaves no middle block to cache in "
+                              "{model}'s transformer of 2 blocks"),
     "qwen21-scheduler": (lambda tmp: qwen21_model(tmp, "--preset", "fast", "--scheduler", "unipc",
                                                   "--cfg-fraction", "0.5"),
                          "--scheduler unipc, --cfg-fraction 0.5: for text-to-image checkpoints only; {model} is a "

@@ -179,6 +179,23 @@ def test_qwen21_samples_on_a_few_step_schedule_from_the_command_line(checkpoints
                 "--min-psnr", "30"]) == 0
 
 
+def test_qwen21_step_cache_with_compare_uncached_from_the_command_line(checkpoints, tmp_path, capsys):
+    """--cache on a Qwen-Image-2.1 checkpoint with --compare-uncached: both rendered (one model load) and compared;
+    every:2,1,0 on its 2 blocks over 4 steps runs block 1 alone at steps 1 and 3: 6 of 8 blocks."""
+    from qwen_image_fast.command import main as cli
+
+    cached, uncached = tmp_path / "cached", tmp_path / "uncached"
+    assert cli(["render", "--model", str(checkpoints / "qwen21"), "--device", "cpu", "--preset", "fast", "--steps",
+                "4", "--cache", "every:2,1,0", "--out", str(cached), "--compare-uncached", str(uncached),
+                "a cat"]) == 0
+    out = capsys.readouterr().out
+    [line], [plain] = manifest(cached), manifest(uncached)
+    assert line["blocks_computed"] == 0.75 and "blocks_computed" not in plain, (line, plain)
+    assert "A | B: blocks computed 100% | 75%" in out and "pass: 1 pair(s) measured" in out, out
+    assert not np.array_equal(np.asarray(Image.open(cached / line["file"])),
+                              np.asarray(Image.open(uncached / plain["file"])))
+
+
 def test_inpainting_from_jsonl_with_images_mask_and_strength(checkpoints, tmp_path):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"prompt": "a cat", "images": str(checkpoints / "a.png"),

@@ -504,9 +504,10 @@ class ReferenceDBCache:
     """config.DBCache's rule in plain PyTorch on the stock transformer's own blocks: each wrapped; the branch is the
     cache_context the stock pipeline enters. log: per forward (branch, whether the middle ran). With
     config.taylorseer, cache-dit's own TaylorSeerCalibrator per branch extrapolates the cached residuals (its states
-    made up front, as cache-dit has them from its second call on)."""
+    made up front, as cache-dit has them from its second call on). wrapper: the block wrapper (Qwen-Image-2.1's
+    single-stream blocks have their own: test_qwen21_step_cache.py)."""
 
-    def __init__(self, transformer, config: DBCache):
+    def __init__(self, transformer, config: DBCache, wrapper=None):
         self.config, self.n = config, len(transformer.transformer_blocks)
         self.branch, self.states, self.log = None, {}, []
         enter = transformer.cache_context
@@ -519,7 +520,7 @@ class ReferenceDBCache:
 
         transformer.cache_context = cache_context
         transformer.transformer_blocks = torch.nn.ModuleList(
-            Wrapped(self, i, block) for i, block in enumerate(transformer.transformer_blocks))
+            (wrapper or Wrapped)(self, i, block) for i, block in enumerate(transformer.transformer_blocks))
 
     def decide(self, r: torch.Tensor) -> bool:
         c, s = self.config, self.states.setdefault(self.branch, dict(step=0, ref=None, cached=0, run=0))

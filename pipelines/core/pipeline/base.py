@@ -367,6 +367,12 @@ class FastPipelineState:
             return self._last_call.labels()
         return planned_labels(self.fast_config, self.facts())
 
+    @property
+    def blocks_computed(self) -> float | None:
+        """After a call: the fraction of its transformer blocks (times batch rows) that ran, 1.0 without a step
+        cache; None before the first call, or when no fused transformer forward ran."""
+        return None if self._last_call is None else self._last_call.blocks_fraction
+
     @contextlib.contextmanager
     def _fast_call(self, attention_kwargs: dict | None = None, will_run: dict[str, bool] | None = None,
                    facts: Facts | None = None, **context):

@@ -18,8 +18,11 @@ call of the transformer), the runner puts a hook on the module (runtime/forward_
 - ulysses: the sequence-parallel group of a FastConfig(parallel="ulysses") call (runtime/parallel.py);
 - weights_take_turns: memory="low" (runtime/offload.py): the forward checks that the block linears are on its device;
 - record: the call's CallRecord (optimizations.py): what ran, for `applied`;
-- step_graphs: in a call whose plan has CUDA graphs, for a model that graphs its own steps (Qwen-Image-2.1's cached
-  steps): the runner's store and the call's eager keys (runtime/cuda_graph.CallGraphs).
+- step_graphs: in a call whose plan has CUDA graphs, for a model that runs its own steps (Qwen-Image-2.1's: a cached
+  step follows host work on the prefix cache): the runner's store and the call's eager keys
+  (runtime/cuda_graph.CallGraphs);
+- step_cache: in a call with FastConfig(cache=...), for such a model: the call's StepCacheRun (runtime/step_cache.py),
+  which its forwards run their pieces through.
 """
 
 import contextlib
@@ -39,6 +42,7 @@ class ForwardContext:
     weights_take_turns: bool = False
     record: Any = None  # optimizations.CallRecord
     step_graphs: Any = None  # cuda_graph.CallGraphs
+    step_cache: Any = None  # step_cache.StepCacheRun
 
 
 _CONTEXT: ContextVar[ForwardContext] = ContextVar("qwen_image_fast_forward_context", default=ForwardContext())

@@ -13,9 +13,10 @@ A pipeline owns one Runner (its graphs live across calls); each call opens a Cal
   2B (cfg_pairing.paired_inputs); the text-to-image loop calls it.
 - `new_forward(inputs)`: the call's hook on the fast transformer's forward (forward_hook.py), for the forwards a
   diffusers loop calls: pairs "cond" and "uncond" by speculation (cfg_pairing.Speculation) when batched CFG is on.
-- A model whose forward graphs its own steps (`graphs_its_steps`: Qwen-Image-2.1's, whose cached steps follow host
-  work on the prefix cache) finds the runner's store in the forward context (`step_graphs`, cuda_graph.CallGraphs):
-  the same store, capture policy and failure policy.
+- A model that runs its own steps (`runs_its_steps`: Qwen-Image-2.1's, whose cached steps follow host work on the
+  prefix cache) finds the runner's store in the forward context (`step_graphs`, cuda_graph.CallGraphs): the same
+  store, capture policy and failure policy; and the call's step cache (`step_cache`, a StepCacheRun) whose pieces
+  its forward runs.
 Under diffusers' step caches (transformer.enable_cache) a forward runs eagerly, its hooks deciding on the host around
 the blocks (and their attention modules), unless the step cache runs it (a native rule, model/step_caches.py); with
 graphs each block replays from its own graphs instead (block_graphs.py: the whole block, or three pieces around a
@@ -106,9 +107,11 @@ class Runner:
             step_cache = StepCacheRun(step_cache, len(transformer.transformer_blocks))
         run = CallRun(self, transformer, record, graphs=graphs, pair_cfg=pair_cfg, bucket=bucket,
                       attention_kwargs=attention_kwargs or {}, step_cache=step_cache)
-        # a model that graphs its own steps (Qwen-Image-2.1's cached steps) does so with the runner's store
-        step_graphs = run.call_graphs if graphs and getattr(transformer, "graphs_its_steps", False) else None
-        with forward_context(record=record, step_graphs=step_graphs), \
+        # a model that runs its own steps (Qwen-Image-2.1's) graphs them with the runner's store, and runs the step
+        # cache's pieces itself
+        own_steps = getattr(transformer, "runs_its_steps", False)
+        with forward_context(record=record, step_graphs=run.call_graphs if graphs and own_steps else None,
+                             step_cache=run.step_cache if own_steps else None), \
                 hook_on(transformer, run) if run.fused else contextlib.nullcontext():
             yield run
 

@@ -10,7 +10,9 @@ Between them, on the host: each CFG branch (the rows of "cond" and of "uncond" i
 whether its middle runs (one device-to-host read of its residual difference per step, none during the warm-up or on
 a fixed schedule); a branch that runs it stores its residuals (mid - front) and r; one that does not adds its stored
 residuals to the front's output instead, or with DBCache(taylorseer=n) their Taylor extrapolation (TaylorSeer).
-Each branch decides as it would in a forward of its own.
+Each branch decides as it would in a forward of its own. Qwen-Image-2.1's single-stream model runs the same pieces
+itself (qwen_image21/model.py: no text stream, txt None; its prefill keeps the target's rows of its residuals, which
+its later steps compute alone).
 """
 
 import math
@@ -136,10 +138,11 @@ class StepCacheRun:
         self.config, self.n_blocks = config, n_blocks
         self.branches: dict[str, Branch] = {}
 
-    def forward(self, piece, inputs: dict, names: list[str]) -> tuple[torch.Tensor, list[bool]]:
+    def forward(self, piece, inputs: dict, names: list[str], kept: slice = slice(None)) -> tuple[torch.Tensor, list[bool]]:
         """One forward whose batch is `names`' branches in equal parts (["cond", "uncond"] for a paired one).
-        piece(name, inputs, **tensors) runs a piece (the runner: eager or graphed). Returns (output, per branch
-        whether its middle ran)."""
+        piece(name, inputs, **tensors) runs a piece (the runner: eagerly or graphed; a single-stream model's pieces
+        return txt None). kept: the rows of the image stream a branch stores (Qwen-Image-2.1's prefill stores its
+        target's, which its later steps compute alone). Returns (output, per branch whether its middle ran)."""
         config, n = self.config, self.n_blocks
         img, txt, r = piece("front", inputs, stop=config.Fn)
         rows = img.shape[0] // len(names)
@@ -157,19 +160,23 @@ class StepCacheRun:
         for branch, p, compute in zip(branches, parts, computes):
             taylor = branch.taylor
             if compute:
-                branch.res_img, branch.res_txt = mid_img[p] - img[p], mid_txt[p] - txt[p]
+                branch.res_img = (mid_img[p] - img[p])[:, kept]
+                branch.res_txt = None if txt is None else mid_txt[p] - txt[p]
                 branch.ref = r[p]
                 if taylor is not None:
                     taylor.update("img", branch.res_img)
-                    taylor.update("txt", branch.res_txt)
+                    if txt is not None:
+                        taylor.update("txt", branch.res_txt)
                     taylor.last = taylor.step
                 imgs.append(mid_img[p])
-                txts.append(mid_txt[p])
+                txts.append(None if txt is None else mid_txt[p])
             else:
-                res_img, res_txt = ((taylor.approximate("img"), taylor.approximate("txt")) if taylor is not None
-                                    else (branch.res_img, branch.res_txt))
+                res_img = taylor.approximate("img") if taylor is not None else branch.res_img
                 imgs.append(img[p] + res_img)
-                txts.append(txt[p] + fit(res_txt, txt.shape[1]))
-        img, txt = (imgs[0], txts[0]) if len(names) == 1 else (torch.cat(imgs), torch.cat(txts))
+                if txt is not None:
+                    res_txt = taylor.approximate("txt") if taylor is not None else branch.res_txt
+                    txts.append(txt[p] + fit(res_txt, txt.shape[1]))
+        img = imgs[0] if len(names) == 1 else torch.cat(imgs)
+        txt = None if txt is None else txts[0] if len(names) == 1 else torch.cat(txts)
         out = piece("back", inputs, img=img, txt=txt, start=n - config.Bn)
         return out, computes
