@@ -3,6 +3,7 @@
     python3 benchmarks/bench_qwen21.py [--sizes 1024,1328] [--condition] [--out DIR]          # the transformer
     python3 benchmarks/bench_qwen21.py --pipeline --tokenizer DIR [--sizes 1024,1328] [--condition]   # end to end
         [--cache every:2,1,0 ...] [--steps6]
+    python3 benchmarks/bench_qwen21.py --pipeline --sizes "" --memory-low --tokenizer DIR   # memory="low" alone
     python3 benchmarks/bench_qwen21.py --pipeline --tiny                                  # CPU logic check
 
 The transformer: random full-size weights (32 blocks of 4096, normal(0, 0.02)), bf16, batch 1 (2.1 is
@@ -214,7 +215,7 @@ def pipeline_rows(args, env: dict) -> list[dict]:
     for pipe in (stock, fast):
         pipe.set_progress_bar_config(disable=True)
     steps = 3 if args.tiny else STEPS
-    sizes = [64] if args.tiny else [int(s) for s in args.sizes.split(",")]
+    sizes = [64] if args.tiny else [int(s) for s in args.sizes.split(",") if s]  # "": no such rows
     cases = [(size, {}) for size in sizes]
     if args.condition:
         size = 64 if args.tiny else 1024
@@ -275,6 +276,57 @@ def compare_with_stock(stock, fast, kwargs: dict, steps: int, device, fp8: bool,
             print(f"{what}: x{line['speedup_vs_stock']:.2f} end to end", flush=True)
         rows.append(line)
     return results
+
+
+def memory_rows(args, env: dict) -> list[dict]:
+    """--memory-low: ours resident ("fast") and with FastConfig(memory="low") ("low": the text encoder and the
+    transformer's blocks take turns on the GPU), one after the other in this process (the resident pipeline dropped
+    first), 1024^2, 40 steps; each a timed call after a 3-step warm-up, with the peak reserved memory over both calls.
+    The check: low's latents equal the resident pipeline's bit for bit (else no row)."""
+    import gc
+
+    from bench_edit import call
+    from diffusers import QwenImage21Pipeline
+
+    from qwen_image_fast import FastConfig, optimize
+
+    from qwen_image_fast.pipelines.tiny import tiny_qwen21_components
+
+    gpu = not args.tiny
+    device, size, steps = (torch.device("cuda"), 1024, STEPS) if gpu else (torch.device("cpu"), 64, 3)
+    components = full_size_components(args.tokenizer) if gpu else tiny_qwen21_components()
+    kwargs = dict(prompt=PROMPT, height=size, width=size)
+    results = {}
+    for memory in ("fast", "low"):
+        pipe = optimize(QwenImage21Pipeline(**components), FastConfig(memory=memory, fp8=gpu,
+                                                                      attention=args.attention), device=device)
+        pipe.set_progress_bar_config(disable=True)
+        if memory == "fast":  # the stock blocks (BF16) are not the resident pipeline's: off the GPU
+            components["transformer"].transformer_blocks.to("cpu")
+        gc.collect()
+        if gpu:
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+        call(pipe, kwargs, 3, device)
+        seconds, parts, latents, _ = call(pipe, kwargs, steps, device)
+        results[memory] = (seconds, parts, latents, torch.cuda.max_memory_reserved() / 2**30 if gpu else None,
+                           pipe.applied)
+        del pipe
+    rows = []
+    same = torch.equal(results["low"][2], results["fast"][2])
+    for memory, (seconds, parts, _, peak, applied) in results.items():
+        line = dict(env, bench="qwen21_pipeline", impl="ours", variant=f"memory_{memory}", size=size, steps=steps,
+                    s_per_image=seconds, ms_per_step=1000 * (seconds - sum(parts.values())) / steps,
+                    peak_reserved_gib=peak, equal_to_resident=same, applied=applied, **parts)
+        print(f"{size}^2 memory={memory}: {seconds:6.2f} s  {line['ms_per_step']:6.1f} ms/step  text "
+              f"{parts.get('text_s', 0):.3f} s  peak reserved {peak or 0:.1f} GiB  equal to resident: {same}",
+              flush=True)
+        rows.append(line)
+    if not same:
+        print("  FAILED: memory='low' differs from the resident pipeline: no speed reported", flush=True)
+        return []
+    print(f"  low / fast: x{results['low'][0] / results['fast'][0]:.3f} the time", flush=True)
+    return rows
 
 
 def cache_row(fast, kwargs: dict, steps: int, rule: str, results: dict, device, env: dict, size: int) -> list[dict]:
@@ -389,12 +441,16 @@ def main():
     parser.add_argument("--cache", action="append", default=[],
                         help="with --pipeline: also ours with FastConfig(cache=RULE) (repeatable), e.g. every:2,1,0")
     parser.add_argument("--steps6", action="store_true", help="with --pipeline: also stock and ours at 6 steps")
+    parser.add_argument("--memory-low", action="store_true",
+                        help="with --pipeline: then ours resident and with memory='low' at 1024^2 (peak reserved)")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     if args.pipeline and not args.tiny and args.tokenizer is None:
         parser.error("--pipeline needs --tokenizer DIR (benchmarks/qwen_bpe_tokenizer.py writes one), or --tiny")
     env = {} if args.tiny else environment()
     rows = pipeline_rows(args, env) if args.pipeline else transformer_rows(args, env)
+    if args.memory_low:
+        rows += memory_rows(args, env)
     if not args.tiny:
         append_results("qwen21", rows, args.out)
 

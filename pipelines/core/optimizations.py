@@ -215,7 +215,7 @@ def plan_modulation_table(config: FastConfig, facts: Facts) -> Plan:
 
 
 def plan_memory(config: FastConfig, facts: Facts) -> Plan:
-    return plain(config.memory != "fast", text_to_image_reason(facts), (config.memory,))
+    return plain(config.memory != "fast", None if facts.qwen21 else text_to_image_reason(facts), (config.memory,))
 
 
 def plan_parallel(config: FastConfig, facts: Facts) -> Plan:
@@ -290,7 +290,8 @@ REGISTRY: tuple[Optimization, ...] = (
                  "every step's modulation vectors computed once per schedule", plan_modulation_table,
                  needs=("fused_transformer",), text_to_image_only=True),
     Optimization("memory", "memory", "exact",
-                 "low: modulation weights on the host, text encoder and block linears take turns on the GPU",
+                 "low: the text encoder and the transformer's blocks take turns on the GPU (2512's modulation "
+                 "weights on the host)",
                  plan_memory, needs=("fused_transformer", "modulation_table"), text_to_image_only=True),
     Optimization("parallel", "parallel", "exact", "one image on several processes (CFG-parallel, Ulysses)",
                  plan_parallel, text_to_image_only=True),

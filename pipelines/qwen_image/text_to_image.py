@@ -27,10 +27,10 @@ from diffusers import QwenImagePipeline
 from diffusers.pipelines.qwenimage.pipeline_output import QwenImagePipelineOutput
 
 from ..core.config import FastConfig
+from ..core.pipeline.turns import TurnTakingPipeline
 from ..core.prompt_enhancer import resolve_enhancer
 from .fast_pipeline import FastPipelineMixin
 from ..core.runtime.memory import place_low_memory
-from ..core.runtime.offload import TakingTurns
 from ..core.runtime.parallel import MeshShape, ParallelMesh
 from .samplers import check_not_one_step, dynamic_shift, fewest_steps, make_scheduler, set_timesteps
 
@@ -61,7 +61,7 @@ def check_parallel_setup(config: FastConfig, path_or_id=None):
                            None if path_or_id is None else checkpoint_heads(path_or_id))
 
 
-class QwenImageFastPipeline(FastPipelineMixin, QwenImagePipeline):
+class QwenImageFastPipeline(TurnTakingPipeline, FastPipelineMixin, QwenImagePipeline):
     """Drop-in for QwenImagePipeline: `QwenImageFastPipeline(**components, fast_config=...)` (diffusers' constructor,
     converts a stock transformer where it is), `from_pretrained(..., fast_config=..., device=...)`, `from_pipe(pipe)`
     or `qwen_image_fast.optimize(pipe)`. `fast_config` says what was asked for, `applied` what ran."""
@@ -71,7 +71,6 @@ class QwenImageFastPipeline(FastPipelineMixin, QwenImagePipeline):
     last_enhanced_prompts: list[str] | None = None  # the rewrites of the last call (None when there were none)
     sampler = None  # the scheduler the last call stepped with: pipe.scheduler itself, or one derived from it
     parallel: ParallelMesh | None = None  # the process groups of FastConfig.parallel
-    _turns: TakingTurns | None = None  # memory="low": the text encoder and the block linears on the GPU in turn
 
     def __init__(self, scheduler, vae, text_encoder, tokenizer, transformer, fast_config: FastConfig | str | None = None,
                  enhance_prompt=None):
@@ -101,28 +100,7 @@ class QwenImageFastPipeline(FastPipelineMixin, QwenImagePipeline):
         shape = self.parallel.shape
         return ((("cfg2",) if shape.cfg > 1 else ()) + ((f"ulysses{shape.ulysses}",) if shape.ulysses > 1 else ()))
 
-    # ---- memory="low": the components' places are the pipeline's
-
-    @property
-    def text_encoder_takes_turns(self) -> bool:
-        """memory="low": encoding brings the text encoder onto the GPU in place of the transformer's block linears
-        (and the next denoising call brings those back), so encode every prompt of a batch first."""
-        return self._turns is not None
-
-    def to(self, *args, **kwargs):
-        """diffusers' DiffusionPipeline.to; refused with memory="low", which places the components itself."""
-        if self._turns is not None:
-            raise ValueError("pipe.to(...) with FastConfig(memory='low'): the pipeline places its components itself "
-                             "(the text encoder and the transformer's block linears take turns on the GPU, the "
-                             "modulation weights stay on the host); build it with device=... instead")
-        return super().to(*args, **kwargs)
-
-    def load_lora_weights(self, *args, **kwargs):
-        """diffusers' load_lora_weights; with memory="low", during the block linears' turn on the GPU (the factors
-        go where the linears they attach to are)."""
-        if self._turns is not None:
-            self._turns.use("transformer")
-        return super().load_lora_weights(*args, **kwargs)
+    # ---- memory="low": the components' places are the pipeline's (core/pipeline/turns.py)
 
     def _get_qwen_prompt_embeds(self, *args, **kwargs):
         """diffusers' text encoding; with memory="low", the text encoder's turn on the GPU first."""

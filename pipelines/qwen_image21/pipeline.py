@@ -10,6 +10,7 @@ pipelines. Each call runs in the pipeline's runner (core/pipeline/base.py's _fas
 what it recorded running.
 """
 
+import contextlib
 import functools
 
 import torch
@@ -18,22 +19,27 @@ from diffusers import QwenImage21Pipeline
 from ..core.config import FastConfig
 from ..core.gpu_support import fp8_gemm_why_not
 from ..core.optimizations import QWEN21_VAE, Facts
+from ..core.pipeline.turns import TurnTakingPipeline
 from ..core.pipeline.base import (FastCheckpointPipeline, FastLoraPipeline, FastPipelineState, check_blocks_for_cache,
                                   check_given_fast_transformer, refuse_text_to_image_only, transformer_config_on)
+from ..core.runtime.context import record
 from ..core.runtime.offload import has_offload_hooks
+from .memory import place_low_memory
 from .model import FastQwenImage21Transformer
 
 
 def refuse_2512_only(config: FastConfig, pipeline: str):
-    """ValueError for what `pipeline` would otherwise ignore: the text-to-image-only options (diffusers' loop runs),
-    and text_bucket (the runner's padding of prompts: 2.1's text is in the prefix cache, at its own length)."""
-    refuse_text_to_image_only(config, pipeline)
+    """ValueError for what `pipeline` would otherwise ignore: the text-to-image-only options (diffusers' loop runs)
+    but memory (memory.py places 2.1's components), and text_bucket (the runner's padding of prompts: 2.1's text is
+    in the prefix cache, at its own length)."""
+    refuse_text_to_image_only(config.replace(memory="fast"), pipeline)
     if config.text_bucket != FastConfig().text_bucket:
         raise ValueError(f"text_bucket={config.text_bucket!r}: {pipeline} keeps each prompt at its own length in "
                          "the prefix KV cache; leave text_bucket at its default")
 
 
-class FastQwenImage21Pipeline(FastPipelineState, FastLoraPipeline, FastCheckpointPipeline, QwenImage21Pipeline):
+class FastQwenImage21Pipeline(TurnTakingPipeline, FastPipelineState, FastLoraPipeline, FastCheckpointPipeline,
+                              QwenImage21Pipeline):
     stock_class, fast_transformer_class = QwenImage21Pipeline, FastQwenImage21Transformer
     _image_conditioned = False  # its text-to-image-only options are refuse_2512_only's
 
@@ -53,6 +59,10 @@ class FastQwenImage21Pipeline(FastPipelineState, FastLoraPipeline, FastCheckpoin
             self.register_modules(transformer=FastQwenImage21Transformer.from_diffusers(
                 transformer, transformer_config_on(config, device), device))
         self._new_state(config)
+        self._turns = None
+        if config.memory == "low":
+            device = torch.device(device) if device is not None else self.transformer.device
+            self._turns = place_low_memory(self, device)
 
     def _check_fast_config(self, config: FastConfig):
         refuse_2512_only(config, type(self).__name__)  # as when the pipeline is built
@@ -72,5 +82,27 @@ class FastQwenImage21Pipeline(FastPipelineState, FastLoraPipeline, FastCheckpoin
 
     @functools.wraps(QwenImage21Pipeline.__call__)
     def __call__(self, *args, **kwargs):
-        with self._fast_call(kwargs.get("attention_kwargs")):
+        with self._fast_call(kwargs.get("attention_kwargs")), self._blocks_take_turns():
             return QwenImage21Pipeline.__call__(self, *args, **kwargs)
+
+    # ---- memory="low" (memory.py; core/pipeline/turns.py)
+
+    def _get_qwen_prompt_embeds(self, *args, **kwargs):
+        """diffusers' text encoding; with memory="low", the text encoder's turn on the GPU first."""
+        if self._turns is not None:
+            self._turns.use("text_encoder")
+        return super()._get_qwen_prompt_embeds(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def _blocks_take_turns(self):
+        """With memory="low", in a call (its record in the forward context): each transformer forward brings the
+        blocks' turn first (nothing to do once they are in)."""
+        if self._turns is None:
+            yield
+            return
+        record("memory", "low")
+        handle = self.transformer.register_forward_pre_hook(lambda module, args: self._turns.use("transformer"))
+        try:
+            yield
+        finally:
+            handle.remove()

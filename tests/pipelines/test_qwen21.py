@@ -421,7 +421,6 @@ def test_a_new_batch_with_the_same_masks_gets_its_own_layout():
 def test_qwen21_refuses_what_it_cannot_run(tmp_path):
     for config, match in ((FastConfig(scheduler="unipc"), "scheduler='unipc'"),
                           (FastConfig(text_bucket=128), "text_bucket=128: FastQwenImage21Pipeline keeps"),
-                          (FastConfig(memory="low"), "memory='low'"),
                           (FastConfig(bf16_linears=("img_fc2",)), "names Qwen-Image-2512's linears"),
                           (FastConfig(fp8_attention="auto"), "fp8_attention='auto' is not supported on Qwen-Image-2.1")):
         with pytest.raises(ValueError, match=match):

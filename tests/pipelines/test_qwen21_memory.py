@@ -1,0 +1,75 @@
+"""FastConfig(memory="low") on Qwen-Image-2.1 (pipelines/qwen_image21/memory.py): the text encoder and the
+transformer's blocks take turns in one buffer on the device; the latents equal stock's and the resident pipeline's,
+with CFG and a condition image (the text encoder's vision tower reads it in the encoder's turn)."""
+
+import numpy as np
+import pytest
+import torch
+from diffusers import QwenImage21Pipeline
+from helpers import assert_close
+from PIL import Image
+
+from qwen_image_fast import FastConfig, optimize
+from qwen_image_fast.pipelines.tiny import tiny_qwen21_components
+
+CONDITION = Image.fromarray((np.random.RandomState(0).rand(64, 96, 4) * 255).astype("uint8"), "RGBA")
+CALL = dict(prompt=["a cat on a mat", "a dog"], negative_prompt=["blurry", "dark and grainy"], true_cfg_scale=2.0,
+            num_inference_steps=3, height=64, width=64, output_type="latent", output_resolution=64)
+
+
+def latents(pipe, device="cpu", **extra) -> torch.Tensor:
+    return pipe(**CALL | extra, generator=torch.Generator(device).manual_seed(0)).images
+
+
+@pytest.mark.parametrize("condition", [False, True], ids=["text-to-image", "condition-image"])
+def test_low_memory_matches_stock_and_the_resident_pipeline(condition):
+    extra = dict(image=CONDITION) if condition else {}
+    expected = latents(QwenImage21Pipeline(**tiny_qwen21_components()), **extra)
+    fast = optimize(QwenImage21Pipeline(**tiny_qwen21_components()), FastConfig(fp8=False))
+    low = optimize(QwenImage21Pipeline(**tiny_qwen21_components()), FastConfig(fp8=False, memory="low"))
+    planned = low.applied
+    assert planned == fast.applied + ["memory:low"], (planned, fast.applied)
+    resident = latents(fast, **extra)
+    assert_close(resident, expected, 1e-5, f"resident, condition={condition}")
+    assert torch.equal(latents(low, **extra), resident), "memory='low' differs from the resident pipeline"
+    assert low.applied == planned, low.applied
+    turns = low._turns
+    # the prompt's and the negative prompt's encodings in one turn of the text encoder, then the blocks'
+    assert turns.resident == "transformer" and turns.loads == 2, (turns.resident, turns.loads)
+    assert not turns.arenas["text_encoder"].loaded
+    assert torch.equal(latents(low, **extra), resident) and turns.loads == 4, "a second call: the same turns again"
+
+
+def test_low_memory_refuses_to_move_and_keeps_the_blocks_between_turns():
+    low = optimize(QwenImage21Pipeline(**tiny_qwen21_components()), FastConfig(fp8=False, memory="low"))
+    with pytest.raises(ValueError, match="places its components itself"):
+        low.to("cpu")
+    block = low.transformer.transformer_blocks[0]
+    arena = low._turns.arenas["transformer"]
+    latents(low)
+    low._get_qwen_prompt_embeds("a cat", device=torch.device("cpu"))  # the text encoder's turn: the blocks go home
+    assert low._turns.resident == "text_encoder" and not arena.loaded
+    assert all(t.data_ptr() == view.data_ptr() for t, _, view in arena.entries)  # each a view of the host arena
+    assert any(t is block.qkv.weight for t, _, _ in arena.entries)
+
+
+@pytest.mark.gpu
+def test_low_memory_on_gpu_equals_the_resident_pipeline_and_reserves_less():
+    """On a GPU, FP8 and CUDA graphs on (the cached steps replay across turns: the buffer never moves): the latents
+    of two calls equal the resident pipeline's bit for bit, and the peak reserved memory is lower."""
+    device = torch.device("cuda")
+
+    def peak(pipe) -> tuple[torch.Tensor, float]:
+        torch.cuda.reset_peak_memory_stats()
+        out = [latents(pipe, "cuda") for _ in range(2)]
+        assert torch.equal(out[0], out[1])
+        return out[1], torch.cuda.max_memory_reserved() / 2**30
+
+    fast = optimize(QwenImage21Pipeline(**tiny_qwen21_components()), FastConfig(), device=device)
+    expected, fast_peak = peak(fast)
+    del fast
+    torch.cuda.empty_cache()
+    low = optimize(QwenImage21Pipeline(**tiny_qwen21_components()), FastConfig(memory="low"), device=device)
+    got, low_peak = peak(low)
+    assert torch.equal(got, expected) and "cuda_graphs" in low.applied and "memory:low" in low.applied, low.applied
+    assert low_peak < fast_peak, (low_peak, fast_peak)
