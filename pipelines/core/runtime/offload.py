@@ -158,6 +158,11 @@ class TakingTurns:
             leaving.unload()
             if overflowed and self.device.type == "cuda":
                 torch.cuda.empty_cache()  # the overflow buffer back to the driver, not kept reserved
-        self.arenas[name].load(self.buffer)
+        arena = self.arenas[name]
+        if arena.nbytes > self.buffer.numel() and self.device.type == "cuda":
+            # what the allocator keeps cached (the last call's activations and VAE decode) goes back first: the
+            # overflow buffer comes on top of what is in use only (Qwen-Image-2.1's ~10 GiB of text encoder)
+            torch.cuda.empty_cache()
+        arena.load(self.buffer)
         self.resident = name
         self.loads += 1
