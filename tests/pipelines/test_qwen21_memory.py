@@ -54,23 +54,23 @@ def test_low_memory_refuses_to_move_and_keeps_the_blocks_between_turns():
 
 
 @pytest.mark.gpu
-def test_low_memory_on_gpu_equals_the_resident_pipeline_and_reserves_less():
-    """On a GPU, FP8 and CUDA graphs on (the cached steps replay across turns: the buffer never moves): the latents
-    of two calls equal the resident pipeline's bit for bit, and the peak reserved memory is lower."""
+def test_low_memory_on_gpu_equals_the_resident_pipeline():
+    """On a GPU with CUDA graphs (the cached steps replay across turns: the buffer never moves; FP8 off: the tiny
+    model is fp32): the latents of two calls equal the resident pipeline's bit for bit; between calls the text
+    encoder is on the host and the blocks on the GPU (the memory saved at the real size: bench_qwen21.py
+    --memory-low)."""
     device = torch.device("cuda")
 
-    def peak(pipe) -> tuple[torch.Tensor, float]:
-        torch.cuda.reset_peak_memory_stats()
+    def twice(pipe) -> torch.Tensor:
         out = [latents(pipe, "cuda") for _ in range(2)]
         assert torch.equal(out[0], out[1])
-        return out[1], torch.cuda.max_memory_reserved() / 2**30
+        return out[1]
 
-    fast = optimize(QwenImage21Pipeline(**tiny_qwen21_components()).to(device), FastConfig())
-    expected, fast_peak = peak(fast)
-    del fast
-    torch.cuda.empty_cache()
+    expected = twice(optimize(QwenImage21Pipeline(**tiny_qwen21_components()).to(device), FastConfig(fp8=False)))
     # from the host, as a card too small for the resident pipeline loads it
-    low = optimize(QwenImage21Pipeline(**tiny_qwen21_components()), FastConfig(memory="low"), device=device)
-    got, low_peak = peak(low)
-    assert torch.equal(got, expected) and "cuda_graphs" in low.applied and "memory:low" in low.applied, low.applied
-    assert low_peak < fast_peak, (low_peak, fast_peak)
+    low = optimize(QwenImage21Pipeline(**tiny_qwen21_components()), FastConfig(fp8=False, memory="low"),
+                   device=device)
+    assert torch.equal(twice(low), expected)
+    assert "cuda_graphs" in low.applied and "memory:low" in low.applied, low.applied
+    assert {t.device.type for t in low.text_encoder.parameters()} == {"cpu"}
+    assert {t.device.type for t in low.transformer.parameters()} == {"cuda"}
