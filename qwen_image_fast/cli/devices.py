@@ -78,21 +78,33 @@ def check_triton_on_cpu(device, labels: Labels, enhance: str | None = None):
 FAST_PIPELINE_GIB = 43.0
 LOW_MEMORY_GIB = 22.0
 QWEN_IMAGE_2512_SHAPE = (3072, 60)
+# Qwen-Image-2.1's, measured the same way at 1024^2 text-to-image only (benchmarks/RESULTS.md, "Qwen-Image-2.1"):
+# 35.7 GiB reserved resident, 19.9 with memory="low" (its ~16 GiB text encoder and the blocks taking turns), each
+# with the CUDA context and a margin for larger sizes and condition images, which were not measured.
+QWEN21_FAST_PIPELINE_GIB = 38.0
+QWEN21_LOW_MEMORY_GIB = 21.0
+LOW_MEMORY_MEASURED = {"QwenImagePipeline": "21.7 GiB at 1024x1024, 23.0 at 1328x1328, measured",
+                       "QwenImage21Pipeline": "19.9 GiB reserved at 1024x1024, measured; its text encoder alone is "
+                                              "~16 GiB"}
 
 
 def memory_setting(max_memory: float | None, preset: str, pipeline: str, parallel: str | None) -> str:
     """FastConfig.memory for --max-memory GIB (None: "fast"); ValueError when nothing fits or low cannot run."""
-    if max_memory is None or max_memory >= FAST_PIPELINE_GIB:
+    qwen21 = pipeline == "QwenImage21Pipeline"
+    fast_gib, low_gib = (QWEN21_FAST_PIPELINE_GIB, QWEN21_LOW_MEMORY_GIB) if qwen21 else (FAST_PIPELINE_GIB,
+                                                                                          LOW_MEMORY_GIB)
+    if max_memory is None or max_memory >= fast_gib:
         return "fast"
-    if max_memory < LOW_MEMORY_GIB:
-        raise ValueError(f"--max-memory {max_memory:g}: the pipeline needs at least {LOW_MEMORY_GIB:g} GiB (with "
-                         "memory='low': 21.7 GiB at 1024x1024, 23.0 at 1328x1328, measured)")
+    if max_memory < low_gib:
+        measured = LOW_MEMORY_MEASURED["QwenImage21Pipeline" if qwen21 else "QwenImagePipeline"]
+        raise ValueError(f"--max-memory {max_memory:g}: the pipeline needs at least {low_gib:g} GiB (with "
+                         f"memory='low': {measured})")
     why = (f"--preset {preset} runs the stock pipeline" if preset == STOCK_PRESET else
-           f"{pipeline} is not the text-to-image pipeline" if pipeline != "QwenImagePipeline" else
+           f"{pipeline} is not the text-to-image pipeline" if pipeline != "QwenImagePipeline" and not qwen21 else
            f"--parallel {parallel} is set" if parallel else None)
     if why:
-        raise ValueError(f"--max-memory {max_memory:g} below {FAST_PIPELINE_GIB:g} needs memory='low', which runs in "
-                         f"the fast text-to-image pipeline alone; {why}: leave --max-memory out")
+        raise ValueError(f"--max-memory {max_memory:g} below {fast_gib:g} needs memory='low', which runs in the fast "
+                         f"text-to-image and Qwen-Image-2.1 pipelines alone; {why}: leave --max-memory out")
     return "low"
 
 

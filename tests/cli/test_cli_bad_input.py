@@ -176,6 +176,9 @@ BAD_INPUT = {
     "model-fails-to-load": (unloadable_model, "cannot read its model_index.json ('_class_name')"),
     "qwen21-lightning": (lambda tmp: qwen21_model(tmp, "--lightning"),
                          "--lightning samples for Qwen-Image-2512's Lightning LoRAs"),
+    "qwen21-max-memory-16": (lambda tmp: qwen21_model(tmp, "--preset", "fast", "--max-memory", "16"),
+                             "--max-memory 16: the pipeline needs at least 21 GiB (with memory='low': 19.9 GiB "
+                             "reserved at 1024x1024, measured; its text encoder alone is ~16 GiB)"),
     "qwen21-cache-too-deep": (lambda tmp: qwen21_model(tmp, "--preset", "fast", "--cache", "every:2,1,1"),
                               "--cache dbcache:F1B1:every2:w0: Fn=1 + Bn=1 leaves no middle block to cache in "
                               "{model}'s transformer of 2 blocks"),
@@ -244,7 +247,8 @@ BAD_INPUT = {
     "sigmas-and-a-row-s-steps": (lambda tmp: ["--sigmas", "1,0.5", *jsonl('{"prompt": "a cat", "steps": 4}')(tmp)],
                                  'line 1: "steps" 4, but --sigmas gives 2 (one per step)'),
     "max-memory-stock": (lambda tmp: ["--max-memory", "24", "a cat"],
-                         "needs memory='low', which runs in the fast text-to-image pipeline alone; --preset baseline"),
+                         "needs memory='low', which runs in the fast text-to-image and Qwen-Image-2.1 pipelines alone; "
+                         "--preset baseline"),
 }
 
 
