@@ -49,9 +49,11 @@ import torch.nn as nn
 from diffusers.configuration_utils import ConfigMixin
 from diffusers.models.modeling_outputs import Transformer2DModelOutput
 from diffusers.models.modeling_utils import ModelMixin
+from diffusers.hooks._helpers import TransformerBlockRegistry
 from diffusers.models.transformers.transformer_qwenimage21 import (
     QwenImage21Rope,
     QwenImage21Transformer2DModel,
+    QwenImage21TransformerBlock,
     _qwenimage21_prefix_segments,
 )
 
@@ -79,6 +81,9 @@ SHARED_MODULES = ("pos_embed", "time_text_embed", "txt_in", "img_in", "modulatio
 LORA_SITES = {"attn.to_q": ("qkv", 0), "attn.to_k": ("qkv", 1), "attn.to_v": ("qkv", 2), "attn.to_out.0": ("out", None),
               "img_mlp.gate_layer": ("gate_up", 0), "img_mlp.proj": ("gate_up", 1), "img_mlp.out": ("down", None)}
 IMG_TOKENS_PER_SLOT = 4  # a vision-language image slot stands for 2 x 2 latent tokens (diffusers' constant)
+# diffusers' step caches whose hooks look the block class up in its TransformerBlockRegistry, which has no
+# QwenImage21TransformerBlock in 0.42.1: stock's enable_cache refuses them with the registry's ValueError
+REGISTRY_CACHES = ("FirstBlockCacheConfig", "MagCacheConfig", "SeaCacheConfig")
 MAX_LAYOUTS = 16  # kept layouts: past this, all are dropped (a graph keeps the tensors it reads: read_by_graph)
 
 
@@ -281,9 +286,13 @@ class FastQwenImage21Transformer(Unsupported, LoraAdapters, QwenImage21SingleFil
         return False
 
     def enable_cache(self, config):
+        if type(config).__name__ in REGISTRY_CACHES:  # where stock refuses, its own refusal (a ValueError)
+            TransformerBlockRegistry.get(QwenImage21TransformerBlock)
         refuse(self, "enable_cache", "diffusers' step caches are not supported on the fast Qwen-Image-2.1 "
-                                     "transformer yet (its prefix KV cache runs by default); keep the stock "
-                                     "transformer (FastConfig.preset('baseline')) to use one")
+                                     "transformer yet: FastConfig(cache=...) runs the DBCache rules on it; keep the "
+                                     "stock transformer (FastConfig.preset('baseline')) for TaylorSeerCacheConfig or "
+                                     "TextKVCacheConfig (on stock Qwen-Image-2.1, diffusers 0.42.1's "
+                                     "PyramidAttentionBroadcastConfig and FasterCacheConfig fail at the first call)")
 
     # ---- saving and loading (the 2512 model's format: the stock config plus fast_config, FP8 weights as stored)
 

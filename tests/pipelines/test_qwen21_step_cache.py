@@ -2,7 +2,8 @@
 the decisions and latents equal the rule's plain-PyTorch reference on the stock transformer's own blocks
 (test_step_caches.py's ReferenceDBCache: cache-dit's similarity and TaylorSeer calibrator) through the stock
 QwenImage21Pipeline's loop, per CFG branch, with the prefix KV cache on and off, eagerly and from graphs; every
-block's prefix keys and values stay its own and its branch's."""
+block's prefix keys and values stay its own and its branch's. diffusers' enable_cache configs: refused as stock
+refuses them on 2.1, or saying what runs instead."""
 
 import pytest
 import torch
@@ -175,3 +176,24 @@ def test_step_cached_pieces_replay_real_graphs_on_gpu():
         assert torch.equal(run(graphed), expected), f"call {n}"
         assert decisions(graphed) == decisions(eager) and "cuda_graphs" in graphed.applied, graphed.applied
     assert len(graphed.runner.graphs) == 4 and graphed.runner.graphs_failed is None
+
+
+def test_diffusers_caches_refused_as_stock_refuses_or_with_what_runs_instead():
+    """diffusers' enable_cache on the fast 2.1 transformer: the configs stock refuses on 2.1 (their hooks find no
+    registered block class) with stock's own ValueError; the others with a NotImplementedError naming
+    FastConfig(cache=...) and the stock transformer."""
+    from diffusers import (FirstBlockCacheConfig, MagCacheConfig, SeaCacheConfig, TaylorSeerCacheConfig,
+                           TextKVCacheConfig)
+
+    fast = optimize(tiny_pipeline(num_layers=BLOCKS), FastConfig(fp8=False))
+    for config in (FirstBlockCacheConfig(threshold=0.2), MagCacheConfig(mag_ratios=[1.0] * 4), SeaCacheConfig()):
+        with pytest.raises(ValueError) as stock_refusal:
+            tiny_pipeline(num_layers=BLOCKS).transformer.enable_cache(config)
+        with pytest.raises(ValueError) as ours:
+            fast.transformer.enable_cache(config)
+        assert str(ours.value) == str(stock_refusal.value) and "not registered" in str(ours.value)
+    for config in (TaylorSeerCacheConfig(cache_interval=2), TextKVCacheConfig()):
+        tiny_pipeline(num_layers=BLOCKS).transformer.enable_cache(config)  # stock takes them
+        with pytest.raises(NotImplementedError, match=r"FastConfig\(cache=\.\.\.\) runs the DBCache rules"):
+            fast.transformer.enable_cache(config)
+    assert not fast.transformer.is_cache_enabled
