@@ -83,6 +83,7 @@ QWEN_IMAGE_2512_SHAPE = (3072, 60)
 # with the CUDA context and a margin for larger sizes and condition images, which were not measured.
 QWEN21_FAST_PIPELINE_GIB = 38.0
 QWEN21_LOW_MEMORY_GIB = 21.0
+QWEN_IMAGE_21_SHAPE = (4096, 32)
 LOW_MEMORY_MEASURED = {"QwenImagePipeline": "21.7 GiB at 1024x1024, 23.0 at 1328x1328, measured",
                        "QwenImage21Pipeline": "19.9 GiB reserved at 1024x1024, measured; its text encoder alone is "
                                               "~16 GiB"}
@@ -109,28 +110,30 @@ def memory_setting(max_memory: float | None, preset: str, pipeline: str, paralle
 
 
 def check_gpu_fits(device, max_memory: float | None, preset: str, pipeline: str, model_shape) -> None:
-    """Without --max-memory, a GPU too small for the fast pipeline of a Qwen-Image-2512-size model (model_shape:
-    sizes.ModelShape) is refused before anything loads, with the --max-memory that runs it (memory='low': the same
-    images), or saying that none does."""
+    """Without --max-memory, a GPU too small for the fast pipeline of a Qwen-Image-2512-size model, or of a
+    Qwen-Image-2.1-size one (model_shape: sizes.ModelShape), is refused before anything loads, with the
+    --max-memory that runs it (memory='low': the same images), or saying that none does."""
+    qwen21 = pipeline == "QwenImage21Pipeline"
     if (max_memory is not None or device.type != "cuda" or preset == STOCK_PRESET or model_shape is None
-            or (model_shape.width, model_shape.layers) != QWEN_IMAGE_2512_SHAPE):
+            or (model_shape.width, model_shape.layers) != (QWEN_IMAGE_21_SHAPE if qwen21 else QWEN_IMAGE_2512_SHAPE)):
         return
     import torch
 
+    fast_gib, low_gib = (QWEN21_FAST_PIPELINE_GIB, QWEN21_LOW_MEMORY_GIB) if qwen21 else (FAST_PIPELINE_GIB,
+                                                                                          LOW_MEMORY_GIB)
     properties = torch.cuda.get_device_properties(device)
     total = properties.total_memory / 2**30
-    if total >= FAST_PIPELINE_GIB:
+    if total >= fast_gib:
         return
-    where = (f"{device} ({properties.name}) has {total:.1f} GiB, and the fast pipeline needs about "
-             f"{FAST_PIPELINE_GIB:g}")
-    if total < LOW_MEMORY_GIB:
-        raise ValueError(f"{where} ({LOW_MEMORY_GIB:g} with --max-memory, its low-memory mode): GPUs this small are "
+    where = f"{device} ({properties.name}) has {total:.1f} GiB, and the fast pipeline needs about {fast_gib:g}"
+    if total < low_gib:
+        raise ValueError(f"{where} ({low_gib:g} with --max-memory, its low-memory mode): GPUs this small are "
                          "not served yet")
-    if pipeline != "QwenImagePipeline":
+    if pipeline != "QwenImagePipeline" and not qwen21:
         raise ValueError(f"{where}; its low-memory mode (--max-memory) runs the text-to-image pipeline only, not "
                          f"{pipeline}")
     raise ValueError(f"{where}: add --max-memory {int(total)} (memory='low': the same images bit for bit in about "
-                     f"{LOW_MEMORY_GIB:g} GiB)")
+                     f"{low_gib:g} GiB)")
 
 
 def cap_memory(max_memory: float | None, device) -> None:

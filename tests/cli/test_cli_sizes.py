@@ -105,12 +105,18 @@ def test_a_large_size_on_the_cpu_warns_with_an_estimate(capsys):
                                         "not QwenImageEditPlusPipeline"),
     (15.6, "QwenImagePipeline", "has 15.6 GiB, and the fast pipeline needs about 43 (22 with --max-memory, its "
                                 "low-memory mode): GPUs this small are not served yet"),
+    # a Qwen-Image-2.1-size model: its own numbers (35.7 and 19.9 GiB reserved at 1024^2, measured)
+    (39.4, "QwenImage21Pipeline", None),
+    (23.6, "QwenImage21Pipeline", "has 23.6 GiB, and the fast pipeline needs about 38: add --max-memory 23 "
+                                  "(memory='low': the same images bit for bit in about 21 GiB)"),
+    (15.6, "QwenImage21Pipeline", "has 15.6 GiB, and the fast pipeline needs about 38 (21 with --max-memory, its "
+                                  "low-memory mode): GPUs this small are not served yet"),
 ])
 def test_a_gpu_too_small_for_the_fast_pipeline_is_told_the_memory_mode_before_loading(monkeypatch, gib, pipeline,
                                                                                          expected):
-    """Without --max-memory, a Qwen-Image-2512-size model on a GPU below the fast pipeline's measured peak: refused
-    before anything loads, naming the --max-memory that runs it (or that none does). Not checked: with --max-memory
-    (memory_setting's rules), the stock preset, another model size, the CPU."""
+    """Without --max-memory, a Qwen-Image-2512-size (or 2.1-size) model on a GPU below the fast pipeline's measured
+    peak: refused before anything loads, naming the --max-memory that runs it (or that none does). Not checked: with
+    --max-memory (memory_setting's rules), the stock preset, another model size, the CPU."""
     from types import SimpleNamespace
 
     from qwen_image_fast.cli.devices import check_gpu_fits
@@ -119,16 +125,18 @@ def test_a_gpu_too_small_for_the_fast_pipeline_is_told_the_memory_mode_before_lo
                         lambda device: SimpleNamespace(total_memory=int(gib * 2**30), name="a mocked GPU"))
     cuda = torch.device("cuda", 0)
     size_2512 = ModelShape(width=3072, layers=60, patch=2, vae_scale=8, vae_channels=96, dtype_bytes=2)
+    size_21 = ModelShape(width=4096, layers=32, patch=1, vae_scale=16, vae_channels=96, dtype_bytes=2)
+    size = size_21 if pipeline == "QwenImage21Pipeline" else size_2512
     if expected is None:
-        check_gpu_fits(cuda, None, "fast", pipeline, size_2512)
+        check_gpu_fits(cuda, None, "fast", pipeline, size)
     else:
         with pytest.raises(ValueError, match="cuda:0 \\(a mocked GPU\\) ") as refused:
-            check_gpu_fits(cuda, None, "fast", pipeline, size_2512)
+            check_gpu_fits(cuda, None, "fast", pipeline, size)
         assert expected in str(refused.value)
-    size_21 = ModelShape(width=2560, layers=40, patch=1, vae_scale=16, vae_channels=96, dtype_bytes=2)
+    other = ModelShape(width=2560, layers=40, patch=1, vae_scale=16, vae_channels=96, dtype_bytes=2)
     cpu = torch.device("cpu")
-    for unchecked in ((cuda, 24.0, "fast", pipeline, size_2512), (cuda, None, "baseline", pipeline, size_2512),
-                      (cuda, None, "fast", pipeline, size_21), (cpu, None, "fast", pipeline, size_2512)):
+    for unchecked in ((cuda, 24.0, "fast", pipeline, size), (cuda, None, "baseline", pipeline, size),
+                      (cuda, None, "fast", pipeline, other), (cpu, None, "fast", pipeline, size)):
         check_gpu_fits(*unchecked)
 
 
