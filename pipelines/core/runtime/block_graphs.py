@@ -11,13 +11,10 @@ BlockGraphs is what one forward's blocks need, set by the runner (runner.py) in 
 keys run eagerly in the call, and the adapters' key the forward runs; the blocks call its two methods.
 """
 
-import logging
 from dataclasses import dataclass
 
-from .context import forward_context, record
-from .cuda_graph import GraphCaptureError, Graphs, signature
-
-logger = logging.getLogger(__name__)
+from .context import forward_context
+from .cuda_graph import CallGraphs, Graphs, signature
 
 
 @dataclass(frozen=True)
@@ -29,25 +26,14 @@ class BlockGraphs:
     def graphed_block(self, module, piece: str, inputs: dict, compute, joint_key: tuple):
         """compute(**inputs): `piece` ("block", or "pre" / "attn" / "post" around a hooked attention module) of one
         block, from a graph per (module, piece, signature) from its second forward. It reads the forward's shared
-        tensors from the buffers block_buffers filled (joint_key: their signature). A failed capture runs it
-        eagerly and turns the store's graphs off (Graphs.failed: the runner keeps graphs off for the pipeline)."""
+        tensors from the buffers block_buffers filled (joint_key: their signature). Captured, replayed and failed as
+        every graph of the runner's (CallGraphs.run), recorded as cuda_graphs:blocks."""
         def run(**tensors):
             with forward_context(block_graphs=None):  # nothing inside a piece is graphed apart
                 return compute(**tensors)
 
-        if self.store.failed:
-            return run(**inputs)
         key = (signature(inputs), self.lora_key, (id(module), piece, joint_key))
-        try:
-            out, replayed = self.store.run(key, inputs, run, self.seen, kind=piece)
-        except GraphCaptureError as e:
-            logger.warning("CUDA graph capture failed, running the transformer eagerly from now on: %s",
-                           e.__cause__ or e)
-            self.store.fail(str(e))
-            return run(**inputs)
-        if replayed:
-            record("cuda_graphs", "blocks")
-        return out
+        return CallGraphs(self.store, self.seen).run(key, inputs, run, kind=piece, label="blocks")
 
     def block_buffers(self, kind: str, tensors: dict, fill: bool = True) -> dict:
         """The buffers the block graphs read for `kind` and the tensors' signature, holding `tensors` (fill: copied

@@ -7,8 +7,9 @@ non-tensor arguments such as img_shapes) and what else the forward reads that it
 scale and adapters' version): a new resolution, batch or text length captures a new graph. Inputs are copied into
 the graph's static buffers before each replay; the output is copied out, so it stays valid after the next replay.
 When to capture is one policy, Graphs.run's, for every user, and what a failed capture does is one too, CallGraphs.run's
-(the runner's whole forwards and step-cache pieces, runner.py; a model that graphs its own steps, such as Qwen-Image-2.1's
-cached steps, through the forward context's `step_graphs`): a key's first forward runs eagerly (it compiles the
+(the runner's whole forwards and step-cache pieces, runner.py; the blocks under diffusers' step-cache hooks,
+block_graphs.py; a model that graphs its own steps, such as Qwen-Image-2.1's, through the forward context's
+`step_graphs`): a key's first forward runs eagerly (it compiles the
 kernels and fills the model's caches), its second is captured, later ones replay; a failed capture turns the store's
 graphs off for the pipeline, with a warning.
 
@@ -171,21 +172,22 @@ class CallGraphs:
     store: Graphs
     seen: set
 
-    def run(self, key: tuple, inputs: dict, compute):
-        """compute(**inputs), from the store's graph of `key` from the second time it runs (Graphs.run), recorded
-        as cuda_graphs when replayed. A failed capture runs it eagerly, with a warning, and turns the store's
-        graphs off (Graphs.failed: the runner keeps them off for the pipeline); so does a store failed before."""
+    def run(self, key: tuple, inputs: dict, compute, kind: str = "", label=True):
+        """compute(**inputs), from the store's graph of `key` from the second time it runs (Graphs.run; kind: a
+        shared store's input buffers), recorded as cuda_graphs (value `label`) when replayed. A failed capture runs
+        it eagerly, with a warning, and turns the store's graphs off (Graphs.failed: the runner keeps them off for
+        the pipeline); so does a store failed before."""
         if self.store.failed:
             return compute(**inputs)
         try:
-            out, replayed = self.store.run(key, inputs, compute, self.seen)
+            out, replayed = self.store.run(key, inputs, compute, self.seen, kind)
         except GraphCaptureError as e:
             logger.warning("CUDA graph capture failed, running the transformer eagerly from now on: %s",
                            e.__cause__ or e)
             self.store.fail(str(e))
             return compute(**inputs)
         if replayed:
-            record("cuda_graphs")
+            record("cuda_graphs", label)
         return out
 
     def drop(self, stale: Callable[[tuple], bool]):
