@@ -102,13 +102,6 @@ class QwenImageFastPipeline(TurnTakingPipeline, FastPipelineMixin, QwenImagePipe
 
     # ---- memory="low": the components' places are the pipeline's (core/pipeline/turns.py)
 
-    @property
-    def text_encoder_takes_turns(self) -> bool:
-        """memory="low": encoding brings the text encoder onto the GPU in place of the transformer's block linears
-        (and the next denoising call brings those back), so encode every prompt of a batch first (the command
-        line's encode-ahead passes the embeddings to the calls)."""
-        return self._turns is not None
-
     def _get_qwen_prompt_embeds(self, *args, **kwargs):
         """diffusers' text encoding; with memory="low", the text encoder's turn on the GPU first."""
         if self._turns is not None:

@@ -77,7 +77,9 @@ def encoded_with_mask(pipe, batch: list[Job], field: str):
     taken as valid (which they are): an all-ones mask says so, and the pipeline drops it again."""
     import torch
 
-    embeds, mask = pipe.encode_prompt([getattr(job, field) for job in batch], device=pipe._execution_device)
+    # (Qwen-Image-2.1's encode_prompt returns the image slots' mask third: a text-only batch's, all False, which its
+    # call derives again from the embeddings)
+    embeds, mask, *_ = pipe.encode_prompt([getattr(job, field) for job in batch], device=pipe._execution_device)
     return embeds, torch.ones(embeds.shape[:2], dtype=torch.long, device=embeds.device) if mask is None else mask
 
 

@@ -196,19 +196,27 @@ def test_qwen21_step_cache_with_compare_uncached_from_the_command_line(checkpoin
                               np.asarray(Image.open(uncached / plain["file"])))
 
 
-def test_qwen21_max_memory_renders_the_same_images_with_memory_low(checkpoints, tmp_path):
+@pytest.mark.parametrize("condition", [False, True], ids=["prompts-encoded-ahead", "condition-image"])
+def test_qwen21_max_memory_renders_the_same_images_with_memory_low(checkpoints, tmp_path, condition):
     """--max-memory 24 on a Qwen-Image-2.1 checkpoint: memory='low' (the text encoder and the blocks taking turns,
-    recorded in applied), the same pixels as without it, with CFG and a condition image."""
+    recorded in applied), the same pixels as without it, with CFG: three prompts in batches of 2 (encoded ahead, in
+    one turn of the text encoder), or one with a condition image (its call encodes it)."""
     from qwen_image_fast.command import main as cli
 
     common = ["render", "--model", str(checkpoints / "qwen21"), "--device", "cpu", "--preset", "fast", "--steps", "2",
-              "--cfg", "2", "--negative-prompt", "blurry", "--image", str(checkpoints / "a.png"), "a cat"]
+              "--cfg", "2", "--negative-prompt", "blurry"]
+    if condition:
+        common += ["--image", str(checkpoints / "a.png"), "a cat"]
+    else:
+        common += ["--batch-size", "2", "a cat", "a large dog on a rug", "a cow"]
     assert cli([*common, "--out", str(tmp_path / "fast")]) == 0
     assert cli([*common, "--max-memory", "24", "--out", str(tmp_path / "low")]) == 0
-    [fast], [low] = manifest(tmp_path / "fast"), manifest(tmp_path / "low")
-    assert "memory:low" in low["applied"] and "memory:low" not in fast["applied"], (low["applied"], fast["applied"])
-    assert np.array_equal(np.asarray(Image.open(tmp_path / "fast" / fast["file"])),
-                          np.asarray(Image.open(tmp_path / "low" / low["file"])))
+    fast, low = manifest(tmp_path / "fast"), manifest(tmp_path / "low")
+    assert len(fast) == len(low) == (1 if condition else 3)
+    for fast_line, low_line in zip(fast, low):
+        assert "memory:low" in low_line["applied"] and "memory:low" not in fast_line["applied"], low_line["applied"]
+        assert np.array_equal(np.asarray(Image.open(tmp_path / "fast" / fast_line["file"])),
+                              np.asarray(Image.open(tmp_path / "low" / low_line["file"])))
 
 
 def test_inpainting_from_jsonl_with_images_mask_and_strength(checkpoints, tmp_path):

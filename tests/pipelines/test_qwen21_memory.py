@@ -74,3 +74,28 @@ def test_low_memory_on_gpu_equals_the_resident_pipeline():
     assert "cuda_graphs" in low.applied and "memory:low" in low.applied, low.applied
     assert {t.device.type for t in low.text_encoder.parameters()} == {"cpu"}
     assert {t.device.type for t in low.transformer.parameters()} == {"cuda"}
+
+
+def test_prompts_encoded_ahead_in_one_turn_give_the_same_latents():
+    """The command line's encode-ahead (cli/run.py) on 2.1 with memory="low": the batch's prompts and negative
+    prompts encoded in one turn of the text encoder before the call, which then brings only the blocks in; the
+    latents equal the resident pipeline's from the prompts themselves."""
+    from types import SimpleNamespace
+
+    from qwen_image_fast.cli.run import encode_ahead
+
+    call = dict(true_cfg_scale=2.0, num_inference_steps=3, height=64, width=64, output_type="latent")
+    prompts, negatives = ["a cat on a mat", "a dog"], ["blurry", "dark and grainy"]
+    fast = optimize(QwenImage21Pipeline(**tiny_qwen21_components()), FastConfig(fp8=False))
+    expected = fast(prompt=prompts, negative_prompt=negatives, **call,
+                    generator=torch.Generator().manual_seed(0)).images
+    low = optimize(QwenImage21Pipeline(**tiny_qwen21_components()), FastConfig(fp8=False, memory="low"))
+    assert low.text_encoder_takes_turns
+    jobs = [SimpleNamespace(prompt=p, negative_prompt=n, images=()) for p, n in zip(prompts, negatives)]
+    encoded, until = encode_ahead(low, [jobs], 0)
+    assert until == 1 and sorted(encoded[0]) == ["negative_prompt_embeds", "negative_prompt_embeds_mask",
+                                                  "prompt_embeds", "prompt_embeds_mask"]
+    assert low._turns.resident == "text_encoder" and low._turns.loads == 1
+    got = low(**encoded[0], **call, generator=torch.Generator().manual_seed(0)).images
+    assert low._turns.loads == 2, "the call encoded again"
+    assert torch.equal(got, expected)

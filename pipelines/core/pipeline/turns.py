@@ -11,6 +11,13 @@ class TurnTakingPipeline:
 
     _turns: TakingTurns | None = None
 
+    @property
+    def text_encoder_takes_turns(self) -> bool:
+        """memory="low": encoding brings the text encoder onto the GPU in place of the transformer's block weights
+        (and the next denoising call brings those back), so encode every prompt of a batch first (the command
+        line's encode-ahead passes the embeddings to the calls)."""
+        return self._turns is not None
+
     def to(self, *args, **kwargs):
         """diffusers' DiffusionPipeline.to; refused with memory="low", which places the components itself."""
         if self._turns is not None:
