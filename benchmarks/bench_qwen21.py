@@ -281,8 +281,9 @@ def compare_with_stock(stock, fast, kwargs: dict, steps: int, device, fp8: bool,
 def memory_rows(args, env: dict) -> list[dict]:
     """--memory-low: ours resident ("fast") and with FastConfig(memory="low") ("low": the text encoder and the
     transformer's blocks take turns on the GPU), one after the other in this process (the resident pipeline dropped
-    first), 1024^2, 40 steps; each a timed call after a 3-step warm-up, with the peak reserved memory over both calls.
-    The check: low's latents equal the resident pipeline's bit for bit (else no row)."""
+    first), 1024^2, 40 steps, a batch of each of --memory-batches prompts; each a timed call after a 3-step warm-up,
+    with the peak reserved memory over both calls. The check: low's latents equal the resident pipeline's bit for
+    bit (else no row)."""
     import gc
 
     from bench_edit import call
@@ -295,7 +296,7 @@ def memory_rows(args, env: dict) -> list[dict]:
     gpu = not args.tiny
     device, size, steps = (torch.device("cuda"), 1024, STEPS) if gpu else (torch.device("cpu"), 64, 3)
     components = full_size_components(args.tokenizer) if gpu else tiny_qwen21_components()
-    kwargs = dict(prompt=PROMPT, height=size, width=size)
+    batches = [int(b) for b in args.memory_batches.split(",")]
     results = {}
     for memory in ("fast", "low"):
         pipe = optimize(QwenImage21Pipeline(**components), FastConfig(memory=memory, fp8=gpu,
@@ -303,29 +304,36 @@ def memory_rows(args, env: dict) -> list[dict]:
         pipe.set_progress_bar_config(disable=True)
         if memory == "fast":  # the stock blocks (BF16) are not the resident pipeline's: off the GPU
             components["transformer"].transformer_blocks.to("cpu")
-        gc.collect()
-        if gpu:
-            torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats()
-        call(pipe, kwargs, 3, device)
-        seconds, parts, latents, _ = call(pipe, kwargs, steps, device)
-        results[memory] = (seconds, parts, latents, torch.cuda.max_memory_reserved() / 2**30 if gpu else None,
-                           pipe.applied)
+        for batch in batches:
+            kwargs = dict(prompt=[PROMPT] * batch, height=size, width=size)
+            gc.collect()
+            if gpu:
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats()
+            call(pipe, kwargs, 3, device)
+            seconds, parts, latents, _ = call(pipe, kwargs, steps, device)
+            results[memory, batch] = (seconds, parts, latents,
+                                      torch.cuda.max_memory_reserved() / 2**30 if gpu else None, pipe.applied)
         del pipe
     rows = []
-    same = torch.equal(results["low"][2], results["fast"][2])
-    for memory, (seconds, parts, _, peak, applied) in results.items():
-        line = dict(env, bench="qwen21_pipeline", impl="ours", variant=f"memory_{memory}", size=size, steps=steps,
-                    s_per_image=seconds, ms_per_step=1000 * (seconds - sum(parts.values())) / steps,
-                    peak_reserved_gib=peak, equal_to_resident=same, applied=applied, **parts)
-        print(f"{size}^2 memory={memory}: {seconds:6.2f} s  {line['ms_per_step']:6.1f} ms/step  text "
-              f"{parts.get('text_s', 0):.3f} s  peak reserved {peak or 0:.1f} GiB  equal to resident: {same}",
+    for batch in batches:
+        same = torch.equal(results["low", batch][2], results["fast", batch][2])
+        for memory in ("fast", "low"):
+            seconds, parts, _, peak, applied = results[memory, batch]
+            line = dict(env, bench="qwen21_pipeline", impl="ours", variant=f"memory_{memory}", size=size,
+                        steps=steps, batch=batch, s_per_image=seconds / batch,
+                        ms_per_step=1000 * (seconds - sum(parts.values())) / steps, peak_reserved_gib=peak,
+                        equal_to_resident=same, applied=applied, **parts)
+            print(f"{size}^2 batch {batch} memory={memory}: {seconds / batch:6.2f} s an image  "
+                  f"{line['ms_per_step']:6.1f} ms/step  text {parts.get('text_s', 0):.3f} s  peak reserved "
+                  f"{peak or 0:.1f} GiB  equal to resident: {same}", flush=True)
+            if same:
+                rows.append(line)
+        if not same:
+            print("  FAILED: memory='low' differs from the resident pipeline: no speed reported", flush=True)
+            continue
+        print(f"  batch {batch}, low / fast: x{results['low', batch][0] / results['fast', batch][0]:.3f} the time",
               flush=True)
-        rows.append(line)
-    if not same:
-        print("  FAILED: memory='low' differs from the resident pipeline: no speed reported", flush=True)
-        return []
-    print(f"  low / fast: x{results['low'][0] / results['fast'][0]:.3f} the time", flush=True)
     return rows
 
 
@@ -443,6 +451,7 @@ def main():
     parser.add_argument("--steps6", action="store_true", help="with --pipeline: also stock and ours at 6 steps")
     parser.add_argument("--memory-low", action="store_true",
                         help="with --pipeline: then ours resident and with memory='low' at 1024^2 (peak reserved)")
+    parser.add_argument("--memory-batches", default="1", help="with --memory-low: the batch sizes, e.g. 1,4")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     if args.pipeline and not args.tiny and args.tokenizer is None:

@@ -28,7 +28,8 @@ TINY = {
     "bench_memory.py": ["--tiny"],
     "bench_parallel.py": ["--tiny"],  # under torchrun, 2 processes on gloo
     "bench_pipeline.py": ["--tiny"],
-    "bench_qwen21.py": ["--pipeline", "--tiny", "--cache", "every:2,1,0", "--steps6", "--memory-low"],
+    "bench_qwen21.py": ["--pipeline", "--tiny", "--cache", "every:2,1,0", "--steps6", "--memory-low",
+                        "--memory-batches", "1,2"],
     "bench_ray.py": ["--tiny"],  # a local Ray cluster per run, started by the command
     "bench_serve.py": ["--tiny", "--port", "0", "--out", "{tmp}/out"],  # a folder not made yet
     "bench_text.py": ["--tiny"],
