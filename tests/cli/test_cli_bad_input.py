@@ -179,6 +179,10 @@ BAD_INPUT = {
     "qwen21-max-memory-16": (lambda tmp: qwen21_model(tmp, "--preset", "fast", "--max-memory", "16"),
                              "--max-memory 16: the pipeline needs at least 21 GiB (with memory='low': 19.9 GiB "
                              "reserved at 1024x1024, measured; its text encoder alone is ~16 GiB)"),
+    "qwen21-max-memory-batch": (lambda tmp: qwen21_model(tmp, "--preset", "fast", "--max-memory", "24",
+                                                         "--batch-size", "2"),
+                                "--batch-size 2 with --max-memory 24: Qwen-Image-2.1's memory='low' runs one image "
+                                "a call"),
     "qwen21-cache-too-deep": (lambda tmp: qwen21_model(tmp, "--preset", "fast", "--cache", "every:2,1,1"),
                               "--cache dbcache:F1B1:every2:w0: Fn=1 + Bn=1 leaves no middle block to cache in "
                               "{model}'s transformer of 2 blocks"),
