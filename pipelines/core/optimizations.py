@@ -146,8 +146,16 @@ def runs_cache_rule(config: FastConfig, facts: Facts) -> bool:
     return True
 
 
-def text_to_image_reason(facts: Facts) -> str | None:
-    return None if facts.text_to_image else f"{facts.pipeline} runs diffusers' own loop"
+# The text-to-image-only options Qwen-Image-2.1's pipeline runs too, in diffusers' loop: it places its components
+# itself (qwen_image21/memory.py)
+QWEN21_ALSO_RUNS = ("memory",)
+
+
+def text_to_image_reason(facts: Facts, name: str = "") -> str | None:
+    """Why text-to-image-only option `name` does not run here (None: it does)."""
+    if facts.text_to_image or (facts.qwen21 and name in QWEN21_ALSO_RUNS):
+        return None
+    return f"{facts.pipeline} runs diffusers' own loop"
 
 
 def plan_fused(config: FastConfig, facts: Facts) -> Plan:
@@ -215,7 +223,7 @@ def plan_modulation_table(config: FastConfig, facts: Facts) -> Plan:
 
 
 def plan_memory(config: FastConfig, facts: Facts) -> Plan:
-    return plain(config.memory != "fast", None if facts.qwen21 else text_to_image_reason(facts), (config.memory,))
+    return plain(config.memory != "fast", text_to_image_reason(facts, "memory"), (config.memory,))
 
 
 def plan_parallel(config: FastConfig, facts: Facts) -> Plan:
@@ -336,12 +344,13 @@ def planned_labels(config: FastConfig, facts: Facts) -> list[str]:
     return [opt.label(value) for opt, plan in plans(config, facts) for value in plan.values]
 
 
-def refused_by_image_conditioned(config: FastConfig) -> list[Optimization]:
+def refused_by_image_conditioned(config: FastConfig, runs: tuple[str, ...] = ()) -> list[Optimization]:
     """The text-to-image-only optimizations that `config` sets away from their default: an image-conditioned
-    pipeline (diffusers' own loop) refuses them rather than ignore them. One on by default there (modulation_table)
-    just does not run, and applied / --dry-run say so; switched off (the baseline preset) it asks for nothing."""
+    pipeline (diffusers' own loop) refuses them rather than ignore them, but those it `runs` (Qwen-Image-2.1's:
+    QWEN21_ALSO_RUNS). One on by default there (modulation_table) just does not run, and applied / --dry-run say so;
+    switched off (the baseline preset) it asks for nothing."""
     default = FastConfig()
-    return [opt for opt in REGISTRY if opt.text_to_image_only and opt.field is not None
+    return [opt for opt in REGISTRY if opt.text_to_image_only and opt.field is not None and opt.name not in runs
             and getattr(config, opt.field) is not False and getattr(config, opt.field) != getattr(default, opt.field)]
 
 

@@ -100,14 +100,6 @@ class QwenImageFastPipeline(TurnTakingPipeline, FastPipelineMixin, QwenImagePipe
         shape = self.parallel.shape
         return ((("cfg2",) if shape.cfg > 1 else ()) + ((f"ulysses{shape.ulysses}",) if shape.ulysses > 1 else ()))
 
-    # ---- memory="low": the components' places are the pipeline's (core/pipeline/turns.py)
-
-    def _get_qwen_prompt_embeds(self, *args, **kwargs):
-        """diffusers' text encoding; with memory="low", the text encoder's turn on the GPU first."""
-        if self._turns is not None:
-            self._turns.use("text_encoder")
-        return super()._get_qwen_prompt_embeds(*args, **kwargs)
-
     def _modulation_tables(self, timesteps, latents, guidance, scale: float, both: bool,
                            single: bool) -> dict[str, torch.Tensor]:
         """The modulation tables of this call's forwards (model/modulation.py): "both" for the batched CFG ones

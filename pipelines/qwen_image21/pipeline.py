@@ -3,10 +3,9 @@ __call__, unchanged, around the fast Qwen-Image-2.1 transformer (model.py).
 
 What runs is the registry's (core/optimizations.py): fused_transformer, fp8 (every block linear),
 fp8_fast_accum, attention, cuda_graphs (the cached steps, model.py, from the graphs of the pipeline's runner) and
-FastConfig(cache=...) (the step cache's pieces, model.py) run here; batched CFG and diffusers' step caches do not
-yet (the plan says why), and the options that would change
-diffusers' loop (sampler, cfg_fraction, memory, parallel) are refused, as for the 2512 family's image-conditioned
-pipelines. Each call runs in the pipeline's runner (core/pipeline/base.py's _fast_call); `applied` after a call is
+FastConfig(cache=...) (the step cache's pieces, model.py) and memory="low" (memory.py) run here; batched CFG and
+diffusers' step caches do not yet (the plan says why), and the options that would change diffusers' loop (sampler,
+cfg_fraction, parallel) are refused, as for the 2512 family's image-conditioned pipelines. Each call runs in the pipeline's runner (core/pipeline/base.py's _fast_call); `applied` after a call is
 what it recorded running.
 """
 
@@ -18,7 +17,7 @@ from diffusers import QwenImage21Pipeline
 
 from ..core.config import FastConfig
 from ..core.gpu_support import fp8_gemm_why_not
-from ..core.optimizations import QWEN21_VAE, Facts
+from ..core.optimizations import QWEN21_ALSO_RUNS, QWEN21_VAE, Facts
 from ..core.pipeline.turns import TurnTakingPipeline
 from ..core.pipeline.base import (FastCheckpointPipeline, FastLoraPipeline, FastPipelineState, check_blocks_for_cache,
                                   check_given_fast_transformer, refuse_text_to_image_only, transformer_config_on)
@@ -32,7 +31,7 @@ def refuse_2512_only(config: FastConfig, pipeline: str):
     """ValueError for what `pipeline` would otherwise ignore: the text-to-image-only options (diffusers' loop runs)
     but memory (memory.py places 2.1's components), and text_bucket (the runner's padding of prompts: 2.1's text is
     in the prefix cache, at its own length)."""
-    refuse_text_to_image_only(config.replace(memory="fast"), pipeline)
+    refuse_text_to_image_only(config, pipeline, runs=QWEN21_ALSO_RUNS)
     if config.text_bucket != FastConfig().text_bucket:
         raise ValueError(f"text_bucket={config.text_bucket!r}: {pipeline} keeps each prompt at its own length in "
                          "the prefix KV cache; leave text_bucket at its default")
@@ -85,13 +84,7 @@ class FastQwenImage21Pipeline(TurnTakingPipeline, FastPipelineState, FastLoraPip
         with self._fast_call(kwargs.get("attention_kwargs")), self._blocks_take_turns():
             return QwenImage21Pipeline.__call__(self, *args, **kwargs)
 
-    # ---- memory="low" (memory.py; core/pipeline/turns.py)
-
-    def _get_qwen_prompt_embeds(self, *args, **kwargs):
-        """diffusers' text encoding; with memory="low", the text encoder's turn on the GPU first."""
-        if self._turns is not None:
-            self._turns.use("text_encoder")
-        return super()._get_qwen_prompt_embeds(*args, **kwargs)
+    # ---- memory="low" (memory.py; encoding's turn: core/pipeline/turns.py)
 
     @contextlib.contextmanager
     def _blocks_take_turns(self):

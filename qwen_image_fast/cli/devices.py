@@ -89,15 +89,21 @@ LOW_MEMORY_MEASURED = {"QwenImagePipeline": "21.7 GiB at 1024x1024, 23.0 at 1328
                                               "~16 GiB"}
 
 
+def memory_needs(pipeline: str) -> tuple[float, float, str]:
+    """(the fast pipeline's GiB, memory="low"'s GiB, what was measured) for a pipeline class: Qwen-Image-2.1's, else
+    the 2512 family's."""
+    if pipeline == "QwenImage21Pipeline":
+        return QWEN21_FAST_PIPELINE_GIB, QWEN21_LOW_MEMORY_GIB, LOW_MEMORY_MEASURED[pipeline]
+    return FAST_PIPELINE_GIB, LOW_MEMORY_GIB, LOW_MEMORY_MEASURED["QwenImagePipeline"]
+
+
 def memory_setting(max_memory: float | None, preset: str, pipeline: str, parallel: str | None) -> str:
     """FastConfig.memory for --max-memory GIB (None: "fast"); ValueError when nothing fits or low cannot run."""
     qwen21 = pipeline == "QwenImage21Pipeline"
-    fast_gib, low_gib = (QWEN21_FAST_PIPELINE_GIB, QWEN21_LOW_MEMORY_GIB) if qwen21 else (FAST_PIPELINE_GIB,
-                                                                                          LOW_MEMORY_GIB)
+    fast_gib, low_gib, measured = memory_needs(pipeline)
     if max_memory is None or max_memory >= fast_gib:
         return "fast"
     if max_memory < low_gib:
-        measured = LOW_MEMORY_MEASURED["QwenImage21Pipeline" if qwen21 else "QwenImagePipeline"]
         raise ValueError(f"--max-memory {max_memory:g}: the pipeline needs at least {low_gib:g} GiB (with "
                          f"memory='low': {measured})")
     why = (f"--preset {preset} runs the stock pipeline" if preset == STOCK_PRESET else
@@ -119,8 +125,7 @@ def check_gpu_fits(device, max_memory: float | None, preset: str, pipeline: str,
         return
     import torch
 
-    fast_gib, low_gib = (QWEN21_FAST_PIPELINE_GIB, QWEN21_LOW_MEMORY_GIB) if qwen21 else (FAST_PIPELINE_GIB,
-                                                                                          LOW_MEMORY_GIB)
+    fast_gib, low_gib, _ = memory_needs(pipeline)
     properties = torch.cuda.get_device_properties(device)
     total = properties.total_memory / 2**30
     if total >= fast_gib:

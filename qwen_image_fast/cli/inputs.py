@@ -10,7 +10,7 @@ from typing import NamedTuple
 
 from PIL import Image
 
-from ..pipelines.core.optimizations import refused_by_image_conditioned
+from ..pipelines.core.optimizations import QWEN21_ALSO_RUNS, refused_by_image_conditioned
 from .option_names import option_of
 
 
@@ -95,9 +95,8 @@ def image_mode(pipe) -> str:
 
 def check_pipeline_options(pipeline: str, model: str, config, lightning: bool, fmt: str):
     """ValueError for a command option the pipeline class of `model` cannot honour (before anything loads)."""
-    # Qwen-Image-2.1's pipeline runs diffusers' loop but places its components itself: memory="low" is its too
     refused = ([] if pipeline == "QwenImagePipeline" else
-               refused_by_image_conditioned(config.replace(memory="fast") if pipeline == QWEN21_PIPELINE else config))
+               refused_by_image_conditioned(config, QWEN21_ALSO_RUNS if pipeline == QWEN21_PIPELINE else ()))
     if refused:  # what the pipeline's own refusal would say after loading, said before
         flags = ", ".join(f"{option_of(opt)} {getattr(config, opt.field)}" for opt in refused)
         raise ValueError(f"{flags}: for text-to-image checkpoints only; {model} is a {pipeline} checkpoint, which "

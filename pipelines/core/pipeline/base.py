@@ -48,10 +48,10 @@ def image_conditioned_refusal(pipeline: str, options: list[str]) -> str:
             "process instead of parallel; for less GPU memory, pipe.enable_model_cpu_offload())")
 
 
-def refuse_text_to_image_only(config: FastConfig, pipeline: str):
+def refuse_text_to_image_only(config: FastConfig, pipeline: str, runs: tuple[str, ...] = ()):
     """ValueError naming the text-to-image-only options `config` asks for (with their values), which `pipeline`
-    (running diffusers' loop) would otherwise ignore."""
-    refused = refused_by_image_conditioned(config)
+    (running diffusers' loop) would otherwise ignore; runs: those it runs all the same."""
+    refused = refused_by_image_conditioned(config, runs)
     if refused:
         raise ValueError(image_conditioned_refusal(pipeline, [f"{opt.field}={getattr(config, opt.field)!r}"
                                                               for opt in refused]))

@@ -1,6 +1,7 @@
 """memory="low" on a fast pipeline: the pipeline places its components itself, the text encoder and the transformer's
 block weights taking turns in one GPU buffer (core/runtime/offload.py's TakingTurns). Each family places them (the
-2512 family: core/runtime/memory.py; Qwen-Image-2.1: qwen_image21/memory.py) and brings each set in before it runs.
+2512 family: core/runtime/memory.py; Qwen-Image-2.1: qwen_image21/memory.py) and brings the blocks in before its
+forwards; encoding brings the text encoder in here.
 """
 
 from ..runtime.offload import TakingTurns
@@ -25,6 +26,13 @@ class TurnTakingPipeline:
                              "(the text encoder and the transformer's block weights take turns on the GPU); build it "
                              "with device=... instead")
         return super().to(*args, **kwargs)
+
+    def _get_qwen_prompt_embeds(self, *args, **kwargs):
+        """diffusers' text encoding (both families' pipelines have it); with memory="low", the text encoder's turn
+        on the GPU first."""
+        if self._turns is not None:
+            self._turns.use("text_encoder")
+        return super()._get_qwen_prompt_embeds(*args, **kwargs)
 
     def load_lora_weights(self, *args, **kwargs):
         """diffusers' load_lora_weights; with memory="low", during the block weights' turn on the GPU (the factors
