@@ -12,6 +12,8 @@ from qwen_image_fast.kernels.fp8 import (
     dequantize_fp8_rowwise,
     fp8_linear,
     fp8_linear_ref,
+    pad_fp8_rows,
+    pad_fp8_rows_ref,
     quantize_fp8_rowwise,
     quantize_fp8_rowwise_ref,
     scaled_mm_cpu,
@@ -158,6 +160,29 @@ def test_fp8_linear_fast_accum_at_every_row_count_pads_to_min_rows(device, fast_
             assert torch.equal(out, scaled_mm_cpu(operands[0], operands[2].t(), operands[1],
                                                   operands[3][None, :], operands[4])), m
     assert calls == [(fast_accum, max(m, FAST_ACCUM_MIN_ROWS) if fast_accum else m) for m in rows]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("m, k, rows", [(1, 48, 64), (47, 3072, 64), (25, 12288, 64), (63, 80, 64), (5, 4112, 7),
+                                        (64, 96, 64)])
+def test_pad_fp8_rows_matches_ref(device, m, k, rows):
+    """Every code byte copied, zero rows and unit scales below (outputs start as NaN), from rows strided wider than
+    K; bit-equal to torch.cat's form."""
+    x = torch.randn(m, k + 32, device=device) * 5
+    q, s = quantize_fp8_rowwise_ref(x[:, :k])
+    q_wide = torch.zeros(m, k + 32, dtype=FP8_DTYPE, device=device)
+    q_wide[:, :k] = q
+    padded_q, padded_s = pad_fp8_rows(q_wide[:, :k], s, rows)
+    want_q, want_s = pad_fp8_rows_ref(q, s, rows)
+    assert padded_q.shape == (rows, k) and padded_s.shape == (rows, 1)
+    assert torch.equal(padded_q.view(torch.uint8), want_q.view(torch.uint8))
+    assert torch.equal(padded_s, want_s)
+
+
+def test_pad_fp8_rows_refuses_fewer_rows():
+    q, s = quantize_fp8_rowwise_ref(torch.randn(9, 32))
+    with pytest.raises(ValueError, match="rows=8 is fewer than x_q's 9"):
+        pad_fp8_rows(q, s, 8)
 
 
 @pytest.mark.parametrize("device", DEVICES)
