@@ -153,34 +153,18 @@ def test_a_worker_killed_mid_run_leaves_every_image_once(cluster, tmp_path):
     check_exactly_once(out_dir, 24)
 
 
-def test_a_driver_killed_and_run_again_renders_only_the_rest(cluster, tmp_path):
+def test_a_driver_stopped_twice_renders_each_image_once_and_a_run_without_workers_takes_one_actor(cluster, tmp_path):
+    """Three runs of one command (one module's cluster; each run pays Ray's startup, so they share a test):
+    - SIGTERM to the driver mid-run: one line and exit 143, as the local render (Ray's core worker in the driver
+      puts its crash handler on SIGTERM, a stack dump before the previous handler; the command puts its own back);
+      the manifest records only images that are there;
+    - the same command again, its driver killed (SIGKILL) after some more images;
+    - again without --workers, on this cluster without GPUs: one actor renders only the rest, none a second time."""
     out_dir, prompts = tmp_path / "out", prompts_file(tmp_path, 24)
-    command = render(*SLOW, "--engine", "ray", "--ray-address", cluster, "--workers", "2", "--prompts", str(prompts),
-                     "--out", str(out_dir))
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    wait_for_images(process, out_dir, 6)
-    process.kill()
-    process.wait()
-    time.sleep(1)  # its actors die with it (they may finish the image they were writing)
-    before = {path.name: path.stat().st_mtime_ns for path in images(out_dir)}
-    assert 6 <= len(before) < 24
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    summary = next(line for line in done.stdout.splitlines() if "written," in line)
-    written, skipped = int(summary.split()[0]), int(summary.split()[2])
-    assert written == 24 - len(before) and skipped == len(before), summary
-    assert {name: (out_dir / name).stat().st_mtime_ns for name in before} == before  # none rendered again
-    check_exactly_once(out_dir, 24)
-
-
-def test_sigterm_ends_the_driver_with_143_and_keeps_what_was_recorded(cluster, tmp_path):
-    """SIGTERM to the driver mid-run: one line and exit 143, as the local render (Ray's core worker in the driver
-    puts its crash handler on SIGTERM, a stack dump before the previous handler; the command puts its own back);
-    the manifest records only images that are there, and the same command renders the rest, each once."""
-    out_dir, prompts = tmp_path / "out", prompts_file(tmp_path, 24)
-    command = render(*SLOW, "--engine", "ray", "--ray-address", cluster, "--workers", "2", "--prompts", str(prompts),
-                     "--out", str(out_dir))
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    command = render(*SLOW, "--engine", "ray", "--ray-address", cluster, "--prompts", str(prompts), "--out",
+                     str(out_dir))
+    two_workers = [*command, "--workers", "2"]
+    process = subprocess.Popen(two_workers, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     wait_for_images(process, out_dir, 4)
     process.send_signal(signal.SIGTERM)
     _, err = process.communicate(timeout=60)
@@ -188,17 +172,26 @@ def test_sigterm_ends_the_driver_with_143_and_keeps_what_was_recorded(cluster, t
     assert err.strip().splitlines()[-1].startswith("terminated (SIGTERM); the images recorded so far are kept in"), err
     assert "SIGTERM received" not in err, err[-3000:]  # Ray's crash handler's stack dump
     assert {line["file"] for line in manifest(out_dir)} <= {path.name for path in images(out_dir)}
+    terminated = len(images(out_dir))
+    assert terminated < 24
+
+    process = subprocess.Popen(two_workers, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wait_for_images(process, out_dir, terminated + 4)
+    process.kill()
+    process.wait()
+    time.sleep(1)  # its actors die with it (they may finish the image they were writing)
+    before = {path.name: path.stat().st_mtime_ns for path in images(out_dir)}
+    assert terminated + 4 <= len(before) < 24
+
     done = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
+    summary = next(line for line in done.stdout.splitlines() if "written," in line)
+    written, skipped = int(summary.split()[0]), int(summary.split()[2])
+    assert written == 24 - len(before) and skipped == len(before), summary
+    assert {name: (out_dir / name).stat().st_mtime_ns for name in before} == before  # none rendered again
     check_exactly_once(out_dir, 24)
-
-
-def test_without_workers_one_actor_renders_on_a_cluster_without_gpus(cluster, tmp_path):
-    done = subprocess.run(render(*BASELINE, "--engine", "ray", "--ray-address", cluster, "--out", str(tmp_path / "out"),
-                                 "a cat"), capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "1 written, 0 skipped (already done), 0 failed" in done.stdout
-    assert len({line["worker"] for line in manifest(tmp_path / "out")}) == 1
+    last_run = [line for line in manifest(out_dir) if line["file"] not in before]
+    assert len({line["worker"] for line in last_run}) == 1, last_run
 
 
 @pytest.mark.parametrize("args, message", [
