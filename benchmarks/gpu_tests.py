@@ -16,6 +16,7 @@ reasons, and the failures.
 import argparse
 import collections
 import datetime
+import importlib.util
 import json
 import os
 import subprocess
@@ -27,11 +28,24 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS, append_results  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
+# Packages of the test extra that GPU tests import inside a test (not at collection): a machine without one errors
+# in those tests minutes into a run (gguf, 2026-11-28), so `run` refuses to start without them.
+GPU_TEST_PACKAGES = {"diffusers": "every comparison with stock", "peft": "the LoRA tests",
+                     "gguf": "the GGUF single files (test_single_file.py)"}
+
+
+def missing_packages(packages: dict) -> list[str]:
+    return [f"{name} ({why})" for name, why in packages.items() if importlib.util.find_spec(name) is None]
 
 
 def run(args) -> int:
     import torch
 
+    missing = [] if args.tiny else missing_packages(GPU_TEST_PACKAGES)
+    if missing:
+        print(f"gpu_tests.py run: not installed here: {', '.join(missing)}; install them (pip install -e '.[test]' "
+              "has them) and run again", file=sys.stderr)
+        return 2
     args.out.mkdir(parents=True, exist_ok=True)
     gpus = list(range(torch.cuda.device_count())) or [None]
     meta = dict(gpu=torch.cuda.get_device_name() if gpus[0] is not None else "cpu", gpus=len(gpus) if gpus[0]

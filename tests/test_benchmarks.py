@@ -78,3 +78,17 @@ def test_tiny_mode_runs_and_records_nothing(script, tmp_path, monkeypatch):
         finally:
             torch.set_default_dtype(default_dtype)
     assert results_digest() == before, f"{script} --tiny wrote to benchmarks/results/"
+
+
+def test_the_gpu_suite_refuses_to_start_without_a_package_its_tests_import(tmp_path, monkeypatch, capsys):
+    """gpu_tests.py run names what is missing and starts nothing (a GPU run without gguf errored in its single-file
+    tests minutes in)."""
+    import argparse
+
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import gpu_tests
+
+    monkeypatch.setitem(gpu_tests.GPU_TEST_PACKAGES, "no_such_package_here", "a test")
+    args = argparse.Namespace(tiny=False, out=tmp_path / "out", of=2, shards=[1, 2], pytest_args=[])
+    assert gpu_tests.run(args) == 2 and not (tmp_path / "out").exists()
+    assert "not installed here: no_such_package_here (a test)" in capsys.readouterr().err
