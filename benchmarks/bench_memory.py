@@ -24,6 +24,12 @@ fast's (the same GEMMs on the same weights; the weights only moved).
 --tiny: the tiny random pipeline (pipelines/tiny.py, fp32, FP8 on) on the CPU at 16x16, 2 steps, no warm-up call, 1
 prompt for the 8 (--vae-only: the tiny VAE, 16x16 for 1:1); what only CUDA has is skipped (the cap, peak counters:
 None, pinned host memory); the table held to fp32's last bits (TINY_TABLE_TOL); rows printed, not recorded.
+With --budgets 16,12 (issue: 2512 under 16 GiB) the rows are instead "uncapped" (the fast pipeline) and one
+"cap<N>" per budget: FastConfig(memory="low", max_memory_gib=N) after set_per_process_memory_fraction(N GiB less
+the CUDA context), so that reserved memory plus the context stays within N; per image of the 8 prompts
+(s_per_image), peak reserved, the blocks and text layers streamed, the bytes a step streams and the host-to-device
+bandwidth of those copies (timed alone, copy_gb_per_s), the step time against uncapped, and the overlap this implies
+(1 - the step's extra time / its copy time). Latents equal to the fast pipeline's, or nothing is recorded.
 Appends to results/memory.jsonl.
 """
 
@@ -145,6 +151,73 @@ def peak_gib(device, reserved: bool = False) -> float | None:
     return (torch.cuda.max_memory_reserved() if reserved else torch.cuda.max_memory_allocated()) / GIB
 
 
+def copy_bandwidth(stream, device) -> float | None:
+    """GB/s of the streamed layers' host-to-device copies, timed alone on the stream's side stream (None on the CPU
+    or with nothing streamed)."""
+    if stream is None or device.type != "cuda":
+        return None
+    copies = list(stream.copies.values())
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    with torch.cuda.stream(stream.side):
+        start.record()
+        for slot, host in copies:
+            slot.copy_(host, non_blocking=True)
+        stop.record()
+    torch.cuda.synchronize()
+    return sum(host.numel() for _, host in copies) / (start.elapsed_time(stop) / 1e3) / 1e9
+
+
+def streaming_rows(stock, args, size, steps, device, prompts, env) -> list[dict]:
+    """--budgets: the fast pipeline uncapped, then memory="low" with each budget under its cap (module docstring)."""
+    cuda = device.type == "cuda"
+    fast = QwenImageFastPipeline.from_pipe(stock, fast_config=FastConfig(), device=device)
+    fast.set_progress_bar_config(disable=True)
+    del stock
+    gc.collect()
+    torch.cuda.empty_cache()
+    expected, one, per_image = one_and_eight(fast, size, steps, device, prompts, pre_encode=False)
+    rows = [dict(variant="uncapped", one_image_s=one, s_per_image=per_image, peak_reserved_gib=peak_gib(device, True),
+                 applied=fast.applied)]
+    components = {name: getattr(fast, name) for name in ("scheduler", "vae", "text_encoder", "tokenizer", "transformer")}
+    del fast
+    for budget in args.budgets:
+        gc.collect()
+        torch.cuda.empty_cache()
+        if cuda:
+            torch.cuda.set_per_process_memory_fraction(1.0)
+        low = QwenImageFastPipeline(**components, fast_config=FastConfig(memory="low", max_memory_gib=budget))
+        low.set_progress_bar_config(disable=True)
+        context = None
+        if cuda:
+            free, total = torch.cuda.mem_get_info()
+            context = (total - free - torch.cuda.memory_reserved()) / GIB
+            torch.cuda.set_per_process_memory_fraction((budget - context) * GIB / total)
+            torch.cuda.reset_peak_memory_stats()
+        latents, one, per_image = one_and_eight(low, size, steps, device, prompts, pre_encode=True)
+        blocks, text = low._turns.arenas["transformer"], low._turns.arenas["text_encoder"]
+        streamed_bytes = len(blocks.streamed) * blocks.layer_stride
+        bandwidth = copy_bandwidth(blocks.stream, device)
+        copy_s = streamed_bytes / (bandwidth * 1e9) if bandwidth else None
+        extra = (per_image - rows[0]["s_per_image"]) / steps  # per step (one batched-CFG forward), over uncapped
+        rows.append(dict(
+            variant=f"cap{budget:g}", max_memory_gib=budget, one_image_s=one, s_per_image=per_image,
+            peak_reserved_gib=peak_gib(device, True), peak_allocated_gib=peak_gib(device), context_gib=context,
+            buffer_gib=low._turns.buffer_bytes / GIB, streamed_blocks=len(blocks.streamed),
+            blocks=len(blocks.layer_ranges), streamed_text_layers=len(text.streamed),
+            text_layers=len(text.layer_ranges), copy_gb_per_step=streamed_bytes / 1e9, copy_gb_per_s=bandwidth,
+            copy_ms_per_step=copy_s * 1e3 if copy_s else None, step_extra_ms=extra * 1e3,
+            overlap=1 - max(0.0, extra) / copy_s if copy_s else None,
+            per_image_vs_uncapped=per_image / rows[0]["s_per_image"], equal_to_fast=torch.equal(latents, expected),
+            applied=low.applied))
+        print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in rows[-1].items()}, flush=True)
+        components = {name: getattr(low, name) for name in components}
+        del low
+    for row in rows:
+        row.update(env, size=size, ok=all(r.get("equal_to_fast", True) for r in rows))
+    return rows
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tiny", action="store_true", help="tiny random components on the CPU (logic check)")
@@ -155,6 +228,8 @@ def main():
     parser.add_argument("--cap-gib", type=float, default=24.0)
     parser.add_argument("--table-one-image", action="store_true",
                         help="the unconstrained table row for 1 image only (a shorter run)")
+    parser.add_argument("--budgets", type=lambda text: [float(v) for v in text.split(",")], default=None,
+                        help="comma-separated GiB, e.g. 16,12: the uncapped and cap<N> streaming rows instead")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     device = torch.device("cpu" if args.tiny else "cuda")
@@ -177,6 +252,14 @@ def main():
     env = dict(environment(), bench="memory", resolution=f"{size}x{size}", steps=steps, true_cfg_scale=4.0,
                text_encoder=text_encoder)
     stock = tiny_pipeline() if args.tiny else full_size_stock_pipeline(args.tokenizer, full_text_encoder=True)
+    if args.budgets:
+        rows = streaming_rows(stock, args, size, steps, device, prompts, env)
+        if not rows[0]["ok"]:
+            print("FAILED: a budget's latents differ from the fast pipeline's (no speed recorded)", flush=True)
+            sys.exit(1)
+        if not args.tiny:
+            append_results("memory", rows, args.out)
+        return
     fast = QwenImageFastPipeline.from_pipe(stock, fast_config=FastConfig(modulation_table=False), device=device)
     del stock
     gc.collect()

@@ -103,10 +103,10 @@ TINY_VAE = {
 
 
 def tiny_components(seed: int = 0, vision: bool = False, transformer_config: dict | None = None,
-                    vae_config: dict | None = None) -> dict:
+                    vae_config: dict | None = None, text_layers: int = 2) -> dict:
     """The components of a tiny QwenImagePipeline; vision: plus the `processor` of the edit and layered pipelines
     (tiny_vl_processor) and a text encoder that reads images. transformer_config / vae_config: constructor overrides
-    (e.g. zero_cond_t=True for Edit-2511, LAYERED_TRANSFORMER)."""
+    (e.g. zero_cond_t=True for Edit-2511, LAYERED_TRANSFORMER); text_layers: the text encoder's decoder layers."""
     torch.manual_seed(seed)
     transformer = QwenImageTransformer2DModel(**{**TINY_TRANSFORMER, **(transformer_config or {})})
     torch.manual_seed(seed)
@@ -117,7 +117,7 @@ def tiny_components(seed: int = 0, vision: bool = False, transformer_config: dic
         text_config=dict(
             hidden_size=16,  # 3584
             intermediate_size=16,  # 18944
-            num_hidden_layers=2,  # 28
+            num_hidden_layers=text_layers,  # 28
             num_attention_heads=2,  # 28
             num_key_value_heads=2,  # 4
             rope_scaling=dict(mrope_section=[1, 1, 2], rope_type="default", type="default"),
@@ -168,13 +168,13 @@ def small_condition_images(divisor: int = CONDITION_AREA_DIVISOR):
 
 
 def tiny_pipeline(pipeline_class=QwenImagePipeline, seed: int = 0, transformer_config: dict | None = None,
-                  **init_kwargs):
+                  text_layers: int = 2, **init_kwargs):
     """A tiny random-weight pipeline of `pipeline_class` (fp32, CPU): with a processor if the class takes one,
     Qwen-Image-Layered's transformer and VAE options for QwenImageLayeredPipeline."""
     vision = "processor" in inspect.signature(pipeline_class.__init__).parameters
     layered = pipeline_class.__name__ == "QwenImageLayeredPipeline"
     components = tiny_components(seed, vision, {**(LAYERED_TRANSFORMER if layered else {}), **(transformer_config or {})},
-                                 LAYERED_VAE if layered else None)
+                                 LAYERED_VAE if layered else None, text_layers)
     return pipeline_class(**components, **init_kwargs)
 
 

@@ -218,6 +218,13 @@ class FastConfig(FastTransformerConfig):
     memory: "fast" (every weight on the GPU) | "low" (runtime/offload.py: the modulation weights stay on the host,
         where tables are built from; the text encoder and the transformer's block linears take turns on the GPU in
         one shared buffer). Needs modulation_table; not with parallel. Text-to-image only.
+    max_memory_gib: with memory="low", the GPU memory the pipeline is planned to use (PyTorch's reserved memory
+        plus the CUDA context), for one image a call up to 1328x1328 (runtime/memory.py): the shared buffer is what
+        it leaves, and the transformer's blocks and the text encoder's layers that do not fit stream from pinned
+        host memory (runtime/streaming.py), the same images bit for bit; too small a budget is refused with the
+        smallest that works. None: the buffer holds the transformer's blocks (about 22 GiB in all). It plans, it
+        does not cap: set torch.cuda.set_per_process_memory_fraction for a hard cap (the command line's
+        --max-memory does both).
     cache: None (every block every step) or a DBCache (above; or its command-line form, "dbcache:8,0,0.08"): lossy,
         the middle blocks of a step replaced by their cached residual when the first blocks' residual barely
         changed. Needs fused_transformer; not with parallel="ulysses" (runtime/step_cache.py).
@@ -234,6 +241,7 @@ class FastConfig(FastTransformerConfig):
     ulysses_degree: int = field(default=0, metadata=BUILD)
     modulation_table: bool = field(default=True, metadata=CALL)
     memory: str = field(default="fast", metadata=BUILD)
+    max_memory_gib: float | None = field(default=None, metadata=BUILD)
     cache: DBCache | None = field(default=None, metadata=CALL)
 
     def __post_init__(self):
@@ -269,6 +277,12 @@ class FastConfig(FastTransformerConfig):
         if self.memory == "low" and not (self.modulation_table and self.fused_transformer):
             raise ValueError("memory='low' keeps the modulation weights on the host and needs modulation_table=True "
                              "and fused_transformer=True")
+        if self.max_memory_gib is not None and (isinstance(self.max_memory_gib, bool) or not isinstance(
+                self.max_memory_gib, (int, float)) or not self.max_memory_gib > 0):
+            raise ValueError(f"max_memory_gib={self.max_memory_gib!r}; allowed: None or a number of GiB > 0")
+        if self.max_memory_gib is not None and self.memory != "low":
+            raise ValueError(f"max_memory_gib={self.max_memory_gib:g} plans memory='low''s buffer; set "
+                             f"memory='low' too (memory={self.memory!r} keeps every weight on the GPU)")
         if self.memory == "low" and parallel != "none":
             raise ValueError(f"memory='low' with parallel={parallel!r} is not supported: one or the other")
         if self.scheduler not in SCHEDULERS:
@@ -305,7 +319,7 @@ class FastConfig(FastTransformerConfig):
         return replace(self, **changes)
 
     # Not saved with a pipeline: where and how this machine runs it, not what the weights compute
-    NOT_SAVED = ("parallel", "ulysses_degree", "memory")
+    NOT_SAVED = ("parallel", "ulysses_degree", "memory", "max_memory_gib")
 
     def saved(self) -> dict:
         """Every field but NOT_SAVED as JSON values (a pipeline's save_pretrained writes them)."""
@@ -345,7 +359,7 @@ class FastConfig(FastTransformerConfig):
         parts += ["bcfg"] if self.batched_cfg else []
         parts += ["graphs"] if self.cuda_graphs and self.fused_transformer else []
         parts += ["table"] if self.modulation_table and self.fused_transformer else []
-        parts += ["lowmem"] if self.memory == "low" else []
+        parts += ["lowmem" + (f"{self.max_memory_gib:g}" if self.max_memory_gib else "")] if self.memory == "low" else []
         parts += [self.cache.label().replace(":", "-")] if self.cache is not None else []
         parts += [self.scheduler.replace("+", "p")]
         parts += [f"cfg{self.cfg_fraction:g}"] if self.cfg_fraction < 1 else []

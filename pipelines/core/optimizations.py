@@ -222,8 +222,13 @@ def plan_modulation_table(config: FastConfig, facts: Facts) -> Plan:
     return plain(config.modulation_table and config.fused_transformer, why_not)
 
 
+def memory_label(config: FastConfig) -> str:
+    """memory's applied value: "low", or "low16gib" with a budget of 16 GiB (what does not fit it streams)."""
+    return config.memory + (f"{config.max_memory_gib:g}gib" if config.max_memory_gib is not None else "")
+
+
 def plan_memory(config: FastConfig, facts: Facts) -> Plan:
-    return plain(config.memory != "fast", text_to_image_reason(facts, "memory"), (config.memory,))
+    return plain(config.memory != "fast", text_to_image_reason(facts, "memory"), (memory_label(config),))
 
 
 def plan_parallel(config: FastConfig, facts: Facts) -> Plan:
@@ -299,7 +304,8 @@ REGISTRY: tuple[Optimization, ...] = (
                  needs=("fused_transformer",), text_to_image_only=True),
     Optimization("memory", "memory", "exact",
                  "low: the text encoder and the transformer's blocks take turns on the GPU (2512's modulation "
-                 "weights on the host)",
+                 "weights on the host); low<N>gib: planned in N GiB, the blocks and text encoder layers that do not "
+                 "fit streamed from the host",
                  plan_memory, needs=("fused_transformer", "modulation_table"), text_to_image_only=True),
     Optimization("parallel", "parallel", "exact", "one image on several processes (CFG-parallel, Ulysses)",
                  plan_parallel, text_to_image_only=True),

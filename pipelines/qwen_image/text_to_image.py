@@ -28,6 +28,7 @@ from diffusers.pipelines.qwenimage.pipeline_output import QwenImagePipelineOutpu
 
 from ..core.config import FastConfig
 from ..core.pipeline.turns import TurnTakingPipeline
+from ..core.optimizations import memory_label
 from ..core.prompt_enhancer import resolve_enhancer
 from .fast_pipeline import FastPipelineMixin
 from ..core.runtime.memory import place_low_memory
@@ -86,8 +87,8 @@ class QwenImageFastPipeline(TurnTakingPipeline, FastPipelineMixin, QwenImagePipe
         self.prompt_enhancer = enhancer
         self.last_enhanced_prompts = None
         self.sampler = None
-        self._turns = (place_low_memory(self, torch.device(device) if device is not None else self.transformer.device)
-                       if config.memory == "low" else None)
+        self._turns = (place_low_memory(self, torch.device(device) if device is not None else self.transformer.device,
+                                        config.max_memory_gib) if config.memory == "low" else None)
 
     @classmethod
     def _before_loading(cls, config: FastConfig, path_or_id, device, kwargs: dict) -> dict:
@@ -328,7 +329,7 @@ class QwenImageFastPipeline(TurnTakingPipeline, FastPipelineMixin, QwenImagePipe
         if tables:
             record.add("modulation_table")
         if self._turns is not None:
-            record.add("memory", "low")
+            record.add("memory", memory_label(config))
         for label in self._parallel_labels():
             if label != "cfg2" or cfg_steps:
                 record.add("parallel", label)

@@ -77,6 +77,12 @@ def check_triton_on_cpu(device, labels: Labels, enhance: str | None = None):
 # 1024^2 and 23.0 at 1328^2. QWEN_IMAGE_2512_SHAPE: (transformer width, layers) they were measured at.
 FAST_PIPELINE_GIB = 43.0
 LOW_MEMORY_GIB = 22.0
+# Below LOW_MEMORY_GIB, the 2512 text-to-image pipeline runs memory="low" planned in the budget
+# (FastConfig.max_memory_gib): the blocks and text encoder layers that do not fit stream from the host
+# (benchmarks/RESULTS.md, "Running in 16 GiB"). Its smallest budget, from the plan's arithmetic at the real shapes
+# (pipelines/core/runtime/memory.py): the CUDA context with its growth ~1.1, the VAE and transformer parts 0.4, one
+# 1328^2 image's workspace and table 5.5, the text encoder's parts outside its layers 2.0 and two of its layers 0.9.
+STREAMING_MIN_GIB = 10.0
 QWEN_IMAGE_2512_SHAPE = (3072, 60)
 # Qwen-Image-2.1's, measured the same way at 1024^2 text-to-image only (benchmarks/RESULTS.md, "Qwen-Image-2.1"):
 # 35.7 GiB reserved resident, 19.9 with memory="low" (its ~16 GiB text encoder and the blocks taking turns), each
@@ -84,17 +90,18 @@ QWEN_IMAGE_2512_SHAPE = (3072, 60)
 QWEN21_FAST_PIPELINE_GIB = 38.0
 QWEN21_LOW_MEMORY_GIB = 21.0
 QWEN_IMAGE_21_SHAPE = (4096, 32)
-LOW_MEMORY_MEASURED = {"QwenImagePipeline": "21.7 GiB at 1024x1024, 23.0 at 1328x1328, measured",
+LOW_MEMORY_MEASURED = {"QwenImagePipeline": "21.7 GiB at 1024x1024, 23.0 at 1328x1328, measured; below 22 its blocks "
+                                            "and text encoder layers stream from the host",
                        "QwenImage21Pipeline": "19.9 GiB reserved at 1024x1024, measured; its text encoder alone is "
                                               "~16 GiB"}
 
 
 def memory_needs(pipeline: str) -> tuple[float, float, str]:
-    """(the fast pipeline's GiB, memory="low"'s GiB, what was measured) for a pipeline class: Qwen-Image-2.1's, else
-    the 2512 family's."""
+    """(the fast pipeline's GiB, memory="low"'s smallest GiB, what was measured) for a pipeline class:
+    Qwen-Image-2.1's, else the 2512 family's (streamed below LOW_MEMORY_GIB)."""
     if pipeline == "QwenImage21Pipeline":
         return QWEN21_FAST_PIPELINE_GIB, QWEN21_LOW_MEMORY_GIB, LOW_MEMORY_MEASURED[pipeline]
-    return FAST_PIPELINE_GIB, LOW_MEMORY_GIB, LOW_MEMORY_MEASURED["QwenImagePipeline"]
+    return FAST_PIPELINE_GIB, STREAMING_MIN_GIB, LOW_MEMORY_MEASURED["QwenImagePipeline"]
 
 
 def memory_setting(max_memory: float | None, preset: str, pipeline: str, parallel: str | None) -> str:
@@ -113,6 +120,14 @@ def memory_setting(max_memory: float | None, preset: str, pipeline: str, paralle
         raise ValueError(f"--max-memory {max_memory:g} below {fast_gib:g} needs memory='low', which runs in the fast "
                          f"text-to-image and Qwen-Image-2.1 pipelines alone; {why}: leave --max-memory out")
     return "low"
+
+
+def memory_budget(max_memory: float | None, memory: str, pipeline: str) -> float | None:
+    """FastConfig.max_memory_gib: --max-memory where the 2512 text-to-image pipeline's memory="low" must stream
+    (below LOW_MEMORY_GIB), else None (the 24 GiB mode as measured, or not memory="low")."""
+    if memory == "low" and pipeline == "QwenImagePipeline" and max_memory < LOW_MEMORY_GIB:
+        return max_memory
+    return None
 
 
 def check_gpu_fits(device, max_memory: float | None, preset: str, pipeline: str, model_shape) -> None:
@@ -137,8 +152,11 @@ def check_gpu_fits(device, max_memory: float | None, preset: str, pipeline: str,
     if pipeline != "QwenImagePipeline" and not qwen21:
         raise ValueError(f"{where}; its low-memory mode (--max-memory) runs the text-to-image pipeline only, not "
                          f"{pipeline}")
-    raise ValueError(f"{where}: add --max-memory {int(total)} (memory='low': the same images bit for bit in about "
-                     f"{low_gib:g} GiB)")
+    how = ("the same images bit for bit in about "
+           f"{QWEN21_LOW_MEMORY_GIB if qwen21 else LOW_MEMORY_GIB:g} GiB" if qwen21 or total >= LOW_MEMORY_GIB else
+           f"the same images bit for bit; below {LOW_MEMORY_GIB:g} GiB the blocks and text encoder layers that do "
+           "not fit stream from the host")
+    raise ValueError(f"{where}: add --max-memory {int(total)} (memory='low': {how})")
 
 
 def cap_memory(max_memory: float | None, device) -> None:

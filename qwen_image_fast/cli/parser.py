@@ -6,7 +6,7 @@ import math
 from ..pipelines.core.config import (ATTENTION_BACKENDS, FP8_ATTENTION, PARALLEL_MODES, PRESETS, SCHEDULERS,
                                          DBCache, FastConfig)
 from ..pipelines.core.optimizations import REGISTRY
-from .devices import FAST_PIPELINE_GIB, LOW_MEMORY_GIB
+from .devices import FAST_PIPELINE_GIB, LOW_MEMORY_GIB, STREAMING_MIN_GIB
 from .jobs import (ASPECTS, LIGHTNING_CFG, LIGHTNING_STEPS, MAX_SEED, MIN_STEPS, QWEN21_CFG,
                    QWEN21_STEPS, REAL_CFG, REAL_STEPS, TINY_STEPS)
 from .loras import lora_argument
@@ -238,7 +238,9 @@ def build_parser() -> argparse.ArgumentParser:
     add("--max-memory", type=positive_float, metavar="GIB",
         help=f"GPU memory this process may use, in GiB: below {FAST_PIPELINE_GIB:g} the text-to-image pipeline runs "
              "with memory='low' (the text encoder and the transformer take turns on the GPU, the modulation weights "
-             f"stay on the host; the same images), at least {LOW_MEMORY_GIB:g}; on CUDA the process is capped there "
+             f"stay on the host; the same images); below {LOW_MEMORY_GIB:g} planned in the budget, the blocks and "
+             f"text encoder layers that do not fit streamed from the host, one image a call, at least "
+             f"{STREAMING_MIN_GIB:g}; on CUDA the process is capped there "
              "(torch.cuda.set_per_process_memory_fraction) and fails with out-of-memory rather than use more")
     add("--engine", choices=("local", "ray"), default="local",
         help="local: this process (and torchrun's others) renders; ray: a pool of Ray actors, one GPU each, on the "

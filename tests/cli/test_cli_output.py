@@ -135,6 +135,18 @@ def test_max_memory_renders_the_same_images_with_memory_low(tmp_path):
         assert np.array_equal(pixels(tmp_path / "fast" / fast["file"]), pixels(tmp_path / "low" / low["file"]))
 
 
+def test_max_memory_below_22_gib_plans_the_budget(tmp_path):
+    """--max-memory 16: memory='low' planned in 16 GiB (FastConfig.max_memory_gib, recorded in applied as
+    low16gib); the tiny model fits it whole, so nothing streams here (tests/pipelines/test_streaming.py streams), and
+    the pixels equal the fast pipeline's."""
+    common = ["render", "--model", "tiny-random", "--device", "cpu", "a cat"]
+    assert main([*common, "--out", str(tmp_path / "fast")]) == 0
+    assert main([*common, "--max-memory", "16", "--out", str(tmp_path / "low")]) == 0
+    [fast], [low] = manifest(tmp_path / "fast"), manifest(tmp_path / "low")
+    assert "memory:low16gib" in low["applied"] and not any(a.startswith("memory") for a in fast["applied"])
+    assert np.array_equal(pixels(tmp_path / "fast" / fast["file"]), pixels(tmp_path / "low" / low["file"]))
+
+
 @needs_interpreter
 def test_enhance_tiny_random_records_the_rewrites_and_resumes(tmp_path, capsys):
     out_dir = tmp_path / "out"

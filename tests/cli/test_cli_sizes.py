@@ -103,8 +103,11 @@ def test_a_large_size_on_the_cpu_warns_with_an_estimate(capsys):
                                 "(memory='low': the same images bit for bit in about 22 GiB)"),
     (23.6, "QwenImageEditPlusPipeline", "its low-memory mode (--max-memory) runs the text-to-image pipeline only, "
                                         "not QwenImageEditPlusPipeline"),
-    (15.6, "QwenImagePipeline", "has 15.6 GiB, and the fast pipeline needs about 43 (22 with --max-memory, its "
-                                "low-memory mode): GPUs this small are not served yet"),
+    (15.6, "QwenImagePipeline", "has 15.6 GiB, and the fast pipeline needs about 43: add --max-memory 15 "
+                                "(memory='low': the same images bit for bit; below 22 GiB the blocks and text encoder "
+                                "layers that do not fit stream from the host)"),  # a 16 GB card
+    (7.6, "QwenImagePipeline", "has 7.6 GiB, and the fast pipeline needs about 43 (10 with --max-memory, its "
+                               "low-memory mode): GPUs this small are not served yet"),
     # a Qwen-Image-2.1-size model: its own numbers (35.7 and 19.9 GiB reserved at 1024^2, measured)
     (39.4, "QwenImage21Pipeline", None),
     (23.6, "QwenImage21Pipeline", "has 23.6 GiB, and the fast pipeline needs about 38: add --max-memory 23 "

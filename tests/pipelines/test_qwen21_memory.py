@@ -49,8 +49,8 @@ def test_low_memory_refuses_to_move_and_keeps_the_blocks_between_turns():
     latents(low)
     low._get_qwen_prompt_embeds("a cat", device=torch.device("cpu"))  # the text encoder's turn: the blocks go home
     assert low._turns.resident == "text_encoder" and not arena.loaded
-    assert all(t.data_ptr() == view.data_ptr() for t, _, view in arena.entries)  # each a view of the host arena
-    assert any(t is block.qkv.weight for t, _, _ in arena.entries)
+    assert all(t.data_ptr() == view.data_ptr() for t, _, view, _ in arena.entries)  # each a view of the host arena
+    assert any(t is block.qkv.weight for t, _, _, _ in arena.entries)
 
 
 @pytest.mark.gpu

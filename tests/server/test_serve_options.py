@@ -32,6 +32,8 @@ def test_bad_options_exit_2_with_one_line(capsys, tmp_path):
         (["--request-timeout", "0"], "> 0"),
         (["--attention", "fa4"], "fa4"),
         (["--model", str(tmp_path / "nowhere")], "nowhere"),
+        (["--max-memory", "8"], "--max-memory 8: the pipeline needs at least 10 GiB"),  # as render's rules
+        (["--max-memory", "16", "--max-batch", "4"], "--max-batch 4 with --max-memory 16: below 22 GiB"),
     ]
     for argv, says in cases:
         line = refused(capsys, *argv)

@@ -205,6 +205,12 @@ class FastLoraPipeline:
             return super().fuse_lora(components=components, lora_scale=lora_scale, safe_fusing=safe_fusing,
                                      adapter_names=adapter_names, **kwargs)
         self._check_lora_components(components)
+        turns = getattr(self, "_turns", None)
+        if turns is not None and turns.streams("transformer"):
+            raise ValueError(f"fuse_lora with FastConfig(max_memory_gib={self.fast_config.max_memory_gib:g}): the "
+                             "budget streams some of the transformer's blocks through shared slots, so their weights "
+                             "cannot change in place; run the adapters unfused (set_adapters / the adapter weights: "
+                             "the same images within FP8's bound), or leave max_memory_gib out")
         fast.fuse_lora(lora_scale, safe_fusing=safe_fusing, adapter_names=adapter_names)
         self._merged_adapters = self._merged_adapters | fast.fused_adapters
 

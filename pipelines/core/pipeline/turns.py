@@ -4,6 +4,8 @@ block weights taking turns in one GPU buffer (core/runtime/offload.py's TakingTu
 forwards; encoding brings the text encoder in here.
 """
 
+import torch
+
 from ..runtime.offload import TakingTurns
 
 
@@ -29,10 +31,13 @@ class TurnTakingPipeline:
 
     def _get_qwen_prompt_embeds(self, *args, **kwargs):
         """diffusers' text encoding (both families' pipelines have it); with memory="low", the text encoder's turn
-        on the GPU first."""
-        if self._turns is not None:
-            self._turns.use("text_encoder")
-        return super()._get_qwen_prompt_embeds(*args, **kwargs)
+        on the GPU first, and no autograd graph: one would keep the turn's device weights (and the activations)
+        alive after the turn ends, and a streamed layer's slot holds another layer's weights by then."""
+        if self._turns is None:
+            return super()._get_qwen_prompt_embeds(*args, **kwargs)
+        self._turns.use("text_encoder")
+        with torch.no_grad():
+            return super()._get_qwen_prompt_embeds(*args, **kwargs)
 
     def load_lora_weights(self, *args, **kwargs):
         """diffusers' load_lora_weights; with memory="low", during the block weights' turn on the GPU (the factors

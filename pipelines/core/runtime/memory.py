@@ -7,36 +7,144 @@ weights take turns on the GPU).
 - taking turns in one GPU buffer the size of the transformer's block linears: those, and the text encoder (its
   vision tower, which text-to-image never runs, stays on the host; what does not fit the buffer gets one of its own
   for its turn).
+
+With a budget (FastConfig(max_memory_gib=...)) the buffer is what the budget leaves (low_memory_buffer), and the
+transformer's blocks and the text encoder's decoder layers that do not fit it stream (streaming.py).
 """
 
-import torch
+from dataclasses import dataclass
 
-from .offload import HostArena, TakingTurns, tensors_of
+import torch
+import torch.nn as nn
+
+from .offload import HostArena, TakingTurns, nbytes, tensors_of
 
 SMALL_TRANSFORMER_PARTS = ("time_text_embed", "txt_norm", "img_in", "txt_in", "norm_out", "proj_out")
+GIB = 2**30
+# What a call needs beside the weights, planned for one image a call (CFG batched) of the official size with the most
+# tokens (1328x1328), 50 steps: activations, the graphs' pools and the VAE decode, per image token and transformer
+# width (measured on an H200 at 1024^2, 3 steps: 3.0 GiB reserved above the weights = 258 bytes per token x width),
+# and one modulation table of PLANNED_STEPS steps (a budget keeps one: 0.43 GiB at the real width).
+WORKSPACE_BYTES_PER_TOKEN_WIDTH = 260
+PLANNED_SIDE = 1328
+PLANNED_STEPS = 50
+CONTEXT_GROWTH = GIB // 4  # the CUDA context grows after the plan as kernels load (cuBLAS, FlashAttention, Triton)
 
 
-def place_low_memory(pipe, device: torch.device) -> TakingTurns:
+@dataclass(frozen=True)
+class LowMemoryBudget:
+    """Where a budget of `budget` bytes goes: the CUDA context, the weights always on the GPU, a call's workspace;
+    the rest is the turn-taking buffer (at most what the largest arena needs)."""
+
+    budget: int
+    context: int
+    placed: int
+    workspace: int
+    floor: int  # the smallest buffer every arena can take its turn in (fixed part + 2 streaming slots)
+
+    @property
+    def buffer(self) -> int:
+        return self.budget - self.context - self.placed - self.workspace
+
+    def check(self):
+        if self.buffer < self.floor:
+            smallest = (self.context + self.placed + self.workspace + self.floor) / GIB
+            raise ValueError(
+                f"max_memory_gib={self.budget / GIB:g} is too small for this pipeline: it needs at least "
+                f"{smallest:.2f} GiB (CUDA context {self.context / GIB:.2f}, VAE and transformer parts on the GPU "
+                f"{self.placed / GIB:.2f}, one {PLANNED_SIDE}x{PLANNED_SIDE} image's activations, decode and "
+                f"modulation table {self.workspace / GIB:.2f}, the smallest turn-taking buffer {self.floor / GIB:.2f}: "
+                f"a set of weights' parts outside its layers and 2 layer slots)")
+
+
+def placed_bytes(pipe) -> int:
+    """The weights memory='low' keeps on the GPU: the VAE and the transformer's small parts."""
+    modules = [pipe.vae] + [getattr(pipe.transformer, name) for name in SMALL_TRANSFORMER_PARTS]
+    return sum(nbytes(t) for module in modules for t in tensors_of(module))
+
+
+def workspace_bytes(pipe) -> int:
+    """A planned call's needs beside the weights (WORKSPACE_BYTES_PER_TOKEN_WIDTH): its activations, pools and
+    decode, and its modulation table."""
+    transformer = pipe.transformer
+    tokens = (PLANNED_SIDE // (pipe.vae_scale_factor * 2)) ** 2
+    table = PLANNED_STEPS * transformer.modulation_layout(2).size * transformer.dtype.itemsize
+    return WORKSPACE_BYTES_PER_TOKEN_WIDTH * tokens * transformer.inner_dim + table
+
+
+def context_bytes(device: torch.device) -> int:
+    """The CUDA context (and anything else outside this process's allocator) on `device`, with room to grow."""
+    if device.type != "cuda":
+        return 0
+    free, total = torch.cuda.mem_get_info(device)
+    return total - free - torch.cuda.memory_reserved(device) + CONTEXT_GROWTH
+
+
+def text_encoder_layers(text_encoder: nn.Module, skip: nn.Module | None) -> tuple[nn.Module, nn.ModuleList] | None:
+    """(the decoder, its ModuleList of layers) of a transformers text model, outside `skip` (the vision tower)."""
+    for module in text_encoder.modules():
+        layers = getattr(module, "layers", None)
+        if module is not skip and isinstance(layers, nn.ModuleList) and len(layers) and (
+                skip is None or all(p is not q for p in layers.parameters() for q in skip.parameters())):
+            return module, layers
+    return None
+
+
+def stream_text_encoder(decoder: nn.Module, layers: nn.ModuleList, arena: HostArena):
+    """Hooks running the arena's streamed layers (when its turn streams) around the decoder's forward."""
+    def begin(module, args):
+        if arena.stream is not None:
+            arena.stream.begin(0, len(layers))
+
+    def end(module, args, output):
+        if arena.stream is not None:
+            arena.stream.end()
+
+    decoder.register_forward_pre_hook(begin)
+    decoder.register_forward_hook(end)
+    for i, layer in enumerate(layers):
+        layer.register_forward_pre_hook(lambda module, args, i=i: arena.stream.before(i) if arena.stream else None)
+
+
+def place_low_memory(pipe, device: torch.device, max_memory_gib: float | None = None) -> TakingTurns:
     """Put a text-to-image pipeline's components where memory="low" keeps them; returns the turns of the text
-    encoder and the transformer's block linears (neither is on the GPU yet)."""
+    encoder and the transformer's block linears (neither is on the GPU yet). max_memory_gib: the budget (PyTorch's
+    reserved memory and the CUDA context) the turn-taking buffer is planned in; what does not fit it streams."""
     transformer, text_encoder = pipe.transformer, pipe.text_encoder
     pin = device.type == "cuda"
     for name in SMALL_TRANSFORMER_PARTS:
         getattr(transformer, name).to(device)
     blocks, mods = [], []
     for block in transformer.transformer_blocks:
-        blocks += tensors_of(block, recurse=False)  # the QK-norm weights
+        layer = list(tensors_of(block, recurse=False))  # the QK-norm weights
         for name, child in block.named_children():
-            (mods if name in ("img_mod", "txt_mod") else blocks).extend(tensors_of(child))
+            (mods if name in ("img_mod", "txt_mod") else layer).extend(tensors_of(child))
+        blocks.append(layer)
     HostArena(mods, pin)  # host storage only: tables read it block by block
     vision = getattr(getattr(text_encoder, "model", None), "visual", None)
     if vision is not None:
         vision.to("cpu")
     skip = {id(t) for t in tensors_of(vision)} if vision is not None else set()
-    encoder = [t for t in tensors_of(text_encoder) if id(t) not in skip]
+    decoder = text_encoder_layers(text_encoder, vision)
+    in_layers = {id(t) for t in tensors_of(decoder[1])} if decoder else set()
+    encoder = [t for t in tensors_of(text_encoder) if id(t) not in skip and id(t) not in in_layers]
+    encoder_layers = [tensors_of(layer) for layer in decoder[1]] if decoder else []
     pipe.vae.to(device)
-    turns = TakingTurns({"text_encoder": HostArena(encoder, pin), "transformer": HostArena(blocks, pin)}, device,
-                        main="transformer")
+    arenas = {"text_encoder": HostArena(encoder, pin, encoder_layers), "transformer": HostArena([], pin, blocks)}
     if device.type == "cuda":
         torch.cuda.empty_cache()  # the block linears' device copies the arenas replaced
+    buffer = None
+    if max_memory_gib is not None:
+        budget = LowMemoryBudget(
+            budget=int(max_memory_gib * GIB), context=context_bytes(device),
+            placed=placed_bytes(pipe),
+            workspace=workspace_bytes(pipe),
+            floor=max(arena.streaming_floor() for arena in arenas.values()))
+        budget.check()
+        buffer = min(budget.buffer, max(arena.nbytes for arena in arenas.values()))
+        transformer.modulation_tables.capacity = 1  # the plan's one table
+    turns = TakingTurns(arenas, device, main="transformer", buffer_bytes=buffer)
+    transformer.block_arena = arenas["transformer"]
+    if decoder is not None:
+        stream_text_encoder(*decoder, arenas["text_encoder"])
     return turns

@@ -10,7 +10,9 @@ captured over the transformer stay valid across turns.
 
 The device buffer is sized for one set (the transformer's). A larger one (the text encoder, by ~1.5 GiB) puts what
 does not fit into a buffer of its own for its turn, given back to the driver when the turn ends, so the denoising
-loop never has it reserved.
+loop never has it reserved. Under a memory budget (FastConfig(max_memory_gib=...)) the buffer is what the budget
+leaves, and a set larger than that keeps as many of its layers on the device as fit and streams the others through
+two slots at the buffer's end (streaming.py): the transformer's blocks and the text encoder's decoder layers.
 
 A tensor changed in place while on the device (fuse_lora folds adapters into FP8 weights with copy_) is copied back
 to its host view before its turn ends: its _version counter moved. One whose storage was replaced is adopted if its
@@ -25,6 +27,8 @@ import functools
 
 import torch
 import torch.nn as nn
+
+from .streaming import SLOTS, LayerStream, streamed_layers
 
 ALIGN = 256  # bytes: every view starts aligned for vectorized loads and cuBLAS
 
@@ -79,24 +83,39 @@ def on_device(modules: list[nn.Module], device: torch.device):
 
 
 class HostArena:
-    """`tensors` (parameters and buffers, by object), moved into one flat host buffer, each now a view of it."""
+    """`tensors` (parameters and buffers, by object), then each of `layers` (a list of tensors per layer), moved
+    into one flat host buffer, each tensor now a view of it; a layer's tensors are contiguous there (layer_ranges),
+    so that it can be streamed (streaming.py)."""
 
-    def __init__(self, tensors: list[torch.Tensor], pin: bool):
-        unique = list({id(t): t for t in tensors}.values())
-        offsets, size = [], 0
-        for t in unique:
-            offsets.append(size)
-            size += -(-nbytes(t) // ALIGN) * ALIGN
+    def __init__(self, tensors: list[torch.Tensor], pin: bool, layers: list[list[torch.Tensor]] | None = None):
+        groups = [tensors] + list(layers or ())
+        seen, placed, size = set(), [], 0  # placed: (tensor, offset, group)
+        self.layer_ranges: list[tuple[int, int]] = []
+        for g, group in enumerate(groups):
+            size = -(-size // ALIGN) * ALIGN
+            start = size
+            for t in group:
+                if id(t) in seen:
+                    continue
+                seen.add(id(t))
+                placed.append((t, size, g - 1))
+                size += -(-nbytes(t) // ALIGN) * ALIGN
+            if g:
+                self.layer_ranges.append((start, size))
         self.nbytes = size
+        self.fixed_nbytes = self.layer_ranges[0][0] if self.layer_ranges else size  # the part that never streams
+        self.layer_stride = max((stop - start for start, stop in self.layer_ranges), default=0)
         self.host = torch.empty(size, dtype=torch.uint8, pin_memory=pin)
-        self.entries = []  # (tensor, offset, host view)
-        for t, offset in zip(unique, offsets):
+        self.entries = []  # (tensor, offset, host view, layer or -1)
+        for t, offset, layer in placed:
             view = self._view(self.host, offset, t)
             view.copy_(t.detach())
             t.data = view
-            self.entries.append((t, offset, view))
+            self.entries.append((t, offset, view, layer))
         self._on_device: list[tuple[int, int]] | None = None  # per entry: (data_ptr, _version) while loaded
         self.overflow: torch.Tensor | None = None  # while loaded: the device copy of what the buffer could not hold
+        self.stream: LayerStream | None = None  # while loaded with streamed layers
+        self.streamed: tuple[int, ...] = ()
 
     @staticmethod
     def _view(buffer: torch.Tensor, offset: int, like: torch.Tensor) -> torch.Tensor:
@@ -106,24 +125,69 @@ class HostArena:
     def loaded(self) -> bool:
         return self._on_device is not None
 
-    def load(self, buffer: torch.Tensor):
-        """Copy into the device buffer (uint8) and point every tensor at its view there; the tensors from the first
-        that does not fit on go to a buffer of their own (self.overflow) until unload."""
-        split = next((offset for t, offset, _ in self.entries if offset + nbytes(t) > buffer.numel()), self.nbytes)
+    def streaming_floor(self) -> int:
+        """The smallest buffer (bytes) this arena can take its turn in by streaming: its fixed part and SLOTS layer
+        slots (the whole arena if it has no layers)."""
+        return self.fixed_nbytes + SLOTS * self.layer_stride if self.layer_ranges else self.nbytes
+
+    def resident_layers(self, buffer_bytes: int) -> int:
+        """How many of its layers stay on the device in a buffer of buffer_bytes (all of them if it fits; ValueError
+        below streaming_floor)."""
+        if self.nbytes <= buffer_bytes:
+            return len(self.layer_ranges)
+        if buffer_bytes < self.streaming_floor():
+            raise ValueError(f"a buffer of {buffer_bytes} bytes cannot hold this arena's fixed part and {SLOTS} "
+                             f"layer slots ({self.streaming_floor()} bytes)")
+        return min(len(self.layer_ranges), (buffer_bytes - self.streaming_floor()) // self.layer_stride)
+
+    def load(self, buffer: torch.Tensor, stream: bool = False):
+        """Copy into the device buffer (uint8) and point every tensor at its view there. stream=False: the tensors
+        from the first that does not fit on go to a buffer of their own (self.overflow) until unload. stream=True:
+        the layers that do not fit are streamed (streaming.py) through slots at the buffer's end."""
+        if stream and self.nbytes > buffer.numel():
+            self._load_streamed(buffer)
+            return
+        split = next((offset for t, offset, _, _ in self.entries if offset + nbytes(t) > buffer.numel()), self.nbytes)
         buffer[:split].copy_(self.host[:split], non_blocking=True)
         self.overflow = None
         if split < self.nbytes:
             self.overflow = torch.empty(self.nbytes - split, dtype=torch.uint8, device=buffer.device)
             self.overflow.copy_(self.host[split:], non_blocking=True)
         self._on_device = []
-        for t, offset, _ in self.entries:
+        for t, offset, _, _ in self.entries:
             t.data = (self._view(buffer, offset, t) if offset < split else
                       self._view(self.overflow, offset - split, t))
             self._on_device.append((t.data_ptr(), t._version))
 
+    def _load_streamed(self, buffer: torch.Tensor):
+        """Device layout: [fixed part][resident layers, in order][SLOTS slots of layer_stride bytes]."""
+        n = len(self.layer_ranges)
+        self.streamed = streamed_layers(n, self.resident_layers(buffer.numel()))
+        streamed = set(self.streamed)
+        slot_base = self.fixed_nbytes + (n - len(streamed)) * self.layer_stride
+        buffer[:self.fixed_nbytes].copy_(self.host[:self.fixed_nbytes], non_blocking=True)
+        where, position, slot_of, copies = {}, self.fixed_nbytes, {}, {}  # where: layer -> its device offset
+        for layer, (start, stop) in enumerate(self.layer_ranges):
+            if layer in streamed:
+                slot_of[layer] = len(slot_of) % SLOTS
+                where[layer] = slot_base + slot_of[layer] * self.layer_stride
+                copies[layer] = (buffer[where[layer]:where[layer] + stop - start], self.host[start:stop])
+            else:
+                where[layer] = position
+                buffer[position:position + stop - start].copy_(self.host[start:stop], non_blocking=True)
+                position += self.layer_stride
+        self._on_device = []
+        for t, offset, _, layer in self.entries:
+            device_offset = offset if layer < 0 else where[layer] + offset - self.layer_ranges[layer][0]
+            t.data = self._view(buffer, device_offset, t)
+            self._on_device.append((t.data_ptr(), t._version))
+        self.stream = LayerStream(copies, slot_of, buffer.device)
+
     def unload(self):
-        """Point every tensor back at its host view, first copying back those changed while loaded."""
-        for (t, _, view), (ptr, version) in zip(self.entries, self._on_device):
+        """Point every tensor back at its host view, first copying back those changed while loaded (a streamed
+        layer's cannot be: its slot holds another layer's bytes by then)."""
+        streamed = set(self.streamed)
+        for (t, _, view, layer), (ptr, version) in zip(self.entries, self._on_device):
             if t.data_ptr() != ptr:  # storage replaced while loaded
                 if t.shape != view.shape or t.dtype != view.dtype:
                     raise RuntimeError(f"a weight of shape {tuple(view.shape)} {view.dtype} became "
@@ -131,27 +195,44 @@ class HostArena:
                                        "weights at fixed places: reload the pipeline after changing the model")
                 view.copy_(t.detach())
             elif t._version != version:
+                if layer in streamed:
+                    raise RuntimeError(f"a weight of streamed layer {layer} was changed in place while on the "
+                                       "device, where it shares a slot with other layers: with a memory budget "
+                                       "that streams layers (FastConfig(max_memory_gib=...)) the weights are read "
+                                       "only; change them before building the pipeline")
                 view.copy_(t.detach())
             t.data = view
         self._on_device = None
         self.overflow = None
+        self.stream, self.streamed = None, ()
 
 
 class TakingTurns:
-    """Named HostArenas sharing one device buffer, allocated on first use, as large as arena `main`."""
+    """Named HostArenas sharing one device buffer, allocated on first use: as large as arena `main` (an arena larger
+    than that gets an overflow buffer for its turn), or buffer_bytes (a memory budget: an arena larger than that
+    streams the layers that do not fit, streaming.py)."""
 
-    def __init__(self, arenas: dict[str, HostArena], device: torch.device, main: str):
+    def __init__(self, arenas: dict[str, HostArena], device: torch.device, main: str, buffer_bytes: int | None = None):
         self.arenas, self.device, self.main = arenas, device, main
+        self.stream = buffer_bytes is not None
+        self.buffer_bytes = arenas[main].nbytes if buffer_bytes is None else buffer_bytes
+        for arena in arenas.values():
+            if self.stream:  # ValueError if one cannot take its turn at all
+                arena.resident_layers(self.buffer_bytes)
         self.buffer: torch.Tensor | None = None
         self.resident: str | None = None
         self.loads = 0  # how many turns began (each one a host-to-device copy of that arena)
+
+    def streams(self, name: str) -> bool:
+        """Whether arena `name` streams some of its layers in its turns (a budget's buffer is smaller than it)."""
+        return self.stream and self.arenas[name].nbytes > self.buffer_bytes
 
     def use(self, name: str):
         """Make arena `name` the one on the device (nothing to do if it is already)."""
         if self.resident == name:
             return
         if self.buffer is None:
-            self.buffer = torch.empty(self.arenas[self.main].nbytes, dtype=torch.uint8, device=self.device)
+            self.buffer = torch.empty(self.buffer_bytes, dtype=torch.uint8, device=self.device)
         if self.resident is not None:
             leaving = self.arenas[self.resident]
             overflowed = leaving.overflow is not None
@@ -159,10 +240,10 @@ class TakingTurns:
             if overflowed and self.device.type == "cuda":
                 torch.cuda.empty_cache()  # the overflow buffer back to the driver, not kept reserved
         arena = self.arenas[name]
-        if arena.nbytes > self.buffer.numel() and self.device.type == "cuda":
+        if arena.nbytes > self.buffer.numel() and not self.stream and self.device.type == "cuda":
             # what the allocator keeps cached (the last call's activations and VAE decode) goes back first: the
             # overflow buffer comes on top of what is in use only (Qwen-Image-2.1's ~10 GiB of text encoder)
             torch.cuda.empty_cache()
-        arena.load(self.buffer)
+        arena.load(self.buffer, stream=self.stream)
         self.resident = name
         self.loads += 1

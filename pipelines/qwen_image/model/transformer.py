@@ -39,7 +39,7 @@ from ...core.runtime.cfg_pairing import pad_text
 from ...core.runtime.context import forward_context, get_context
 from ...core.runtime.cuda_graph import read_by_graph
 from ...core.runtime.forward_hook import HookedForward
-from ...core.runtime.offload import has_offload_hooks
+from ...core.runtime.offload import HostArena, has_offload_hooks
 from ...core.runtime.parallel import UlyssesPlan
 from ...core.model.adapters import LoraAdapters, check_carriable, peft_lora_layers
 from ...core.model.attention import TextMask, resolve_backend
@@ -138,6 +138,7 @@ class FastQwenImageTransformer(Unsupported, StepCaches, ModulationTable, LoraAda
         self.lora_state = LoraState()
         self.weight_source: CheckpointWeights | None = None  # the BF16 masters of the FP8 weights (fuse_lora)
         self.single_file = None  # from_single_file: what it kept, dequantized, requantized (core/single_file/)
+        self.block_arena: HostArena | None = None  # memory="low": the blocks' weights (core/runtime/memory.py)
 
     @staticmethod
     def _pos_embed(config: dict) -> nn.Module:
@@ -435,8 +436,13 @@ class FastQwenImageTransformer(Unsupported, StepCaches, ModulationTable, LoraAda
         past = self.is_cache_enabled and context.past_hooks  # a native rule runs the cache (step_caches.py)
         hooked = self.is_cache_enabled and not past
         attention_cache = context.attention_cache  # a TaylorSeer step's (core/runtime/taylorseer.py)
+        streaming = self.block_arena.stream if self.block_arena is not None else None  # a memory budget's
+        if streaming is not None:
+            streaming.begin(start, stop)
         for i in range(start, stop):
             block = self.transformer_blocks[i]
+            if streaming is not None:
+                streaming.before(i)
             mods = None if state.modulation is None else state.layout.block(state.modulation, i)
             if hooked:
                 state.settle()
@@ -453,6 +459,8 @@ class FastQwenImageTransformer(Unsupported, StepCaches, ModulationTable, LoraAda
                 state.img = add_tail(state.img, state.img_tail, state.joint.mod_row) + samples[
                     i // -(-n_blocks // len(samples))]
                 state.img_tail = None
+        if streaming is not None:
+            streaming.end()
 
     def finish(self, state: "ForwardState") -> torch.Tensor:
         """norm_out and proj_out after the last block: [B, L_img, p*p*C]."""
