@@ -168,12 +168,12 @@ def copy_bandwidth(stream, device) -> float | None:
     return sum(host.numel() for _, host in copies) / (start.elapsed_time(stop) / 1e3) / 1e9
 
 
-def streaming_rows(stock, args, size, steps, device, prompts, env) -> list[dict]:
-    """--budgets: the fast pipeline uncapped, then memory="low" with each budget under its cap (module docstring)."""
+def streaming_rows(make_stock, args, size, steps, device, prompts, env) -> list[dict]:
+    """--budgets: the fast pipeline uncapped, then memory="low" with each budget under its cap (module docstring).
+    make_stock() builds the stock pipeline, dropped here once converted (its BF16 blocks are not the fast ones)."""
     cuda = device.type == "cuda"
-    fast = QwenImageFastPipeline.from_pipe(stock, fast_config=FastConfig(), device=device)
+    fast = QwenImageFastPipeline.from_pipe(make_stock(), fast_config=FastConfig(), device=device)
     fast.set_progress_bar_config(disable=True)
-    del stock
     gc.collect()
     torch.cuda.empty_cache()
     expected, one, per_image = one_and_eight(fast, size, steps, device, prompts, pre_encode=False)
@@ -251,15 +251,18 @@ def main():
         size, steps, prompts, text_encoder = args.size, STEPS, PROMPTS, "Qwen2.5-VL-7B text shapes (28 layers), random"
     env = dict(environment(), bench="memory", resolution=f"{size}x{size}", steps=steps, true_cfg_scale=4.0,
                text_encoder=text_encoder)
-    stock = tiny_pipeline() if args.tiny else full_size_stock_pipeline(args.tokenizer, full_text_encoder=True)
+    def make_stock():
+        return tiny_pipeline() if args.tiny else full_size_stock_pipeline(args.tokenizer, full_text_encoder=True)
+
     if args.budgets:
-        rows = streaming_rows(stock, args, size, steps, device, prompts, env)
+        rows = streaming_rows(make_stock, args, size, steps, device, prompts, env)
         if not rows[0]["ok"]:
             print("FAILED: a budget's latents differ from the fast pipeline's (no speed recorded)", flush=True)
             sys.exit(1)
         if not args.tiny:
             append_results("memory", rows, args.out)
         return
+    stock = make_stock()
     fast = QwenImageFastPipeline.from_pipe(stock, fast_config=FastConfig(modulation_table=False), device=device)
     del stock
     gc.collect()
