@@ -121,6 +121,30 @@ def test_a_budget_streams_blocks_and_text_layers_with_the_same_latents():
                        run(fast, prompt_embeds=embeds, prompt_embeds_mask=mask))
 
 
+def test_placing_the_components_again_replaces_the_text_encoder_hooks():
+    """A second memory='low' pipeline from the same components (as bench_memory builds one per budget): the text
+    encoder's streaming hooks are the new arena's only, and the first pipeline's buffer is not kept alive by them."""
+    import gc
+    import weakref
+
+    from qwen_image_fast import QwenImageFastPipeline
+
+    probe = pipelines(FP8.replace(memory="low"))[1]
+    config = FP8.replace(memory="low", max_memory_gib=budget_for(probe, resident_blocks=1))
+    low = pipelines(config)[1]
+    run(low, **CFG)
+    decoder, _ = memory.text_encoder_layers(low.text_encoder, low.text_encoder.model.visual)
+    hooks = len(decoder._forward_pre_hooks) + len(decoder._forward_hooks)
+    first = weakref.ref(low._turns.arenas["text_encoder"])
+    components = {name: getattr(low, name) for name in ("scheduler", "vae", "text_encoder", "tokenizer", "transformer")}
+    del low
+    again = QwenImageFastPipeline(**components, fast_config=config)
+    gc.collect()
+    assert len(decoder._forward_pre_hooks) + len(decoder._forward_hooks) == hooks and first() is None
+    embeds, _ = again.encode_prompt("a red fox in snow", device=torch.device("cpu"))
+    assert again._turns.arenas["text_encoder"].stream.copied > 0
+
+
 def test_budget_errors():
     probe = pipelines(FP8.replace(memory="low"))[1]
     floor = budget_for(probe, resident_blocks=0)

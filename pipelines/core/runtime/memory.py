@@ -12,6 +12,7 @@ With a budget (FastConfig(max_memory_gib=...)) the buffer is what the budget lea
 transformer's blocks and the text encoder's decoder layers that do not fit it stream (streaming.py).
 """
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -91,19 +92,31 @@ def text_encoder_layers(text_encoder: nn.Module, skip: nn.Module | None) -> tupl
 
 
 def stream_text_encoder(decoder: nn.Module, layers: nn.ModuleList, arena: HostArena):
-    """Hooks running the arena's streamed layers (when its turn streams) around the decoder's forward."""
+    """Hooks running the arena's streamed layers (when its turn streams) around the decoder's forward, replacing
+    those of an earlier placement of the same text encoder. They hold the arena weakly: a pipeline dropped does not
+    keep its device buffer alive through its text encoder."""
+    for handle in getattr(decoder, "_streaming_hooks", ()):
+        handle.remove()
+    arena_ref = weakref.ref(arena)
+
+    def stream():
+        live = arena_ref()
+        return live.stream if live is not None else None
+
     def begin(module, args):
-        if arena.stream is not None:
-            arena.stream.begin(0, len(layers))
+        if stream() is not None:
+            stream().begin(0, len(layers))
 
     def end(module, args, output):
-        if arena.stream is not None:
-            arena.stream.end()
+        if stream() is not None:
+            stream().end()
 
-    decoder.register_forward_pre_hook(begin)
-    decoder.register_forward_hook(end)
-    for i, layer in enumerate(layers):
-        layer.register_forward_pre_hook(lambda module, args, i=i: arena.stream.before(i) if arena.stream else None)
+    def before(i):
+        if stream() is not None:
+            stream().before(i)
+
+    decoder._streaming_hooks = [decoder.register_forward_pre_hook(begin), decoder.register_forward_hook(end)] + [
+        layer.register_forward_pre_hook(lambda module, args, i=i: before(i)) for i, layer in enumerate(layers)]
 
 
 def place_low_memory(pipe, device: torch.device, max_memory_gib: float | None = None) -> TakingTurns:
