@@ -105,6 +105,9 @@ PY_NEEDS = {
     "from openai import OpenAI": "a running server (tests/server runs the openai client against one)",
     'pipe = QwenImageFastPipeline.from_pretrained("Qwen/Qwen-Image-2512", fast_config=FastConfig(memory="low"), '
     'dtype=torch.bfloat16, device="cuda")': "a CUDA GPU (the low-memory mode moves weights between host and GPU)",
+    'pipe = QwenImageFastPipeline.from_pretrained("Qwen/Qwen-Image-2512", fast_config=FastConfig(memory="low", '
+    'max_memory_gib=16), dtype=torch.bfloat16, device="cuda")': "a CUDA GPU (its cap; tests/pipelines/"
+    "test_streaming.py streams on the CPU)",
     "from diffusers import QwenImageTransformer2DModel": "a fragment ('...': the transformer's inputs)",
     "from diffusers import QwenImage21Pipeline": "torchvision, which diffusers' loading of Qwen-Image-2.1's Qwen3-VL "
     "processor imports (qwen_image_fast.from_pretrained loads 2.1 without it: tests/pipelines/test_qwen21.py)",

@@ -163,6 +163,7 @@ def test_low_memory_gives_the_same_latents(fp8):
     assert turns.resident == "transformer" and turns.loads == 2  # text encoder, then the block linears
     embeds, mask = low.encode_prompt("a red fox in snow", device=torch.device("cpu"))
     assert turns.resident == "text_encoder"
+    assert embeds.grad_fn is None  # no autograd graph keeping the turn's weights and activations on the device
     assert torch.equal(run(low, prompt_embeds=embeds, prompt_embeds_mask=mask),
                        run(fast, prompt_embeds=embeds, prompt_embeds_mask=mask))
     assert turns.resident == "transformer" and turns.loads == 4
