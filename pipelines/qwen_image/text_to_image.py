@@ -31,7 +31,7 @@ from ..core.pipeline.turns import TurnTakingPipeline
 from ..core.optimizations import memory_label
 from ..core.prompt_enhancer import resolve_enhancer
 from .fast_pipeline import FastPipelineMixin
-from ..core.runtime.memory import place_low_memory
+from ..core.runtime.memory import check_within_plan, place_low_memory
 from ..core.runtime.parallel import MeshShape, ParallelMesh
 from .samplers import check_not_one_step, dynamic_shift, fewest_steps, make_scheduler, set_timesteps
 
@@ -197,6 +197,9 @@ class QwenImageFastPipeline(TurnTakingPipeline, FastPipelineMixin, QwenImagePipe
             batch_size = prompt_embeds.shape[0]
         if isinstance(prompt, list) and isinstance(negative_prompt, str):
             negative_prompt = [negative_prompt] * batch_size
+        if config.max_memory_gib is not None and self._turns is not None:
+            steps = len(sigmas) if sigmas is not None else num_inference_steps
+            check_within_plan(config.max_memory_gib, batch_size * num_images_per_prompt, height, width, steps)
         device = self._execution_device
 
         has_neg_prompt = negative_prompt is not None or negative_prompt_embeds is not None

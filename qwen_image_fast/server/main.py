@@ -7,6 +7,7 @@ process exits 0 once none is left (or after --drain-timeout seconds).
 
 import asyncio
 import contextlib
+import dataclasses
 import os
 from pathlib import Path
 
@@ -133,6 +134,10 @@ def plan_serve(args):
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     shape = ModelShape.of(source, pipeline)
     served = served_of(args, source, pipeline, shape)
+    if config.max_memory_gib is not None:  # what the budget is planned for (memory.check_within_plan): 400 beyond
+        from ..pipelines.core.runtime.memory import PLANNED_SIDE, PLANNED_STEPS
+
+        served = dataclasses.replace(served, max_steps=PLANNED_STEPS, max_pixels=PLANNED_SIDE ** 2)
     settings = dict(model=files.label if files else model, preset=args.preset,
                     endpoint=f"/v1/images/{served.endpoint}")
     warm_up = {} if served.endpoint == "edits" else dict(

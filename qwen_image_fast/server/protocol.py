@@ -87,6 +87,8 @@ class Served:
     size_refused: bool = False  # the pipeline sizes its output from the input image alone
     count_tokens: object = None  # str -> the text encoder's token count (None: not checked)
     max_prompt_tokens: int = 512  # diffusers' max_sequence_length: the encoder's output past it is dropped
+    max_steps: int = MAX_STEPS  # or a memory budget's planned steps
+    max_pixels: int | None = None  # a memory budget's planned width x height (None: max_side alone)
 
 
 @dataclass(frozen=True)
@@ -181,6 +183,9 @@ def size_of(body: dict, served: Served) -> tuple[int | None, int | None]:
         value = integer(value, "size" if size else param, 16, served.max_side)
         if value % 16:
             raise bad("size" if size else param, f"{value} is not a multiple of 16 (the model's patches)")
+    if served.max_pixels is not None and int(width) * int(height) > served.max_pixels:
+        raise bad("size" if size else "width", f"{width}x{height} is more than the {served.max_pixels} pixels this "
+                                              "server's --max-memory budget is planned for (1328x1328)")
     return int(width), int(height)
 
 
@@ -294,7 +299,7 @@ def parse_request(body: dict, served: Served, endpoint: str, files: dict | None 
         raise bad(name, f"{served.pipeline} sizes its output from the input image: leave {name} out")
     width, height = size_of(body, served)
     steps = integer(body.get("num_inference_steps", served.default_steps), "num_inference_steps",
-                    served.min_steps, MAX_STEPS)
+                    served.min_steps, served.max_steps)
     cfg = number(body.get("true_cfg_scale", served.default_cfg), "true_cfg_scale", 0.0, MAX_CFG)
     negative = body.get("negative_prompt")
     if negative is not None:

@@ -234,6 +234,10 @@ BAD_INPUT = {
                                                 "a cat"],
                                    "--batch-size 2 with --max-memory 16: below 22 GiB memory='low' is planned for "
                                    "one image a call"),
+    "max-memory-streaming-steps": (lambda tmp: ["--preset", "fast", "--max-memory", "16", "--steps", "60",
+                                                "a cat"],
+                                   "FastConfig(max_memory_gib=16) is planned for one image a call of at most "
+                                   "1328x1328 pixels and 50 steps; this call has 1 image(s) of"),
     "max-memory-not-a-number": (lambda tmp: ["--max-memory", "lots", "a cat"], "must be a number, got 'lots'"),
     "max-memory-negative": (lambda tmp: ["--max-memory", "-4", "a cat"], "must be a finite number > 0, got '-4'"),
     "max-memory-inf": (lambda tmp: ["--max-memory", "inf", "a cat"], "must be a finite number > 0, got 'inf'"),

@@ -159,6 +159,11 @@ def test_budget_errors():
         with pytest.raises(ValueError, match="allowed: None or a number of GiB > 0"):
             FastConfig(memory="low", max_memory_gib=bad)
     low = pipelines(FP8.replace(memory="low", max_memory_gib=budget_for(probe, resident_blocks=1)))[1]
+    with pytest.raises(ValueError, match=r"planned for one image a call of at most 1328x1328 pixels and 50 steps; "
+                                         r"this call has 2 image\(s\) of 48x32 and 3 steps"):
+        run(low, prompt=["a cat", "a dog"])
+    with pytest.raises(ValueError, match="this call has 1 image.s. of 48x32 and 51 steps"):
+        run(low, prompt="a cat", num_inference_steps=51)
     low.load_lora_weights(lightning_format([f"transformer_blocks.{i}.attn.to_q" for i in (0, 1)]))
     with pytest.raises(ValueError, match="fuse_lora with FastConfig.max_memory_gib=.*run the adapters unfused"):
         low.fuse_lora()

@@ -120,3 +120,17 @@ def test_an_rgba_model_refuses_jpeg_and_a_background():
     with pytest.raises(ApiError, match="background: 'opaque': QwenImage21Pipeline renders RGBA images"):
         parse_request({"prompt": "x", "background": "opaque"}, served, "generations")
     assert parse_request({"prompt": "x", "output_format": "webp"}, served, "generations").output_format == "webp"
+
+
+def test_a_memory_budget_limits_the_size_and_steps():
+    """serve --max-memory below 22 GiB plans one image of at most 1328x1328 pixels and 50 steps a call
+    (memory.check_within_plan): beyond that is a 400 naming the field, not a 500 from the pipeline."""
+    served = Served(model="m", pipeline="QwenImagePipeline", endpoint="generations", default_size=(64, 64),
+                    max_side=2048, default_steps=2, default_cfg=4.0, default_negative=" ", min_steps=2,
+                    guidance_embeds=False, max_steps=50, max_pixels=1328 * 1328)
+    with pytest.raises(ApiError, match="size: 1664x1664 is more than the 1763584 pixels this server's --max-memory"):
+        parse_request({"prompt": "x", "size": "1664x1664"}, served, "generations")
+    with pytest.raises(ApiError, match="num_inference_steps: .*50"):
+        parse_request({"prompt": "x", "num_inference_steps": 60}, served, "generations")
+    assert parse_request({"prompt": "x", "size": "1664x928", "num_inference_steps": 50}, served,
+                         "generations").steps == 50

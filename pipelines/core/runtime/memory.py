@@ -58,6 +58,20 @@ class LowMemoryBudget:
                 f"a set of weights' parts outside its layers and 2 layer slots)")
 
 
+def check_within_plan(max_memory_gib: float, images: int, height: int | None, width: int | None, steps: int):
+    """A call with a budget must stay inside what the budget was planned for: one image, at most PLANNED_SIDE^2
+    pixels, at most PLANNED_STEPS steps (its workspace would otherwise go past the budget, or past a cap). A size
+    of None: the pipeline's default (1024x1024), inside the plan."""
+    area = (height or 0) * (width or 0)
+    if images > 1 or area > PLANNED_SIDE ** 2 or steps > PLANNED_STEPS:
+        size = f"{width}x{height}" if area else "the default size"
+        raise ValueError(
+            f"FastConfig(max_memory_gib={max_memory_gib:g}) is planned for one image a call of at most "
+            f"{PLANNED_SIDE}x{PLANNED_SIDE} pixels and {PLANNED_STEPS} steps; this call has {images} image(s) of "
+            f"{size} and {steps} steps: call once per image (the command line does), or leave max_memory_gib out "
+            "(memory='low' alone needs about 22 GiB)")
+
+
 def placed_bytes(pipe) -> int:
     """The weights memory='low' keeps on the GPU: the VAE and the transformer's small parts."""
     modules = [pipe.vae] + [getattr(pipe.transformer, name) for name in SMALL_TRANSFORMER_PARTS]
