@@ -121,6 +121,17 @@ def test_a_budget_streams_blocks_and_text_layers_with_the_same_latents():
                        run(fast, prompt_embeds=embeds, prompt_embeds_mask=mask))
 
 
+def test_a_step_cache_s_pieces_stream_their_own_blocks():
+    """FastConfig(cache=...) runs a step in pieces (front, middle, back; the middle skipped on cached steps), each a
+    run of blocks with its own copies: the same latents as the fast pipeline with the same cache."""
+    probe = pipelines(FP8.replace(memory="low"))[1]
+    cached = FP8.replace(cache="every:2,1,1")
+    fast, low = pipelines(cached.replace(memory="low", max_memory_gib=budget_for(probe, resident_blocks=1)))
+    fast.fast_config = cached
+    assert torch.equal(run(low, **CFG, num_inference_steps=4), run(fast, **CFG, num_inference_steps=4))
+    assert low._turns.arenas["transformer"].streamed and "step_cache:dbcache:F1B1:every2:w0" in low.applied
+
+
 def test_placing_the_components_again_replaces_the_text_encoder_hooks():
     """A second memory='low' pipeline from the same components (as bench_memory builds one per budget): the text
     encoder's streaming hooks are the new arena's only, and the first pipeline's buffer is not kept alive by them."""
