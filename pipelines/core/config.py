@@ -23,6 +23,12 @@ SCHEDULERS = ("euler", "dpm++2m", "unipc")
 PRESETS = ("fast", "baseline")
 PARALLEL_MODES = ("none", "cfg", "ulysses", "cfg,ulysses")
 MEMORY_MODES = ("fast", "low")
+# FastConfig(memory="low", max_memory_gib=...) on a Qwen-Image-2512-size model (transformer width and blocks:
+# QWEN_IMAGE_2512_SHAPE): its smallest budget, from the plan's arithmetic at the real shapes (runtime/memory.py): the
+# CUDA context with its growth ~1.1 GiB, the VAE and transformer parts 0.3, one 1328^2 image's workspace and table
+# 5.5, the text encoder's parts outside its layers 2.0 and two of its layers 0.9. Known before anything loads.
+QWEN_IMAGE_2512_SHAPE = (3072, 60)
+STREAMING_MIN_GIB = 10.0
 
 
 def check_cache_blocks(Fn: int, Bn: int, n_blocks: int, what: str = "a transformer", option: str = "DBCache"):

@@ -26,7 +26,7 @@ import torch
 from diffusers import QwenImagePipeline
 from diffusers.pipelines.qwenimage.pipeline_output import QwenImagePipelineOutput
 
-from ..core.config import FastConfig
+from ..core.config import QWEN_IMAGE_2512_SHAPE, STREAMING_MIN_GIB, FastConfig
 from ..core.pipeline.turns import TurnTakingPipeline
 from ..core.optimizations import memory_label
 from ..core.prompt_enhancer import resolve_enhancer
@@ -43,15 +43,34 @@ def drop_all_ones(mask: torch.Tensor | None) -> torch.Tensor | None:
     return None if mask is None or bool(mask.all()) else mask
 
 
-def checkpoint_heads(path_or_id) -> int | None:
-    """The attention heads of a checkpoint's transformer, from its config alone (None when it cannot be read
-    without loading: diffusers' loader reports a missing checkpoint itself, and the mesh checks again once loaded)."""
+def checkpoint_config(path_or_id) -> dict | None:
+    """A checkpoint's transformer config, read alone (None when it cannot be read without loading: diffusers'
+    loader reports a missing checkpoint itself, and what is checked from it is checked again once loaded)."""
     from diffusers import QwenImageTransformer2DModel
 
     try:
-        return QwenImageTransformer2DModel.load_config(path_or_id, subfolder="transformer")["num_attention_heads"]
-    except (OSError, KeyError, ValueError):
+        return QwenImageTransformer2DModel.load_config(path_or_id, subfolder="transformer")
+    except (OSError, ValueError):
         return None
+
+
+def checkpoint_heads(path_or_id) -> int | None:
+    """The attention heads of a checkpoint's transformer, from its config alone (None where it cannot be read)."""
+    return (checkpoint_config(path_or_id) or {}).get("num_attention_heads")
+
+
+def check_budget_before_loading(config: FastConfig, path_or_id):
+    """FastConfig(max_memory_gib=...) below what a Qwen-Image-2512-size model needs streamed: refused before its
+    weights load (another size is checked once placed: runtime/memory.py)."""
+    transformer = checkpoint_config(path_or_id) if config.max_memory_gib is not None and path_or_id else None
+    if transformer is None:
+        return
+    shape = (transformer.get("num_attention_heads", 0) * transformer.get("attention_head_dim", 0),
+             transformer.get("num_layers"))
+    if shape == QWEN_IMAGE_2512_SHAPE and config.max_memory_gib < STREAMING_MIN_GIB:
+        raise ValueError(f"max_memory_gib={config.max_memory_gib:g} is too small for {path_or_id}: it needs at least "
+                         f"{STREAMING_MIN_GIB:g} GiB (its blocks and text encoder layers streamed; "
+                         "benchmarks/RESULTS.md, 'Running in 16 GiB and 12 GiB')")
 
 
 def check_parallel_setup(config: FastConfig, path_or_id=None):
@@ -93,6 +112,7 @@ class QwenImageFastPipeline(TurnTakingPipeline, FastPipelineMixin, QwenImagePipe
     @classmethod
     def _before_loading(cls, config: FastConfig, path_or_id, device, kwargs: dict) -> dict:
         check_parallel_setup(config, path_or_id)  # before any weight is loaded
+        check_budget_before_loading(config, path_or_id)
         return {"enhancer": resolve_enhancer(kwargs.pop("enhance_prompt", None), device)}
 
     def _parallel_labels(self) -> tuple[str, ...]:

@@ -5,7 +5,7 @@ before any model loads and started after).
 
 import os
 
-from ..pipelines.core.config import PRESETS
+from ..pipelines.core.config import PRESETS, QWEN_IMAGE_2512_SHAPE, STREAMING_MIN_GIB
 from .models import STOCK_PRESET, Labels, transformer_heads
 
 
@@ -79,11 +79,7 @@ FAST_PIPELINE_GIB = 43.0
 LOW_MEMORY_GIB = 22.0
 # Below LOW_MEMORY_GIB, the 2512 text-to-image pipeline runs memory="low" planned in the budget
 # (FastConfig.max_memory_gib): the blocks and text encoder layers that do not fit stream from the host
-# (benchmarks/RESULTS.md, "Running in 16 GiB"). Its smallest budget, from the plan's arithmetic at the real shapes
-# (pipelines/core/runtime/memory.py): the CUDA context with its growth ~1.1, the VAE and transformer parts 0.4, one
-# 1328^2 image's workspace and table 5.5, the text encoder's parts outside its layers 2.0 and two of its layers 0.9.
-STREAMING_MIN_GIB = 10.0
-QWEN_IMAGE_2512_SHAPE = (3072, 60)
+# (benchmarks/RESULTS.md, "Running in 16 GiB"), from STREAMING_MIN_GIB (pipelines/core/config.py).
 # Qwen-Image-2.1's, measured the same way at 1024^2 text-to-image only (benchmarks/RESULTS.md, "Qwen-Image-2.1"):
 # 35.7 GiB reserved resident, 19.9 with memory="low" (its ~16 GiB text encoder and the blocks taking turns), each
 # with the CUDA context and a margin for larger sizes and condition images, which were not measured.

@@ -211,3 +211,18 @@ def test_streaming_on_gpu(monkeypatch):
     assert blocks.streamed == (0, 2, 4) and isinstance(blocks.stream, LayerStream)
     assert blocks.stream.side is not None and blocks.host.is_pinned()
     assert "cuda_graphs" in low.applied and low.runner.graphs.graphs
+
+
+def test_a_budget_too_small_for_a_2512_size_checkpoint_is_refused_before_loading(tmp_path):
+    """from_pretrained reads the checkpoint's transformer config first: a Qwen-Image-2512-size model (3072 wide, 60
+    blocks) under STREAMING_MIN_GIB is refused before any weight loads (this folder has none to load)."""
+    import json
+
+    from qwen_image_fast import QwenImageFastPipeline
+
+    (tmp_path / "transformer").mkdir()
+    (tmp_path / "transformer" / "config.json").write_text(json.dumps(
+        {"_class_name": "QwenImageTransformer2DModel", "num_attention_heads": 24, "attention_head_dim": 128,
+         "num_layers": 60}))
+    with pytest.raises(ValueError, match=r"max_memory_gib=8 is too small for .*: it needs at least 10 GiB"):
+        QwenImageFastPipeline.from_pretrained(tmp_path, fast_config=FastConfig(memory="low", max_memory_gib=8))
