@@ -168,6 +168,40 @@ def copy_bandwidth(stream, device) -> float | None:
     return sum(host.numel() for _, host in copies) / (start.elapsed_time(stop) / 1e3) / 1e9
 
 
+def profiled_overlap(pipe, size, device) -> dict:
+    """A 2-step call under the profiler (CUDA activities; the transformer's turn already in and the 2-step table
+    built by a call before it): the host-to-device copies of 1 ms or more (the streamed blocks', 217 MiB each at the
+    real size), their bandwidth, and the fraction of their time during which a kernel ran (the overlap). Empty on
+    the CPU (no CUDA activity)."""
+    if device.type != "cuda":
+        return {}
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    negative, prompt = pipe.encode_prompt(NEGATIVE, device=device), pipe.encode_prompt(PROMPT, device=device)
+    text = dict(prompt_embeds=prompt[0], prompt_embeds_mask=prompt[1], negative_prompt_embeds=negative[0],
+                negative_prompt_embeds_mask=negative[1])
+    call(pipe, size, 2, device, **text)  # the blocks' turn, the 2-step table, the graphs
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        call(pipe, size, 2, device, **text)
+        torch.cuda.synchronize()
+    events = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+    copies = [(e.time_range.start, e.time_range.end) for e in events
+              if "HtoD" in e.name and e.time_range.end - e.time_range.start >= 1000]  # microseconds
+    busy = []  # the union of the kernels' intervals
+    for start, end in sorted((e.time_range.start, e.time_range.end) for e in events if "Mem" not in e.name):
+        if busy and start <= busy[-1][1]:
+            busy[-1][1] = max(busy[-1][1], end)
+        else:
+            busy.append([start, end])
+    copy_us = sum(end - start for start, end in copies)
+    hidden_us = sum(max(0, min(end, b_end) - max(start, b_start)) for start, end in copies for b_start, b_end in busy)
+    streamed = pipe._turns.arenas["transformer"]
+    return dict(profile_copies=len(copies), profile_copy_ms=copy_us / 1e3,
+                profile_copy_gb_per_s=len(copies) * streamed.layer_stride / copy_us / 1e3 if copy_us else None,
+                profile_overlap=hidden_us / copy_us if copy_us else None)
+
+
 def streaming_rows(make_stock, args, size, steps, device, prompts, env) -> list[dict]:
     """--budgets: the fast pipeline uncapped, then memory="low" with each budget under its cap (module docstring).
     make_stock() builds the stock pipeline, dropped here once converted (its BF16 blocks are not the fast ones)."""
@@ -210,6 +244,10 @@ def streaming_rows(make_stock, args, size, steps, device, prompts, env) -> list[
             overlap=1 - max(0.0, extra) / copy_s if copy_s else None,
             per_image_vs_uncapped=per_image / rows[0]["s_per_image"], equal_to_fast=torch.equal(latents, expected),
             applied=low.applied))
+        try:  # after the measured rows: a profiler that cannot trace here costs the profile only
+            rows[-1].update(profiled_overlap(low, size, device))
+        except Exception as e:
+            rows[-1]["profile_error"] = f"{type(e).__name__}: {e}"
         print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in rows[-1].items()}, flush=True)
         components = {name: getattr(low, name) for name in components}
         del low, blocks, text  # the arena holds its turn's slots: the next budget's buffer would come on top
