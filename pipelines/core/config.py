@@ -365,7 +365,8 @@ class FastConfig(FastTransformerConfig):
         parts += ["bcfg"] if self.batched_cfg else []
         parts += ["graphs"] if self.cuda_graphs and self.fused_transformer else []
         parts += ["table"] if self.modulation_table and self.fused_transformer else []
-        parts += ["lowmem" + (f"{self.max_memory_gib:g}" if self.max_memory_gib else "")] if self.memory == "low" else []
+        budget = f"{self.max_memory_gib:g}" if self.max_memory_gib else ""
+        parts += [f"lowmem{budget}"] if self.memory == "low" else []
         parts += [self.cache.label().replace(":", "-")] if self.cache is not None else []
         parts += [self.scheduler.replace("+", "p")]
         parts += [f"cfg{self.cfg_fraction:g}"] if self.cfg_fraction < 1 else []

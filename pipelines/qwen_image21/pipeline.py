@@ -29,8 +29,8 @@ from .model import FastQwenImage21Transformer
 
 def refuse_2512_only(config: FastConfig, pipeline: str):
     """ValueError for what `pipeline` would otherwise ignore: the text-to-image-only options (diffusers' loop runs)
-    but memory (memory.py places 2.1's components), a memory budget (2.1's layers do not stream), and text_bucket (the runner's padding of prompts: 2.1's text is
-    in the prefix cache, at its own length)."""
+    but memory (memory.py places 2.1's components), a memory budget (2.1's layers do not stream), and text_bucket
+    (the runner's padding of prompts: 2.1's text is in the prefix cache, at its own length)."""
     refuse_text_to_image_only(config, pipeline, runs=QWEN21_ALSO_RUNS)
     if config.max_memory_gib is not None:
         raise ValueError(f"max_memory_gib={config.max_memory_gib:g}: {pipeline}'s memory='low' does not stream its "

@@ -126,6 +126,19 @@ def memory_budget(max_memory: float | None, memory: str, pipeline: str) -> float
     return None
 
 
+def with_memory_options(config, max_memory: float | None, preset: str, pipeline: str, parallel: str | None,
+                        batch: int, batch_option: str):
+    """`config` with --max-memory's memory mode and budget (render's and serve's rules), refusing a batch above 1
+    (`batch_option` N) where the budget is planned for one image a call."""
+    config = config.replace(memory=memory_setting(max_memory, preset, pipeline, parallel))
+    config = config.replace(max_memory_gib=memory_budget(max_memory, config.memory, pipeline))
+    if config.max_memory_gib is not None and batch > 1:
+        raise ValueError(f"{batch_option} {batch} with --max-memory {max_memory:g}: below {LOW_MEMORY_GIB:g} GiB "
+                         "memory='low' is planned for one image a call (its blocks stream); give "
+                         f"{batch_option} 1, or a --max-memory of {LOW_MEMORY_GIB:g} or more")
+    return config
+
+
 def check_gpu_fits(device, max_memory: float | None, preset: str, pipeline: str, model_shape) -> None:
     """Without --max-memory, a GPU too small for the fast pipeline of a Qwen-Image-2512-size model, or of a
     Qwen-Image-2.1-size one (model_shape: sizes.ModelShape), is refused before anything loads, with the

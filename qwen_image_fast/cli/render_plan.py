@@ -7,7 +7,7 @@ from pathlib import Path
 
 from ..pipelines.core.config import check_cache_blocks
 from .devices import check_cfg_parallel, check_kernels_on, check_triton_on_cpu, distributed_env, image_group_shape, \
-    LOW_MEMORY_GIB, check_gpu_fits, memory_budget, memory_setting, resolve_device
+    check_gpu_fits, resolve_device, with_memory_options
 from .inputs import QWEN21_PIPELINE, check_pipeline_inputs, check_pipeline_options
 from .jobs import make_jobs, render_defaults
 from .loras import resolve_lora
@@ -67,12 +67,8 @@ def check_render(args, entries: list[dict]) -> RenderPlan:
     shape = image_group_shape(args, source, pipeline, rank, world_size)
     if shape is not None:
         config = config.replace(parallel=args.parallel, ulysses_degree=args.ulysses)
-    config = config.replace(memory=memory_setting(args.max_memory, args.preset, pipeline, args.parallel))
-    config = config.replace(max_memory_gib=memory_budget(args.max_memory, config.memory, pipeline))
-    if config.max_memory_gib is not None and args.batch_size > 1:
-        raise ValueError(f"--batch-size {args.batch_size} with --max-memory {args.max_memory:g}: below "
-                         f"{LOW_MEMORY_GIB:g} GiB memory='low' is planned for one image a call (its blocks stream); "
-                         f"give --batch-size 1, or a --max-memory of {LOW_MEMORY_GIB:g} or more")
+    config = with_memory_options(config, args.max_memory, args.preset, pipeline, args.parallel, args.batch_size,
+                                 "--batch-size")
     if pipeline == QWEN21_PIPELINE and config.memory == "low" and args.batch_size > 1:
         raise ValueError(f"--batch-size {args.batch_size} with --max-memory {args.max_memory:g}: Qwen-Image-2.1's "
                          "memory='low' runs one image a call (measured at 1024x1024: 19.9 GiB; a batch of 4 took "

@@ -100,7 +100,7 @@ def check_loras(args):
 def plan_serve(args):
     """Every option checked (ValueError naming the first that is wrong; nothing loads), then what serve_forever
     takes: (served, scheduler, metrics, image settings, API key)."""
-    from ..cli.devices import LOW_MEMORY_GIB, check_kernels_on, memory_budget, memory_setting, resolve_device
+    from ..cli.devices import check_kernels_on, resolve_device, with_memory_options
     from ..cli.inputs import PIPELINE_INPUTS, check_pipeline_options
     from ..cli.models import check_model, pipeline_class, resolve_model, single_files
     from ..cli.parser import command_config
@@ -122,12 +122,7 @@ def plan_serve(args):
     if pipeline not in PIPELINE_INPUTS:
         raise ValueError(f"--model {model} is a {pipeline} checkpoint; serve runs {', '.join(PIPELINE_INPUTS)}")
     check_pipeline_options(pipeline, source, config, lightning=args.lightning, fmt="png")
-    config = config.replace(memory=memory_setting(args.max_memory, args.preset, pipeline, None))  # as render's
-    config = config.replace(max_memory_gib=memory_budget(args.max_memory, config.memory, pipeline))
-    if config.max_memory_gib is not None and args.max_batch > 1:
-        raise ValueError(f"--max-batch {args.max_batch} with --max-memory {args.max_memory:g}: below "
-                         f"{LOW_MEMORY_GIB:g} GiB memory='low' is planned for one image a call (its blocks stream); "
-                         f"give --max-batch 1, or a --max-memory of {LOW_MEMORY_GIB:g} or more")
+    config = with_memory_options(config, args.max_memory, args.preset, pipeline, None, args.max_batch, "--max-batch")
     if files is not None:  # each file's header read: a wrong or broken file is refused before anything starts
         files.check(config, pipeline)
     check_loras(args)

@@ -184,8 +184,9 @@ def size_of(body: dict, served: Served) -> tuple[int | None, int | None]:
         if value % 16:
             raise bad("size" if size else param, f"{value} is not a multiple of 16 (the model's patches)")
     if served.max_pixels is not None and int(width) * int(height) > served.max_pixels:
+        side = int(served.max_pixels ** 0.5)
         raise bad("size" if size else "width", f"{width}x{height} is more than the {served.max_pixels} pixels this "
-                                              "server's --max-memory budget is planned for (1328x1328)")
+                                              f"server's --max-memory budget is planned for ({side}x{side})")
     return int(width), int(height)
 
 

@@ -144,7 +144,8 @@ def test_placing_the_components_again_replaces_the_text_encoder_hooks():
     config = FP8.replace(memory="low", max_memory_gib=budget_for(probe, resident_blocks=1))
     low = pipelines(config)[1]
     run(low, **CFG)
-    decoder, _ = memory.text_encoder_layers(low.text_encoder, low.text_encoder.model.visual)
+    vision = {id(t) for t in low.text_encoder.model.visual.parameters()}
+    decoder, _ = memory.text_encoder_layers(low.text_encoder, vision)
     hooks = len(decoder._forward_pre_hooks) + len(decoder._forward_hooks)
     first = weakref.ref(low._turns.arenas["text_encoder"])
     components = {name: getattr(low, name) for name in ("scheduler", "vae", "text_encoder", "tokenizer", "transformer")}

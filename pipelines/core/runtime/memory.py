@@ -8,7 +8,7 @@ weights take turns on the GPU).
   vision tower, which text-to-image never runs, stays on the host; what does not fit the buffer gets one of its own
   for its turn).
 
-With a budget (FastConfig(max_memory_gib=...)) the buffer is what the budget leaves (low_memory_buffer), and the
+With a budget (FastConfig(max_memory_gib=...)) the buffer is what the budget leaves (LowMemoryBudget), and the
 transformer's blocks and the text encoder's decoder layers that do not fit it stream (streaming.py).
 """
 
@@ -95,12 +95,12 @@ def context_bytes(device: torch.device) -> int:
     return total - free - torch.cuda.memory_reserved(device) + CONTEXT_GROWTH
 
 
-def text_encoder_layers(text_encoder: nn.Module, skip: nn.Module | None) -> tuple[nn.Module, nn.ModuleList] | None:
-    """(the decoder, its ModuleList of layers) of a transformers text model, outside `skip` (the vision tower)."""
+def text_encoder_layers(text_encoder: nn.Module, skip: set[int]) -> tuple[nn.Module, nn.ModuleList] | None:
+    """(the decoder, its ModuleList of layers) of a transformers text model, none of whose tensors are in `skip`
+    (the vision tower's, by id)."""
     for module in text_encoder.modules():
         layers = getattr(module, "layers", None)
-        if module is not skip and isinstance(layers, nn.ModuleList) and len(layers) and (
-                skip is None or all(p is not q for p in layers.parameters() for q in skip.parameters())):
+        if isinstance(layers, nn.ModuleList) and len(layers) and not any(id(t) in skip for t in tensors_of(layers)):
             return module, layers
     return None
 
@@ -118,16 +118,16 @@ def stream_text_encoder(decoder: nn.Module, layers: nn.ModuleList, arena: HostAr
         return live.stream if live is not None else None
 
     def begin(module, args):
-        if stream() is not None:
-            stream().begin(0, len(layers))
+        if (live := stream()) is not None:
+            live.begin(0, len(layers))
 
     def end(module, args, output):
-        if stream() is not None:
-            stream().end()
+        if (live := stream()) is not None:
+            live.end()
 
     def before(i):
-        if stream() is not None:
-            stream().before(i)
+        if (live := stream()) is not None:
+            live.before(i)
 
     decoder._streaming_hooks = [decoder.register_forward_pre_hook(begin), decoder.register_forward_hook(end)] + [
         layer.register_forward_pre_hook(lambda module, args, i=i: before(i)) for i, layer in enumerate(layers)]
@@ -152,7 +152,7 @@ def place_low_memory(pipe, device: torch.device, max_memory_gib: float | None = 
     if vision is not None:
         vision.to("cpu")
     skip = {id(t) for t in tensors_of(vision)} if vision is not None else set()
-    decoder = text_encoder_layers(text_encoder, vision)
+    decoder = text_encoder_layers(text_encoder, skip)
     in_layers = {id(t) for t in tensors_of(decoder[1])} if decoder else set()
     encoder = [t for t in tensors_of(text_encoder) if id(t) not in skip and id(t) not in in_layers]
     encoder_layers = [tensors_of(layer) for layer in decoder[1]] if decoder else []

@@ -216,8 +216,8 @@ class TakingTurns:
         self.arenas, self.device, self.main = arenas, device, main
         self.stream = buffer_bytes is not None
         self.buffer_bytes = arenas[main].nbytes if buffer_bytes is None else buffer_bytes
-        for arena in arenas.values():
-            if self.stream:  # ValueError if one cannot take its turn at all
+        if self.stream:  # ValueError if an arena cannot take its turn at all
+            for arena in arenas.values():
                 arena.resident_layers(self.buffer_bytes)
         self.buffer: torch.Tensor | None = None
         self.resident: str | None = None

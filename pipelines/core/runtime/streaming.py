@@ -36,7 +36,7 @@ class LayerStream:
                  device: torch.device):
         self.copies, self.slot_of = copies, slot_of
         self.side = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self.copied = 0  # bytes copied in since the arena was loaded (what the CPU tests and `applied` count)
+        self.copied = 0  # bytes copied in since the arena was loaded (what the CPU tests count)
         self._pending: list[int] = []  # the run's streamed layers not copied in yet, in order
         self._ready: dict[int, torch.cuda.Event | None] = {}  # copied in (or on the way): the copy's event
         self._occupied: dict[int, int] = {}  # slot -> the layer copied into it whose compute is not queued yet
