@@ -20,7 +20,7 @@ from ..core.gpu_support import fp8_gemm_why_not
 from ..core.optimizations import Facts
 from ..core.pipeline.base import (FastCheckpointPipeline, FastLoraPipeline, FastPipelineState, check_blocks_for_cache,
                                   check_given_fast_transformer, refuse_text_to_image_only, transformer_config_on)
-from ..core.runtime.offload import has_offload_hooks
+from ..core.runtime.offload import has_offload_hooks, retire_arenas_of
 from .model.transformer import FastQwenImageTransformer
 from .model.vae import FastAutoencoderKLQwenImage, as_vae_class, why_not_2d
 
@@ -44,13 +44,17 @@ class FastPipelineMixin(FastPipelineState, FastLoraPipeline, FastCheckpointPipel
 
     def _set_up(self, config: FastConfig, device, **fast_state):
         """The fast components on `device` (None: where they are): the transformer converted unless it is fast
-        already (then its stored options must match config's), the VAE converted; a new runner (_new_state)."""
+        already (then its stored options must match config's), the VAE converted; a new runner (_new_state).
+        Components another pipeline placed with memory="low" are given back to the host first, and that pipeline
+        refuses to run from then on (core/runtime/offload.py's retire_arenas_holding)."""
+        retire_arenas_of(self.components.values())
         if self._image_conditioned:
             refuse_text_to_image_only(config, self.stock_class.__name__)
         transformer = self.transformer  # None: a pipeline built without one (e.g. to encode prompts only)
         check_blocks_for_cache(transformer, config)
         if isinstance(transformer, FastQwenImageTransformer):
             check_given_fast_transformer(transformer, config)
+            transformer.block_arena = None  # a retired placement's; memory="low" sets this pipeline's
         elif config.fused_transformer and transformer is not None:
             self.register_modules(transformer=fast_transformer(
                 transformer, config, device, modulation_device="cpu" if config.memory == "low" else None))

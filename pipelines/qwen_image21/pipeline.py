@@ -22,7 +22,7 @@ from ..core.pipeline.turns import TurnTakingPipeline
 from ..core.pipeline.base import (FastCheckpointPipeline, FastLoraPipeline, FastPipelineState, check_blocks_for_cache,
                                   check_given_fast_transformer, refuse_text_to_image_only, transformer_config_on)
 from ..core.runtime.context import record
-from ..core.runtime.offload import has_offload_hooks
+from ..core.runtime.offload import has_offload_hooks, retire_arenas_of
 from .memory import place_low_memory
 from .model import FastQwenImage21Transformer
 
@@ -52,6 +52,7 @@ class FastQwenImage21Pipeline(TurnTakingPipeline, FastPipelineState, FastLoraPip
 
     def _set_up(self, config: FastConfig, device):
         refuse_2512_only(config, type(self).__name__)
+        retire_arenas_of(self.components.values())  # another pipeline's memory="low" placement of them ends
         transformer = self.transformer
         check_blocks_for_cache(transformer, config)
         if isinstance(transformer, FastQwenImage21Transformer):

@@ -132,29 +132,43 @@ def test_a_step_cache_s_pieces_stream_their_own_blocks():
     assert low._turns.arenas["transformer"].streamed and "step_cache:dbcache:F1B1:every2:w0" in low.applied
 
 
-def test_placing_the_components_again_replaces_the_text_encoder_hooks():
-    """A second memory='low' pipeline from the same components (as bench_memory builds one per budget): the text
-    encoder's streaming hooks are the new arena's only, and the first pipeline's buffer is not kept alive by them."""
+def test_placing_the_components_again_gives_them_to_the_new_pipeline():
+    """A second memory='low' pipeline from the same components, with another budget (as bench_memory builds one per
+    budget), built while the first one's transformer is on its turn with 4 of 5 blocks in the two slots: the new
+    pipeline's latents equal memory='fast' (each streamed block's weights came from the host, not from a slot holding
+    another block), the text encoder's streaming hooks are the new arena's only, the first pipeline refuses to run
+    (its weights are the new one's now) and its buffer is not kept alive. A memory='fast' pipeline from them gets the
+    weights back too."""
     import gc
     import weakref
 
     from qwen_image_fast import QwenImageFastPipeline
 
     probe = pipelines(FP8.replace(memory="low"))[1]
-    config = FP8.replace(memory="low", max_memory_gib=budget_for(probe, resident_blocks=1))
-    low = pipelines(config)[1]
-    run(low, **CFG)
+    fast, low = pipelines(FP8.replace(memory="low", max_memory_gib=budget_for(probe, resident_blocks=1)))
+    expected = run(fast, **CFG)
+    assert torch.equal(run(low, **CFG), expected) and low._turns.resident == "transformer"
     vision = {id(t) for t in low.text_encoder.model.visual.parameters()}
     decoder, _ = memory.text_encoder_layers(low.text_encoder, vision)
     hooks = len(decoder._forward_pre_hooks) + len(decoder._forward_hooks)
-    first = weakref.ref(low._turns.arenas["text_encoder"])
+    first = weakref.ref(low._turns.arenas["transformer"])
     components = {name: getattr(low, name) for name in ("scheduler", "vae", "text_encoder", "tokenizer", "transformer")}
-    del low
-    again = QwenImageFastPipeline(**components, fast_config=config)
-    gc.collect()
-    assert len(decoder._forward_pre_hooks) + len(decoder._forward_hooks) == hooks and first() is None
+    again = QwenImageFastPipeline(**components, fast_config=FP8.replace(
+        memory="low", max_memory_gib=budget_for(probe, resident_blocks=0)))
+    assert len(decoder._forward_pre_hooks) + len(decoder._forward_hooks) == hooks
+    with pytest.raises(RuntimeError, match="placed again by another pipeline built from the same components"):
+        run(low, **CFG)
+    assert torch.equal(run(again, **CFG), expected)
+    assert again._turns.arenas["transformer"].streamed == streamed_layers(BLOCKS, 0)
     embeds, _ = again.encode_prompt("a red fox in snow", device=torch.device("cpu"))
     assert again._turns.arenas["text_encoder"].stream.copied > 0
+    del low
+    gc.collect()
+    assert first() is None
+    run(again, **CFG)  # the transformer's turn again, its blocks in the slots
+    back = QwenImageFastPipeline(**components, fast_config=FP8)
+    assert torch.equal(run(back, **CFG), expected)
+    assert back.transformer.block_arena is None
 
 
 def test_budget_errors():

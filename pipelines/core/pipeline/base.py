@@ -289,7 +289,8 @@ class FastCheckpointPipeline:
 
     @classmethod
     def from_pipe(cls, pipeline, fast_config=None, device=None, **kwargs):
-        """A fast pipeline sharing `pipeline`'s components (its transformer is left as it is and stays usable).
+        """A fast pipeline sharing `pipeline`'s components (its transformer is left as it is and stays usable; but a
+        memory="low" source gives its components to the new pipeline, which places them, and refuses to run after).
         Unlike diffusers' from_pipe, which casts the shared components to float32 unless told otherwise (and so
         changes the source pipeline too), the dtype stays the source transformer's unless dtype is given."""
         config = FastConfig.coerce(fast_config)

@@ -24,6 +24,7 @@ a time (on_device).
 
 import contextlib
 import functools
+import weakref
 
 import torch
 import torch.nn as nn
@@ -82,13 +83,38 @@ def on_device(modules: list[nn.Module], device: torch.device):
             t.data = host
 
 
+def retire_arenas_holding(tensors: list[torch.Tensor]):
+    """Before these tensors are placed again (a pipeline built from another one's components: from_pipe, or the same
+    modules passed to a constructor): each HostArena holding one of them ends its turn (unload: they point at its
+    host copy again, what changed on the device copied back) and is retired, so that the pipeline that placed them
+    refuses to run instead of moving tensors another pipeline now places. Without this, a placement made while a
+    streamed layer's tensors point at its slot would copy another layer's weights (the slot's last occupant)."""
+    arenas = {}
+    for t in tensors:
+        ref = getattr(t, "_host_arena", None)
+        if (arena := ref() if ref is not None else None) is not None and not arena.retired:
+            arenas[id(arena)] = arena
+    for arena in arenas.values():
+        if arena.loaded:
+            arena.unload()
+        arena.retired = True
+
+
+def retire_arenas_of(modules) -> None:
+    """retire_arenas_holding for every tensor of these components (those that are not modules are skipped)."""
+    retire_arenas_holding([t for m in modules if isinstance(m, nn.Module) for t in tensors_of(m)])
+
+
 class HostArena:
     """`tensors` (parameters and buffers, by object), then each of `layers` (a list of tensors per layer), moved
     into one flat host buffer, each tensor now a view of it; a layer's tensors are contiguous there (layer_ranges),
-    so that it can be streamed (streaming.py)."""
+    so that it can be streamed (streaming.py). A tensor is in one live arena at a time: an arena that held it before
+    is retired first (retire_arenas_holding)."""
 
     def __init__(self, tensors: list[torch.Tensor], pin: bool, layers: list[list[torch.Tensor]] | None = None):
         groups = [tensors] + list(layers or ())
+        retire_arenas_holding([t for group in groups for t in group])
+        self.retired = False  # its tensors were placed again (retire_arenas_holding): it never loads again
         seen, placed, size = set(), [], 0  # placed: (tensor, offset, group)
         self.layer_ranges: list[tuple[int, int]] = []
         for g, group in enumerate(groups):
@@ -111,6 +137,7 @@ class HostArena:
             view = self._view(self.host, offset, t)
             view.copy_(t.detach())
             t.data = view
+            t._host_arena = weakref.ref(self)
             self.entries.append((t, offset, view, layer))
         self._on_device: list[tuple[int, int]] | None = None  # per entry: (data_ptr, _version) while loaded
         self.overflow: torch.Tensor | None = None  # while loaded: the device copy of what the buffer could not hold
@@ -229,11 +256,16 @@ class TakingTurns:
 
     def use(self, name: str):
         """Make arena `name` the one on the device (nothing to do if it is already)."""
+        arena = self.arenas[name]
+        if arena.retired:
+            raise RuntimeError(f"this pipeline's {name} weights were placed again by another pipeline built from the "
+                               "same components (from_pipe, or its modules passed to a constructor), which moves "
+                               "them now: use that pipeline, or build this one again")
         if self.resident == name:
             return
         if self.buffer is None:
             self.buffer = torch.empty(self.buffer_bytes, dtype=torch.uint8, device=self.device)
-        if self.resident is not None:
+        if self.resident is not None and self.arenas[self.resident].loaded:  # (a retired one was unloaded then)
             leaving = self.arenas[self.resident]
             overflowed = leaving.overflow is not None
             leaving.unload()
