@@ -14,7 +14,9 @@ from .cli.parser import build_parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
+    args.options = argv[1:]  # the command's own options, as given (render --engine ray hands them to its actors)
     if args.command == "serve":  # uvicorn handles the signals: SIGTERM drains (server/main.py)
         from .server.main import plan_serve, serve_forever
 

@@ -29,6 +29,7 @@ its own file:
 torch, diffusers and the model code are imported inside functions in all of them, so that `--help` answers at once.
 """
 
+import functools
 import signal
 import sys
 import threading
@@ -68,10 +69,12 @@ def run_render(args) -> int:
             raise ValueError("no prompts: give them as arguments or with --prompts FILE")
         entries = read_prompt_file(args.prompts) if args.prompts else command_line_entries(args.prompt)
         check_ray_engine(args)
-        if args.engine == "ray" and not args.dry_run:
-            from .ray_engine import Connecting
+        if args.engine == "ray" and not args.dry_run:  # the stage starts beside the checks (ray_engine.py)
+            from .ray_engine import Connecting, launch_stage
 
-            connection = Connecting(args.ray_address)
+            connection = Connecting(args.ray_address, launch=functools.partial(
+                launch_stage, options=args.options, rows=len(entries), device=args.device, workers=args.workers,
+                batch_size=args.batch_size))
         plan = check_render(args, entries)
         jobs, labels, model, why, files, pipeline = plan.jobs, plan.labels, plan.model, plan.why, plan.files, \
             plan.pipeline
@@ -202,8 +205,7 @@ def run_on_ray(args, plan: RenderPlan, out_dir: Path, created: list[Path], conne
     try:
         with shrunk_inputs(plan.shrunk):
             summary = render_on_ray(spec, plan.jobs, out_dir, plan.labels, resume=args.resume,
-                                    connection=connection, workers=args.workers, batch_size=args.batch_size,
-                                    device_given=args.device is not None, started=started)
+                                    connection=connection, started=started)
     except ValueError as e:  # the cluster: unreachable, or without what the render needs
         remove_empty_folders(created)
         args.parser.error(one_line(e))

@@ -1,11 +1,19 @@
-"""`render --engine ray`: the jobs rendered by a pool of Ray actors (qwen_image_fast.ray.Renderer), one GPU each,
-on the cluster at --ray-address (a local one started for the command without it), into the same folder, files and
-manifest as the local render. This process is the manifest's only writer (records appended as they arrive, merged
-at the end); resume, compare and the folder's rules are the local render's.
+"""`render --engine ray`: the jobs rendered by a pool of Ray actors (ray_stage.GatedRenderer, a
+qwen_image_fast.ray.Renderer), one GPU each, on the cluster at --ray-address (a local one started for the command
+without it), into the same folder, files and manifest as the local render. This process is the manifest's only
+writer (records appended as they arrive, merged at the end); resume, compare and the folder's rules are the local
+render's.
+
+The stage starts as soon as the cluster is connected, beside the command's own checks (Connecting): the actors'
+process start, imports and model load (tens of seconds at the real size) overlap the checks, and their rows wait at
+a gate until the checks are done and the pending jobs known (render_on_ray opens it). A check that fails stops the
+cluster's work before any actor has written anything.
 """
 
+import asyncio
 import json
 import os
+import queue
 import signal
 import socket
 import threading
@@ -16,7 +24,8 @@ from tqdm import tqdm
 
 from .manifest import MANIFEST, append_line, drop_partial_last_line, merge_manifests, pending_jobs
 from .output import remove_stale_temp_files
-from .ray_stage import FORWARDED_ENV, Renderer, job_json
+from .devices import resolve_device
+from .ray_stage import FORWARDED_ENV, GatedRenderer, job_json
 from .run import Summary
 
 CONNECT_TIMEOUT_S = 5.0
@@ -59,19 +68,19 @@ def connect(ray, address: str | None):
 
 class Connecting:
     """The cluster, connected in a thread begun before render's checks (the model's files, the GPU's memory, the
-    output folder): importing Ray Data and ray.init take seconds (about 10 s on an H200 host, a new local cluster)
-    that would otherwise come before the actors can even start. The thread stays until close(): a local cluster's
-    processes are its children, started with a parent-death signal that fires when the thread that started them
-    ends. Ray's core worker in this process puts its crash handler on SIGTERM (a stack dump on stderr, then the
-    previous handler); wait(), on the command's thread, puts back the handler there was (the CLI's: 143, one line,
-    what was recorded kept)."""
+    output folder): importing Ray Data and ray.init take seconds (about 10 s on an H200 host, a new local cluster).
+    Once connected, the same thread starts the stage (launch: its actors check and load while the command checks).
+    The thread stays until close(): a local cluster's processes are its children, started with a parent-death
+    signal that fires when the thread that started them ends. Ray's core worker in this process puts its crash
+    handler on SIGTERM (a stack dump on stderr, then the previous handler); wait(), on the command's thread, puts
+    back the handler there was (the CLI's: 143, one line, what was recorded kept)."""
 
-    def __init__(self, address: str | None):
+    def __init__(self, address: str | None, launch=None):
         if address is not None:
             check_reachable(address)  # a wrong address is refused before anything else runs
-        self.address, self.began = address, time.time()
+        self.address, self.launch, self.began = address, launch, time.time()
         self.sigterm = signal.getsignal(signal.SIGTERM)  # None: not set from Python
-        self.ray, self.error, self.imported, self.connected = None, None, None, None
+        self.ray, self.stage, self.error, self.imported, self.connected = None, None, None, None, None
         self.ready, self.closed = threading.Event(), threading.Event()
         threading.Thread(target=self._connect, name="ray-connect", daemon=True).start()
 
@@ -81,6 +90,8 @@ class Connecting:
             self.imported = time.time()
             connect(ray, self.address)
             self.ray, self.connected = ray, time.time()
+            if self.launch is not None:
+                self.stage = self.launch(ray)
         except BaseException as e:  # raised in the command's thread, by wait()
             self.error = e
         finally:
@@ -88,20 +99,97 @@ class Connecting:
         self.closed.wait()  # the local cluster's processes live as long as this thread
 
     def wait(self):
-        """Ray, connected (the connection's error, if it failed); SIGTERM's handler as it was before."""
+        """The stage launch() started (Ray itself without launch), connected (the connection's or the launch's
+        error, if one failed); SIGTERM's handler as it was before."""
         self.ready.wait()
         if self.sigterm is not None and threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, self.sigterm)
         if self.error is not None:
             raise self.error
-        return self.ray
+        return self.stage if self.launch is not None else self.ray
 
     def close(self):
-        """Disconnects (a local cluster started for the command stops)."""
+        """Disconnects (a local cluster started for the command stops, and with it a stage still running)."""
         self.ready.wait()
         if self.ray is not None:
             self.ray.shutdown()
         self.closed.set()
+
+
+def start_gate(ray):
+    """The actor the stage's rows wait at: take(indexes) returns (the command's RenderSpec, per index its pending
+    job as JSON or None) once open(spec, jobs) was called; until then it waits (an async actor: the waiting calls
+    hold no thread)."""
+
+    @ray.remote(num_cpus=0)
+    class Gate:
+        def __init__(self):
+            self.opened, self.spec, self.jobs = asyncio.Event(), None, {}
+
+        async def open(self, spec, jobs: dict):
+            self.spec, self.jobs = spec, jobs
+            self.opened.set()
+
+        async def take(self, indexes: list[int]):
+            await self.opened.wait()
+            return self.spec, [self.jobs.get(i) for i in indexes]
+
+    return Gate.remote()
+
+
+class Stage:
+    """The render stage, running: its gate, and the records its actors return, read into `records` by a thread
+    (a list of JSON strings per batch; an exception of the stage; None when it has ended). workers: the actors."""
+
+    def __init__(self, ray, gate, rendered, workers: int):
+        self.gate, self.workers, self.records = gate, workers, queue.Queue()
+        self.ray = ray
+        threading.Thread(target=self._read, args=(rendered,), name="ray-records", daemon=True).start()
+
+    def _read(self, rendered):
+        try:
+            for batch in rendered.iter_batches(batch_size=None, batch_format="numpy"):
+                self.records.put(list(batch["record"]))
+            self.records.put(None)
+        except BaseException as e:  # a failed stage, or the cluster shut down under it (the command is ending)
+            self.records.put(e)
+
+    def open(self, spec, pending: list):
+        """The command's checks are done: its spec and the pending jobs, by index, to the actors."""
+        self.ray.get(self.gate.open.remote(spec, {job.index: job_json(job) for job in pending}))
+
+    def batches(self):
+        """The records, batch by batch, until the stage ends (its error raised here)."""
+        while True:
+            try:
+                item = self.records.get(timeout=0.5)  # a timeout: signals reach the command's thread meanwhile
+            except queue.Empty:
+                continue
+            if item is None:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+
+
+def launch_stage(ray, options: list[str], rows: int, device: str | None, workers: int | None,
+                 batch_size: int) -> Stage:
+    """The stage over `rows` prompts (the command's options, given to each actor to check and load as the command
+    does), started: its actors begin at once, their rows wait at the gate. device: --device (None: cuda where this
+    process has a GPU, as render's checks choose)."""
+    gpu = resolve_device(device, 0, 0).type == "cuda"
+    workers = actor_count(ray, gpu, workers, device is not None)
+    gate = start_gate(ray)
+    # one row a block: a retried task (its actor killed) redoes one row, never a block some of whose records were
+    # already sent (the per-block overhead, milliseconds, is nothing beside an image's seconds). The blocks made
+    # here, not by read tasks (ray.data.range): those would wait for CPUs the actors hold on a CPU cluster.
+    ds = ray.data.from_items([{"id": i} for i in range(rows)], override_num_blocks=rows)
+    # a fixed pool; Ray Data (>= 2.60) runs its actors with max_restarts=-1 and max_task_retries=-1: an actor killed
+    # mid-batch is restarted and its batch retried (tests/cli/test_render_ray.py kills one)
+    rendered = ds.map_batches(GatedRenderer, fn_constructor_kwargs=dict(options=options, cwd=os.getcwd(), gate=gate),
+                              batch_size=batch_size, compute=ray.data.ActorPoolStrategy(size=workers),
+                              num_gpus=1 if gpu else 0, num_cpus=0 if gpu else 1)
+    return Stage(ray, gate, rendered, workers)
 
 
 def actor_count(ray, gpu: bool, workers: int | None, device_given: bool) -> int:
@@ -137,8 +225,8 @@ def startup_line(started: float, connection: dict, startups: list[dict], first_i
 
 
 def render_on_ray(spec, jobs: list, out_dir: Path, labels, *, resume: bool, connection: Connecting,
-                  workers: int | None, batch_size: int, device_given: bool, started: float) -> Summary:
-    """Render the jobs not already done on the cluster `connection` connects to (closed when done); returns the
+                  started: float) -> Summary:
+    """Render the jobs not already done with the stage `connection` started (closed when done); returns the
     command's summary. On KeyboardInterrupt or an error of the stage, what was recorded is merged into the manifest
     first (the actors stop with this driver). started: the command's start (time.time()), for its startup line."""
     checked = time.time()
@@ -147,31 +235,22 @@ def render_on_ray(spec, jobs: list, out_dir: Path, labels, *, resume: bool, conn
     if not pending:
         connection.close()
         return summary
-    ray = connection.wait()
-    times = dict(began=connection.began, imported=connection.imported, connected=connection.connected,
-                 checked=checked)
-    startups, first_image = [], None
-    gpu = spec.device != "cpu"
     try:
-        workers = actor_count(ray, gpu, workers, device_given)
+        stage = connection.wait()
     except ValueError:
         connection.close()
         raise
+    times = dict(began=connection.began, imported=connection.imported, connected=connection.connected,
+                 checked=checked)
+    startups, first_image = [], None
     manifest = out_dir / MANIFEST
     drop_partial_last_line(manifest)
-    # one row a block: a retried task (its actor killed) redoes one row, never a block some of whose records were
-    # already sent (the per-block overhead, milliseconds, is nothing beside an image's seconds)
-    ds = ray.data.from_items([{"job": job_json(job)} for job in pending], override_num_blocks=len(pending))
-    # a fixed pool; Ray Data (>= 2.60) runs its actors with max_restarts=-1 and max_task_retries=-1: an actor killed
-    # mid-batch is restarted and its batch retried (tests/cli/test_render_ray.py kills one)
-    rendered = ds.map_batches(Renderer, fn_constructor_kwargs={"spec": spec}, batch_size=batch_size,
-                              compute=ray.data.ActorPoolStrategy(size=workers), num_gpus=1 if gpu else 0,
-                              num_cpus=0 if gpu else 1)
     seen = set()
     try:
+        stage.open(spec, pending)
         with tqdm(total=len(pending), desc="images", unit="img") as bar:
-            for batch in rendered.iter_batches(batch_size=None, batch_format="numpy"):
-                for text in batch["record"]:
+            for batch in stage.batches():
+                for text in batch:
                     record = json.loads(str(text))
                     if "startup" in record:
                         startups.append(record.pop("startup"))

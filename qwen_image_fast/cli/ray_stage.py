@@ -59,6 +59,10 @@ class RenderSpec:
     shrunk: int | None = None
     max_memory: float | None = None  # --max-memory: GiB each actor's process may use on its GPU (cap_memory)
 
+    def loads(self) -> tuple:
+        """What an actor's pipeline is loaded from (the rest says where and how its rows are rendered)."""
+        return self.model, self.files, self.labels, self.device, self.max_memory
+
     @classmethod
     def of(cls, plan: RenderPlan, args, out_dir: Path) -> "RenderSpec":
         """The spec of a checked render (check_render's plan, its arguments) into out_dir, made."""
@@ -110,17 +114,23 @@ def jobs_of(batch: dict, defaults: Defaults) -> list[Job]:
     return jobs
 
 
-def render_spec(options: list[str]) -> RenderSpec:
+def checked_spec(options: list[str], make_out_dir: bool) -> RenderSpec:
     """The spec of `render`'s options (e.g. ["--model", "Qwen/Qwen-Image-2512", "--steps", "50", "--out", "DIR"]):
     checked as the command checks them (against a stand-in prompt: the rows bring the real ones), the output folder
-    made. The rows' device is this process's (cuda where it has a GPU). ValueError names a refused option."""
+    made if make_out_dir. The rows' device is this process's (cuda where it has a GPU). ValueError names a refused
+    option."""
     try:
         args = build_parser().parse_args(["render", *options, "--engine", "ray"])
     except SystemExit:
         raise ValueError(f"render options {options}: refused (argparse's message above)") from None
     check_ray_engine(args)
     plan = check_render(args, [{"prompt": "(the rows' prompts)"}])
-    return RenderSpec.of(plan, args, prepare_out_dir(args.out))
+    return RenderSpec.of(plan, args, prepare_out_dir(args.out) if make_out_dir else Path(args.out))
+
+
+def render_spec(options: list[str]) -> RenderSpec:
+    """checked_spec with the output folder made: what a user's own pipeline gives Renderer."""
+    return checked_spec(options, make_out_dir=True)
 
 
 def gpu_actor_threads(forwarded: dict, node_cpus: int, node_gpus: int) -> int | None:
@@ -199,3 +209,33 @@ class Renderer:
             records[0] = {**records[0], "startup": self.startup}  # the driver's, never in the manifest
             self.startup = None
         return {"record": [json.dumps(record, ensure_ascii=False) for record in records]}
+
+
+class GatedRenderer(Renderer):
+    """The stage of `render --engine ray`, started as soon as the cluster is connected, while the command still
+    checks its options and its prompts: each actor checks the command's options itself (as render_spec does, from
+    the command's working directory, without making the output folder) and loads its pipeline at once. Its rows are
+    the prompts' indexes (column "id"); a batch asks `gate` (ray_engine.py) for the jobs of its indexes, which
+    waits until the command has finished its checks and knows which jobs are pending: it returns the command's spec
+    and, per index, the job (as JSON) or None (done already: no record). An actor whose own checks loaded something
+    else than the command's spec says (another node's files or GPU) refuses to render."""
+
+    def __init__(self, options: list[str], cwd: str, gate):
+        began = time.time()
+        os.chdir(cwd)  # the command's relative paths (--model ./checkpoint, --out out/)
+        super().__init__(checked_spec(options, make_out_dir=False))
+        self.startup["init"] = began  # its checks are part of its startup
+        self.gate, self.opened = gate, False
+
+    def __call__(self, batch: dict) -> dict:
+        import ray
+
+        spec, jobs = ray.get(self.gate.take.remote([int(i) for i in batch["id"]]))
+        if not self.opened:
+            if spec.loads() != self.spec.loads():
+                raise ValueError(f"this actor's checks of the command's options (pid {os.getpid()}) loaded "
+                                 f"{self.spec.loads()}, the command's checks {spec.loads()}: run the command where "
+                                 "the actors' nodes have the same model files and GPUs")
+            self.spec, self.out_dir, self.opened = spec, Path(spec.out_dir), True
+        rows = [job for job in jobs if job is not None]
+        return super().__call__({"job": rows}) if rows else {"record": []}

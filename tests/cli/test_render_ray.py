@@ -21,7 +21,7 @@ from cli_helpers import BASELINE, TINY, images, manifest, pixels
 
 from qwen_image_fast.command import main
 
-RENDERER_PROCESS = "MapBatches(Renderer)"  # in the title Ray gives an actor process of the render stage
+RENDERER_PROCESS = "MapBatches(GatedRenderer)"  # in the title Ray gives an actor process of the render stage
 SLOW = [*BASELINE, "--steps", "16"]  # ~0.3 s an image: slow enough to kill a run in the middle
 
 
@@ -114,9 +114,10 @@ def test_24_prompts_on_two_workers_are_the_local_renders_from_parquet(cluster, t
     jsonl = prompts_file(tmp_path, 24)
     parquet = tmp_path / "prompts.parquet"
     pq.write_table(pa.Table.from_pylist([json.loads(line) for line in jsonl.read_text().splitlines()]), parquet)
+    # relative paths: the actors, which check the command's options themselves, do so in its working directory
     done = subprocess.run(render(*BASELINE, "--engine", "ray", "--ray-address", cluster, "--workers", "2", "--prompts",
-                                 str(parquet), "--out", str(tmp_path / "ray")), capture_output=True, text=True,
-                          timeout=300)
+                                 "prompts.parquet", "--out", "ray"), capture_output=True, text=True, timeout=300,
+                          cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "24 written, 0 skipped (already done), 0 failed" in done.stdout
     startup = re.search(r"Ray startup: checks done at ([\d.]+) s; Ray imported at ([\d.]+) s and cluster connected "
@@ -192,6 +193,19 @@ def test_a_driver_stopped_twice_renders_each_image_once_and_a_run_without_worker
     check_exactly_once(out_dir, 24)
     last_run = [line for line in manifest(out_dir) if line["file"] not in before]
     assert len({line["worker"] for line in last_run}) == 1, last_run
+
+
+def test_a_check_that_fails_after_the_stage_started_leaves_nothing(cluster, tmp_path):
+    """The stage starts when the cluster is connected, beside the command's checks; a bad line found by those
+    checks still exits 2 in one line, with no output folder and no image (the actors wait at the gate until the
+    checks are done, and stop with the command)."""
+    prompts = prompts_file(tmp_path, 3)
+    prompts.write_text(prompts.read_text() + json.dumps({"prompt": "x", "negative_prompt": "y", "cfg": 1}) + "\n")
+    done = subprocess.run(render(*BASELINE, "--engine", "ray", "--ray-address", cluster, "--prompts", str(prompts),
+                                 "--out", str(tmp_path / "out")), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stderr[-3000:]
+    assert "line 4: a negative_prompt with cfg 1" in done.stderr.strip().splitlines()[-1]
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize("args, message", [
