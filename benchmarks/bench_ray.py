@@ -5,6 +5,7 @@ the reference run's pixel for pixel before any time is kept.
     python3 benchmarks/bench_ray.py --gpus 1              # one GPU: --engine ray (1 worker) against the local render
     python3 benchmarks/bench_ray.py --gpus 2              # two GPUs: --engine ray with 2 workers against 1
     python3 benchmarks/bench_ray.py --tiny                # CPU logic check (tiny-random), nothing recorded
+    python3 benchmarks/bench_ray.py --gpus 1 --cluster started   # the Ray runs on a cluster started before them
     python3 benchmarks/bench_ray.py --gpus 2 --work DIR --only reference   # the two runs in two calls (each run's
     python3 benchmarks/bench_ray.py --gpus 2 --work DIR --only other       # images and seconds kept in DIR between)
 
@@ -14,6 +15,9 @@ prompts / wall seconds of the whole command. Rows to results/ray.jsonl (bench "r
 prompts, images_per_s, seconds, ratio to the reference run). Beside the whole command's rate, each row splits it in
 two from the images' file times: first_image_s (start to the first image: cluster, actor, model load, warm-up, one
 image) and steady_images_per_s (the pool at work: the sum over workers of (images - 1) / (last - first image)).
+--cluster: "command" (default), each Ray run starts its own local cluster (a user's first try); "started", a head
+node started before the runs (`ray start --head`, as on a real cluster) that they connect to (--ray-address), its
+start not timed (the row's "cluster" field says which).
 """
 
 import argparse
@@ -68,6 +72,32 @@ def timeline(out: Path, start_epoch: float) -> tuple[float, float]:
     return min(min(t) for t in times.values()) - start_epoch, steady
 
 
+def start_cluster(temp: Path) -> tuple[str, subprocess.Popen]:
+    """A head node on loopback (`ray start --head --block`, its own temporary folder), with a token of its own in
+    this process's environment, which the commands inherit; (its address, its process, killed with its group)."""
+    import secrets
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(16), RAY_USAGE_STATS_ENABLED="0",
+                      RAY_NODE_IP_ADDRESS="127.0.0.1")
+    head = subprocess.Popen([sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block",
+                             "--node-ip-address", "127.0.0.1", "--port", str(port), "--include-dashboard", "false",
+                             "--temp-dir", str(temp), "--disable-usage-stats"], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return f"127.0.0.1:{port}", head
+        except OSError:
+            if head.poll() is not None or time.monotonic() > deadline:
+                sys.exit("the Ray head node did not start")
+            time.sleep(0.2)
+
+
 def same_images(a: Path, b: Path, n: int) -> bool:
     names = sorted(p.name for p in a.glob("*.png"))
     return len(names) == n and names == sorted(p.name for p in b.glob("*.png")) and all(
@@ -84,6 +114,8 @@ def main():
                         "--only can make the two runs in two calls; default a temporary folder")
     parser.add_argument("--only", choices=("reference", "other"),
                         help="make one run; the other's images and seconds are read from --work when kept there")
+    parser.add_argument("--cluster", choices=("command", "started"), default="command",
+                        help="command: each Ray run starts a local cluster; started: one started before the runs")
     parser.add_argument("--out", type=Path, default=None, help="results folder (default benchmarks/results)")
     args = parser.parse_args()
     if args.only and not args.work:
@@ -96,11 +128,44 @@ def main():
         from compare_stock_vs_fast import save_random_checkpoint
 
         common = real_args(save_random_checkpoint(args.checkpoint_dir))
+    head, temp = None, Path(tempfile.mkdtemp(prefix="/tmp/qif-bench-ray-"))  # short: Ray's socket paths
+    if args.cluster == "started":
+        address, head = start_cluster(temp)
+    on_ray = ["--engine", "ray"] + (["--ray-address", address] if head is not None else [])
     if args.gpus == 1:  # the local render, then Ray with one worker
-        runs = [("local", 1, common), ("ray", 1, [*common, "--engine", "ray", "--workers", "1"])]
+        runs = [("local", 1, common), ("ray", 1, [*common, *on_ray, "--workers", "1"])]
     else:  # Ray with one worker, then two
-        runs = [("ray", 1, [*common, "--engine", "ray", "--workers", "1"]),
-                ("ray", 2, [*common, "--engine", "ray", "--workers", "2"])]
+        runs = [("ray", 1, [*common, *on_ray, "--workers", "1"]), ("ray", 2, [*common, *on_ray, "--workers", "2"])]
+    try:
+        seconds, work_done = measure(args, runs, n)
+    finally:
+        if head is not None:
+            os.killpg(head.pid, 9)
+            head.wait()
+        shutil.rmtree(temp, ignore_errors=True)
+    if not work_done:
+        return
+    labels = [f"{engine} x{workers}" for engine, workers, _ in runs]
+    reference = seconds[labels[0]]
+    calls = "two calls on one machine (--only)" if args.only else "one call"
+    rows = [dict(environment(), bench="ray", engine=engine, gpus=args.gpus, workers=workers, cluster=args.cluster,
+                 **seconds[label], images_per_s=n / seconds[label]["seconds"],
+                 vs_reference=reference["seconds"] / seconds[label]["seconds"],
+                 steady_vs_reference=seconds[label]["steady_images_per_s"] / reference["steady_images_per_s"],
+                 reference=labels[0], calls=calls,
+                 config="1024x1024, 50 steps, cfg 4, fast preset, random full-size weights")
+            for (engine, workers, _), label in zip(runs, labels)]
+    for row in rows:
+        print(f"{row['engine']} x{row['workers']}: {row['images_per_s']:.3f} images/s ({row['vs_reference']:.2f}x "
+              f"{row['reference']}); steady {row['steady_images_per_s']:.4f} images/s "
+              f"({row['steady_vs_reference']:.2f}x); first image at {row['first_image_s']:.1f} s", flush=True)
+    if not args.tiny:
+        append_results("ray", rows, args.out)
+
+
+def measure(args, runs: list, n: int) -> tuple[dict, bool]:
+    """Each run's seconds (kept in --work's seconds.json across calls), and whether both runs are there with equal
+    images (exits when they differ)."""
     with tempfile.TemporaryDirectory() as tmp:
         work = args.work or Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
@@ -120,29 +185,14 @@ def main():
         labels = [f"{engine} x{workers}" for engine, workers, _ in runs]
         if any(seconds.get(label, {}).get("prompts") != n for label in labels):
             print(f"kept in {work}: {sorted(seconds)}; a row needs both runs of {n} prompts", flush=True)
-            return
+            return seconds, False
         (ref_engine, ref_workers, _), (engine, workers, _) = runs
         same = same_images(work / f"{ref_engine}{ref_workers}", work / f"{engine}{workers}", n)
         print(f"check: the {n} images of {labels[1]} equal {labels[0]}'s pixel for pixel: {same}", flush=True)
         if not same:
             print("FAILED the check: no row recorded", flush=True)
             sys.exit(1)
-    reference = seconds[labels[0]]
-    calls = "two calls on one machine (--only)" if args.only else "one call"
-    rows = [dict(environment(), bench="ray", engine=engine, gpus=args.gpus, workers=workers,
-                 **seconds[label], images_per_s=n / seconds[label]["seconds"],
-                 vs_reference=reference["seconds"] / seconds[label]["seconds"],
-                 steady_vs_reference=seconds[label]["steady_images_per_s"] / reference["steady_images_per_s"],
-                 reference=labels[0], calls=calls,
-                 config="1024x1024, 50 steps, cfg 4, fast preset, random full-size weights")
-            for (engine, workers, _), label in zip(runs, labels)]
-    for row in rows:
-        print(f"{row['engine']} x{row['workers']}: {row['images_per_s']:.3f} images/s ({row['vs_reference']:.2f}x "
-              f"{row['reference']}); steady {row['steady_images_per_s']:.4f} images/s "
-              f"({row['steady_vs_reference']:.2f}x); first image at {row['first_image_s']:.1f} s", flush=True)
-    if not args.tiny:
-        append_results("ray", rows, args.out)
-
+    return seconds, True
 
 if __name__ == "__main__":
     main()
