@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fastapi import FastAPI, Request
-from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
 
 from .engine import Work
 from .metrics import Metrics
@@ -48,6 +48,18 @@ class ServerState:
 
 class BodyTooLarge(Exception):
     pass
+
+
+def images_response(images: list[bytes], seeds: list[int], fields: dict) -> Response:
+    """OpenAI's images response, {"created", "data": [{"b64_json", "seed"}, ...], then `fields`}, as JSON bytes:
+    each image's base64 (ASCII, nothing to escape) is spliced in as bytes, rather than passed as a string through
+    the JSON encoder, which takes ~19 ms a 4 MB image (a 1024x1024 noise PNG) on the CI machine, in the event
+    loop's thread."""
+    parts = [b'{"created":%d,"data":[' % int(time.time())]
+    for i, (image, seed) in enumerate(zip(images, seeds)):
+        parts += [b',' if i else b'', b'{"b64_json":"', base64.b64encode(image), b'","seed":%d}' % seed]
+    parts += [b'],', json.dumps(fields, ensure_ascii=False, allow_nan=False, separators=(",", ":"))[1:].encode()]
+    return Response(b"".join(parts), media_type="application/json")
 
 
 def error_response(error: ApiError) -> JSONResponse:
@@ -165,9 +177,9 @@ def create_app(state: ServerState, lifespan=None) -> FastAPI:
             state.metrics.request(endpoint, "disconnected")
             return JSONResponse({}, status_code=499)
         state.metrics.request(endpoint, "ok")
-        return JSONResponse(result)
+        return result
 
-    async def render(request: Request, endpoint: str, body: dict, files) -> dict | None:
+    async def render(request: Request, endpoint: str, body: dict, files) -> Response | None:
         if not state.scheduler.ready:
             raise ApiError(503, "no engine is ready yet (the model is loading or restarting): retry shortly",
                            type="server_error", code="not_ready", headers={"Retry-After": "5"})
@@ -193,12 +205,11 @@ def create_app(state: ServerState, lifespan=None) -> FastAPI:
         done = item.future.result()  # raises the ApiError it failed with
         if done is None:
             return None
-        data = [{"b64_json": base64.b64encode(done.results[i]).decode(), "seed": parsed.seed + i}
-                for i in range(parsed.n)]
         state.metrics.images += parsed.n
-        return {"created": int(time.time()), "data": data, "output_format": parsed.output_format,
-                "size": size_of_image(done.results[0]), "applied": done.applied, "batch_sizes": done.batch_sizes,
-                "seed": parsed.seed, "seed_given": parsed.seed_given}
+        return images_response([done.results[i] for i in range(parsed.n)], [parsed.seed + i for i in range(parsed.n)],
+                               {"output_format": parsed.output_format, "size": size_of_image(done.results[0]),
+                                "applied": done.applied, "batch_sizes": done.batch_sizes, "seed": parsed.seed,
+                                "seed_given": parsed.seed_given})
 
     async def json_body(request: Request) -> dict:
         raw = await read_limited(request)

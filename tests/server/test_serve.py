@@ -364,3 +364,24 @@ def test_sigterm_drains_then_exits_0(server):
             assert refused.status_code == 503 and refused.json()["error"]["code"] == "shutting_down", refused.text
         assert running.result().status_code == 200
     assert server.process.wait(60) == 0
+
+
+def test_the_images_response_is_the_json_of_its_fields():
+    """The response body, built with each image's base64 spliced in as bytes (app.images_response), parses to what
+    json.dumps of the same object gives: one and two images, fields with non-ASCII text and nesting."""
+    import base64
+    import json
+    import os
+
+    from qwen_image_fast.server.app import images_response
+
+    fields = {"output_format": "png", "size": "64x48", "applied": ["fp8", "attention:fa4"], "batch_sizes": [2],
+              "seed": 7, "seed_given": True, "note": "ein Fuchs im Schnee ü \" \\ \n"}
+    for n in (1, 2):
+        images = [os.urandom(1000 + i) for i in range(n)]
+        response = images_response(images, [7 + i for i in range(n)], fields)
+        body = json.loads(response.body)
+        assert response.media_type == "application/json"
+        assert body.pop("created") > 0
+        assert body == {"data": [{"b64_json": base64.b64encode(image).decode(), "seed": 7 + i}
+                                 for i, image in enumerate(images)], **fields}
