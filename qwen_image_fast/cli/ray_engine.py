@@ -139,11 +139,10 @@ def start_gate(ray):
 
 class Stage:
     """The render stage, running: its gate, and the records its actors return, read into `records` by a thread
-    (a list of JSON strings per batch; an exception of the stage; None when it has ended). workers: the actors."""
+    (a list of JSON strings per batch; an exception of the stage; None when it has ended)."""
 
-    def __init__(self, ray, gate, rendered, workers: int):
-        self.gate, self.workers, self.records = gate, workers, queue.Queue()
-        self.ray = ray
+    def __init__(self, ray, gate, rendered):
+        self.ray, self.gate, self.records = ray, gate, queue.Queue()
         threading.Thread(target=self._read, args=(rendered,), name="ray-records", daemon=True).start()
 
     def _read(self, rendered):
@@ -189,7 +188,7 @@ def launch_stage(ray, options: list[str], rows: int, device: str | None, workers
     rendered = ds.map_batches(GatedRenderer, fn_constructor_kwargs=dict(options=options, cwd=os.getcwd(), gate=gate),
                               batch_size=batch_size, compute=ray.data.ActorPoolStrategy(size=workers),
                               num_gpus=1 if gpu else 0, num_cpus=0 if gpu else 1)
-    return Stage(ray, gate, rendered, workers)
+    return Stage(ray, gate, rendered)
 
 
 def actor_count(ray, gpu: bool, workers: int | None, device_given: bool) -> int:
@@ -237,7 +236,7 @@ def render_on_ray(spec, jobs: list, out_dir: Path, labels, *, resume: bool, conn
         return summary
     try:
         stage = connection.wait()
-    except ValueError:
+    except BaseException:  # no cluster, one without what the render needs, or a stage that could not start
         connection.close()
         raise
     times = dict(began=connection.began, imported=connection.imported, connected=connection.connected,
