@@ -177,7 +177,7 @@ def launch_stage(ray, options: list[str], rows: int, device: str | None, workers
     does), started: its actors begin at once, their rows wait at the gate. device: --device (None: cuda where this
     process has a GPU, as render's checks choose)."""
     gpu = resolve_device(device, 0, 0).type == "cuda"
-    workers = actor_count(ray, gpu, workers, device is not None)
+    workers = actor_count(int(ray.cluster_resources().get("GPU", 0)), gpu, workers, device is not None)
     gate = start_gate(ray)
     # one row a block: a retried task (its actor killed) redoes one row, never a block some of whose records were
     # already sent (the per-block overhead, milliseconds, is nothing beside an image's seconds). The blocks made
@@ -191,11 +191,10 @@ def launch_stage(ray, options: list[str], rows: int, device: str | None, workers
     return Stage(ray, gate, rendered)
 
 
-def actor_count(ray, gpu: bool, workers: int | None, device_given: bool) -> int:
-    """--workers, or one per GPU of the cluster (1 on CPUs). Refused: GPU actors on a cluster without GPUs, and
-    CPU actors chosen only because this process has no GPU while the cluster has some (render's checks pick this
-    process's device: the images would come from the CPU without anyone asking for it)."""
-    gpus = int(ray.cluster_resources().get("GPU", 0))
+def actor_count(gpus: int, gpu: bool, workers: int | None, device_given: bool) -> int:
+    """--workers, or one per GPU of the cluster (`gpus`, as Ray counts them; 1 on CPUs). Refused: GPU actors on a
+    cluster without GPUs, and CPU actors chosen only because this process has no GPU while the cluster has some
+    (render's checks pick this process's device: the images would come from the CPU without anyone asking)."""
     if gpu and gpus == 0:
         raise ValueError("--engine ray: the cluster has no GPU for the actors; add GPU nodes, or give --device cpu")
     if not gpu and gpus and not device_given:

@@ -389,23 +389,16 @@ def test_a_gpu_actor_uses_its_share_of_the_node_s_cores():
 
 
 def test_the_actors_count_and_device_refusals():
-    """actor_count's decision from the cluster's GPU count (a stand-in for ray.cluster_resources: the module's
-    cluster has no GPU, and this machine cannot refuse --device cuda later than render's own checks do)."""
+    """actor_count's decision from the cluster's GPU count (the module's cluster has none, and this machine cannot
+    refuse --device cuda later than render's own checks do)."""
     from qwen_image_fast.cli.ray_engine import actor_count
 
-    class Cluster:
-        def __init__(self, gpus):
-            self.gpus = gpus
-
-        def cluster_resources(self):
-            return {"CPU": 2.0, **({"GPU": float(self.gpus)} if self.gpus else {})}
-
-    assert actor_count(Cluster(3), gpu=True, workers=None, device_given=False) == 3
-    assert actor_count(Cluster(3), gpu=True, workers=2, device_given=False) == 2
-    assert actor_count(Cluster(0), gpu=False, workers=None, device_given=False) == 1
-    assert actor_count(Cluster(2), gpu=False, workers=None, device_given=True) == 1
+    assert actor_count(3, gpu=True, workers=None, device_given=False) == 3
+    assert actor_count(3, gpu=True, workers=2, device_given=False) == 2
+    assert actor_count(0, gpu=False, workers=None, device_given=False) == 1
+    assert actor_count(2, gpu=False, workers=None, device_given=True) == 1
     with pytest.raises(ValueError, match="the cluster has no GPU for the actors"):
-        actor_count(Cluster(0), gpu=True, workers=None, device_given=False)
+        actor_count(0, gpu=True, workers=None, device_given=False)
     with pytest.raises(ValueError, match="this process has no GPU, so render's checks chose the CPU, but the cluster "
                                          "has 2 GPU"):
-        actor_count(Cluster(2), gpu=False, workers=None, device_given=False)
+        actor_count(2, gpu=False, workers=None, device_given=False)
