@@ -99,3 +99,18 @@ def test_prompts_encoded_ahead_in_one_turn_give_the_same_latents():
     got = low(**encoded[0], **call, generator=torch.Generator().manual_seed(0)).images
     assert low._turns.loads == 2, "the call encoded again"
     assert torch.equal(got, expected)
+
+
+def test_a_second_pipeline_from_the_components_takes_them_over():
+    """A memory='low' pipeline built from another one's components (its blocks on their turn in the first one's
+    buffer) gives the resident pipeline's latents; the first one refuses to run from then on (both families share
+    the placement's retirement: core/runtime/offload.py)."""
+    from qwen_image_fast.pipelines.qwen_image21.pipeline import FastQwenImage21Pipeline
+
+    resident = latents(optimize(QwenImage21Pipeline(**tiny_qwen21_components()), FastConfig(fp8=False)))
+    first = optimize(QwenImage21Pipeline(**tiny_qwen21_components()), FastConfig(fp8=False, memory="low"))
+    assert torch.equal(latents(first), resident) and first._turns.resident == "transformer"
+    second = FastQwenImage21Pipeline(**first.components, fast_config=FastConfig(fp8=False, memory="low"))
+    with pytest.raises(RuntimeError, match="placed again by another pipeline built from the same components"):
+        latents(first)
+    assert torch.equal(latents(second), resident)
