@@ -14,7 +14,9 @@ a tiny text encoder), saved once to --checkpoint-dir; 1024x1024, 50 steps, CFG 4
 prompts / wall seconds of the whole command. Rows to results/ray.jsonl (bench "ray": engine, gpus, workers,
 prompts, images_per_s, seconds, ratio to the reference run). Beside the whole command's rate, each row splits it in
 two from the images' file times: first_image_s (start to the first image: cluster, actor, model load, warm-up, one
-image) and steady_images_per_s (the pool at work: the sum over workers of (images - 1) / (last - first image)).
+image) and steady_images_per_s (the pool at work: the sum over workers of (images - 1) / (last - first image)); a
+Ray row also carries its `Ray startup:` line's times (startup_*_s: checks done, cluster connected, first actor
+begun, first pipeline loaded).
 --cluster: "command" (default), each Ray run starts its own local cluster (a user's first try); "started", a head
 node started before the runs (`ray start --head`, as on a real cluster) that they connect to (--ray-address), its
 start not timed (the row's "cluster" field says which).
@@ -23,6 +25,7 @@ start not timed (the row's "cluster" field says which).
 import argparse
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -55,10 +58,23 @@ def run(label: str, args: list[str], prompts: Path, out: Path) -> dict:
     first_image_s, steady = timeline(out, start_epoch)
     print(f"{label}: {seconds:.1f} s; first image at {first_image_s:.1f} s, then {steady:.4f} images/s; "
           f"{done.stdout.strip().splitlines()[-2 if 'note:' in done.stdout else -1]}", flush=True)
+    startup = {}
     for line in done.stdout.splitlines():
         if line.startswith("Ray startup:"):  # where a Ray command's time went before its first image
             print(f"  {line}", flush=True)
-    return {"seconds": seconds, "first_image_s": first_image_s, "steady_images_per_s": steady}
+            startup = startup_fields(line)
+    return {"seconds": seconds, "first_image_s": first_image_s, "steady_images_per_s": steady, **startup}
+
+
+def startup_fields(line: str) -> dict:
+    """The `Ray startup:` line's seconds (from the command's start) as row fields: the checks done, Ray connected,
+    the first actor begun (its own checks included) and the first to have its pipeline."""
+    found = re.search(r"checks done at ([\d.]+) s; Ray imported at [\d.]+ s and cluster connected at ([\d.]+) s.*?"
+                      r"actor\(s\) began at ([\d.]+)-[\d.]+ s and had the pipeline at ([\d.]+)-", line)
+    if found is None:
+        return {}
+    names = ("startup_checks_done_s", "startup_connected_s", "startup_actor_began_s", "startup_pipeline_s")
+    return dict(zip(names, (float(x) for x in found.groups())))
 
 
 def timeline(out: Path, start_epoch: float) -> tuple[float, float]:
