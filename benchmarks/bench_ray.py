@@ -210,5 +210,6 @@ def measure(args, runs: list, n: int) -> tuple[dict, bool]:
             sys.exit(1)
     return seconds, True
 
+
 if __name__ == "__main__":
     main()
