@@ -31,7 +31,11 @@ ROOT = Path(__file__).resolve().parents[1]
 # Packages of the test extra that GPU tests import inside a test (not at collection): a machine without one errors
 # in those tests minutes into a run (gguf, 2026-11-28), so `run` refuses to start without them.
 GPU_TEST_PACKAGES = {"diffusers": "every comparison with stock", "peft": "the LoRA tests",
-                     "gguf": "the GGUF single files (test_single_file.py)"}
+                     "gguf": "the GGUF single files (test_single_file.py)",
+                     # the FP8-attention extras: without them those tests skip or fail (2026-11-28, a run that
+                     # had installed FA4 alone)
+                     "cudnn": "FP8 attention's cuDNN kernel (pip install '.[fp8-attention]')",
+                     "flash_attn_interface": "FP8 attention's FA3 kernel (pip install '.[fp8-attention-fa3]')"}
 
 
 def missing_packages(packages: dict) -> list[str]:
@@ -43,8 +47,8 @@ def run(args) -> int:
 
     missing = [] if args.tiny else missing_packages(GPU_TEST_PACKAGES)
     if missing:
-        print(f"gpu_tests.py run: not installed here: {', '.join(missing)}; install them (pip install -e '.[test]' "
-              "has them) and run again", file=sys.stderr)
+        print(f"gpu_tests.py run: not installed here: {', '.join(missing)}; install them and run again",
+              file=sys.stderr)
         return 2
     args.out.mkdir(parents=True, exist_ok=True)
     gpus = list(range(torch.cuda.device_count())) or [None]

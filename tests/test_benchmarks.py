@@ -3,6 +3,7 @@ so that a refused argument or a changed API fails here instead of in a GPU run d
 nothing: benchmarks/results/ is the same after it. The GPU runs themselves are not checked here (the device tool)."""
 
 import hashlib
+import importlib.util
 import os
 import runpy
 import subprocess
@@ -94,4 +95,8 @@ def test_the_gpu_suite_refuses_to_start_without_a_package_its_tests_import(tmp_p
     monkeypatch.setitem(gpu_tests.GPU_TEST_PACKAGES, "no_such_package_here", "a test")
     args = argparse.Namespace(tiny=False, out=tmp_path / "out", of=2, shards=[1, 2], pytest_args=[])
     assert gpu_tests.run(args) == 2 and not (tmp_path / "out").exists()
-    assert "not installed here: no_such_package_here (a test)" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "not installed here: " in err and "no_such_package_here (a test)" in err
+    for name in ("cudnn", "flash_attn_interface"):  # the FP8-attention kernels' packages are required too
+        assert name in gpu_tests.GPU_TEST_PACKAGES
+        assert (f"{name} (" in err) == (importlib.util.find_spec(name) is None), name
