@@ -68,7 +68,7 @@ def connect(ray, address: str | None):
 
 class Connecting:
     """The cluster, connected in a thread begun before render's checks (the model's files, the GPU's memory, the
-    output folder): importing Ray Data and ray.init take seconds (about 10 s on an H200 host, a new local cluster).
+    output folder): ray.init takes seconds (about 7 s on an H200 host, a new local cluster).
     Once connected, the same thread starts the stage (launch: its actors check and load while the command checks).
     The thread stays until close(): a local cluster's processes are its children, started with a parent-death
     signal that fires when the thread that started them ends. Ray's core worker in this process puts its crash
@@ -79,15 +79,19 @@ class Connecting:
         if address is not None:
             check_reachable(address)  # a wrong address is refused before anything else runs
         self.address, self.launch, self.began = address, launch, time.time()
+        # Ray Data imported here, before the thread: beside the checks' imports (torch, diffusers) in the command's
+        # thread, the two took turns on the GIL and Ray's import, the first step to the actors' start, took 6 s on
+        # an H200 host (2026-11-28) where alone it takes about 1 s; the checks wait for it instead (not the
+        # first image's path: the actors load for longer than the checks take)
+        self.ray_module, self.imported = import_ray(), time.time()
         self.sigterm = signal.getsignal(signal.SIGTERM)  # None: not set from Python
-        self.ray, self.stage, self.error, self.imported, self.connected = None, None, None, None, None
+        self.ray, self.stage, self.error, self.connected = None, None, None, None
         self.ready, self.closed = threading.Event(), threading.Event()
         threading.Thread(target=self._connect, name="ray-connect", daemon=True).start()
 
     def _connect(self):
         try:
-            ray = import_ray()
-            self.imported = time.time()
+            ray = self.ray_module
             connect(ray, self.address)
             self.ray, self.connected = ray, time.time()
             if self.launch is not None:
