@@ -83,15 +83,15 @@ class Connecting:
         # thread, the two took turns on the GIL and Ray's import, the first step to the actors' start, took 6 s on
         # an H200 host (2026-11-28) where alone it takes about 1 s; the checks wait for it instead (not the
         # first image's path: the actors load for longer than the checks take)
-        self.ray_module, self.imported = import_ray(), time.time()
+        ray = import_ray()
+        self.imported = time.time()
         self.sigterm = signal.getsignal(signal.SIGTERM)  # None: not set from Python
         self.ray, self.stage, self.error, self.connected = None, None, None, None
         self.ready, self.closed = threading.Event(), threading.Event()
-        threading.Thread(target=self._connect, name="ray-connect", daemon=True).start()
+        threading.Thread(target=self._connect, args=(ray,), name="ray-connect", daemon=True).start()
 
-    def _connect(self):
+    def _connect(self, ray):
         try:
-            ray = self.ray_module
             connect(ray, self.address)
             self.ray, self.connected = ray, time.time()
             if self.launch is not None:
