@@ -88,9 +88,11 @@ def timeline(out: Path, start_epoch: float) -> tuple[float, float]:
     return min(min(t) for t in times.values()) - start_epoch, steady
 
 
-def start_cluster(temp: Path) -> tuple[str, subprocess.Popen]:
-    """A head node on loopback (`ray start --head --block`, its own temporary folder), with a token of its own in
-    this process's environment, which the commands inherit; (its address, its process, killed with its group)."""
+def start_cluster(temp: Path, *options: str) -> tuple[str, subprocess.Popen]:
+    """A head node on loopback (`ray start --head --block`, its own temporary folder; `options`: more of `ray start`'s,
+    e.g. "--num-cpus", "2"), with a token of its own in this process's environment, which the commands inherit
+    (tests/cli/test_render_ray.py's cluster too); (its address, its process, killed with its group). RuntimeError if
+    it does not start."""
     import secrets
     import socket
 
@@ -101,7 +103,7 @@ def start_cluster(temp: Path) -> tuple[str, subprocess.Popen]:
                       RAY_NODE_IP_ADDRESS="127.0.0.1")
     head = subprocess.Popen([sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block",
                              "--node-ip-address", "127.0.0.1", "--port", str(port), "--include-dashboard", "false",
-                             "--temp-dir", str(temp), "--disable-usage-stats"], stdout=subprocess.DEVNULL,
+                             "--temp-dir", str(temp), "--disable-usage-stats", *options], stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.monotonic() + 120
     while True:
@@ -110,7 +112,7 @@ def start_cluster(temp: Path) -> tuple[str, subprocess.Popen]:
             return f"127.0.0.1:{port}", head
         except OSError:
             if head.poll() is not None or time.monotonic() > deadline:
-                sys.exit("the Ray head node did not start")
+                raise RuntimeError("the Ray head node did not start") from None
             time.sleep(0.2)
 
 
@@ -146,7 +148,10 @@ def main():
         common = real_args(save_random_checkpoint(args.checkpoint_dir))
     head, temp = None, Path(tempfile.mkdtemp(prefix="/tmp/qif-bench-ray-"))  # short: Ray's socket paths
     if args.cluster == "started":
-        address, head = start_cluster(temp)
+        try:
+            address, head = start_cluster(temp)
+        except RuntimeError as e:
+            sys.exit(str(e))
     on_ray = ["--engine", "ray"] + (["--ray-address", address] if head is not None else [])
     if args.gpus == 1:  # the local render, then Ray with one worker
         runs = [("local", 1, common), ("ray", 1, [*common, *on_ray, "--workers", "1"])]

@@ -5,10 +5,8 @@ worker or the driver is killed mid-run, and bad input refused in one line."""
 import json
 import os
 import re
-import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -21,44 +19,27 @@ from cli_helpers import BASELINE, TINY, images, manifest, pixels
 
 from qwen_image_fast.command import main
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))  # bench_ray's start_cluster
+
 RENDERER_PROCESS = "MapBatches(GatedRenderer)"  # in the title Ray gives an actor process of the render stage
 SLOW = [*BASELINE, "--steps", "16"]  # ~0.3 s an image: slow enough to kill a run in the middle
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def cluster():
-    """The head node's address; the cluster stops with the `ray start --block` process group. Token authentication
-    (Ray's default from 2.59) with a token of this module's, which the renders below inherit from os.environ."""
-    port, temp = free_port(), tempfile.mkdtemp(prefix="/tmp/qif-ray-")  # short: Ray's socket paths have a limit
-    auth = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16), "RAY_USAGE_STATS_ENABLED": "0",
-            "RAY_NODE_IP_ADDRESS": "127.0.0.1"}
-    saved = {name: os.environ.get(name) for name in auth}
-    os.environ.update(auth)
-    env = dict(os.environ)
-    head = subprocess.Popen(["ray", "start", "--head", "--block", "--node-ip-address", "127.0.0.1", "--port", str(port),
-                             "--num-cpus", "2", "--num-gpus", "0", "--include-dashboard", "false", "--temp-dir", temp,
-                             "--disable-usage-stats"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True, executable=str(Path(sys.executable).with_name("ray")))
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            break
-        except OSError:
-            assert head.poll() is None and time.monotonic() < deadline, "the Ray head node did not start"
-            time.sleep(0.2)
-    yield f"127.0.0.1:{port}"
+    """The head node's address (benchmarks/bench_ray.py's start_cluster, two CPUs and no GPU); the cluster stops with
+    the `ray start --block` process group. Token authentication (Ray's default from 2.59) with a token of this
+    module's, which the renders below inherit from os.environ (restored after)."""
+    from bench_ray import start_cluster
+
+    temp, saved = Path(tempfile.mkdtemp(prefix="/tmp/qif-ray-")), dict(os.environ)  # short: Ray's socket paths
+    address, head = start_cluster(temp, "--num-cpus", "2", "--num-gpus", "0")
+    yield address
     os.killpg(head.pid, signal.SIGKILL)
     head.wait()
     shutil.rmtree(temp, ignore_errors=True)
-    for name, value in saved.items():
-        os.environ.pop(name) if value is None else os.environ.__setitem__(name, value)
+    os.environ.clear()
+    os.environ.update(saved)
 
 
 def render(*args) -> list[str]:
