@@ -4,6 +4,7 @@
     python3 benchmarks/bench_qwen21.py --pipeline --tokenizer DIR [--sizes 1024,1328] [--condition]   # end to end
         [--cache every:2,1,0 ...] [--steps6]
     python3 benchmarks/bench_qwen21.py --pipeline --sizes "" --memory-low --tokenizer DIR   # memory="low" alone
+    python3 benchmarks/bench_qwen21.py --pipeline --sizes "" --budgets 16 --tokenizer DIR   # under a 16 GiB cap
     python3 benchmarks/bench_qwen21.py --pipeline --tiny                                  # CPU logic check
 
 The transformer: random full-size weights (32 blocks of 4096, normal(0, 0.02)), bf16, batch 1 (2.1 is
@@ -30,13 +31,23 @@ few-step LoRA's count); with --cache RULE, "cache" (ours with FastConfig(cache=R
 run eagerly: the same decisions, latents within GRAPH_GATE; its error against stock and ours uncached, the blocks
 computed, and its decisions, beside it).
 
+--budgets 16[,N...]: per image of 8 prompts (1024^2, 40 steps, no CFG, decoded; each prompt its own call, the 8
+encoded first in one text-encoder turn as `render` does, cli/run.encode_ahead; the time from the encoding to the
+last image, over 8), after a 3-step warm-up call: ours resident ("uncapped"), then per budget N
+FastConfig(memory="low", max_memory_gib=N) built from the same components after
+torch.cuda.set_per_process_memory_fraction(N GiB less the CUDA context) ("cap<N>": what streams, the buffer, peak
+reserved, the plan's smallest budget at these shapes). The check: every image equals the uncapped one bit for bit,
+else no row.
+
 The error is checked (GATE) before a speed is reported. Appends to results/qwen21.jsonl.
 """
 
 import argparse
 import sys
+import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -337,6 +348,98 @@ def memory_rows(args, env: dict) -> list[dict]:
     return rows
 
 
+PROMPTS8 = [f"{PROMPT}, picture {i} of a series" for i in range(8)]
+
+
+def eight_images(pipe, size: int, steps: int, device) -> tuple[float, np.ndarray]:
+    """(seconds an image over PROMPTS8, the images [8, H, W, 4]) after a 3-step warm-up call (bench docstring)."""
+    from types import SimpleNamespace
+
+    from qwen_image_fast.cli.run import encode_ahead
+
+    def render(i, **text):
+        return pipe(**text, height=size, width=size, num_inference_steps=steps, output_type="np",
+                    generator=torch.Generator(device).manual_seed(i)).images[0]
+
+    pipe(prompt=PROMPT, height=size, width=size, num_inference_steps=3, output_type="np")
+    jobs = [[SimpleNamespace(prompt=p, negative_prompt=None, images=())] for p in PROMPTS8]
+    torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    encoded, until = encode_ahead(pipe, jobs, 0)
+    if until != len(jobs) or len(encoded) != len(jobs):
+        raise RuntimeError(f"encode_ahead covered {len(encoded)} of {len(jobs)} prompts")
+    images = [render(i, **encoded[i]) for i in range(len(jobs))]
+    torch.cuda.synchronize(device)
+    return (time.perf_counter() - start) / len(jobs), np.stack(images)
+
+
+def budget_rows(args, env: dict) -> list[dict]:
+    """--budgets: ours resident, then memory="low" under each budget's cap (module docstring)."""
+    import gc
+
+    from diffusers import QwenImage21Pipeline
+
+    from qwen_image_fast import FastConfig, optimize
+    from qwen_image_fast.pipelines.core.runtime.memory import GIB, context_bytes
+    from qwen_image_fast.pipelines.qwen_image21 import memory
+    from qwen_image_fast.pipelines.qwen_image21.pipeline import FastQwenImage21Pipeline
+
+    device, size = torch.device("cuda"), 1024
+    fast = optimize(QwenImage21Pipeline(**full_size_components(args.tokenizer)),
+                    FastConfig(attention=args.attention), device=device)
+    fast.set_progress_bar_config(disable=True)
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    per_image, expected = eight_images(fast, size, STEPS, device)
+    base = dict(env, bench="qwen21_pipeline", impl="ours", size=size, steps=STEPS, prompts=len(PROMPTS8))
+    rows = [dict(base, variant="uncapped", s_per_image=per_image,
+                 peak_reserved_gib=torch.cuda.max_memory_reserved() / GIB, applied=fast.applied)]
+    print(f"uncapped: {per_image:.3f} s an image, peak reserved {rows[0]['peak_reserved_gib']:.1f} GiB", flush=True)
+    components = dict(fast.components)
+    del fast
+    for budget in args.budgets:
+        gc.collect()
+        torch.cuda.empty_cache()
+        torch.cuda.set_per_process_memory_fraction(1.0)
+        try:
+            low = FastQwenImage21Pipeline(**components, fast_config=FastConfig(
+                attention=args.attention, memory="low", max_memory_gib=budget))
+        except ValueError as refused:  # a budget below the plan's smallest: what it says, then the next budget
+            print(f"cap{budget:g}: refused: {refused}", flush=True)
+            continue
+        low.set_progress_bar_config(disable=True)
+        turns = low._turns
+        blocks, text = turns.arenas["transformer"], turns.arenas["text_encoder"]
+        smallest = (context_bytes(device) + memory.placed_bytes(low) + memory.workspace_bytes(low)
+                    + max(a.streaming_floor() for a in turns.arenas.values())) / GIB
+        free, total = torch.cuda.mem_get_info()
+        context = (total - free - torch.cuda.memory_reserved()) / GIB
+        torch.cuda.set_per_process_memory_fraction((budget - context) * GIB / total)
+        torch.cuda.reset_peak_memory_stats()
+        print(f"cap{budget:g}: buffer {turns.buffer_bytes / GIB:.2f} GiB, context {context:.2f} GiB, the plan's "
+              f"smallest budget {smallest:.2f} GiB", flush=True)
+        per_image, images = eight_images(low, size, STEPS, device)
+        same = bool(np.array_equal(images, expected))
+        row = dict(base, variant=f"cap{budget:g}", max_memory_gib=budget, s_per_image=per_image,
+                   per_image_vs_uncapped=per_image / rows[0]["s_per_image"],
+                   peak_reserved_gib=torch.cuda.max_memory_reserved() / GIB, context_gib=context,
+                   buffer_gib=turns.buffer_bytes / GIB, smallest_budget_gib=smallest,
+                   streamed_blocks=len(blocks.streamed) if turns.streams("transformer") else 0,
+                   blocks=len(blocks.layer_ranges),
+                   streamed_text_layers=len(text.layer_ranges) - text.resident_layers(turns.buffer_bytes),
+                   text_layers=len(text.layer_ranges), equal_to_uncapped=same, applied=low.applied)
+        print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items() if k not in env}, flush=True)
+        if same:
+            rows.append(row)
+        else:
+            print(f"  FAILED: cap{budget:g}'s images differ from the uncapped ones: no speed reported", flush=True)
+        components = dict(low.components)
+        del low, blocks, text, turns
+        torch.cuda.set_per_process_memory_fraction(1.0)
+    return rows
+
+
 def cache_row(fast, kwargs: dict, steps: int, rule: str, results: dict, device, env: dict, size: int) -> list[dict]:
     """Ours with FastConfig(cache=rule): graphed (after a 3-step warm-up call) against the same call run eagerly
     (the check: the same decisions, latents within GRAPH_GATE; else no speed), and beside stock and ours uncached
@@ -452,6 +555,8 @@ def main():
     parser.add_argument("--memory-low", action="store_true",
                         help="with --pipeline: then ours resident and with memory='low' at 1024^2 (peak reserved)")
     parser.add_argument("--memory-batches", default="1", help="with --memory-low: the batch sizes, e.g. 1,4")
+    parser.add_argument("--budgets", type=lambda text: [float(v) for v in text.split(",")], default=None,
+                        help="with --pipeline (GPU): ours resident, then memory='low' under each budget, e.g. 16")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     if args.pipeline and not args.tiny and args.tokenizer is None:
@@ -460,6 +565,8 @@ def main():
     rows = pipeline_rows(args, env) if args.pipeline else transformer_rows(args, env)
     if args.memory_low:
         rows += memory_rows(args, env)
+    if args.budgets:
+        rows += budget_rows(args, env)
     if not args.tiny:
         append_results("qwen21", rows, args.out)
 

@@ -15,6 +15,15 @@ FAST_CLASSES = {cls.stock_class: cls for cls in (QwenImageFastPipeline, *IMAGE_C
 BY_CLASS_NAME = {name: cls for cls in FAST_CLASSES.values() for name in (cls.stock_class.__name__, cls.__name__)}
 
 
+def memory_plan(pipeline: str):
+    """What a memory budget (FastConfig(max_memory_gib=...)) is planned for (core/runtime/memory.MemoryPlan), by
+    pipeline class name: Qwen-Image-2.1's, else the 2512 text-to-image pipeline's."""
+    from .core.runtime.memory import PLAN
+    from .qwen_image21.memory import PLAN as QWEN21_PLAN
+
+    return QWEN21_PLAN if pipeline == FastQwenImage21Pipeline.stock_class.__name__ else PLAN
+
+
 def supported() -> str:
     return ", ".join(stock.__name__ for stock in FAST_CLASSES)
 

@@ -202,15 +202,15 @@ QWEN21_SCHEDULER_CONFIG = dict(use_dynamic_shifting=True, time_shift_type="expon
                                max_shift=1.15, base_image_seq_len=256, max_image_seq_len=4096)
 
 
-def tiny_qwen21_components(seed: int = 0) -> dict:
+def tiny_qwen21_components(seed: int = 0, num_layers: int = 2, text_layers: int = 1) -> dict:
     """The components of a tiny QwenImage21Pipeline (fp32, CPU): a Qwen3-VL text encoder and processor (patch 16,
     2x2 merge: one image slot per 32x32 pixels, as the 2.1 transformer's 2x2 latent tokens), the RGBA VAE at 16x,
-    the transformer."""
+    the transformer (num_layers blocks; text_layers: the text encoder's decoder layers)."""
     from diffusers import AutoencoderKLQwenImage21, QwenImage21Transformer2DModel
     from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration, Qwen3VLProcessor
 
     torch.manual_seed(seed)
-    transformer = QwenImage21Transformer2DModel(**TINY_QWEN21_TRANSFORMER)
+    transformer = QwenImage21Transformer2DModel(**TINY_QWEN21_TRANSFORMER | dict(num_layers=num_layers))
     torch.manual_seed(seed)
     vae = AutoencoderKLQwenImage21(**TINY_QWEN21_VAE)
     tokenizer = tiny_tokenizer(vision=True)
@@ -221,8 +221,8 @@ def tiny_qwen21_components(seed: int = 0) -> dict:
     vision_ids = dict(zip(("vision_start_token_id", "vision_end_token_id", "image_token_id", "video_token_id"),
                           tokenizer.convert_tokens_to_ids(list(VISION_TOKENS))))
     config = Qwen3VLConfig(
-        text_config=dict(hidden_size=24, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2,  # 4096, ..
-                         num_key_value_heads=1, head_dim=12, vocab_size=len(tokenizer),
+        text_config=dict(hidden_size=24, intermediate_size=48, num_attention_heads=2,  # 4096, ..
+                         num_hidden_layers=text_layers, num_key_value_heads=1, head_dim=12, vocab_size=len(tokenizer),
                          rope_scaling=dict(rope_type="default", mrope_section=[2, 2, 2])),
         vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=24,
                            patch_size=16, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=64,

@@ -8,24 +8,85 @@ offload.py says how weights take turns on the GPU).
   condition images), whose part beyond the buffer gets one of its own for its turn, given back when it ends.
 Encoding (diffusers' _get_qwen_prompt_embeds) brings the text encoder in; the transformer's forward brings its blocks
 back (pipeline.py). The buffer never moves, so the cached steps' CUDA graphs stay valid across turns.
+
+With a budget (FastConfig(max_memory_gib=...)) the buffer is what the budget leaves (core/runtime/memory.py's
+LowMemoryBudget) after a call's workspace as PLAN plans it, and what does not fit streams (core/runtime/streaming.py):
+the text encoder's decoder layers (its embeddings, lm_head and vision tower stay in the fixed part) and the
+transformer's blocks. The workspace is the larger of the denoising loop's (the prefix keys and values of both CFG
+branches, at most PLANNED_TEXT_TOKENS of text, and the activations) and the VAE decode's: the prefix caches go back
+before the decode (pipeline.py), so the two never meet.
 """
 
 import torch
 
-from ..core.runtime.offload import HostArena, TakingTurns, tensors_of
+from ..core.runtime.memory import (GIB, LowMemoryBudget, MemoryPlan, context_bytes, stream_text_encoder,
+                                   text_encoder_layers)
+from ..core.runtime.offload import HostArena, TakingTurns, nbytes, tensors_of
 from .model import SHARED_MODULES
 
+# A budget's plan: one text-to-image call of at most 1024x1024 pixels (the pipeline's default output_resolution) and
+# 50 steps, its prompt at most PLANNED_TEXT_TOKENS tokens (the prefix; a condition image's tokens would lengthen it by
+# as many as the target has).
+PLAN = MemoryPlan(1024, 50, "about 20 GiB", condition_images=False)
+PLANNED_TEXT_TOKENS = 1024
+BRANCHES = 2  # CFG's cond and uncond passes each keep a prefix cache
+# Measured on an H200 (benchmarks/RESULTS.md, "Qwen-Image-2.1", memory='low' at 1024^2): diffusers' RGBA VAE decode of
+# one image takes 6.6 GiB above what the call holds (6,758 bytes a pixel), and a denoising step's activations and
+# the graphs' pools (ACTIVATION_BYTES_PER_TOKEN_WIDTH: per target token and transformer width).
+DECODE_BYTES_PER_PIXEL = 7000
+ACTIVATION_BYTES_PER_TOKEN_WIDTH = 64
 
-def place_low_memory(pipe, device: torch.device) -> TakingTurns:
+
+def prefix_tokens(pipe) -> int:
+    """The joint sequence of a planned call: the target's tokens (1024^2) and the planned prompt."""
+    return (PLAN.side // (pipe.vae_scale_factor * 2)) ** 2 + PLANNED_TEXT_TOKENS
+
+
+def workspace_bytes(pipe) -> int:
+    """A planned call's needs beside the weights: max(the denoising loop's prefix caches and activations, the
+    decode's)."""
+    transformer = pipe.transformer
+    inner = transformer.config.num_attention_heads * transformer.config.attention_head_dim
+    target = (PLAN.side // (pipe.vae_scale_factor * 2)) ** 2
+    keys = BRANCHES * len(transformer.transformer_blocks) * 2 * prefix_tokens(pipe) * inner * transformer.dtype.itemsize
+    return max(keys + ACTIVATION_BYTES_PER_TOKEN_WIDTH * target * inner, DECODE_BYTES_PER_PIXEL * PLAN.side ** 2)
+
+
+def placed_bytes(pipe) -> int:
+    """The weights memory='low' keeps on the GPU: the VAE and the transformer's parts outside its blocks."""
+    modules = [pipe.vae] + [getattr(pipe.transformer, name) for name in SHARED_MODULES]
+    return sum(nbytes(t) for module in modules for t in tensors_of(module))
+
+
+def place_low_memory(pipe, device: torch.device, max_memory_gib: float | None = None) -> TakingTurns:
     """Put the pipeline's components where memory="low" keeps them; returns the turns of the text encoder and the
-    transformer's blocks (neither is on the device yet)."""
-    transformer, pin = pipe.transformer, device.type == "cuda"
+    transformer's blocks (neither is on the device yet). max_memory_gib: the budget the buffer is planned in."""
+    transformer, text_encoder, pin = pipe.transformer, pipe.text_encoder, device.type == "cuda"
     for name in SHARED_MODULES:
         getattr(transformer, name).to(device)
-    blocks = [t for block in transformer.transformer_blocks for t in tensors_of(block)]
+    blocks = [tensors_of(block) for block in transformer.transformer_blocks]
+    vision = getattr(getattr(text_encoder, "model", None), "visual", None)
+    skip = {id(t) for t in tensors_of(vision)} if vision is not None else set()
+    decoder = text_encoder_layers(text_encoder, skip)
+    in_layers = {id(t) for t in tensors_of(decoder[1])} if decoder else set()
+    encoder = [t for t in tensors_of(text_encoder) if id(t) not in in_layers]  # the vision tower in the fixed part
+    encoder_layers = [tensors_of(layer) for layer in decoder[1]] if decoder else []
     pipe.vae.to(device)
-    turns = TakingTurns({"text_encoder": HostArena(tensors_of(pipe.text_encoder), pin),
-                         "transformer": HostArena(blocks, pin)}, device, main="transformer")
+    arenas = {"text_encoder": HostArena(encoder, pin, encoder_layers), "transformer": HostArena([], pin, blocks)}
     if pin:
         torch.cuda.empty_cache()  # the device copies the arenas replaced
+    buffer = None
+    if max_memory_gib is not None:
+        budget = LowMemoryBudget(
+            budget=int(max_memory_gib * GIB), context=context_bytes(device), placed=placed_bytes(pipe),
+            workspace=workspace_bytes(pipe), floor=max(arena.streaming_floor() for arena in arenas.values()),
+            workspace_of=f"one {PLAN.side}x{PLAN.side} image's prefix caches (both CFG branches, a prompt of at most "
+                         f"{PLANNED_TEXT_TOKENS} tokens) and activations, or its decode")
+        budget.check()
+        buffer = min(budget.buffer, max(arena.nbytes for arena in arenas.values()))
+        transformer.planned_prefix = PLANNED_TEXT_TOKENS
+    turns = TakingTurns(arenas, device, main="transformer", buffer_bytes=buffer)
+    transformer.block_arena = arenas["transformer"]
+    if decoder is not None:
+        stream_text_encoder(*decoder, arenas["text_encoder"])
     return turns

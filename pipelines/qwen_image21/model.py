@@ -133,7 +133,7 @@ class Layout:
 class PrefixCache:
     """Per pipeline cache (diffusers' QwenImage21KVCache objects are the handles): each block's key and value
     buffers [B, T + P, H, D], kept by the model across calls while their shape holds (CUDA graphs need fixed
-    addresses). A handle is bound to a slot at its "extract" step; a slot of that shape whose handle is gone is
+    addresses; under a memory budget they go back before each call's decode instead: release). A handle is bound to a slot at its "extract" step; a slot of that shape whose handle is gone is
     reused; a new slot frees those whose handles are gone first (another size's). Each slot has a serial number,
     never reused: a graph keyed by it cannot be taken for one reading another slot's buffers; `freed` holds the
     serials of freed slots until the graphs that read them are dropped (stale_graphs)."""
@@ -159,6 +159,15 @@ class PrefixCache:
         slot[0] = weakref.ref(handle)
         handle.fast_prefix_slot = key
         return slot[1]
+
+    def release(self, graphs=None):
+        """Every slot's buffers go back (a memory budget's VAE decode needs their room), and the graphs of `graphs`
+        (a CallGraphs) that read them are dropped, which hold them too; the next extract step allocates anew."""
+        for slot in self.slots.values():
+            self.freed.add(slot[2])
+        self.slots.clear()
+        if graphs is not None:
+            self.stale_graphs(graphs)
 
     def serial(self, handle) -> int:
         return self.slots[handle.fast_prefix_slot][2]
@@ -229,6 +238,8 @@ class FastQwenImage21Transformer(Unsupported, LoraAdapters, QwenImage21SingleFil
         self.weight_source = None  # fuse_lora requantizes an FP8 weight from its dequantized form (adapters.py)
         self.single_file = None  # from_single_file: what it kept, dequantized, requantized (core/single_file/)
         self.prefix_cache = PrefixCache()
+        self.block_arena = None  # memory="low": the blocks' weights, streamed under a budget (memory.py)
+        self.planned_prefix: int | None = None  # a budget's plan: the most prefix tokens a forward may have
         self._cache_name: str | None = None
         self.layouts: dict[tuple, Layout] = {}  # by Layout.key
         # (img_mask, its version, text mask, its version, shapes, (batch, device), key)
@@ -366,6 +377,10 @@ class FastQwenImage21Transformer(Unsupported, LoraAdapters, QwenImage21SingleFil
                 return piece("step", inputs)
             return self._step_cached(step_cache, piece, inputs, batch, slice(None))
 
+        if self.planned_prefix is not None and layout.prefix > self.planned_prefix:
+            raise ValueError(f"the prefix (the prompt and any condition image) has {layout.prefix} tokens; the memory "
+                             f"budget (FastConfig(max_memory_gib=...)) is planned for at most {self.planned_prefix}: "
+                             "shorten the prompt, or leave max_memory_gib out")
         x = self._joint(hidden_states, encoder_hidden_states, img_mask, layout)
         modulation, temb = self._modulation(timestep, hidden_states)
         rows = Rows(modulation, layout.mod_row, layout.freqs, layout.prefix, layout.target)
@@ -469,12 +484,20 @@ class FastQwenImage21Transformer(Unsupported, LoraAdapters, QwenImage21SingleFil
         return x, None, (x - x_in)[:, -target:]  # front: the residual over the first blocks, the target's rows
 
     def _blocks(self, x, tail, rows: Rows, plan: Attention, kvs: list, start: int, stop: int):
-        """Blocks [start, stop) on x -> (x, the last block's residual left to the next kernel, or None)."""
+        """Blocks [start, stop) on x -> (x, the last block's residual left to the next kernel, or None); under a
+        memory budget the streamed blocks' weights are copied in ahead of them (core/runtime/streaming.py)."""
         scratch_q = torch.empty(kvs[0][0].shape, dtype=x.dtype, device=x.device)
-        for block, kv in zip(self.transformer_blocks[start:stop], kvs[start:stop]):
-            x, tail = block(x, tail, rows, plan, kv, scratch_q)
+        streaming = self.block_arena.stream if self.block_arena is not None else None
+        if streaming is not None:
+            streaming.begin(start, stop)
+        for i in range(start, stop):
+            if streaming is not None:
+                streaming.before(i)
+            x, tail = self.transformer_blocks[i](x, tail, rows, plan, kvs[i], scratch_q)
             if x.dtype == torch.float16:  # diffusers' block clips its float16 output to the finite range
                 x, tail = clip_float16(residual_gate(x, *tail, mod_row=rows.mod_row)), None
+        if streaming is not None:
+            streaming.end()
         return x, tail
 
     def _output(self, x, tail, rows: Rows, temb) -> torch.Tensor:

@@ -3,38 +3,41 @@ __call__, unchanged, around the fast Qwen-Image-2.1 transformer (model.py).
 
 What runs is the registry's (core/optimizations.py): fused_transformer, fp8 (every block linear),
 fp8_fast_accum, attention, cuda_graphs (the cached steps, model.py, from the graphs of the pipeline's runner) and
-FastConfig(cache=...) (the step cache's pieces, model.py) and memory="low" (memory.py) run here; batched CFG and
-diffusers' step caches do not yet (the plan says why), and the options that would change diffusers' loop (sampler,
-cfg_fraction, parallel) are refused, as for the 2512 family's image-conditioned pipelines. Each call runs in the pipeline's runner (core/pipeline/base.py's _fast_call); `applied` after a call is
-what it recorded running.
+FastConfig(cache=...) (the step cache's pieces, model.py) and memory="low" with or without a budget (memory.py)
+run here; batched CFG and diffusers' step caches do not yet (the plan says why), and the options that would change
+diffusers' loop (sampler, cfg_fraction, parallel) are refused, as for the 2512 family's image-conditioned pipelines.
+Each call runs in the pipeline's runner (core/pipeline/base.py's _fast_call); `applied` after a call is what it
+recorded running.
 """
 
 import contextlib
 import functools
+import inspect
 
 import torch
 from diffusers import QwenImage21Pipeline
 
 from ..core.config import FastConfig
 from ..core.gpu_support import fp8_gemm_why_not
-from ..core.optimizations import QWEN21_ALSO_RUNS, QWEN21_VAE, Facts
+from ..core.optimizations import QWEN21_ALSO_RUNS, QWEN21_VAE, Facts, memory_label
 from ..core.pipeline.turns import TurnTakingPipeline
 from ..core.pipeline.base import (FastCheckpointPipeline, FastLoraPipeline, FastPipelineState, check_blocks_for_cache,
                                   check_given_fast_transformer, refuse_text_to_image_only, transformer_config_on)
-from ..core.runtime.context import record
+from ..core.runtime.context import get_context, record
+from ..core.runtime.memory import check_within_plan
 from ..core.runtime.offload import has_offload_hooks, retire_arenas_of
+from .memory import PLAN as MEMORY_PLAN
 from .memory import place_low_memory
 from .model import FastQwenImage21Transformer
+
+CALL_SIGNATURE = inspect.signature(QwenImage21Pipeline.__call__)
 
 
 def refuse_2512_only(config: FastConfig, pipeline: str):
     """ValueError for what `pipeline` would otherwise ignore: the text-to-image-only options (diffusers' loop runs)
-    but memory (memory.py places 2.1's components), a memory budget (2.1's layers do not stream), and text_bucket
-    (the runner's padding of prompts: 2.1's text is in the prefix cache, at its own length)."""
+    but memory and a memory budget (memory.py places 2.1's components), and text_bucket (the runner's padding of
+    prompts: 2.1's text is in the prefix cache, at its own length)."""
     refuse_text_to_image_only(config, pipeline, runs=QWEN21_ALSO_RUNS)
-    if config.max_memory_gib is not None:
-        raise ValueError(f"max_memory_gib={config.max_memory_gib:g}: {pipeline}'s memory='low' does not stream its "
-                         "layers yet (it takes about 20 GiB at 1024x1024); leave max_memory_gib out")
     if config.text_bucket != FastConfig().text_bucket:
         raise ValueError(f"text_bucket={config.text_bucket!r}: {pipeline} keeps each prompt at its own length in "
                          "the prefix KV cache; leave text_bucket at its default")
@@ -63,9 +66,11 @@ class FastQwenImage21Pipeline(TurnTakingPipeline, FastPipelineState, FastLoraPip
                 transformer, transformer_config_on(config, device), device))
         self._new_state(config)
         self._turns = None
+        if isinstance(self.transformer, FastQwenImage21Transformer):
+            self.transformer.block_arena, self.transformer.planned_prefix = None, None  # an earlier placement's
         if config.memory == "low":
             device = torch.device(device) if device is not None else self.transformer.device
-            self._turns = place_low_memory(self, device)
+            self._turns = place_low_memory(self, device, config.max_memory_gib)
 
     def _check_fast_config(self, config: FastConfig):
         refuse_2512_only(config, type(self).__name__)  # as when the pipeline is built
@@ -85,8 +90,26 @@ class FastQwenImage21Pipeline(TurnTakingPipeline, FastPipelineState, FastLoraPip
 
     @functools.wraps(QwenImage21Pipeline.__call__)
     def __call__(self, *args, **kwargs):
+        budget = self.fast_config.max_memory_gib if self._turns is not None else None
+        if budget is not None:  # what the budget is planned for (memory.PLAN), before anything runs
+            call = CALL_SIGNATURE.bind(self, *args, **kwargs)
+            call.apply_defaults()
+            a = call.arguments
+            images = a["prompt_embeds"].shape[0] if a["prompt"] is None and a["prompt_embeds"] is not None else (
+                1 if a["prompt"] is None or isinstance(a["prompt"], str) else len(a["prompt"]))
+            conditions = a["image"] if isinstance(a["image"], list) else [] if a["image"] is None else [a["image"]]
+            check_within_plan(budget, images * a["num_images_per_prompt"], a["height"] or a["output_resolution"],
+                              a["width"] or a["output_resolution"], len(a["sigmas"]) if a["sigmas"] is not None else
+                              a["num_inference_steps"], MEMORY_PLAN, len(conditions))
         with self._fast_call(kwargs.get("attention_kwargs")), self._blocks_take_turns():
             return QwenImage21Pipeline.__call__(self, *args, **kwargs)
+
+    def _unpack_latents(self, latents, height, width, vae_scale_factor):
+        """diffusers' (a staticmethod there), which its __call__ runs once, after the denoising loop and before the
+        VAE decode: under a memory budget the prefix caches go back first, their room the decode's (memory.py)."""
+        if self._turns is not None and self.fast_config.max_memory_gib is not None:
+            self.transformer.prefix_cache.release(get_context().step_graphs)
+        return QwenImage21Pipeline._unpack_latents(latents, height, width, vae_scale_factor)
 
     # ---- memory="low" (memory.py; encoding's turn: core/pipeline/turns.py)
 
@@ -97,7 +120,7 @@ class FastQwenImage21Pipeline(TurnTakingPipeline, FastPipelineState, FastLoraPip
         if self._turns is None:
             yield
             return
-        record("memory", "low")
+        record("memory", memory_label(self.fast_config))
         handle = self.transformer.register_forward_pre_hook(lambda module, args: self._turns.use("transformer"))
         try:
             yield

@@ -85,18 +85,21 @@ LOW_MEMORY_GIB = 22.0
 # with the CUDA context and a margin for larger sizes and condition images, which were not measured.
 QWEN21_FAST_PIPELINE_GIB = 38.0
 QWEN21_LOW_MEMORY_GIB = 21.0
+# Below QWEN21_LOW_MEMORY_GIB, 2.1's memory="low" is planned in the budget too (pipelines/qwen_image21/memory.py: one
+# 1024^2 text-to-image call): from QWEN21_STREAMING_MIN_GIB, the plan's smallest budget at the real shapes.
+QWEN21_STREAMING_MIN_GIB = 13.0
 QWEN_IMAGE_21_SHAPE = (4096, 32)
 LOW_MEMORY_MEASURED = {"QwenImagePipeline": "21.7 GiB at 1024x1024, 23.0 at 1328x1328, measured; below 22 its blocks "
                                             "and text encoder layers stream from the host",
-                       "QwenImage21Pipeline": "19.9 GiB reserved at 1024x1024, measured; its text encoder alone is "
-                                              "~16 GiB"}
+                       "QwenImage21Pipeline": "19.9 GiB reserved at 1024x1024, measured; below 21 its blocks and "
+                                              "text encoder layers stream from the host"}
 
 
 def memory_needs(pipeline: str) -> tuple[float, float, str]:
     """(the fast pipeline's GiB, memory="low"'s smallest GiB, what was measured) for a pipeline class:
     Qwen-Image-2.1's, else the 2512 family's (streamed below LOW_MEMORY_GIB)."""
     if pipeline == "QwenImage21Pipeline":
-        return QWEN21_FAST_PIPELINE_GIB, QWEN21_LOW_MEMORY_GIB, LOW_MEMORY_MEASURED[pipeline]
+        return QWEN21_FAST_PIPELINE_GIB, QWEN21_STREAMING_MIN_GIB, LOW_MEMORY_MEASURED[pipeline]
     return FAST_PIPELINE_GIB, STREAMING_MIN_GIB, LOW_MEMORY_MEASURED["QwenImagePipeline"]
 
 
@@ -119,9 +122,11 @@ def memory_setting(max_memory: float | None, preset: str, pipeline: str, paralle
 
 
 def memory_budget(max_memory: float | None, memory: str, pipeline: str) -> float | None:
-    """FastConfig.max_memory_gib: --max-memory where the 2512 text-to-image pipeline's memory="low" must stream
-    (below LOW_MEMORY_GIB), else None (the 24 GiB mode as measured, or not memory="low")."""
-    if memory == "low" and pipeline == "QwenImagePipeline" and max_memory < LOW_MEMORY_GIB:
+    """FastConfig.max_memory_gib: --max-memory where memory="low" must stream (the 2512 text-to-image pipeline below
+    LOW_MEMORY_GIB, Qwen-Image-2.1's below QWEN21_LOW_MEMORY_GIB), else None (the resident low-memory mode as
+    measured, or not memory="low")."""
+    resident = {"QwenImagePipeline": LOW_MEMORY_GIB, "QwenImage21Pipeline": QWEN21_LOW_MEMORY_GIB}.get(pipeline)
+    if memory == "low" and resident is not None and max_memory < resident:
         return max_memory
     return None
 
@@ -161,9 +166,9 @@ def check_gpu_fits(device, max_memory: float | None, preset: str, pipeline: str,
     if pipeline != "QwenImagePipeline" and not qwen21:
         raise ValueError(f"{where}; its low-memory mode (--max-memory) runs the text-to-image pipeline only, not "
                          f"{pipeline}")
-    how = ("the same images bit for bit in about "
-           f"{QWEN21_LOW_MEMORY_GIB if qwen21 else LOW_MEMORY_GIB:g} GiB" if qwen21 or total >= LOW_MEMORY_GIB else
-           f"the same images bit for bit; below {LOW_MEMORY_GIB:g} GiB the blocks and text encoder layers that do "
+    resident = QWEN21_LOW_MEMORY_GIB if qwen21 else LOW_MEMORY_GIB
+    how = (f"the same images bit for bit in about {resident:g} GiB" if total >= resident else
+           f"the same images bit for bit; below {resident:g} GiB the blocks and text encoder layers that do "
            "not fit stream from the host")
     raise ValueError(f"{where}: add --max-memory {int(total)} (memory='low': {how})")
 

@@ -89,10 +89,11 @@ def check_render(args, entries: list[dict]) -> RenderPlan:
     jobs = make_jobs(entries, defaults)
     if config.max_memory_gib is not None:  # what the budget is planned for, checked before loading
         from ..pipelines.core.runtime.memory import check_within_plan
+        from ..pipelines.loading import memory_plan
 
         for job in jobs:
             check_within_plan(config.max_memory_gib, 1, job.height, job.width,
-                              len(job.sigmas) if job.sigmas else job.steps)
+                              len(job.sigmas) if job.sigmas else job.steps, memory_plan(pipeline), len(job.images))
     shrunk = (condition_area_divisor() if test_size and pipeline in SHRINKS_INPUTS and any(j.images for j in jobs)
               else None)
     labels = labels_for(files.label if files else model, args.preset, config, enhancer=args.enhance, loras=loras,

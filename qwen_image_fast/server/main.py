@@ -130,9 +130,10 @@ def plan_serve(args):
     shape = ModelShape.of(source, pipeline)
     served = served_of(args, source, pipeline, shape)
     if config.max_memory_gib is not None:  # what the budget is planned for (memory.check_within_plan): 400 beyond
-        from ..pipelines.core.runtime.memory import PLANNED_SIDE, PLANNED_STEPS
+        from ..pipelines.loading import memory_plan
 
-        served = dataclasses.replace(served, max_steps=PLANNED_STEPS, max_pixels=PLANNED_SIDE ** 2)
+        plan = memory_plan(pipeline)
+        served = dataclasses.replace(served, max_steps=plan.steps, max_pixels=plan.side ** 2)
     settings = dict(model=files.label if files else model, preset=args.preset,
                     endpoint=f"/v1/images/{served.endpoint}")
     warm_up = {} if served.endpoint == "edits" else dict(

@@ -176,9 +176,14 @@ BAD_INPUT = {
     "model-fails-to-load": (unloadable_model, "cannot read its model_index.json ('_class_name')"),
     "qwen21-lightning": (lambda tmp: qwen21_model(tmp, "--lightning"),
                          "--lightning samples for Qwen-Image-2512's Lightning LoRAs"),
-    "qwen21-max-memory-16": (lambda tmp: qwen21_model(tmp, "--preset", "fast", "--max-memory", "16"),
-                             "--max-memory 16: the pipeline needs at least 21 GiB (with memory='low': 19.9 GiB "
-                             "reserved at 1024x1024, measured; its text encoder alone is ~16 GiB)"),
+    "qwen21-max-memory-12": (lambda tmp: qwen21_model(tmp, "--preset", "fast", "--max-memory", "12"),
+                             "--max-memory 12: the pipeline needs at least 13 GiB (with memory='low': 19.9 GiB "
+                             "reserved at 1024x1024, measured; below 21 its blocks and text encoder layers stream "
+                             "from the host)"),
+    "qwen21-max-memory-16-image": (lambda tmp: qwen21_model(tmp, "--preset", "fast", "--max-memory", "16",
+                                                            "--image", str(tmp / "a.png")),
+                                   "FastConfig(max_memory_gib=16) is planned for text-to-image calls; this call has 1 "
+                                   "condition image(s)"),
     "qwen21-max-memory-batch": (lambda tmp: qwen21_model(tmp, "--preset", "fast", "--max-memory", "24",
                                                          "--batch-size", "2"),
                                 "--batch-size 2 with --max-memory 24: Qwen-Image-2.1's memory='low' runs one image "

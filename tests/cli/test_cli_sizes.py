@@ -108,11 +108,15 @@ def test_a_large_size_on_the_cpu_warns_with_an_estimate(capsys):
                                 "layers that do not fit stream from the host)"),  # a 16 GB card
     (7.6, "QwenImagePipeline", "has 7.6 GiB, and the fast pipeline needs about 43 (10 with --max-memory, its "
                                "low-memory mode): GPUs this small are not served yet"),
-    # a Qwen-Image-2.1-size model: its own numbers (35.7 and 19.9 GiB reserved at 1024^2, measured)
+    # a Qwen-Image-2.1-size model: its own numbers (35.7 and 19.9 GiB reserved at 1024^2, measured; streamed from
+    # QWEN21_STREAMING_MIN_GIB)
     (39.4, "QwenImage21Pipeline", None),
     (23.6, "QwenImage21Pipeline", "has 23.6 GiB, and the fast pipeline needs about 38: add --max-memory 23 "
                                   "(memory='low': the same images bit for bit in about 21 GiB)"),
-    (15.6, "QwenImage21Pipeline", "has 15.6 GiB, and the fast pipeline needs about 38 (21 with --max-memory, its "
+    (15.6, "QwenImage21Pipeline", "has 15.6 GiB, and the fast pipeline needs about 38: add --max-memory 15 "
+                                  "(memory='low': the same images bit for bit; below 21 GiB the blocks and text "
+                                  "encoder layers that do not fit stream from the host)"),  # a 16 GB card
+    (11.6, "QwenImage21Pipeline", "has 11.6 GiB, and the fast pipeline needs about 38 (13 with --max-memory, its "
                                   "low-memory mode): GPUs this small are not served yet"),
 ])
 def test_a_gpu_too_small_for_the_fast_pipeline_is_told_the_memory_mode_before_loading(monkeypatch, gib, pipeline,

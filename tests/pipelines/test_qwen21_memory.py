@@ -114,3 +114,123 @@ def test_a_second_pipeline_from_the_components_takes_them_over():
     with pytest.raises(RuntimeError, match="placed again by another pipeline built from the same components"):
         latents(first)
     assert torch.equal(latents(second), resident)
+
+
+# ---- a memory budget (FastConfig(max_memory_gib=...)): what does not fit the buffer streams
+
+BLOCKS, TEXT_LAYERS = 5, 12
+ONE = dict(prompt="a cat on a mat", negative_prompt="blurry", true_cfg_scale=2.0, num_inference_steps=3, height=64,
+           width=64, output_resolution=64)
+
+
+def components() -> dict:
+    return tiny_qwen21_components(num_layers=BLOCKS, text_layers=TEXT_LAYERS)
+
+
+def budget_for(resident_blocks: int, config: FastConfig = FastConfig(fp8=False)) -> float:
+    """The max_memory_gib whose buffer keeps `resident_blocks` of the 5 blocks (and is at least the text encoder's
+    floor: its fixed part and 2 layer slots), by memory.place_low_memory's arithmetic (no CUDA context on the CPU)."""
+    from qwen_image_fast.pipelines.qwen_image21 import memory
+
+    probe = optimize(QwenImage21Pipeline(**components()), config.replace(memory="low"))
+    blocks, text = probe._turns.arenas["transformer"], probe._turns.arenas["text_encoder"]
+    buffer = max(blocks.streaming_floor() + resident_blocks * blocks.layer_stride, text.streaming_floor())
+    return (memory.placed_bytes(probe) + memory.workspace_bytes(probe) + buffer) / 2**30
+
+
+def images(pipe, **extra):
+    return pipe(**ONE | extra, generator=torch.Generator().manual_seed(0)).images
+
+
+def test_a_budget_streams_blocks_and_text_layers_with_the_same_images():
+    """2 of the 5 blocks stay in the buffer and 3 stream through its two slots; the text encoder (12 decoder layers:
+    more bytes than that buffer) streams the layers that do not fit. With CFG the images (decoded: the prefix caches
+    go back before the VAE decode, and the next call extracts them anew) equal the resident pipeline's bit for bit,
+    call after call; `applied` names the budget."""
+    gib = budget_for(resident_blocks=2)
+    expected = images(optimize(QwenImage21Pipeline(**components()), FastConfig(fp8=False)), output_type="np")
+    low = optimize(QwenImage21Pipeline(**components()), FastConfig(fp8=False, memory="low", max_memory_gib=gib))
+    planned = low.applied
+    assert f"memory:low{gib:g}gib" in planned, planned
+    turns = low._turns
+    blocks, text = turns.arenas["transformer"], turns.arenas["text_encoder"]
+    assert turns.streams("transformer") and turns.streams("text_encoder")
+    for call in range(2):
+        assert np.array_equal(images(low, output_type="np"), expected), f"call {call}"
+        assert blocks.streamed == (0, 2, 4) and blocks.stream.copied > 0
+        assert not low.transformer.prefix_cache.slots, "the prefix caches were kept through the decode"
+        assert low.applied == planned, low.applied
+    low._get_qwen_prompt_embeds("a red fox", device=torch.device("cpu"))
+    assert turns.resident == "text_encoder" and text.streamed and text.stream.copied == len(text.streamed) * (
+        text.layer_stride), "one forward of the text encoder copies each streamed layer once"
+
+
+def test_a_step_cache_s_pieces_stream_their_own_blocks():
+    """FastConfig(cache=...) runs a step in pieces (front, middle, back; the middle skipped on cached steps), each a
+    run of blocks with its own copies: the latents equal the resident pipeline's with the same cache."""
+    cached = FastConfig(fp8=False, cache="every:2,1,1")
+    expected = images(optimize(QwenImage21Pipeline(**components()), cached), output_type="latent",
+                      num_inference_steps=4)
+    low = optimize(QwenImage21Pipeline(**components()),
+                   cached.replace(memory="low", max_memory_gib=budget_for(resident_blocks=1)))
+    assert torch.equal(images(low, output_type="latent", num_inference_steps=4), expected)
+    assert low._turns.arenas["transformer"].streamed and "step_cache:dbcache:F1B1:every2:w0" in low.applied
+
+
+def test_a_budget_s_plan_refuses_calls_beyond_it():
+    """What the budget is planned for (memory.PLAN): one image a call, at most 1024x1024, 50 steps, no condition
+    image, a prefix of at most PLANNED_TEXT_TOKENS; each refused before anything runs (the prefix at its prefill),
+    naming what to do. A budget below the plan's floor is refused when the pipeline is built."""
+    from qwen_image_fast.pipelines.qwen_image21.memory import PLANNED_TEXT_TOKENS
+
+    gib = budget_for(resident_blocks=1)
+    low = optimize(QwenImage21Pipeline(**components()), FastConfig(fp8=False, memory="low", max_memory_gib=gib))
+    plan = r"planned for one image a call of at most 1024x1024 pixels and 50 steps; this call has "
+    for extra, has in ((dict(prompt=["a cat", "a dog"]), r"2 image\(s\) of 64x64 and 3 steps"),
+                       (dict(num_images_per_prompt=2), r"2 image\(s\) of 64x64 and 3 steps"),
+                       (dict(num_inference_steps=51), r"1 image\(s\) of 64x64 and 51 steps"),
+                       (dict(sigmas=[1.0 - i / 60 for i in range(60)]), r"1 image\(s\) of 64x64 and 60 steps"),
+                       (dict(height=1056, width=1024), r"1 image\(s\) of 1024x1056 and 3 steps"),
+                       (dict(height=None, width=None, output_resolution=1056), r"1 image\(s\) of 1056x1056")):
+        with pytest.raises(ValueError, match=plan + has):
+            images(low, **extra)
+    with pytest.raises(ValueError, match=r"planned for text-to-image calls; this call has 1 condition image\(s\)"):
+        images(low, image=CONDITION)
+    with pytest.raises(ValueError, match=rf"the prefix .* has \d+ tokens; the memory budget .* is planned for at most "
+                                         rf"{PLANNED_TEXT_TOKENS}: shorten the prompt"):
+        images(low, prompt="a cat " * PLANNED_TEXT_TOKENS)
+    assert low._turns.loads >= 1  # the prompt was encoded before the prefill refused it; the next call runs
+    images(low, output_type="latent")
+    with pytest.raises(ValueError, match=r"max_memory_gib=.* is too small for this pipeline: it needs at least .* "
+                                         r"one 1024x1024 image's prefix caches \(both CFG branches"):
+        optimize(QwenImage21Pipeline(**components()), FastConfig(fp8=False, memory="low", max_memory_gib=gib / 2))
+
+
+@pytest.mark.gpu
+def test_a_budget_on_gpu_streams_inside_the_graphs(monkeypatch):
+    """On CUDA with graphs: the blocks' copies on the side stream from pinned memory inside the cached steps' graphs,
+    the prefix caches released before each decode and the graphs captured anew; three calls' images equal the
+    resident pipeline's bit for bit (the CUDA context taken as 0 bytes: its measure moves by more than the tiny
+    model weighs)."""
+    from qwen_image_fast.pipelines.core.runtime.streaming import LayerStream
+    from qwen_image_fast.pipelines.qwen_image21 import memory
+
+    monkeypatch.setattr(memory, "context_bytes", lambda device: 0)
+    device = torch.device("cuda")
+
+    def decoded(pipe):
+        return pipe(**ONE, output_type="np", generator=torch.Generator("cuda").manual_seed(0)).images
+
+    fast = optimize(QwenImage21Pipeline(**components()).to(device), FastConfig(fp8=False))
+    expected = decoded(fast)
+    del fast
+    low = optimize(QwenImage21Pipeline(**components()), FastConfig(fp8=False, memory="low",
+                                                                   max_memory_gib=budget_for(resident_blocks=2)),
+                   device=device)
+    for call in range(3):
+        assert np.array_equal(decoded(low), expected), f"call {call}"
+        assert not low.transformer.prefix_cache.slots
+    blocks = low._turns.arenas["transformer"]
+    assert blocks.streamed == (0, 2, 4) and isinstance(blocks.stream, LayerStream)
+    assert blocks.stream.side is not None and blocks.host.is_pinned()
+    assert "cuda_graphs" in low.applied, low.applied

@@ -195,15 +195,6 @@ def test_budget_errors():
         low.fuse_lora()
 
 
-def test_qwen21_refuses_a_budget():
-    from diffusers import QwenImage21Pipeline
-
-    from qwen_image_fast.pipelines.tiny import tiny_qwen21_components
-
-    with pytest.raises(ValueError, match="max_memory_gib=16: .*does not stream its layers yet"):
-        optimize(QwenImage21Pipeline(**tiny_qwen21_components()), FastConfig(memory="low", max_memory_gib=16))
-
-
 @pytest.mark.gpu
 def test_streaming_on_gpu(monkeypatch):
     """On CUDA: the copies on the side stream from pinned memory, inside the transformer's CUDA graphs (captured

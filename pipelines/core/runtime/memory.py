@@ -33,15 +33,32 @@ CONTEXT_GROWTH = GIB // 4  # the CUDA context grows after the plan as kernels lo
 
 
 @dataclass(frozen=True)
+class MemoryPlan:
+    """What a family's budget is planned for: one image a call of at most side x side pixels and `steps` steps;
+    `alone`: what its memory='low' needs without a budget (the error's advice); condition_images: whether a call
+    may have them (Qwen-Image-2.1's plan leaves them out: they lengthen the prefix its keys and values are kept for)."""
+
+    side: int
+    steps: int
+    alone: str
+    condition_images: bool = True
+
+
+PLAN = MemoryPlan(PLANNED_SIDE, PLANNED_STEPS, "about 22 GiB")  # the 2512 text-to-image pipeline's
+
+
+@dataclass(frozen=True)
 class LowMemoryBudget:
-    """Where a budget of `budget` bytes goes: the CUDA context, the weights always on the GPU, a call's workspace;
-    the rest is the turn-taking buffer (at most what the largest arena needs)."""
+    """Where a budget of `budget` bytes goes: the CUDA context, the weights always on the GPU, a call's workspace
+    (`workspace_of` says what it holds, for the error); the rest is the turn-taking buffer (at most what the largest
+    arena needs)."""
 
     budget: int
     context: int
     placed: int
     workspace: int
     floor: int  # the smallest buffer every arena can take its turn in (fixed part + 2 streaming slots)
+    workspace_of: str = f"one {PLANNED_SIDE}x{PLANNED_SIDE} image's activations, decode and modulation table"
 
     @property
     def buffer(self) -> int:
@@ -53,23 +70,30 @@ class LowMemoryBudget:
             raise ValueError(
                 f"max_memory_gib={self.budget / GIB:g} is too small for this pipeline: it needs at least "
                 f"{smallest:.2f} GiB (CUDA context {self.context / GIB:.2f}, VAE and transformer parts on the GPU "
-                f"{self.placed / GIB:.2f}, one {PLANNED_SIDE}x{PLANNED_SIDE} image's activations, decode and "
-                f"modulation table {self.workspace / GIB:.2f}, the smallest turn-taking buffer {self.floor / GIB:.2f}: "
+                f"{self.placed / GIB:.2f}, {self.workspace_of} {self.workspace / GIB:.2f}, the smallest "
+                f"turn-taking buffer {self.floor / GIB:.2f}: "
                 f"a set of weights' parts outside its layers and 2 layer slots)")
 
 
-def check_within_plan(max_memory_gib: float, images: int, height: int | None, width: int | None, steps: int):
-    """A call with a budget must stay inside what the budget was planned for: one image, at most PLANNED_SIDE^2
-    pixels, at most PLANNED_STEPS steps (its workspace would otherwise go past the budget, or past a cap). A size
-    of None: the pipeline's default (1024x1024), inside the plan."""
+def check_within_plan(max_memory_gib: float, images: int, height: int | None, width: int | None, steps: int,
+                      plan: MemoryPlan = PLAN, condition_images: int = 0):
+    """A call with a budget must stay inside what the budget was planned for (`plan`: one image, at most
+    plan.side^2 pixels, at most plan.steps steps, condition images only where the plan has them): its workspace
+    would otherwise go past the budget, or past a cap. A size of None: the pipeline's default (1024x1024), inside
+    the plan."""
     area = (height or 0) * (width or 0)
-    if images > 1 or area > PLANNED_SIDE ** 2 or steps > PLANNED_STEPS:
+    if images > 1 or area > plan.side ** 2 or steps > plan.steps:
         size = f"{width}x{height}" if area else "the default size"
         raise ValueError(
             f"FastConfig(max_memory_gib={max_memory_gib:g}) is planned for one image a call of at most "
-            f"{PLANNED_SIDE}x{PLANNED_SIDE} pixels and {PLANNED_STEPS} steps; this call has {images} image(s) of "
+            f"{plan.side}x{plan.side} pixels and {plan.steps} steps; this call has {images} image(s) of "
             f"{size} and {steps} steps: call once per image (the command line does), or leave max_memory_gib out "
-            "(memory='low' alone needs about 22 GiB)")
+            f"(memory='low' alone needs {plan.alone})")
+    if condition_images and not plan.condition_images:
+        raise ValueError(
+            f"FastConfig(max_memory_gib={max_memory_gib:g}) is planned for text-to-image calls; this call has "
+            f"{condition_images} condition image(s), whose tokens lengthen the prefix past the plan: leave "
+            f"max_memory_gib out (memory='low' alone needs {plan.alone})")
 
 
 def placed_bytes(pipe) -> int:
