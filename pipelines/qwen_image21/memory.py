@@ -31,9 +31,11 @@ PLAN = MemoryPlan(1024, 50, "about 20 GiB", condition_images=False)
 PLANNED_TEXT_TOKENS = 1024
 BRANCHES = 2  # CFG's cond and uncond passes each keep a prefix cache
 # Measured on an H200 (benchmarks/RESULTS.md, "Qwen-Image-2.1", memory='low' at 1024^2): diffusers' RGBA VAE decode of
-# one image takes 6.6 GiB above what the call holds (6,758 bytes a pixel), and a denoising step's activations and
-# the graphs' pools (ACTIVATION_BYTES_PER_TOKEN_WIDTH: per target token and transformer width).
-DECODE_BYTES_PER_PIXEL = 7000
+# one image allocates 6.6 GiB at its peak above what the call holds (6,758 bytes a pixel); planned with a quarter
+# more for the allocator's fragmentation (at 7,000 a 16 GiB cap ran out of memory in the decode with 1.5 GiB reserved
+# but unusable); and a denoising step's activations and the graphs' pools (ACTIVATION_BYTES_PER_TOKEN_WIDTH: per
+# target token and transformer width).
+DECODE_BYTES_PER_PIXEL = 8400
 ACTIVATION_BYTES_PER_TOKEN_WIDTH = 64
 
 

@@ -133,8 +133,9 @@ class Layout:
 class PrefixCache:
     """Per pipeline cache (diffusers' QwenImage21KVCache objects are the handles): each block's key and value
     buffers [B, T + P, H, D], kept by the model across calls while their shape holds (CUDA graphs need fixed
-    addresses; under a memory budget they go back before each call's decode instead: release). A handle is bound to a slot at its "extract" step; a slot of that shape whose handle is gone is
-    reused; a new slot frees those whose handles are gone first (another size's). Each slot has a serial number,
+    addresses; under a memory budget they go back before each call's decode instead: release). A handle is bound to
+    a slot at its "extract" step; a slot of that shape whose handle is gone is reused; a new slot frees those whose
+    handles are gone first (another size's). Each slot has a serial number,
     never reused: a graph keyed by it cannot be taken for one reading another slot's buffers; `freed` holds the
     serials of freed slots until the graphs that read them are dropped (stale_graphs)."""
 
@@ -168,6 +169,8 @@ class PrefixCache:
         self.slots.clear()
         if graphs is not None:
             self.stale_graphs(graphs)
+        if torch.cuda.is_initialized():
+            torch.cuda.empty_cache()  # their segments, and the steps' cached ones, back whole: the decode's are larger
 
     def serial(self, handle) -> int:
         return self.slots[handle.fast_prefix_slot][2]
