@@ -233,7 +233,7 @@ def main():
                         help="requests per concurrency: ROUNDS x C x engines (at least 3)")
     parser.add_argument("--engines", type=int, default=0, help="engines (default: one per GPU)")
     parser.add_argument("--max-batch", type=int, default=4)
-    parser.add_argument("--max-wait-ms", type=float, default=20.0)
+    parser.add_argument("--max-wait-ms", type=float, default=0.0, help="the server's (default 0, as serve's)")
     parser.add_argument("--port", type=int, default=0, help="the server's port (default 0: a free one)")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--serve", default=None, help=argparse.SUPPRESS)  # the child process: a server

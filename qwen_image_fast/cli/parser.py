@@ -297,8 +297,9 @@ def build_parser() -> argparse.ArgumentParser:
     add("--lora-dir", metavar="DIR", help="a folder of LoRA files a request may also name (its path inside DIR "
         "without .safetensors; loaded the first time one is named); nothing outside it")
     add("--max-batch", type=int_at_least(1), default=4, help="images per pipeline call at most (default 4)")
-    add("--max-wait-ms", type=finite_float(minimum=0.0), default=20.0,
-        help="how long the oldest request waits for company before its batch runs (default 20)")
+    add("--max-wait-ms", type=finite_float(minimum=0.0), default=0.0,
+        help="how long the oldest request waits for company before its batch runs on a free engine (default 0: "
+        "at once; a batch still takes every compatible request that queued while the engines were busy)")
     add("--max-queue", type=int_at_least(1), default=64, help="requests waiting at most; more get 429 (default 64)")
     add("--api-key", help="require Authorization: Bearer KEY on every route but /health (default: the "
         "QWEN_IMAGE_FAST_API_KEY environment variable, else none)")
