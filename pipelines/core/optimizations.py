@@ -129,6 +129,9 @@ def no_graphs_reason(facts: Facts) -> str | None:
         return f"needs a CUDA device (the transformer runs on {facts.device})"
     if facts.offload_hooks:
         return "offload hooks move the weights between forwards (a graph would read stale addresses)"
+    if facts.qwen21 and facts.diffusers_cache:
+        return (f"diffusers' {facts.diffusers_cache} hooks decide on the host inside each forward: Qwen-Image-2.1's "
+                "forwards run eagerly under them")
     return None
 
 

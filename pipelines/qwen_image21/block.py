@@ -42,6 +42,18 @@ class Attention:
         self.segments, self.prefix_key_valid = segments, prefix_key_valid
 
 
+class AttentionPart(nn.Module):
+    """The block's attention as a module of its own, `transformer_blocks.<i>.attn` as in the stock block, so that
+    diffusers' attention-level step cache hooks (TaylorSeerCacheConfig's default pattern) find it and cache or
+    predict its output as they do the stock `attn`'s: from the block's normed rows to the output projection's
+    [B, N, D] in the joint order. It holds no weights (they stay the block's: its state dict is unchanged); the
+    block passes itself in."""
+
+    def forward(self, block: "FastBlock21", h, shape: tuple, rows: Rows, plan: "Attention", kv: tuple,
+                scratch_q: torch.Tensor) -> torch.Tensor:
+        return block.attention(h, shape, rows, plan, kv, scratch_q)
+
+
 class FastBlock21(nn.Module):
     """A QwenImage21TransformerBlock on fused kernels (the module docstring)."""
 
@@ -53,6 +65,7 @@ class FastBlock21(nn.Module):
             setattr(self, name, FastLinear(k, n, config.fp8, config.fp8_fast_accum, dtype=dtype, device=device))
         self.norm_q = nn.Parameter(torch.empty(head_dim, dtype=dtype, device=device), requires_grad=False)
         self.norm_k = nn.Parameter(torch.empty(head_dim, dtype=dtype, device=device), requires_grad=False)
+        self.attn = AttentionPart()
 
     @classmethod
     @torch.no_grad()
@@ -101,8 +114,17 @@ class FastBlock21(nn.Module):
         """x [B, N, D] (tail: the previous block's (out, tanh gate) not yet added); kv: this block's key and value
         buffers [B, T + P, H, D] (a cached step's hold the prefix at rows T..); scratch_q: the queries' buffer of
         that shape. Returns (x, tail) with this block's MLP left as the tail."""
-        batch, n, dim = x.shape
         x, h = self.head(x, tail, rows, rows.scale1)
+        a = self.attn(self, h, x.shape, rows, plan, kv, scratch_q)
+        x, h = self.head(x, (a, rows.gate1), rows, rows.scale2)
+        gate_up = self.gate_up(h)
+        m = as_fp8_operand(*silu_mul_fp8(gate_up, q_dtype_for(x.device))) if self.fp8 else silu_mul(gate_up)
+        return x, (self.down(m).view(x.shape), rows.gate2)
+
+    def attention(self, h, shape: tuple, rows: Rows, plan: Attention, kv: tuple, scratch_q) -> torch.Tensor:
+        """The normed rows h (the QKV GEMM's operand) of x [B, N, D] = shape -> the output projection of the
+        attention [B, N, D]; the keys and values written into kv on the way."""
+        batch, n, dim = shape
         qkv = self.qkv(h).view(batch, n, 3 * dim)
         k, v = kv
         t, p = rows.target_rows, rows.prefix_rows
@@ -110,11 +132,7 @@ class FastBlock21(nn.Module):
         if p:
             qkv_pack(qkv[:, :p], self.norm_q, self.norm_k, rows.freqs[:p], scratch_q, k, v, t, self.eps)
         o = attend(scratch_q, k, v, t, p, plan)  # [B, N, H, D] in x's order
-        a = self.out(self.rows(o.view(batch, n, dim))).view(batch, n, dim)
-        x, h = self.head(x, (a, rows.gate1), rows, rows.scale2)
-        gate_up = self.gate_up(h)
-        m = as_fp8_operand(*silu_mul_fp8(gate_up, q_dtype_for(x.device))) if self.fp8 else silu_mul(gate_up)
-        return x, (self.down(m).view(batch, n, dim), rows.gate2)
+        return self.out(self.rows(o.view(batch, n, dim))).view(batch, n, dim)
 
 
 def attend(q, k, v, t: int, p: int, plan: Attention) -> torch.Tensor:

@@ -49,7 +49,9 @@ import torch.nn as nn
 from diffusers.configuration_utils import ConfigMixin
 from diffusers.models.modeling_outputs import Transformer2DModelOutput
 from diffusers.models.modeling_utils import ModelMixin
+from diffusers.hooks import TaylorSeerCacheConfig
 from diffusers.hooks._helpers import TransformerBlockRegistry
+from diffusers.models.cache_utils import CacheMixin
 from diffusers.models.transformers.transformer_qwenimage21 import (
     QwenImage21Rope,
     QwenImage21Transformer2DModel,
@@ -191,7 +193,7 @@ class PrefixCache:
         return self.slots[key][1]
 
 
-class FastQwenImage21Transformer(Unsupported, LoraAdapters, QwenImage21SingleFile, ModelMixin, ConfigMixin):
+class FastQwenImage21Transformer(Unsupported, LoraAdapters, QwenImage21SingleFile, CacheMixin, ModelMixin, ConfigMixin):
     """Drop-in for diffusers' QwenImage21Transformer2DModel: the same forward arguments (kv_cache and kv_cache_mode
     included) and output, its config plus "fast_config", cache_context, LoRAs through diffusers' API (the 2512
     model's adapters.py on this model's sites: LORA_SITES; attention_kwargs={"scale": s} scales them). Stock methods
@@ -285,27 +287,36 @@ class FastQwenImage21Transformer(Unsupported, LoraAdapters, QwenImage21SingleFil
                 + ([("fp8_fast_accum", True)] if fp8 and self.fast_config.fp8_fast_accum else [])
                 + [("attention", self.attention_backend)] + list(self.single_file.applied if self.single_file else ()))
 
-    # ---- diffusers' CacheMixin surface: the pipeline names each pass; the step caches are not supported here
+    # ---- diffusers' CacheMixin: the pipeline names each pass; TaylorSeerCacheConfig's hooks on the blocks' `attn`
 
     @contextlib.contextmanager
     def cache_context(self, name: str, **kwargs):
+        """The pass's name (its prefix cache's slot; the step cache's branch), and with a diffusers cache enabled
+        its hooks' state for this pass, as diffusers' CacheMixin.cache_context sets it."""
         previous, self._cache_name = self._cache_name, name
         try:
-            yield
+            with CacheMixin.cache_context(self, name, **kwargs) if self.is_cache_enabled else contextlib.nullcontext():
+                yield
         finally:
             self._cache_name = previous
 
-    @property
-    def is_cache_enabled(self) -> bool:
-        return False
-
     def enable_cache(self, config):
+        """diffusers' TaylorSeerCacheConfig on its default pattern runs its own hooks on every block's `attn`
+        (block.AttentionPart: the attention's output projection, as on the stock block), the forwards then eager
+        (the hooks decide on the host). Where stock refuses, its own refusal; the others are refused saying why."""
         if type(config).__name__ in REGISTRY_CACHES:  # where stock refuses, its own refusal (a ValueError)
             TransformerBlockRegistry.get(QwenImage21TransformerBlock)
-        refuse(self, "enable_cache", "diffusers' step caches are not supported on the fast Qwen-Image-2.1 "
-                                     "transformer yet: FastConfig(cache=...) runs the DBCache rules on it; keep the "
-                                     "stock transformer (FastConfig.preset('baseline')) for TaylorSeerCacheConfig or "
-                                     "TextKVCacheConfig (on stock Qwen-Image-2.1, diffusers 0.42.1's "
+        if (isinstance(config, TaylorSeerCacheConfig) and not config.use_lite_mode
+                and config.cache_identifiers is None and config.skip_predict_identifiers is None):
+            CacheMixin.enable_cache(self, config)
+            return
+        refuse(self, "enable_cache", f"{type(config).__name__} is not supported on the fast Qwen-Image-2.1 "
+                                     "transformer: TaylorSeerCacheConfig runs on its default pattern (not its lite "
+                                     "mode nor custom identifiers, which hook modules whose outputs the fast block "
+                                     "does not have); FastConfig(cache=...) runs the DBCache rules; keep the stock "
+                                     "transformer (FastConfig.preset('baseline')) for the rest (on stock "
+                                     "Qwen-Image-2.1, diffusers 0.42.1's TextKVCacheConfig hooks no block and runs "
+                                     "nothing, and "
                                      "PyramidAttentionBroadcastConfig and FasterCacheConfig fail at the first call)")
 
     # ---- saving and loading (the 2512 model's format: the stock config plus fast_config, FP8 weights as stored)
@@ -339,6 +350,8 @@ class FastQwenImage21Transformer(Unsupported, LoraAdapters, QwenImage21SingleFil
         """QwenImage21Transformer2DModel.forward's arguments and output (its docstring)."""
         for name, value in self.running():
             record(name, value)
+        if self.is_cache_enabled:
+            record("step_cache", type(self._cache_config).__name__)
         with forward_context(lora_scale=lora_scale_of(attention_kwargs, "Qwen-Image-2.1")):
             output = self._forward(hidden_states, encoder_hidden_states, timestep, img_shapes, img_mask,
                                    encoder_hidden_states_mask, kv_cache, kv_cache_mode)
@@ -361,6 +374,8 @@ class FastQwenImage21Transformer(Unsupported, LoraAdapters, QwenImage21SingleFil
         backend = self.attention_backend
         context = get_context()
         graphs, step_cache = context.step_graphs, context.step_cache  # the runner's, when the call's plan has them
+        if self.is_cache_enabled:  # diffusers' hooks decide on the host inside the forward: no graph of it
+            graphs = None
         blocks = len(self.transformer_blocks)
 
         if kv_cache_mode == "cached":  # only the target's tokens: their latents are the last `target` rows

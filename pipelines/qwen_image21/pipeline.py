@@ -86,7 +86,9 @@ class FastQwenImage21Pipeline(TurnTakingPipeline, FastPipelineState, FastLoraPip
                      fp8_why=fp8_gemm_why_not(transformer.device) if fused and not transformer.fast_config.fp8 else None,
                      attention=transformer.attention_backend if fused else None,
                      offload_hooks=transformer is not None and has_offload_hooks(transformer), vae_2d=QWEN21_VAE,
-                     enhancer=False, loaded=transformer.single_file.applied if fused and transformer.single_file else ())
+                     enhancer=False, loaded=transformer.single_file.applied if fused and transformer.single_file else (),
+                     diffusers_cache=(type(transformer._cache_config).__name__
+                                      if fused and transformer.is_cache_enabled else None))
 
     @functools.wraps(QwenImage21Pipeline.__call__)
     def __call__(self, *args, **kwargs):

@@ -2,8 +2,11 @@
 the decisions and latents equal the rule's plain-PyTorch reference on the stock transformer's own blocks
 (test_step_caches.py's ReferenceDBCache: cache-dit's similarity and TaylorSeer calibrator) through the stock
 QwenImage21Pipeline's loop, per CFG branch, with the prefix KV cache on and off, eagerly and from graphs; every
-block's prefix keys and values stay its own and its branch's. diffusers' enable_cache configs: refused as stock
-refuses them on 2.1, or saying what runs instead."""
+block's prefix keys and values stay its own and its branch's. diffusers' enable_cache configs: TaylorSeerCacheConfig
+on its default pattern runs stock's own hooks on the fast blocks' `attn` (against stock); the others refused as
+stock refuses them on 2.1, or saying what runs instead."""
+
+from dataclasses import replace
 
 import pytest
 import torch
@@ -180,8 +183,9 @@ def test_step_cached_pieces_replay_real_graphs_on_gpu():
 
 def test_diffusers_caches_refused_as_stock_refuses_or_with_what_runs_instead():
     """diffusers' enable_cache on the fast 2.1 transformer: the configs stock refuses on 2.1 (their hooks find no
-    registered block class) with stock's own ValueError; the others with a NotImplementedError naming
-    FastConfig(cache=...) and the stock transformer."""
+    registered block class) with stock's own ValueError; TextKVCacheConfig (which stock takes and runs nothing
+    with: no 2.1 block is hooked) and TaylorSeer's lite mode and custom identifiers (they hook modules whose outputs
+    the fast block does not have) with a NotImplementedError saying what runs instead."""
     from diffusers import (FirstBlockCacheConfig, MagCacheConfig, SeaCacheConfig, TaylorSeerCacheConfig,
                            TextKVCacheConfig)
 
@@ -192,8 +196,99 @@ def test_diffusers_caches_refused_as_stock_refuses_or_with_what_runs_instead():
         with pytest.raises(ValueError) as ours:
             fast.transformer.enable_cache(config)
         assert str(ours.value) == str(stock_refusal.value) and "not registered" in str(ours.value)
-    for config in (TaylorSeerCacheConfig(cache_interval=2), TextKVCacheConfig()):
+    for config in (TextKVCacheConfig(), TaylorSeerCacheConfig(use_lite_mode=True),
+                   TaylorSeerCacheConfig(cache_identifiers=["^transformer_blocks.*attn"])):
         tiny_pipeline(num_layers=BLOCKS).transformer.enable_cache(config)  # stock takes them
-        with pytest.raises(NotImplementedError, match=r"FastConfig\(cache=\.\.\.\) runs the DBCache rules"):
+        with pytest.raises(NotImplementedError, match=r"TaylorSeerCacheConfig runs on its default pattern .* "
+                                                      r"FastConfig\(cache=\.\.\.\) runs the DBCache rules"):
             fast.transformer.enable_cache(config)
     assert not fast.transformer.is_cache_enabled
+
+
+TAYLORSEER = dict(cache_interval=2, disable_cache_before_step=2, max_order=2)
+TAYLORSEER_COMPUTES = [True, True, False, True, False, True, False, True]  # 8 steps: warm-up 2, then 1 in 2
+
+
+@pytest.mark.parametrize("use_kv_cache", [True, False], ids=["prefix-cache", "no-prefix-cache"])
+def test_taylorseer_runs_stock_s_hooks_on_the_fast_blocks(use_kv_cache):
+    """TaylorSeerCacheConfig on the fast 2.1 transformer: diffusers' own hooks on every block's `attn`
+    (block.AttentionPart), per CFG branch; the latents equal stock's with the same config (fp32, FP8 off; with the
+    prefix cache the prefill's attention outputs have the prefix's rows too, and stock's hooks restart the expansion
+    at the next step, as they do here), and differ from the uncached ones by far more; each block's attention runs
+    on the computing steps only; a second call decides anew; `applied` names it; disable_cache is exact again;
+    with FastConfig(cache=...) too, the call refuses."""
+    from diffusers import TaylorSeerCacheConfig
+
+    from qwen_image_fast.pipelines.qwen_image21.block import FastBlock21
+
+    config = TaylorSeerCacheConfig(**TAYLORSEER, taylor_factors_dtype=torch.float32)
+    call = dict(num_inference_steps=STEPS, use_kv_cache=use_kv_cache)
+    stock = tiny_pipeline(num_layers=BLOCKS)
+    uncached = latents(stock, **call)
+    stock.transformer.enable_cache(config)
+    expected = latents(stock, **call)
+    fast = optimize(tiny_pipeline(num_layers=BLOCKS), FastConfig(fp8=False))
+    fast.transformer.enable_cache(config)
+    calls = []
+    original = FastBlock21.attention
+
+    def counted(block, *args):
+        calls.append(fast.transformer._cache_name)
+        return original(block, *args)
+
+    FastBlock21.attention = counted
+    try:
+        got = latents(fast, **call)
+        assert_close(got, expected, 1e-5, "TaylorSeer, fast against stock")
+        assert rel_rms_error(expected, uncached) > 100 * rel_rms_error(got, expected), "the cache changes nothing"
+        computing = sum(TAYLORSEER_COMPUTES)
+        assert calls.count("cond") == calls.count("uncond") == computing * BLOCKS, (calls, computing)
+        assert torch.equal(latents(fast, **call), got), "a second call"
+    finally:
+        FastBlock21.attention = original
+    assert "step_cache:TaylorSeerCacheConfig" in fast.applied, fast.applied
+    fast.fast_config = fast.fast_config.replace(cache="every:2,1,1")
+    with pytest.raises(ValueError, match="are two step caches: use one"):
+        latents(fast, **call)
+    fast.fast_config = fast.fast_config.replace(cache=None)
+    fast.transformer.disable_cache()
+    assert_close(latents(fast, **call), uncached, 1e-5, "after disable_cache")
+
+
+def test_taylorseer_plans_no_graphs_on_qwen21():
+    """Under diffusers' hooks (they decide on the host inside each forward) a 2.1 forward runs eagerly: the plan
+    says so where graphs would otherwise run."""
+    from qwen_image_fast.pipelines.core.optimizations import QWEN21, Facts, plan_cuda_graphs
+
+    facts = Facts(pipeline=QWEN21, fused=True, device="cuda", fp8=True, fast_accum=True, attention="fa4",
+                  offload_hooks=False, vae_2d=None, enhancer=False)
+    assert plan_cuda_graphs(FastConfig(), facts).values == (True,)
+    plan = plan_cuda_graphs(FastConfig(), replace(facts, diffusers_cache="TaylorSeerCacheConfig"))
+    assert plan.values == () and "Qwen-Image-2.1's forwards run eagerly under them" in plan.why_not
+
+
+@pytest.mark.gpu
+def test_taylorseer_on_gpu_runs_eagerly_and_matches_stock():
+    """On CUDA (graphs planned for the pipeline): under TaylorSeer's hooks the forwards run eagerly (`applied` has
+    no cuda_graphs), the latents of two calls equal each other and stock's with the same config within 1e-5 (the
+    tiny model in fp32, FP8 off)."""
+    from diffusers import QwenImage21Pipeline, TaylorSeerCacheConfig
+
+    from qwen_image_fast.pipelines.tiny import tiny_qwen21_components
+
+    config = TaylorSeerCacheConfig(**TAYLORSEER, taylor_factors_dtype=torch.float32)
+    call = dict(prompt="a cat on a mat", negative_prompt="blurry", true_cfg_scale=2.0, num_inference_steps=STEPS,
+                height=64, width=64, output_type="latent", output_resolution=64)
+
+    def run(pipe):
+        return pipe(**call, generator=torch.Generator("cuda").manual_seed(0)).images
+
+    stock = QwenImage21Pipeline(**tiny_qwen21_components()).to("cuda")
+    stock.transformer.enable_cache(config)
+    expected = run(stock)
+    fast = optimize(QwenImage21Pipeline(**tiny_qwen21_components()).to("cuda"), FastConfig(fp8=False))
+    fast.transformer.enable_cache(config)
+    first = run(fast)
+    assert torch.equal(run(fast), first)
+    assert_close(first, expected, 1e-5, "TaylorSeer on the GPU, fast against stock")
+    assert "cuda_graphs" not in fast.applied and "step_cache:TaylorSeerCacheConfig" in fast.applied, fast.applied
