@@ -43,6 +43,31 @@ def refuse_2512_only(config: FastConfig, pipeline: str):
                          "the prefix KV cache; leave text_bucket at its default")
 
 
+def prefix_token_counter(processor):
+    """str -> the tokens a prompt puts in a text-to-image call's prefix: diffusers' QwenImage21Pipeline's own
+    template around it, tokenized, less its system message's tokens (_get_qwen_prompt_embeds; an empty prompt is
+    " " there). processor: the checkpoint's (a Qwen3VLProcessor), or its folder or hub id."""
+    if not hasattr(processor, "tokenizer"):
+        from transformers.utils import is_torchvision_available
+
+        if is_torchvision_available():
+            from transformers import AutoProcessor
+
+            processor = AutoProcessor.from_pretrained(processor, subfolder="processor")
+        else:
+            from ..core.hub import local_folder
+            from ..core.vl_processor import load_processor_without_torchvision
+
+            processor = load_processor_without_torchvision(local_folder(processor, "processor"))
+    templates = QwenImage21Pipeline(scheduler=None, vae=None, text_encoder=None, processor=processor, transformer=None)
+
+    def count(prompt: str) -> int:
+        return len(processor.tokenizer(templates.prompt_template_t2i.format(prompt or " ")).input_ids) - (
+            templates._drop_idx)
+
+    return count
+
+
 class FastQwenImage21Pipeline(TurnTakingPipeline, FastPipelineState, FastLoraPipeline, FastCheckpointPipeline,
                               QwenImage21Pipeline):
     stock_class, fast_transformer_class = QwenImage21Pipeline, FastQwenImage21Transformer

@@ -94,6 +94,17 @@ def check_render(args, entries: list[dict]) -> RenderPlan:
         for job in jobs:
             check_within_plan(config.max_memory_gib, 1, job.height, job.width,
                               len(job.sigmas) if job.sigmas else job.steps, memory_plan(pipeline), len(job.images))
+        if pipeline == QWEN21_PIPELINE:  # its plan's prefix (qwen_image21/memory.py), each prompt counted as encoded
+            from ..pipelines.qwen_image21.memory import PLANNED_TEXT_TOKENS
+            from ..pipelines.qwen_image21.pipeline import prefix_token_counter
+
+            count = prefix_token_counter(source)
+            for job in jobs:
+                for what, text in (("prompt", job.prompt), ("negative prompt", job.negative_prompt)):
+                    if text is not None and count(text) > PLANNED_TEXT_TOKENS:
+                        raise ValueError(f"prompt {job.index + 1}: its {what} has {count(text)} tokens; --max-memory "
+                                         f"{args.max_memory:g} is planned for prompts of at most "
+                                         f"{PLANNED_TEXT_TOKENS}: shorten it, or give --max-memory 21 or more")
     shrunk = (condition_area_divisor() if test_size and pipeline in SHRINKS_INPUTS and any(j.images for j in jobs)
               else None)
     labels = labels_for(files.label if files else model, args.preset, config, enhancer=args.enhance, loras=loras,

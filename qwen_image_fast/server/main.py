@@ -101,7 +101,7 @@ def plan_serve(args):
     """Every option checked (ValueError naming the first that is wrong; nothing loads), then what serve_forever
     takes: (served, scheduler, metrics, image settings, API key)."""
     from ..cli.devices import check_kernels_on, resolve_device, with_memory_options
-    from ..cli.inputs import PIPELINE_INPUTS, check_pipeline_options
+    from ..cli.inputs import PIPELINE_INPUTS, QWEN21_PIPELINE, check_pipeline_options
     from ..cli.models import check_model, pipeline_class, resolve_model, single_files
     from ..cli.parser import command_config
     from ..cli.sizes import SHRINKS_INPUTS, ModelShape
@@ -134,6 +134,14 @@ def plan_serve(args):
 
         plan = memory_plan(pipeline)
         served = dataclasses.replace(served, max_steps=plan.steps, max_pixels=plan.side ** 2)
+        if pipeline == QWEN21_PIPELINE:  # its plan's prefix (qwen_image21/memory.py): a longer prompt is a 400
+            from ..pipelines.qwen_image21.memory import PLANNED_TEXT_TOKENS
+            from ..pipelines.qwen_image21.pipeline import prefix_token_counter
+
+            served = dataclasses.replace(served, count_tokens=prefix_token_counter(source),
+                                         max_prompt_tokens=PLANNED_TEXT_TOKENS,
+                                         prompt_limit="this server's --max-memory is planned for prompts of at "
+                                                      "most {limit} tokens")
     settings = dict(model=files.label if files else model, preset=args.preset,
                     endpoint=f"/v1/images/{served.endpoint}")
     warm_up = {} if served.endpoint == "edits" else dict(

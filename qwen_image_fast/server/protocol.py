@@ -87,6 +87,7 @@ class Served:
     size_refused: bool = False  # the pipeline sizes its output from the input image alone
     count_tokens: object = None  # str -> the text encoder's token count (None: not checked)
     max_prompt_tokens: int = 512  # diffusers' max_sequence_length: the encoder's output past it is dropped
+    prompt_limit: str = "the text encoder reads at most {limit} (diffusers would drop the rest)"  # why, for the 400
     max_steps: int = MAX_STEPS  # or a memory budget's planned steps
     max_pixels: int | None = None  # a memory budget's planned width x height (None: max_side alone)
 
@@ -138,8 +139,8 @@ def within_tokens(value: str, param: str, served: Served) -> str:
     if served.count_tokens is not None:
         tokens = served.count_tokens(value)
         if tokens > served.max_prompt_tokens:
-            raise bad(param, f"{tokens} tokens; the text encoder reads at most {served.max_prompt_tokens} (diffusers "
-                             "would drop the rest): shorten it")
+            raise bad(param, f"{tokens} tokens; {served.prompt_limit.format(limit=served.max_prompt_tokens)}: "
+                             "shorten it")
     return value
 
 

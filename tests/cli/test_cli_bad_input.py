@@ -60,6 +60,18 @@ def qwen21_model(tmp_path, *args):
     return ["--model", str(tmp_path / "model"), *args, "a cat"]
 
 
+def qwen21_long_prompt(tmp_path):
+    """A 2.1 checkpoint's configs and its processor (the tiny one's), --max-memory 16 and a prompt past the budget's
+    planned prefix (qwen_image21/memory.PLANNED_TEXT_TOKENS)."""
+    from diffusers import QwenImage21Pipeline
+
+    from qwen_image_fast.pipelines.tiny import tiny_qwen21_components
+
+    args = qwen21_model(tmp_path, "--preset", "fast", "--max-memory", "16")
+    QwenImage21Pipeline(**tiny_qwen21_components()).processor.save_pretrained(tmp_path / "model" / "processor")
+    return args[:-1] + ["a cat " * 600]
+
+
 def unloadable_model(tmp_path):
     """Passes the checks (a folder with model_index.json), fails in diffusers' loader: after the out folder exists."""
     (tmp_path / "model").mkdir()
@@ -184,6 +196,8 @@ BAD_INPUT = {
                                                             "--image", str(tmp / "a.png")),
                                    "FastConfig(max_memory_gib=16) is planned for text-to-image calls; this call has 1 "
                                    "condition image(s)"),
+    "qwen21-max-memory-16-long-prompt": (qwen21_long_prompt, "prompt 1: its prompt has 3619 tokens; --max-memory 16 "
+                                                             "is planned for prompts of at most 1024: shorten it"),
     "qwen21-max-memory-batch": (lambda tmp: qwen21_model(tmp, "--preset", "fast", "--max-memory", "24",
                                                          "--batch-size", "2"),
                                 "--batch-size 2 with --max-memory 24: Qwen-Image-2.1's memory='low' runs one image "

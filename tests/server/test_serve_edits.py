@@ -134,3 +134,32 @@ def test_a_memory_budget_limits_the_size_and_steps():
         parse_request({"prompt": "x", "num_inference_steps": 60}, served, "generations")
     assert parse_request({"prompt": "x", "size": "1664x928", "num_inference_steps": 50}, served,
                          "generations").steps == 50
+
+
+def test_a_qwen21_memory_budget_counts_the_prompt_s_prefix_tokens(tmp_path):
+    """serve --max-memory below 21 on Qwen-Image-2.1 plans a prefix of at most PLANNED_TEXT_TOKENS: the server counts
+    a prompt's prefix tokens with diffusers' own template (prefix_token_counter, from the checkpoint's processor
+    folder) exactly as the pipeline encodes it, and a longer prompt or negative prompt is a 400 naming the field."""
+    import torch
+    from diffusers import QwenImage21Pipeline
+
+    from qwen_image_fast.pipelines.qwen_image21.pipeline import prefix_token_counter
+    from qwen_image_fast.pipelines.tiny import tiny_qwen21_components
+
+    pipe = QwenImage21Pipeline(**tiny_qwen21_components())
+    pipe.processor.save_pretrained(tmp_path / "processor")
+    count = prefix_token_counter(str(tmp_path))
+    for prompt in ("a cat", "", "a red fox curled up asleep in fresh snow " * 5):
+        embeds, mask, _ = pipe.encode_prompt(prompt, device=torch.device("cpu"))  # mask None: every token valid
+        assert count(prompt) == (embeds.shape[1] if mask is None else int(mask.sum())), prompt
+    served = Served(model="m", pipeline="QwenImage21Pipeline", endpoint="generations", default_size=(64, 64),
+                    max_side=2048, default_steps=2, default_cfg=4.0, default_negative=" ", min_steps=2,
+                    guidance_embeds=False, rgba=True, count_tokens=count, max_prompt_tokens=count("a cat"),
+                    prompt_limit="this server's --max-memory is planned for prompts of at most {limit} tokens")
+    assert parse_request({"prompt": "a cat"}, served, "generations").prompt == "a cat"
+    with pytest.raises(ApiError, match=rf"prompt: {count('a cat and a dog')} tokens; this server's --max-memory is "
+                                       rf"planned for prompts of at most {count('a cat')} tokens: shorten it"):
+        parse_request({"prompt": "a cat and a dog"}, served, "generations")
+    with pytest.raises(ApiError, match="negative_prompt: .* tokens; this server's --max-memory is planned"):
+        parse_request({"prompt": "a cat", "negative_prompt": "blurry and dark", "true_cfg_scale": 4.0}, served,
+                      "generations")
