@@ -35,6 +35,11 @@ residual r over the front blocks of the target's rows. The prefill always runs t
 fill every block's buffer) and keeps its target's rows' residuals; a cached step that skips the middle adds them to
 the front's output instead. A skipped block's buffers are not touched: the prefix part is written by the prefill
 only, the target part by every step that runs the block, before its attention reads it.
+
+Under diffusers' TaylorSeerCacheConfig (enable_cache) its own hooks sit on each block's `attn` (block.AttentionPart)
+and compute or predict that block's attention output, one state per cache_context; such a forward runs eagerly. Under
+a memory budget (memory.py) the streamed blocks' weights are copied in ahead of them inside the forward, and the
+prefix caches are released before each call's decode.
 """
 
 import contextlib

@@ -3,9 +3,9 @@ __call__, unchanged, around the fast Qwen-Image-2.1 transformer (model.py).
 
 What runs is the registry's (core/optimizations.py): fused_transformer, fp8 (every block linear),
 fp8_fast_accum, attention, cuda_graphs (the cached steps, model.py, from the graphs of the pipeline's runner) and
-FastConfig(cache=...) (the step cache's pieces, model.py) and memory="low" with or without a budget (memory.py)
-run here; batched CFG and diffusers' step caches do not yet (the plan says why), and the options that would change
-diffusers' loop (sampler, cfg_fraction, parallel) are refused, as for the 2512 family's image-conditioned pipelines.
+FastConfig(cache=...) (the step cache's pieces, model.py), diffusers' TaylorSeerCacheConfig (its own hooks on the
+blocks' `attn`, model.py) and memory="low" with or without a budget (memory.py) run here; batched CFG and diffusers'
+other step caches do not yet (the plan and enable_cache say why), and the options that would change diffusers' loop (sampler, cfg_fraction, parallel) are refused, as for the 2512 family's image-conditioned pipelines.
 Each call runs in the pipeline's runner (core/pipeline/base.py's _fast_call); `applied` after a call is what it
 recorded running.
 """
@@ -117,19 +117,24 @@ class FastQwenImage21Pipeline(TurnTakingPipeline, FastPipelineState, FastLoraPip
 
     @functools.wraps(QwenImage21Pipeline.__call__)
     def __call__(self, *args, **kwargs):
-        budget = self.fast_config.max_memory_gib if self._turns is not None else None
-        if budget is not None:  # what the budget is planned for (memory.PLAN), before anything runs
-            call = CALL_SIGNATURE.bind(self, *args, **kwargs)
-            call.apply_defaults()
-            a = call.arguments
-            images = a["prompt_embeds"].shape[0] if a["prompt"] is None and a["prompt_embeds"] is not None else (
-                1 if a["prompt"] is None or isinstance(a["prompt"], str) else len(a["prompt"]))
-            conditions = a["image"] if isinstance(a["image"], list) else [] if a["image"] is None else [a["image"]]
-            check_within_plan(budget, images * a["num_images_per_prompt"], a["height"] or a["output_resolution"],
-                              a["width"] or a["output_resolution"], len(a["sigmas"]) if a["sigmas"] is not None else
-                              a["num_inference_steps"], MEMORY_PLAN, len(conditions))
+        if self._turns is not None and self.fast_config.max_memory_gib is not None:
+            self._check_within_budget(CALL_SIGNATURE.bind(self, *args, **kwargs))
         with self._fast_call(kwargs.get("attention_kwargs")), self._blocks_take_turns():
             return QwenImage21Pipeline.__call__(self, *args, **kwargs)
+
+    def _check_within_budget(self, call: inspect.BoundArguments):
+        """ValueError before anything runs for a call beyond what the memory budget is planned for (memory.PLAN)."""
+        call.apply_defaults()
+        a = call.arguments
+        if a["prompt"] is None and a["prompt_embeds"] is not None:
+            prompts = a["prompt_embeds"].shape[0]
+        else:
+            prompts = 1 if a["prompt"] is None or isinstance(a["prompt"], str) else len(a["prompt"])
+        conditions = a["image"] if isinstance(a["image"], list) else [] if a["image"] is None else [a["image"]]
+        steps = len(a["sigmas"]) if a["sigmas"] is not None else a["num_inference_steps"]
+        check_within_plan(self.fast_config.max_memory_gib, prompts * a["num_images_per_prompt"],
+                          a["height"] or a["output_resolution"], a["width"] or a["output_resolution"], steps,
+                          MEMORY_PLAN, len(conditions))
 
     def _unpack_latents(self, latents, height, width, vae_scale_factor):
         """diffusers' (a staticmethod there), which its __call__ runs once, after the denoising loop and before the
