@@ -349,27 +349,35 @@ def memory_rows(args, env: dict) -> list[dict]:
 
 
 PROMPTS8 = [f"{PROMPT}, picture {i} of a series" for i in range(8)]
+# --budget-cfg: the plan's other case, CFG 4 with long prompts (each ~900 tokens of Qwen's BPE: both branches'
+# prefix caches near the planned 1024 tokens)
+LONG_PROMPTS4 = [", ".join([PROMPT] * 24) + f", picture {i} of a series" for i in range(4)]  # 918 tokens
+LONG_NEGATIVE = ", ".join(["blurry, low quality, distorted, oversaturated, watermark, text"] * 60)  # 840 tokens
 
 
-def eight_images(pipe, size: int, steps: int, device) -> tuple[float, np.ndarray]:
-    """(seconds an image over PROMPTS8, the images [8, H, W, 4]) after a 3-step warm-up call (bench docstring)."""
+def eight_images(pipe, size: int, steps: int, device, prompts=PROMPTS8, negative=None,
+                 cfg: float = 1.0) -> tuple[float, np.ndarray]:
+    """(seconds an image over `prompts`, the images [N, H, W, 4]) after a 3-step warm-up call (bench docstring)."""
     from types import SimpleNamespace
 
     from qwen_image_fast.cli.run import encode_ahead
 
     def render(i, **text):
         return pipe(**text, height=size, width=size, num_inference_steps=steps, output_type="np",
-                    generator=torch.Generator(device).manual_seed(i)).images[0]
+                    true_cfg_scale=cfg, generator=torch.Generator(device).manual_seed(i)).images[0]
 
-    pipe(prompt=PROMPT, height=size, width=size, num_inference_steps=3, output_type="np")
-    jobs = [[SimpleNamespace(prompt=p, negative_prompt=None, images=())] for p in PROMPTS8]
-    torch.cuda.synchronize(device)
+    pipe(prompt=prompts[0], negative_prompt=negative, true_cfg_scale=cfg, height=size, width=size,
+         num_inference_steps=3, output_type="np")
+    jobs = [[SimpleNamespace(prompt=p, negative_prompt=negative, images=())] for p in prompts]
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
     start = time.perf_counter()
     encoded, until = encode_ahead(pipe, jobs, 0)
     if until != len(jobs) or len(encoded) != len(jobs):
         raise RuntimeError(f"encode_ahead covered {len(encoded)} of {len(jobs)} prompts")
     images = [render(i, **encoded[i]) for i in range(len(jobs))]
-    torch.cuda.synchronize(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
     return (time.perf_counter() - start) / len(jobs), np.stack(images)
 
 
@@ -382,7 +390,7 @@ def budget_rows(args, env: dict) -> list[dict]:
     from qwen_image_fast import FastConfig, optimize
     from qwen_image_fast.pipelines.core.runtime.memory import GIB, context_bytes
     from qwen_image_fast.pipelines.qwen_image21 import memory
-    from qwen_image_fast.pipelines.qwen_image21.pipeline import FastQwenImage21Pipeline
+    from qwen_image_fast.pipelines.qwen_image21.pipeline import FastQwenImage21Pipeline, prefix_token_counter
 
     device, size = torch.device("cuda"), 1024
     fast = optimize(QwenImage21Pipeline(**full_size_components(args.tokenizer)),
@@ -391,9 +399,15 @@ def budget_rows(args, env: dict) -> list[dict]:
     gc.collect()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
-    per_image, expected = eight_images(fast, size, STEPS, device)
-    base = dict(env, bench="qwen21_pipeline", impl="ours", size=size, steps=STEPS, prompts=len(PROMPTS8))
-    rows = [dict(base, variant="uncapped", s_per_image=per_image,
+    work = dict(prompts=LONG_PROMPTS4, negative=LONG_NEGATIVE, cfg=4.0) if args.budget_cfg else {}
+    suffix = "_cfg_long" if args.budget_cfg else ""
+    per_image, expected = eight_images(fast, size, STEPS, device, **work)
+    count = prefix_token_counter(fast.processor)
+    prompts = work.get("prompts", PROMPTS8)
+    base = dict(env, bench="qwen21_pipeline", impl="ours", size=size, steps=STEPS, prompts=len(prompts),
+                cfg=work.get("cfg", 1.0), prefix_tokens=max(count(p) for p in prompts),
+                negative_prefix_tokens=count(LONG_NEGATIVE) if args.budget_cfg else None)
+    rows = [dict(base, variant="uncapped" + suffix, s_per_image=per_image,
                  peak_reserved_gib=torch.cuda.max_memory_reserved() / GIB, applied=fast.applied)]
     print(f"uncapped: {per_image:.3f} s an image, peak reserved {rows[0]['peak_reserved_gib']:.1f} GiB", flush=True)
     components = dict(fast.components)
@@ -419,9 +433,9 @@ def budget_rows(args, env: dict) -> list[dict]:
         torch.cuda.reset_peak_memory_stats()
         print(f"cap{budget:g}: buffer {turns.buffer_bytes / GIB:.2f} GiB, context {context:.2f} GiB, the plan's "
               f"smallest budget {smallest:.2f} GiB", flush=True)
-        per_image, images = eight_images(low, size, STEPS, device)
+        per_image, images = eight_images(low, size, STEPS, device, **work)
         same = bool(np.array_equal(images, expected))
-        row = dict(base, variant=f"cap{budget:g}", max_memory_gib=budget, s_per_image=per_image,
+        row = dict(base, variant=f"cap{budget:g}{suffix}", max_memory_gib=budget, s_per_image=per_image,
                    per_image_vs_uncapped=per_image / rows[0]["s_per_image"],
                    peak_reserved_gib=torch.cuda.max_memory_reserved() / GIB, context_gib=context,
                    buffer_gib=turns.buffer_bytes / GIB, smallest_budget_gib=smallest,
@@ -557,6 +571,8 @@ def main():
     parser.add_argument("--memory-batches", default="1", help="with --memory-low: the batch sizes, e.g. 1,4")
     parser.add_argument("--budgets", type=lambda text: [float(v) for v in text.split(",")], default=None,
                         help="with --pipeline (GPU): ours resident, then memory='low' under each budget, e.g. 16")
+    parser.add_argument("--budget-cfg", action="store_true",
+                        help="with --budgets: 4 long prompts (~900 tokens) with a long negative prompt, CFG 4")
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     if args.pipeline and not args.tiny and args.tokenizer is None:
