@@ -388,8 +388,9 @@ def budget_rows(args, env: dict) -> list[dict]:
     from diffusers import QwenImage21Pipeline
 
     from qwen_image_fast import FastConfig, optimize
-    from qwen_image_fast.pipelines.core.runtime.memory import GIB, context_bytes
+    from qwen_image_fast.pipelines.core.runtime.memory import GIB, context_bytes, placed_bytes
     from qwen_image_fast.pipelines.qwen_image21 import memory
+    from qwen_image_fast.pipelines.qwen_image21.model import SHARED_MODULES
     from qwen_image_fast.pipelines.qwen_image21.pipeline import FastQwenImage21Pipeline, prefix_token_counter
 
     device, size = torch.device("cuda"), 1024
@@ -425,7 +426,7 @@ def budget_rows(args, env: dict) -> list[dict]:
         low.set_progress_bar_config(disable=True)
         turns = low._turns
         blocks, text = turns.arenas["transformer"], turns.arenas["text_encoder"]
-        smallest = (context_bytes(device) + memory.placed_bytes(low) + memory.workspace_bytes(low)
+        smallest = (context_bytes(device) + placed_bytes(low, SHARED_MODULES) + memory.workspace_bytes(low)
                     + max(a.streaming_floor() for a in turns.arenas.values())) / GIB
         free, total = torch.cuda.mem_get_info()
         context = (total - free - torch.cuda.memory_reserved()) / GIB

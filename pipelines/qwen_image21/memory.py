@@ -19,9 +19,9 @@ before the decode (pipeline.py), so the two never meet.
 
 import torch
 
-from ..core.runtime.memory import (GIB, LowMemoryBudget, MemoryPlan, context_bytes, stream_text_encoder,
-                                   text_encoder_layers)
-from ..core.runtime.offload import HostArena, TakingTurns, nbytes, tensors_of
+from ..core.runtime import memory as core
+from ..core.runtime.memory import MemoryPlan
+from ..core.runtime.offload import HostArena, TakingTurns, tensors_of
 from .model import SHARED_MODULES
 
 # A budget's plan: one text-to-image call of at most 1024x1024 pixels (the pipeline's default output_resolution) and
@@ -39,56 +39,34 @@ DECODE_BYTES_PER_PIXEL = 8400
 ACTIVATION_BYTES_PER_TOKEN_WIDTH = 64
 
 
-def prefix_tokens(pipe) -> int:
-    """The joint sequence of a planned call: the target's tokens (1024^2) and the planned prompt."""
-    return (PLAN.side // (pipe.vae_scale_factor * 2)) ** 2 + PLANNED_TEXT_TOKENS
-
-
 def workspace_bytes(pipe) -> int:
-    """A planned call's needs beside the weights: max(the denoising loop's prefix caches and activations, the
-    decode's)."""
+    """A planned call's needs beside the weights: max(the denoising loop's prefix caches (the target's tokens and
+    the planned prompt, both CFG branches) and activations, the decode's)."""
     transformer = pipe.transformer
     inner = transformer.config.num_attention_heads * transformer.config.attention_head_dim
     target = (PLAN.side // (pipe.vae_scale_factor * 2)) ** 2
-    keys = BRANCHES * len(transformer.transformer_blocks) * 2 * prefix_tokens(pipe) * inner * transformer.dtype.itemsize
+    keys = (BRANCHES * len(transformer.transformer_blocks) * 2 * (target + PLANNED_TEXT_TOKENS) * inner
+            * transformer.dtype.itemsize)
     return max(keys + ACTIVATION_BYTES_PER_TOKEN_WIDTH * target * inner, DECODE_BYTES_PER_PIXEL * PLAN.side ** 2)
-
-
-def placed_bytes(pipe) -> int:
-    """The weights memory='low' keeps on the GPU: the VAE and the transformer's parts outside its blocks."""
-    modules = [pipe.vae] + [getattr(pipe.transformer, name) for name in SHARED_MODULES]
-    return sum(nbytes(t) for module in modules for t in tensors_of(module))
 
 
 def place_low_memory(pipe, device: torch.device, max_memory_gib: float | None = None) -> TakingTurns:
     """Put the pipeline's components where memory="low" keeps them; returns the turns of the text encoder and the
     transformer's blocks (neither is on the device yet). max_memory_gib: the budget the buffer is planned in."""
-    transformer, text_encoder, pin = pipe.transformer, pipe.text_encoder, device.type == "cuda"
+    transformer, pin = pipe.transformer, device.type == "cuda"
     for name in SHARED_MODULES:
         getattr(transformer, name).to(device)
     blocks = [tensors_of(block) for block in transformer.transformer_blocks]
-    vision = getattr(getattr(text_encoder, "model", None), "visual", None)
-    skip = {id(t) for t in tensors_of(vision)} if vision is not None else set()
-    decoder = text_encoder_layers(text_encoder, skip)
-    in_layers = {id(t) for t in tensors_of(decoder[1])} if decoder else set()
-    encoder = [t for t in tensors_of(text_encoder) if id(t) not in in_layers]  # the vision tower in the fixed part
-    encoder_layers = [tensors_of(layer) for layer in decoder[1]] if decoder else []
+    text, decoder = core.text_encoder_arena(pipe.text_encoder, pin, keep_vision=True)  # it reads condition images
     pipe.vae.to(device)
-    arenas = {"text_encoder": HostArena(encoder, pin, encoder_layers), "transformer": HostArena([], pin, blocks)}
+    arenas = {"text_encoder": text, "transformer": HostArena([], pin, blocks)}
     if pin:
         torch.cuda.empty_cache()  # the device copies the arenas replaced
     buffer = None
     if max_memory_gib is not None:
-        budget = LowMemoryBudget(
-            budget=int(max_memory_gib * GIB), context=context_bytes(device), placed=placed_bytes(pipe),
-            workspace=workspace_bytes(pipe), floor=max(arena.streaming_floor() for arena in arenas.values()),
+        buffer = core.budget_buffer(
+            max_memory_gib, device, core.placed_bytes(pipe, SHARED_MODULES), workspace_bytes(pipe), arenas,
             workspace_of=f"one {PLAN.side}x{PLAN.side} image's prefix caches (both CFG branches, a prompt of at most "
                          f"{PLANNED_TEXT_TOKENS} tokens) and activations, or its decode")
-        budget.check()
-        buffer = min(budget.buffer, max(arena.nbytes for arena in arenas.values()))
         transformer.planned_prefix = PLANNED_TEXT_TOKENS
-    turns = TakingTurns(arenas, device, main="transformer", buffer_bytes=buffer)
-    transformer.block_arena = arenas["transformer"]
-    if decoder is not None:
-        stream_text_encoder(*decoder, arenas["text_encoder"])
-    return turns
+    return core.turns_of(arenas, device, buffer, transformer, decoder)

@@ -101,8 +101,9 @@ def check_render(args, entries: list[dict]) -> RenderPlan:
             count = prefix_token_counter(source)
             for job in jobs:
                 for what, text in (("prompt", job.prompt), ("negative prompt", job.negative_prompt)):
-                    if text is not None and count(text) > PLANNED_TEXT_TOKENS:
-                        raise ValueError(f"prompt {job.index + 1}: its {what} has {count(text)} tokens; --max-memory "
+                    tokens = count(text) if text is not None else 0
+                    if tokens > PLANNED_TEXT_TOKENS:
+                        raise ValueError(f"prompt {job.index + 1}: its {what} has {tokens} tokens; --max-memory "
                                          f"{args.max_memory:g} is planned for prompts of at most "
                                          f"{PLANNED_TEXT_TOKENS}: shorten it, or give --max-memory 21 or more")
     shrunk = (condition_area_divisor() if test_size and pipeline in SHRINKS_INPUTS and any(j.images for j in jobs)

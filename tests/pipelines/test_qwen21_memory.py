@@ -130,12 +130,14 @@ def components() -> dict:
 def budget_for(resident_blocks: int, config: FastConfig = FastConfig(fp8=False)) -> float:
     """The max_memory_gib whose buffer keeps `resident_blocks` of the 5 blocks (and is at least the text encoder's
     floor: its fixed part and 2 layer slots), by memory.place_low_memory's arithmetic (no CUDA context on the CPU)."""
+    from qwen_image_fast.pipelines.core.runtime.memory import placed_bytes
     from qwen_image_fast.pipelines.qwen_image21 import memory
+    from qwen_image_fast.pipelines.qwen_image21.model import SHARED_MODULES
 
     probe = optimize(QwenImage21Pipeline(**components()), config.replace(memory="low"))
     blocks, text = probe._turns.arenas["transformer"], probe._turns.arenas["text_encoder"]
     buffer = max(blocks.streaming_floor() + resident_blocks * blocks.layer_stride, text.streaming_floor())
-    return (memory.placed_bytes(probe) + memory.workspace_bytes(probe) + buffer) / 2**30
+    return (placed_bytes(probe, SHARED_MODULES) + memory.workspace_bytes(probe) + buffer) / 2**30
 
 
 def images(pipe, **extra):
@@ -213,9 +215,9 @@ def test_a_budget_on_gpu_streams_inside_the_graphs(monkeypatch):
     resident pipeline's bit for bit (the CUDA context taken as 0 bytes: its measure moves by more than the tiny
     model weighs)."""
     from qwen_image_fast.pipelines.core.runtime.streaming import LayerStream
-    from qwen_image_fast.pipelines.qwen_image21 import memory
+    from qwen_image_fast.pipelines.core.runtime import memory
 
-    monkeypatch.setattr(memory, "context_bytes", lambda device: 0)
+    monkeypatch.setattr(memory, "context_bytes", lambda device: 0)  # what the budget's plan reads
     device = torch.device("cuda")
 
     def decoded(pipe):

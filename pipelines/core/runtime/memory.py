@@ -96,9 +96,10 @@ def check_within_plan(max_memory_gib: float, images: int, height: int | None, wi
             f"max_memory_gib out (memory='low' alone needs {plan.alone})")
 
 
-def placed_bytes(pipe) -> int:
-    """The weights memory='low' keeps on the GPU: the VAE and the transformer's small parts."""
-    modules = [pipe.vae] + [getattr(pipe.transformer, name) for name in SMALL_TRANSFORMER_PARTS]
+def placed_bytes(pipe, parts: tuple[str, ...] = SMALL_TRANSFORMER_PARTS) -> int:
+    """The weights memory='low' keeps on the GPU: the VAE and the transformer's `parts` (its modules outside the
+    blocks)."""
+    modules = [pipe.vae] + [getattr(pipe.transformer, name) for name in parts]
     return sum(nbytes(t) for module in modules for t in tensors_of(module))
 
 
@@ -157,11 +158,48 @@ def stream_text_encoder(decoder: nn.Module, layers: nn.ModuleList, arena: HostAr
         layer.register_forward_pre_hook(lambda module, args, i=i: before(i)) for i, layer in enumerate(layers)]
 
 
+def text_encoder_arena(text_encoder: nn.Module, pin: bool, keep_vision: bool) -> tuple[HostArena, tuple | None]:
+    """(the text encoder's HostArena, (its decoder, its layers) for stream_text_encoder or None): the decoder layers
+    are the arena's layers (streamed under a budget), the rest its fixed part. The vision tower is in the fixed part
+    with keep_vision (Qwen-Image-2.1's encoder reads condition images), else left on the host, out of the arena (the
+    2512 text-to-image pipeline never runs it)."""
+    vision = getattr(getattr(text_encoder, "model", None), "visual", None)
+    if vision is not None and not keep_vision:
+        vision.to("cpu")
+    skip = {id(t) for t in tensors_of(vision)} if vision is not None else set()
+    decoder = text_encoder_layers(text_encoder, skip)
+    left_out = ({id(t) for t in tensors_of(decoder[1])} if decoder else set()) | (set() if keep_vision else skip)
+    fixed = [t for t in tensors_of(text_encoder) if id(t) not in left_out]
+    return HostArena(fixed, pin, [tensors_of(layer) for layer in decoder[1]] if decoder else []), decoder
+
+
+def budget_buffer(max_memory_gib: float, device: torch.device, placed: int, workspace: int,
+                  arenas: dict[str, HostArena], workspace_of: str | None = None) -> int:
+    """The turn-taking buffer's bytes under a budget (LowMemoryBudget; ValueError below its floor): what the budget
+    leaves, at most what the largest arena needs."""
+    budget = LowMemoryBudget(budget=int(max_memory_gib * GIB), context=context_bytes(device), placed=placed,
+                             workspace=workspace, floor=max(arena.streaming_floor() for arena in arenas.values()),
+                             **({"workspace_of": workspace_of} if workspace_of else {}))
+    budget.check()
+    return min(budget.buffer, max(arena.nbytes for arena in arenas.values()))
+
+
+def turns_of(arenas: dict[str, HostArena], device: torch.device, buffer_bytes: int | None, transformer,
+             decoder: tuple | None) -> TakingTurns:
+    """The text encoder's and the transformer's blocks' turns in one buffer (buffer_bytes: a budget's, or None),
+    the transformer told its blocks' arena and the text encoder's layers hooked to stream with it."""
+    turns = TakingTurns(arenas, device, main="transformer", buffer_bytes=buffer_bytes)
+    transformer.block_arena = arenas["transformer"]
+    if decoder is not None:
+        stream_text_encoder(*decoder, arenas["text_encoder"])
+    return turns
+
+
 def place_low_memory(pipe, device: torch.device, max_memory_gib: float | None = None) -> TakingTurns:
     """Put a text-to-image pipeline's components where memory="low" keeps them; returns the turns of the text
     encoder and the transformer's block linears (neither is on the GPU yet). max_memory_gib: the budget (PyTorch's
     reserved memory and the CUDA context) the turn-taking buffer is planned in; what does not fit it streams."""
-    transformer, text_encoder = pipe.transformer, pipe.text_encoder
+    transformer = pipe.transformer
     pin = device.type == "cuda"
     for name in SMALL_TRANSFORMER_PARTS:
         getattr(transformer, name).to(device)
@@ -172,30 +210,13 @@ def place_low_memory(pipe, device: torch.device, max_memory_gib: float | None = 
             (mods if name in ("img_mod", "txt_mod") else layer).extend(tensors_of(child))
         blocks.append(layer)
     HostArena(mods, pin)  # host storage only: tables read it block by block
-    vision = getattr(getattr(text_encoder, "model", None), "visual", None)
-    if vision is not None:
-        vision.to("cpu")
-    skip = {id(t) for t in tensors_of(vision)} if vision is not None else set()
-    decoder = text_encoder_layers(text_encoder, skip)
-    in_layers = {id(t) for t in tensors_of(decoder[1])} if decoder else set()
-    encoder = [t for t in tensors_of(text_encoder) if id(t) not in skip and id(t) not in in_layers]
-    encoder_layers = [tensors_of(layer) for layer in decoder[1]] if decoder else []
+    text, decoder = text_encoder_arena(pipe.text_encoder, pin, keep_vision=False)
     pipe.vae.to(device)
-    arenas = {"text_encoder": HostArena(encoder, pin, encoder_layers), "transformer": HostArena([], pin, blocks)}
+    arenas = {"text_encoder": text, "transformer": HostArena([], pin, blocks)}
     if device.type == "cuda":
         torch.cuda.empty_cache()  # the block linears' device copies the arenas replaced
     buffer = None
     if max_memory_gib is not None:
-        budget = LowMemoryBudget(
-            budget=int(max_memory_gib * GIB), context=context_bytes(device),
-            placed=placed_bytes(pipe),
-            workspace=workspace_bytes(pipe),
-            floor=max(arena.streaming_floor() for arena in arenas.values()))
-        budget.check()
-        buffer = min(budget.buffer, max(arena.nbytes for arena in arenas.values()))
+        buffer = budget_buffer(max_memory_gib, device, placed_bytes(pipe), workspace_bytes(pipe), arenas)
         transformer.modulation_tables.capacity = 1  # the plan's one table
-    turns = TakingTurns(arenas, device, main="transformer", buffer_bytes=buffer)
-    transformer.block_arena = arenas["transformer"]
-    if decoder is not None:
-        stream_text_encoder(*decoder, arenas["text_encoder"])
-    return turns
+    return turns_of(arenas, device, buffer, transformer, decoder)
