@@ -2,7 +2,7 @@
 
     python3 benchmarks/bench_qwen21.py [--sizes 1024,1328] [--condition] [--out DIR]          # the transformer
     python3 benchmarks/bench_qwen21.py --pipeline --tokenizer DIR [--sizes 1024,1328] [--condition]   # end to end
-        [--cache every:2,1,0 ...] [--steps6]
+        [--cache every:2,1,0 ...] [--steps6] [--fp8-attention]
     python3 benchmarks/bench_qwen21.py --pipeline --sizes "" --memory-low --tokenizer DIR   # memory="low" alone
     python3 benchmarks/bench_qwen21.py --pipeline --sizes "" --budgets 16 --tokenizer DIR   # under a 16 GiB cap
     python3 benchmarks/bench_qwen21.py --pipeline --tiny                                  # CPU logic check
@@ -29,7 +29,11 @@ stock. One timed call each after a 3-step warm-up call (ours captures its cached
 first call does). Each row's `variant`: "exact" (40 steps); with --steps6, "steps6" (stock and ours at 6 steps, a
 few-step LoRA's count); with --cache RULE, "cache" (ours with FastConfig(cache=RULE), checked against the same call
 run eagerly: the same decisions, latents within GRAPH_GATE; its error against stock and ours uncached, the blocks
-computed, and its decisions, beside it).
+computed, and its decisions, beside it). With --fp8-attention, ours again with FastConfig(fp8_attention="auto")
+(FA3; another optimize() of the same components): "fp8_attention" (40 steps), "fp8_attention+cache" per --cache
+RULE, and with --steps6 "steps6" with it too (`fp8_attention` true in the row); each gated by the option's declared
+bound (core/optimizations.py) on what it adds, its latents against ours without it (PSNR on the images), and
+printed beside stock.
 
 --budgets 16[,N...]: per image of 8 prompts (1024^2, 40 steps, no CFG, decoded; each prompt its own call, the 8
 encoded first in one text-encoder turn as `render` does, cli/run.encode_ahead; the time from the encoding to the
@@ -223,8 +227,11 @@ def pipeline_rows(args, env: dict) -> list[dict]:
     fp8 = not (args.tiny or args.no_fp8)
     stock = QwenImage21Pipeline(**components)
     fast = optimize(QwenImage21Pipeline(**components), FastConfig(fp8=fp8, attention=args.attention))
-    for pipe in (stock, fast):
-        pipe.set_progress_bar_config(disable=True)
+    fp8_fast = None if not args.fp8_attention else optimize(
+        QwenImage21Pipeline(**components), FastConfig(fp8=fp8, attention=args.attention, fp8_attention="auto"))
+    for pipe in (stock, fast, fp8_fast):
+        if pipe is not None:
+            pipe.set_progress_bar_config(disable=True)
     steps = 3 if args.tiny else STEPS
     sizes = [64] if args.tiny else [int(s) for s in args.sizes.split(",") if s]  # "": no such rows
     cases = [(size, {}) for size in sizes]
@@ -244,6 +251,51 @@ def pipeline_rows(args, env: dict) -> list[dict]:
             if variant == "exact":
                 for rule in args.cache:
                     rows.extend(cache_row(fast, kwargs, steps, rule, results, device, env, size))
+            if fp8_fast is not None:
+                rows.extend(fp8_attention_rows(fp8_fast, kwargs, variant_steps, variant, results, device, env, size,
+                                               args.cache if variant == "exact" else []))
+    return rows
+
+
+def fp8_attention_rows(fast, kwargs: dict, steps: int, variant: str, results: dict, device, env: dict, size: int,
+                       rules: list) -> list[dict]:
+    """Ours with FastConfig(fp8_attention="auto") (`fast`), after a 3-step warm-up call: its row (variant
+    "fp8_attention" for the 40-step call, else `variant` with fp8_attention true), then one per cache rule
+    ("fp8_attention+cache", cache_row's check); each gated by the option's bound on its latents against ours without
+    it (`results`: compare_with_stock's), printed beside stock."""
+    from bench_edit import call
+
+    from qwen_image_fast.cli.compare import psnr
+    from qwen_image_fast.pipelines.core.optimizations import BY_NAME
+
+    bound = BY_NAME["fp8_attention"].bound
+    kernel, why = fast.transformer.fp8_attention
+    if kernel is None:  # "auto" found no kernel here (the CPU check): no row says FP8 attention ran
+        print(f"{size}^2 fp8_attention: not run here ({why})", flush=True)
+        return []
+    call(fast, kwargs, 3, device)
+    seconds, parts, latents, image = call(fast, kwargs, steps, device)
+    (stock_s, _, stock_latents, stock_image), (ours_s, _, ours_latents, ours_image) = results["stock"], results["ours"]
+    line = dict(env, bench="qwen21_pipeline", impl="ours", size=(size // 32) * 32, steps=steps,
+                condition_images=len(kwargs.get("image", ())),
+                variant="fp8_attention" if variant == "exact" else variant, fp8_attention=True, s_per_image=seconds,
+                ms_per_step=1000 * (seconds - sum(parts.values())) / steps,
+                latent_rel_rms=rel_rms_error(latents, stock_latents), psnr_db=psnr(image, stock_image),
+                rel_rms_vs_bf16_attention=rel_rms_error(latents, ours_latents),
+                psnr_vs_bf16_attention=psnr(image, ours_image), gate=(bound.full, bound.full_psnr_db),
+                applied=fast.applied, **parts)
+    print(f"{size}^2 {line['variant']} ({steps} steps): {seconds:6.2f} s  {line['ms_per_step']:6.1f} ms/step  vs ours "
+          f"without it rel-RMS {line['rel_rms_vs_bf16_attention']:.3e} PSNR {line['psnr_vs_bf16_attention']:.1f} dB  "
+          f"vs stock rel-RMS {line['latent_rel_rms']:.3e} PSNR {line['psnr_db']:.1f} dB  {fast.applied}", flush=True)
+    if not (line["rel_rms_vs_bf16_attention"] <= bound.full and line["psnr_vs_bf16_attention"] >= bound.full_psnr_db):
+        print(f"  FAILED the option's bound ({bound.full}, {bound.full_psnr_db} dB): no speed reported", flush=True)
+        return []
+    line.update(speedup_vs_stock=stock_s / seconds, speedup_vs_bf16_attention=ours_s / seconds)
+    print(f"  x{line['speedup_vs_stock']:.2f} stock, x{line['speedup_vs_bf16_attention']:.2f} ours without it",
+          flush=True)
+    rows = [line]
+    for rule in rules:
+        rows.extend(cache_row(fast, kwargs, steps, rule, results, device, env, size, variant="fp8_attention+cache"))
     return rows
 
 
@@ -455,7 +507,8 @@ def budget_rows(args, env: dict) -> list[dict]:
     return rows
 
 
-def cache_row(fast, kwargs: dict, steps: int, rule: str, results: dict, device, env: dict, size: int) -> list[dict]:
+def cache_row(fast, kwargs: dict, steps: int, rule: str, results: dict, device, env: dict, size: int,
+              variant: str = "cache") -> list[dict]:
     """Ours with FastConfig(cache=rule): graphed (after a 3-step warm-up call) against the same call run eagerly
     (the check: the same decisions, latents within GRAPH_GATE; else no speed), and beside stock and ours uncached
     (`results`: compare_with_stock's). The pipeline's config is put back."""
@@ -481,13 +534,13 @@ def cache_row(fast, kwargs: dict, steps: int, rule: str, results: dict, device, 
         fast.fast_config = config
     (stock_s, _, stock_latents, stock_image), (ours_s, _, ours_latents, ours_image) = results["stock"], results["ours"]
     graph_error = rel_rms_error(latents, eager[2])
-    line = dict(env, bench="qwen21_pipeline", impl="ours", variant="cache", cache=label, size=(size // 32) * 32,
+    line = dict(env, bench="qwen21_pipeline", impl="ours", variant=variant, cache=label, size=(size // 32) * 32,
                 steps=steps, condition_images=len(kwargs.get("image", ())), s_per_image=seconds,
                 ms_per_step=1000 * (seconds - sum(parts.values())) / steps, blocks_computed=ran, decisions=decided,
                 latent_rel_rms=rel_rms_error(latents, stock_latents), psnr_db=psnr(image, stock_image),
                 rel_rms_vs_uncached=rel_rms_error(latents, ours_latents), psnr_vs_uncached=psnr(image, ours_image),
                 graphed_vs_eager_rel_rms=graph_error, applied=applied, **parts)
-    print(f"{size}^2 cache {label}: {seconds:6.2f} s  {line['ms_per_step']:6.1f} ms/step  blocks {ran:.3f}  "
+    print(f"{size}^2 {variant} {label}: {seconds:6.2f} s  {line['ms_per_step']:6.1f} ms/step  blocks {ran:.3f}  "
           f"vs uncached rel-RMS {line['rel_rms_vs_uncached']:.3e} PSNR {line['psnr_vs_uncached']:.1f} dB  vs stock "
           f"rel-RMS {line['latent_rel_rms']:.3e} PSNR {line['psnr_db']:.1f} dB  graphed vs eager {graph_error:.1e}  "
           f"{decided}", flush=True)
@@ -567,6 +620,8 @@ def main():
     parser.add_argument("--cache", action="append", default=[],
                         help="with --pipeline: also ours with FastConfig(cache=RULE) (repeatable), e.g. every:2,1,0")
     parser.add_argument("--steps6", action="store_true", help="with --pipeline: also stock and ours at 6 steps")
+    parser.add_argument("--fp8-attention", action="store_true",
+                        help="with --pipeline: also ours with FastConfig(fp8_attention='auto') (FA3)")
     parser.add_argument("--memory-low", action="store_true",
                         help="with --pipeline: then ours resident and with memory='low' at 1024^2 (peak reserved)")
     parser.add_argument("--memory-batches", default="1", help="with --memory-low: the batch sizes, e.g. 1,4")

@@ -30,8 +30,8 @@ TINY = {
     "bench_memory.py --budgets": ["--tiny", "--budgets", "0.4", "--prompts", "1"],  # the 16 GiB rows' path
     "bench_parallel.py": ["--tiny"],  # under torchrun, 2 processes on gloo
     "bench_pipeline.py": ["--tiny"],
-    "bench_qwen21.py": ["--pipeline", "--tiny", "--cache", "every:2,1,0", "--steps6", "--memory-low",
-                        "--memory-batches", "1,2"],
+    "bench_qwen21.py": ["--pipeline", "--tiny", "--cache", "every:2,1,0", "--steps6", "--fp8-attention",
+                        "--memory-low", "--memory-batches", "1,2"],
     "bench_ray.py": ["--tiny"],  # a local Ray cluster per run, started by the command
     "bench_serve.py": ["--tiny", "--port", "0", "--out", "{tmp}/out"],  # a folder not made yet
     "bench_text.py": ["--tiny"],

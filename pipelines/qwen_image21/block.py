@@ -1,18 +1,35 @@
 """Qwen-Image-2.1's block on the fused kernels (model.py's docstring has its equations and the attention layout), and
-what every block of a forward reads: the modulation rows (Rows) and the attention plan (Attention)."""
+what every block of a forward reads: the modulation rows (Rows) and the attention plan (Attention).
+
+FP8 attention (FastConfig(fp8_attention=...)): the target's queries attend in FP8 to two key sets, each quantized
+once with its own v scale: the target's keys and values (this forward's, [B, T, H, D] scratch) and the prefix's (the
+prefix cache in FP8, Fp8Prefix, written when the prefix is computed), one attention call each (its log-sum-exp
+returned, core/model/fp8_attention.fp8_attention_lse), merged into the output projection's rowwise-FP8 operand by
+one kernel (kernels/attention_merge.py). q and k take the RMSNorm bound's static scales (kernels/qkv_pack.py), which
+hold for every step, so the prefix's keys are valid against any step's queries; v's scale comes from its bound over
+the QKV GEMM's FP8 row scales (core/model/fp8_attention.py), or where that does not hold (FP8 GEMMs off, a LoRA on
+v) from an amax pass (quantize_fp8_heads). A prefill's prefix queries attend block-causally in BF16, as without the
+option (once a call).
+"""
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ...kernels._utils import FP8_DTYPE
+from ...kernels.attention_merge import merge_attention
 from ...kernels.fp8 import quantize_fp8_rowwise
+from ...kernels.output_bound import output_bound_scales
 from ...kernels.layer_norm_modulate import layer_norm_modulate, layer_norm_modulate_fp8
-from ...kernels.qkv_pack import qkv_pack
+from ...kernels.qkv_pack import qkv_pack, rms_norm_fp8_scale
+from ...kernels.quantize_heads import quantize_fp8_heads
 from ...kernels.residual_gate import residual_gate_layer_norm_modulate, residual_gate_layer_norm_modulate_fp8
 from ...kernels.swiglu import silu_mul, silu_mul_fp8
 from ..core.config import FastTransformerConfig
 from ..core.model.attention import TextMask, joint_attention
+from ..core.model.fp8_attention import fp8_attention_lse, lora_adds_to_v, v_weight_bound
 from ..core.model.linear import FastLinear, Operand, as_fp8_operand, q_dtype_for
+from ..core.runtime.cuda_graph import read_by_graph
 
 LINEARS = ("qkv", "out", "gate_up", "down")  # a block's fused linears: [W_q; W_k; W_v], W_out, [W_gate; W_up], W_down
 
@@ -34,12 +51,27 @@ class Rows:
 
 class Attention:
     """One forward's attention plan: the keys' padding ([target, prefix] per sample), and for a prefill the prefix's
-    segments (diffusers' (start, end, is_text) runs) and key validity [B, P]."""
+    segments (diffusers' (start, end, is_text) runs) and key validity [B, P]. fp8: the FP8 attention kernel (None:
+    `backend` in BF16), prefix_valid: int32 [B] each sample's valid prefix keys (None: all)."""
 
     def __init__(self, backend: str, seqused_k: torch.Tensor, key_mask: torch.Tensor, segments=None,
-                 prefix_key_valid=None):
+                 prefix_key_valid=None, fp8: str | None = None, prefix_valid: torch.Tensor | None = None):
         self.backend, self.mask = backend, TextMask.of(seqused_k, key_mask)
         self.segments, self.prefix_key_valid = segments, prefix_key_valid
+        self.fp8, self.prefix_valid = fp8, prefix_valid
+
+
+class Fp8Prefix:
+    """One block's prefix keys and values in FP8 (the prefix cache under FP8 attention): k8, v8 [B, P, H, D] e4m3
+    (k at the block's static k scale), v_scales fp32 [B, H]; quantized once, when the prefix is computed."""
+
+    def __init__(self, shape: tuple, device):
+        self.k8 = torch.empty(shape, dtype=FP8_DTYPE, device=device)
+        self.v8 = torch.empty(shape, dtype=FP8_DTYPE, device=device)
+        self.v_scales = torch.empty(shape[0], shape[2], dtype=torch.float32, device=device)
+
+    def __iter__(self):  # its tensors, as a BF16 block's (key, value) pair iterates
+        return iter((self.k8, self.v8, self.v_scales))
 
 
 class AttentionPart(nn.Module):
@@ -49,9 +81,9 @@ class AttentionPart(nn.Module):
     [B, N, D] in the joint order. It holds no weights (they stay the block's: its state dict is unchanged); the
     block passes itself in."""
 
-    def forward(self, block: "FastBlock21", h, shape: tuple, rows: Rows, plan: "Attention", kv: tuple,
-                scratch_q: torch.Tensor) -> torch.Tensor:
-        return block.attention(h, shape, rows, plan, kv, scratch_q)
+    def forward(self, block: "FastBlock21", h, shape: tuple, rows: Rows, plan: "Attention", kv,
+                scratch) -> torch.Tensor:
+        return block.attention(h, shape, rows, plan, kv, scratch)
 
 
 class FastBlock21(nn.Module):
@@ -110,29 +142,115 @@ class FastBlock21(nn.Module):
         x, y = residual_gate_layer_norm_modulate(x, out, gate, rows.shift, scale, mod_row=rows.mod_row, eps=self.eps)
         return x, y.flatten(0, 1)
 
-    def forward(self, x: torch.Tensor, tail, rows: Rows, plan: Attention, kv: tuple, scratch_q: torch.Tensor):
+    def forward(self, x: torch.Tensor, tail, rows: Rows, plan: Attention, kv, scratch):
         """x [B, N, D] (tail: the previous block's (out, tanh gate) not yet added); kv: this block's key and value
-        buffers [B, T + P, H, D] (a cached step's hold the prefix at rows T..); scratch_q: the queries' buffer of
-        that shape. Returns (x, tail) with this block's MLP left as the tail."""
+        buffers [B, T + P, H, D] (a cached step's hold the prefix at rows T..), or its Fp8Prefix; scratch: the
+        attention's scratch (attention()). Returns (x, tail) with this block's MLP left as the tail."""
         x, h = self.head(x, tail, rows, rows.scale1)
-        a = self.attn(self, h, x.shape, rows, plan, kv, scratch_q)
+        a = self.attn(self, h, x.shape, rows, plan, kv, scratch)
         x, h = self.head(x, (a, rows.gate1), rows, rows.scale2)
         gate_up = self.gate_up(h)
         m = as_fp8_operand(*silu_mul_fp8(gate_up, q_dtype_for(x.device))) if self.fp8 else silu_mul(gate_up)
         return x, (self.down(m).view(x.shape), rows.gate2)
 
-    def attention(self, h, shape: tuple, rows: Rows, plan: Attention, kv: tuple, scratch_q) -> torch.Tensor:
+    def attention(self, h, shape: tuple, rows: Rows, plan: Attention, kv, scratch) -> torch.Tensor:
         """The normed rows h (the QKV GEMM's operand) of x [B, N, D] = shape -> the output projection of the
-        attention [B, N, D]; the keys and values written into kv on the way."""
+        attention [B, N, D]; the keys and values written into kv on the way. BF16 attention: kv the block's (key,
+        value) buffers [B, T + P, H, D], scratch the queries' buffer of that shape; FP8 (plan.fp8): kv its
+        Fp8Prefix, scratch the target's (q8, k8, v8) [B, T, H, D] e4m3."""
+        if plan.fp8:
+            return self.attention_fp8(h, shape, rows, plan, kv, scratch)
         batch, n, dim = shape
         qkv = self.qkv(h).view(batch, n, 3 * dim)
         k, v = kv
         t, p = rows.target_rows, rows.prefix_rows
-        qkv_pack(qkv[:, p:], self.norm_q, self.norm_k, rows.freqs[p:], scratch_q, k, v, 0, self.eps)
+        qkv_pack(qkv[:, p:], self.norm_q, self.norm_k, rows.freqs[p:], scratch, k, v, 0, self.eps)
         if p:
-            qkv_pack(qkv[:, :p], self.norm_q, self.norm_k, rows.freqs[:p], scratch_q, k, v, t, self.eps)
-        o = attend(scratch_q, k, v, t, p, plan)  # [B, N, H, D] in x's order
+            qkv_pack(qkv[:, :p], self.norm_q, self.norm_k, rows.freqs[:p], scratch, k, v, t, self.eps)
+        o = attend(scratch, k, v, t, p, plan)  # [B, N, H, D] in x's order
         return self.out(self.rows(o.view(batch, n, dim))).view(batch, n, dim)
+
+    def qk_fp8_scales(self, batch: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """FP8 attention's q and k scales (the RMSNorm bound: any input, any step): [1] each (qkv_pack's), then
+        [batch, H] each (the attention kernel's descales), computed once for these norm weights and batch."""
+        key = (batch,) + tuple((w.data_ptr(), w._version) for w in (self.norm_q, self.norm_k))
+        if getattr(self, "_qk_fp8_key", None) != key:
+            scales = tuple(rms_norm_fp8_scale([w], self.head_dim) for w in (self.norm_q, self.norm_k))
+            self._qk_fp8_scales = scales + tuple(s.expand(batch, self.heads).contiguous() for s in scales)
+            self._qk_fp8_key = key
+        return self._qk_fp8_scales
+
+    def v_fp8_scale(self, h) -> torch.Tensor | None:
+        """v's FP8 scale [1] from its bound over the QKV GEMM's FP8 row scales (every row of this forward: a
+        prefill's prefix and target share it), or None where the bound does not hold (the operand or the weight not
+        FP8, a LoRA adding to v's rows)."""
+        inner = self.heads * self.head_dim
+        if not isinstance(h, tuple) or not self.qkv.fp8 or lora_adds_to_v(self.qkv, inner):
+            return None
+        terms = v_weight_bound(self.qkv, slice(2 * inner, None))
+        read_by_graph(*terms)  # cached for these weights, made before the forward
+        return output_bound_scales([h[1].reshape(-1, 1)], [terms], 1.0)[:1]
+
+    def attention_fp8(self, h, shape: tuple, rows: Rows, plan: Attention, prefix: Fp8Prefix, scratch: tuple):
+        """attention() under FP8 attention (the module docstring)."""
+        batch, n, dim = shape
+        qkv = self.qkv(h).view(batch, n, 3 * dim)
+        t, p = rows.target_rows, rows.prefix_rows
+        q8, k8, v8 = scratch
+        q_scale, k_scale, q_descale, k_descale = self.qk_fp8_scales(batch)
+        qk_scales = (q_scale, k_scale)
+        read_by_graph(q_scale, k_scale, q_descale, k_descale)
+        v_scale = self.v_fp8_scale(h)
+        v = v8 if v_scale is not None else torch.empty(v8.shape, dtype=qkv.dtype, device=qkv.device)
+        qkv_pack(qkv[:, p:], self.norm_q, self.norm_k, rows.freqs[p:], q8, k8, v, 0, self.eps,
+                 qk_scales=qk_scales, v_scale=v_scale)
+        if v_scale is None:
+            v8, v_scales = quantize_fp8_heads(v, torch.full((batch,), t, dtype=torch.int32, device=v.device),
+                                              per_tensor=False)
+        else:
+            v_scales = v_scale.expand(batch, self.heads)
+        prefix_o = self._prefill_prefix(qkv[:, :p], rows, plan, prefix, qk_scales, v_scale) if p else None
+        o_t, lse_t = fp8_attention_lse(plan.fp8, q8, k8, v8, q_descale, k_descale, v_scales, dtype=qkv.dtype)
+        o_p, lse_p = fp8_attention_lse(plan.fp8, q8, prefix.k8, prefix.v8, q_descale, k_descale, prefix.v_scales,
+                                       plan.prefix_valid, qkv.dtype)
+        if self.out.fp8:  # the output projection's rowwise-FP8 operand [B, N, D], the prefix's rows first
+            codes = torch.empty(batch, n, dim, dtype=q_dtype_for(qkv.device), device=qkv.device)
+            scales = torch.empty(batch, n, dtype=torch.float32, device=qkv.device)
+            merge_attention(o_t, lse_t, o_p, lse_p, codes[:, p:], scales[:, p:])
+            if p:
+                prefix_codes, prefix_scales = quantize_fp8_rowwise(prefix_o.reshape(batch, p, dim), codes.dtype)
+                codes[:, :p], scales[:, :p] = prefix_codes, prefix_scales[..., 0]
+            operand = as_fp8_operand(codes.view(-1, dim), scales.view(-1, 1))
+        else:
+            operand = torch.empty(batch, n, dim, dtype=qkv.dtype, device=qkv.device)
+            merge_attention(o_t, lse_t, o_p, lse_p, operand[:, p:])
+            if p:
+                operand[:, :p] = prefix_o.reshape(batch, p, dim)
+            operand = operand.view(-1, dim)
+        return self.out(operand).view(batch, n, dim)
+
+    def _prefill_prefix(self, qkv, rows: Rows, plan: Attention, prefix: Fp8Prefix, qk_scales, v_scale):
+        """A prefill's prefix rows qkv [B, P, 3D]: their keys and values into the FP8 prefix cache (k at the static
+        scale; v at v_scale, the target's in this forward, or measured over the valid keys); returns the prefix
+        queries' block-causal attention [B, P, H, D] in BF16 (the BF16 path's)."""
+        batch, p = qkv.shape[:2]
+        q, k, v = (torch.empty(batch, p, self.heads, self.head_dim, dtype=qkv.dtype, device=qkv.device)
+                   for _ in range(3))
+        qkv_pack(qkv, self.norm_q, self.norm_k, rows.freqs[:p], q, k, v, 0, self.eps)
+        q8 = torch.empty(q.shape, dtype=FP8_DTYPE, device=q.device)  # written, unread: the prefix queries' are BF16
+        if v_scale is not None:
+            qkv_pack(qkv, self.norm_q, self.norm_k, rows.freqs[:p], q8, prefix.k8, prefix.v8, 0, self.eps,
+                     qk_scales=qk_scales, v_scale=v_scale)
+            prefix.v_scales.copy_(v_scale.expand(batch, self.heads))
+        else:
+            qkv_pack(qkv, self.norm_q, self.norm_k, rows.freqs[:p], q8, prefix.k8, v, 0, self.eps,
+                     qk_scales=qk_scales)  # v written again, the same values
+            valid = plan.prefix_valid if plan.prefix_valid is not None else torch.full(
+                (batch,), p, dtype=torch.int32, device=v.device)
+            v8, v_scales = quantize_fp8_heads(v, valid, per_tensor=False)
+            prefix.v8.copy_(v8)
+            prefix.v_scales.copy_(v_scales)
+        return prefix_attention(q, k, v, plan)
 
 
 def attend(q, k, v, t: int, p: int, plan: Attention) -> torch.Tensor:
@@ -141,7 +259,13 @@ def attend(q, k, v, t: int, p: int, plan: Attention) -> torch.Tensor:
     target = joint_attention(q[:, :t].contiguous(), k, v, plan.mask, plan.backend)  # a view when B = 1
     if not p:
         return target
-    qt, kt, vt = (x[:, t:].transpose(1, 2) for x in (q, k, v))  # the prefix [B, H, P, D], its own order
+    return torch.cat([prefix_attention(q[:, t:], k[:, t:], v[:, t:], plan), target], dim=1).contiguous()
+
+
+def prefix_attention(q, k, v, plan: Attention) -> torch.Tensor:
+    """A prefill's prefix queries q [B, P, H, D] against its keys and values (diffusers' QwenImage21AttnProcessor:
+    causal over text, bidirectional inside each image block, padded keys masked) -> [B, P, H, D]."""
+    qt, kt, vt = (x.transpose(1, 2) for x in (q, k, v))  # [B, H, P, D]
     outputs = []
     for start, end, is_text in plan.segments:  # diffusers' QwenImage21AttnProcessor prefill, segment by segment
         mask = None
@@ -154,4 +278,4 @@ def attend(q, k, v, t: int, p: int, plan: Attention) -> torch.Tensor:
             mask = valid if mask is None else mask & valid
         outputs.append(F.scaled_dot_product_attention(qt[:, :, start:end], kt[:, :, :end], vt[:, :, :end],
                                                       attn_mask=mask))
-    return torch.cat([torch.cat(outputs, dim=2).transpose(1, 2), target], dim=1).contiguous()
+    return torch.cat(outputs, dim=2).transpose(1, 2)

@@ -64,18 +64,20 @@ from diffusers.models.transformers.transformer_qwenimage21 import (
     _qwenimage21_prefix_segments,
 )
 
+from ...kernels._utils import FP8_DTYPE
 from ...kernels.layer_norm_modulate import layer_norm_modulate
 from ...kernels.residual_gate import residual_gate, residual_gate_layer_norm_modulate
 from ..core.config import FastTransformerConfig
 from ..core.model.adapters import LoraAdapters, check_carriable, peft_lora_layers
 from ..core.model.attention import resolve_backend
+from ..core.model.fp8_attention import LSE_KERNELS, fp8_attention_kernel
 from ..core.model.numerics import clip_float16
 from ..core.model.checkpoint import FastCheckpoint
 from ..core.model.lora import LoraState, lora_scale_of
 from ..core.model.unsupported import Unsupported, refuse
 from ..core.runtime.context import count_blocks, forward_context, get_context, record
 from ..core.runtime.cuda_graph import read_by_graph, signature
-from .block import Attention, FastBlock21, Rows
+from .block import Attention, FastBlock21, Fp8Prefix, Rows
 from .single_file import QwenImage21SingleFile
 from .single_file import layout as family_layout
 
@@ -126,6 +128,7 @@ class Layout:
             raise ValueError("encoder_hidden_states_mask must mark each prompt's padding at its end (right padding, "
                              "as QwenImage21Pipeline builds it): the fast attention counts the valid keys")
         self.seqused_k = (self.target + valid).to(torch.int32)
+        self.prefix_valid = valid.to(torch.int32) if text_mask is not None else None  # [B], FP8 attention's
         self.key_mask = torch.cat([key_valid.new_ones(batch, self.target), key_valid], dim=1)[:, None, None, :]
         self.segments = _qwenimage21_prefix_segments(image_ids, self.prefix)
 
@@ -151,17 +154,19 @@ class PrefixCache:
         self.serials = itertools.count()
         self.freed: set[int] = set()
 
-    def bind(self, handle, name: str, shape: tuple, dtype, device, n_blocks: int) -> list:
-        """The buffers of the slot bound to `handle` (a new slot frees those whose handles are gone first)."""
+    def bind(self, handle, name: str, shape: tuple, dtype, device, n_blocks: int, fp8: bool = False) -> list:
+        """The buffers of the slot bound to `handle` (a new slot frees those whose handles are gone first): per block
+        (key, value) [B, T + P, H, D] = shape, or under FP8 attention (fp8) an Fp8Prefix of shape [B, P, H, D]."""
         for n in range(len(self.slots) + 1):
-            key = (name, n, shape, dtype, str(device))
+            key = (name, n, shape, dtype if not fp8 else "fp8", str(device))
             slot = self.slots.get(key)
             if slot is None or slot[0]() is None or slot[0]() is handle:
                 break
         if slot is None:
             for k in [k for k, (owner, _, _) in self.slots.items() if owner() is None]:
                 self.freed.add(self.slots.pop(k)[2])
-            buffers = [(torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device))
+            buffers = [Fp8Prefix(shape, device) if fp8 else
+                       (torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device))
                        for _ in range(n_blocks)]
             slot = self.slots[key] = [None, buffers, next(self.serials)]
         slot[0] = weakref.ref(handle)
@@ -222,9 +227,11 @@ class FastQwenImage21Transformer(Unsupported, LoraAdapters, QwenImage21SingleFil
         config = {**STOCK_CONFIG, **config}
         fast_config = (FastTransformerConfig.of(fast_config) if isinstance(fast_config, FastTransformerConfig)
                        else FastTransformerConfig.from_dict(fast_config or {}))
-        if fast_config.fp8_attention != "off":
-            raise ValueError(f"fp8_attention={fast_config.fp8_attention!r} is not supported on Qwen-Image-2.1 yet (its "
-                             "attention is block-causal, with a prefix cache): keep fp8_attention='off'")
+        if fast_config.fp8_attention not in ("off", "auto") + LSE_KERNELS:
+            raise ValueError(f"fp8_attention={fast_config.fp8_attention!r} is not available on Qwen-Image-2.1: its "
+                             "target's queries attend to the prefix cache and to their own keys in two calls merged "
+                             "by their log-sum-exps, which cuDNN's FP8 SDPA does not return; use fp8_attention='fa3' "
+                             "or 'auto'")
         if fast_config.bf16_linears:
             raise ValueError(f"bf16_linears={list(fast_config.bf16_linears)} names Qwen-Image-2512's linears; "
                              "Qwen-Image-2.1 runs all of its block linears (qkv, out, gate_up, down) in FP8 with "
@@ -269,6 +276,8 @@ class FastQwenImage21Transformer(Unsupported, LoraAdapters, QwenImage21SingleFil
         device = torch.device(device) if device is not None else stock.device
         if config.attention != "auto":
             resolve_backend(config.attention, device, stock.dtype)  # a clear error before any conversion
+        if config.fp8_attention in LSE_KERNELS:  # a named kernel that cannot run: before any conversion
+            fp8_attention_kernel(config.fp8_attention, device, stock.dtype, LSE_KERNELS)
         stock_config = {name: stock.config[name] for name in STOCK_CONFIG if name in stock.config}
         with torch.device("meta"):
             fast = cls(config, **{**stock_config, "num_layers": 0})
@@ -285,12 +294,19 @@ class FastQwenImage21Transformer(Unsupported, LoraAdapters, QwenImage21SingleFil
     def attention_backend(self) -> str:
         return resolve_backend(self.fast_config.attention, self.device, self.dtype)
 
+    @property
+    def fp8_attention(self) -> tuple[str | None, str | None]:
+        """(the FP8 attention kernel the forwards run, None) or (None, why not) (core/model/fp8_attention.py)."""
+        return fp8_attention_kernel(self.fast_config.fp8_attention, self.device, self.dtype, LSE_KERNELS)
+
     def running(self) -> list[tuple[str, object]]:
         """What a forward runs, as core/optimizations.py names it (recorded in a pipeline call's CallRecord)."""
         fp8 = self.fast_config.fp8
+        kernel = self.fp8_attention[0]
         return ([("fused_transformer", True)] + ([("fp8", True)] if fp8 else [])
                 + ([("fp8_fast_accum", True)] if fp8 and self.fast_config.fp8_fast_accum else [])
-                + [("attention", self.attention_backend)] + list(self.single_file.applied if self.single_file else ()))
+                + [("attention", self.attention_backend)] + ([("fp8_attention", kernel)] if kernel else [])
+                + list(self.single_file.applied if self.single_file else ()))
 
     # ---- diffusers' CacheMixin: the pipeline names each pass; TaylorSeerCacheConfig's hooks on the blocks' `attn`
 
@@ -383,17 +399,22 @@ class FastQwenImage21Transformer(Unsupported, LoraAdapters, QwenImage21SingleFil
             graphs = None
         blocks = len(self.transformer_blocks)
 
+        fp8_attention = self.fp8_attention[0]
+        kv_shape = (batch, layout.prefix if fp8_attention else layout.target + layout.prefix,
+                    self.config.num_attention_heads, self.config.attention_head_dim)
         if kv_cache_mode == "cached":  # only the target's tokens: their latents are the last `target` rows
             kvs = self.prefix_cache.of(kv_cache)
-            if kvs[0][0].shape[:2] != (batch, layout.target + layout.prefix):
-                raise ValueError(f"the prefix KV cache holds {tuple(kvs[0][0].shape[:2])} (batch, keys), this "
-                                 f"forward needs {(batch, layout.target + layout.prefix)}: extract it anew")
+            if tuple(next(iter(kvs[0])).shape) != kv_shape:
+                raise ValueError(f"the prefix KV cache holds {tuple(next(iter(kvs[0])).shape[:2])} (batch, keys), "
+                                 f"this forward needs {kv_shape[:2]}: extract it anew")
             if graphs is not None:
                 self.prefix_cache.stale_graphs(graphs)
             # what a graph reads beside its inputs: the slot's buffers, the layout's tables (by content), the
             # adapters as they are
-            graph_key = ("cached_step", self.prefix_cache.serial(kv_cache), layout.key, backend)
-            piece = functools.partial(self._cached_piece, graphs, graph_key, layout, kvs, backend)
+            graph_key = ("cached_step", self.prefix_cache.serial(kv_cache), layout.key, backend, fp8_attention)
+            plan = Attention(backend, layout.seqused_k, layout.key_mask, fp8=fp8_attention,
+                             prefix_valid=layout.prefix_valid)
+            piece = functools.partial(self._cached_piece, graphs, graph_key, layout, kvs, plan)
             inputs = dict(hidden_states=hidden_states[:, -layout.target:], timestep=timestep)
             if step_cache is None:
                 count_blocks(blocks * batch, blocks * batch)
@@ -407,16 +428,16 @@ class FastQwenImage21Transformer(Unsupported, LoraAdapters, QwenImage21SingleFil
         x = self._joint(hidden_states, encoder_hidden_states, img_mask, layout)
         modulation, temb = self._modulation(timestep, hidden_states)
         rows = Rows(modulation, layout.mod_row, layout.freqs, layout.prefix, layout.target)
-        plan = Attention(backend, layout.seqused_k, layout.key_mask, layout.segments, layout.key_valid)
-        shape = (batch, layout.target + layout.prefix, self.config.num_attention_heads,
-                 self.config.attention_head_dim)
+        plan = Attention(backend, layout.seqused_k, layout.key_mask, layout.segments, layout.key_valid,
+                         fp8_attention, layout.prefix_valid)
         if kv_cache_mode == "extract":
-            kvs = self.prefix_cache.bind(kv_cache, self._cache_name or "default", shape, dtype, device, blocks)
+            kvs = self.prefix_cache.bind(kv_cache, self._cache_name or "default", kv_shape, dtype, device, blocks,
+                                         fp8=fp8_attention is not None)
             if graphs is not None:
                 self.prefix_cache.stale_graphs(graphs)
-        else:
-            scratch = (torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype,
-                                                                                    device=device))
+        else:  # one scratch for every block: each writes it, then reads it
+            scratch = Fp8Prefix(kv_shape, device) if fp8_attention else (
+                torch.empty(kv_shape, dtype=dtype, device=device), torch.empty(kv_shape, dtype=dtype, device=device))
             kvs = [scratch] * blocks
         if step_cache is None:
             count_blocks(blocks * batch, blocks * batch)
@@ -463,7 +484,7 @@ class FastQwenImage21Transformer(Unsupported, LoraAdapters, QwenImage21SingleFil
         temb = self.time_text_embed(timestep, hidden_states)
         return self.modulation(temb), temb
 
-    def _cached_piece(self, graphs, graph_key: tuple, layout: Layout, kvs: list, backend: str, name: str,
+    def _cached_piece(self, graphs, graph_key: tuple, layout: Layout, kvs: list, plan: Attention, name: str,
                       inputs: dict, start: int = 0, stop: int | None = None, img=None, txt=None):
         """A cached step (name "step": all of it), or one piece of it under a step cache ("front": blocks
         [0, stop) -> (x, None, r); "middle": [start, stop) on img -> (x, None); "back": [start, N) and the output),
@@ -471,22 +492,22 @@ class FastQwenImage21Transformer(Unsupported, LoraAdapters, QwenImage21SingleFil
         stop = len(self.transformer_blocks) if stop is None else stop
         if name in ("middle", "back"):  # from the front's rows: the latents are not read again
             inputs = dict(timestep=inputs["timestep"], img=img)
-        compute = functools.partial(self._cached_step, layout, kvs, backend, name, start, stop)
+        compute = functools.partial(self._cached_step, layout, kvs, plan, name, start, stop)
         if graphs is None:
             return compute(**inputs)
         return graphs.run((signature(inputs), self.lora_key(), graph_key + (name, start, stop)), inputs, compute)
 
-    def _cached_step(self, layout: Layout, kvs: list, backend: str, name: str, start: int, stop: int, timestep,
+    def _cached_step(self, layout: Layout, kvs: list, plan: Attention, name: str, start: int, stop: int, timestep,
                      hidden_states=None, img=None):
         """The blocks [start, stop) of a cached step on the target's rows: from its latents [B, T, C] (name "step"
         and "front"), or from the rows img [B, T, D] a piece before it left; every token reads its sample's row."""
         # the layout's tables and masks and the prefix buffers, made before the step: a graph of it keeps them
-        read_by_graph(layout.freqs, layout.seqused_k, layout.key_mask, *(t for kv in kvs for t in kv))
+        read_by_graph(layout.freqs, layout.seqused_k, layout.key_mask, *(t for kv in kvs for t in kv),
+                      *(() if layout.prefix_valid is None else (layout.prefix_valid,)))
         x = self.img_in(hidden_states) if img is None else img
         batch = x.shape[0]
         modulation, temb = self._modulation(timestep, x)
         rows = Rows(modulation[:batch], None, layout.freqs[layout.prefix:], 0, layout.target)
-        plan = Attention(backend, layout.seqused_k, layout.key_mask)
         return self._piece(name, x, rows, plan, kvs, temb, start, stop, layout.target)
 
     def _prefill_piece(self, x, rows: Rows, plan: Attention, kvs: list, temb, target: int, name: str, inputs: dict,
@@ -509,14 +530,18 @@ class FastQwenImage21Transformer(Unsupported, LoraAdapters, QwenImage21SingleFil
     def _blocks(self, x, tail, rows: Rows, plan: Attention, kvs: list, start: int, stop: int):
         """Blocks [start, stop) on x -> (x, the last block's residual left to the next kernel, or None); under a
         memory budget the streamed blocks' weights are copied in ahead of them (core/runtime/streaming.py)."""
-        scratch_q = torch.empty(kvs[0][0].shape, dtype=x.dtype, device=x.device)
+        if plan.fp8:  # the target's q, k, v in FP8 [B, T, H, D]
+            shape = (x.shape[0], rows.target_rows, self.config.num_attention_heads, self.config.attention_head_dim)
+            scratch = tuple(torch.empty(shape, dtype=FP8_DTYPE, device=x.device) for _ in range(3))
+        else:  # the queries' buffer, as the blocks' key and value buffers
+            scratch = torch.empty(kvs[0][0].shape, dtype=x.dtype, device=x.device)
         streaming = self.block_arena.stream if self.block_arena is not None else None
         if streaming is not None:
             streaming.begin(start, stop)
         for i in range(start, stop):
             if streaming is not None:
                 streaming.before(i)
-            x, tail = self.transformer_blocks[i](x, tail, rows, plan, kvs[i], scratch_q)
+            x, tail = self.transformer_blocks[i](x, tail, rows, plan, kvs[i], scratch)
             if x.dtype == torch.float16:  # diffusers' block clips its float16 output to the finite range
                 x, tail = clip_float16(residual_gate(x, *tail, mod_row=rows.mod_row)), None
         if streaming is not None:

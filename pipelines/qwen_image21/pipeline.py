@@ -111,6 +111,8 @@ class FastQwenImage21Pipeline(TurnTakingPipeline, FastPipelineState, FastLoraPip
                      fast_accum=fused and transformer.fast_config.fp8 and transformer.fast_config.fp8_fast_accum,
                      fp8_why=fp8_gemm_why_not(transformer.device) if fused and not transformer.fast_config.fp8 else None,
                      attention=transformer.attention_backend if fused else None,
+                     fp8_attention=transformer.fp8_attention[0] if fused else None,
+                     fp8_attention_why=transformer.fp8_attention[1] if fused else None,
                      offload_hooks=transformer is not None and has_offload_hooks(transformer), vae_2d=QWEN21_VAE,
                      enhancer=False, loaded=transformer.single_file.applied if fused and transformer.single_file else (),
                      diffusers_cache=(type(transformer._cache_config).__name__

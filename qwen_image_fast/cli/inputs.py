@@ -109,6 +109,10 @@ def check_pipeline_options(pipeline: str, model: str, config, lightning: bool, f
     if fmt == "jpg":
         raise ValueError(f"--format jpg: {model} renders RGBA images, and JPEG has no alpha channel: use --format "
                          "png or webp")
+    if config.fp8_attention == "cudnn":
+        raise ValueError(f"--fp8-attention cudnn: {model} is a Qwen-Image-2.1 checkpoint, whose FP8 attention merges "
+                         "two calls by their log-sum-exps, which cuDNN's FP8 SDPA does not return: use "
+                         "--fp8-attention fa3 or auto")
 
 
 def check_pipeline_inputs(jobs: list, pipeline: str, model: str, size_given: bool):

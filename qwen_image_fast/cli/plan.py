@@ -14,7 +14,7 @@ def command_facts(config: FastConfig, labels: Labels, pipeline: str, device, sha
 
     from ..pipelines.core.gpu_support import fp8_gemm_why_not
     from ..pipelines.core.model.attention import resolve_backend
-    from ..pipelines.core.model.fp8_attention import fp8_attention_kernel
+    from ..pipelines.core.model.fp8_attention import KERNELS, LSE_KERNELS, fp8_attention_kernel
 
     fused = config.fused_transformer
     fp8_why = fp8_gemm_why_not(device) if fused and config.fp8 else None
@@ -22,8 +22,8 @@ def command_facts(config: FastConfig, labels: Labels, pipeline: str, device, sha
     dtype = torch.float32 if labels.model == TINY_MODEL_ID else torch.bfloat16
     parallel = () if shape is None else ((("cfg2",) if shape.cfg > 1 else ())
                                          + ((f"ulysses{shape.ulysses}",) if shape.ulysses > 1 else ()))
-    fp8_attention, why = (fp8_attention_kernel(config.fp8_attention, device, dtype)
-                          if fused and pipeline != QWEN21 else (None, None))
+    kernels = LSE_KERNELS if pipeline == QWEN21 else KERNELS  # 2.1 merges two calls (qwen_image21/block.py)
+    fp8_attention, why = fp8_attention_kernel(config.fp8_attention, device, dtype, kernels) if fused else (None, None)
     return Facts(pipeline=pipeline, fused=fused, device=device.type, fp8=fp8, fast_accum=fp8 and config.fp8_fast_accum,
                  fp8_why=fp8_why,
                  fp8_attention=fp8_attention, fp8_attention_why=why,

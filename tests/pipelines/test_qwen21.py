@@ -422,7 +422,8 @@ def test_qwen21_refuses_what_it_cannot_run(tmp_path):
     for config, match in ((FastConfig(scheduler="unipc"), "scheduler='unipc'"),
                           (FastConfig(text_bucket=128), "text_bucket=128: FastQwenImage21Pipeline keeps"),
                           (FastConfig(bf16_linears=("img_fc2",)), "names Qwen-Image-2512's linears"),
-                          (FastConfig(fp8_attention="auto"), "fp8_attention='auto' is not supported on Qwen-Image-2.1")):
+                          (FastConfig(fp8_attention="cudnn"), "fp8_attention='cudnn' is not available on "
+                                                              "Qwen-Image-2.1: .+ use fp8_attention='fa3' or 'auto'")):
         with pytest.raises(ValueError, match=match):
             optimize(tiny_pipeline(), config)
     fast = optimize(tiny_pipeline(), FastConfig(fp8=False))

@@ -11,6 +11,14 @@ quantize_fp8_heads); a padded prompt's keys at the end of each sample, counted o
 Softmax scale 1/sqrt(D), non-causal, P (the probabilities) quantized with scale 448 inside cuDNN's kernel.
 fp8_attention_ref is the semantics both approximate (dequantized operands, fp32 softmax attention): the GPU tests
 hold each kernel to it, and the CPU tests run the blocks' FP8 wiring with it (it is never a user's choice).
+
+Attention over two key sets quantized apart (Qwen-Image-2.1: the target's keys and values with this step's v scale,
+the prefix cache's with the scale they were stored with) runs as one call per set, each returning its log-sum-exp
+(fp8_attention_lse; FA3 only: cuDNN's FP8 SDPA returns none in inference), merged by kernels/attention_merge.py.
+
+v's scale without an amax pass (v_weight_bound, lora_adds_to_v): v = x @ W_v.T + b with x a rowwise-FP8 operand
+(|x_k| <= 448 * its row's scale) is bounded by 448 * max row scale * max_j ||W_v,j||_1 + max |b_v|
+(kernels/output_bound.py computes it on the device from the row scales).
 """
 
 import importlib.util
@@ -20,11 +28,16 @@ from functools import cache
 import torch
 import torch.nn.functional as F
 
+from ....kernels._utils import FP8_MAX
+from ....kernels.qkv_pack import BOUND_MARGIN
 from ....kernels.quantize_heads import quantize_fp8_heads
 from ..gpu_support import support_on
+from .linear import FastLinear
 
 INSTALL = "pip install 'qwen-image-fast[fp8-attention]'"
 PACKAGES = {"cudnn": ("nvidia-cudnn-frontend", "cudnn"), "fa3": ("tokenspeed-fa3", "flash_attn_interface")}
+KERNELS = ("cudnn", "fa3")  # in the order fp8_attention="auto" tries them
+LSE_KERNELS = ("fa3",)  # those returning the log-sum-exp (fp8_attention_lse): two key sets' calls merged
 
 
 @cache
@@ -32,10 +45,12 @@ def installed(kernel: str) -> bool:
     return importlib.util.find_spec(PACKAGES[kernel][1]) is not None
 
 
-def fp8_attention_kernel(name: str, device: torch.device, dtype: torch.dtype) -> tuple[str | None, str | None]:
+def fp8_attention_kernel(name: str, device: torch.device, dtype: torch.dtype,
+                         kernels: tuple[str, ...] = KERNELS) -> tuple[str | None, str | None]:
     """FastTransformerConfig.fp8_attention on this device and dtype: (the kernel that runs, None), or (None, why
     not) for an "auto" that cannot run here ((None, None) for "off"). A named kernel that cannot run: ValueError,
-    or ImportError naming the missing package."""
+    or ImportError naming the missing package. kernels: the model's, in the order "auto" tries them (a name
+    outside them: the caller refuses it first)."""
     if name == "off":
         return None, None
     if device.type != "cuda":
@@ -45,7 +60,7 @@ def fp8_attention_kernel(name: str, device: torch.device, dtype: torch.dtype) ->
         if why is None and dtype != torch.bfloat16:
             why = f"needs a bfloat16 model, this one is {dtype}"
     if why is None:
-        candidates = ["cudnn", "fa3"] if name == "auto" else [name]
+        candidates = list(kernels) if name == "auto" else [name]
         found = [kernel for kernel in candidates if installed(kernel)]
         if found:
             return found[0], None
@@ -93,6 +108,64 @@ def fp8_attention_ref(q8, k8, v8, q_scale, k_scale, v_scales, valid_keys) -> tor
     keys = torch.arange(s, device=q8.device)[None, :] < valid_keys[:, None]  # [B, S]
     out = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (q, k, v)), attn_mask=keys[:, None, None, :])
     return out.transpose(1, 2).to(torch.bfloat16)
+
+
+def fp8_attention_lse(kernel: str, q8, k8, v8, q_scale, k_scale, v_scales, valid_keys=None,
+                      dtype: torch.dtype = torch.bfloat16):
+    """q8: FP8 [B, S, H, D]; k8, v8: FP8 [B, K, H, D]; q_scale, k_scale: fp32 [1] or [B, H]; v_scales: fp32 [B, H];
+    valid_keys: int32 [B] (each sample's first valid keys) or None (all K). Returns (o BF16 [B, S, H, D], lse fp32
+    [B, H, S], the natural log-sum-exp of each query's scaled scores) by `kernel`: "fa3", or the tests'
+    "reference" (its o rounded to BF16, then in `dtype`: the CPU tests' fp32 models)."""
+    if kernel == "fa3":
+        from flash_attn_interface import _flash_attn_forward
+
+        b, _, h, d = q8.shape
+        descales = [t if t.shape == (b, h) else t.expand(b, h).contiguous() for t in (q_scale, k_scale)]
+        out, lse, *_ = _flash_attn_forward(q8, k8, v8, seqused_k=valid_keys, q_descale=descales[0],
+                                           k_descale=descales[1], v_descale=v_scales.contiguous(),
+                                           softmax_scale=1 / math.sqrt(d))
+        return out, lse
+    if kernel == "reference":
+        out, lse = fp8_attention_lse_ref(q8, k8, v8, q_scale, k_scale, v_scales, valid_keys)
+        return out.to(dtype), lse
+    raise ValueError(f"fp8 attention kernel {kernel!r} with a log-sum-exp; allowed: fa3")
+
+
+def fp8_attention_lse_ref(q8, k8, v8, q_scale, k_scale, v_scales, valid_keys=None):
+    """fp8_attention_lse's semantics: the dequantized operands' fp32 softmax attention, keys past valid_keys[b]
+    masked; (o BF16 [B, S, H, D], lse fp32 [B, H, S])."""
+    b, _, h, _ = q8.shape
+    q, k = (x.float() * scale.expand(b, h)[:, None, :, None] for x, scale in ((q8, q_scale), (k8, k_scale)))
+    v = v8.float() * v_scales[:, None, :, None]
+    scores = torch.einsum("bshd,bkhd->bhsk", q, k) / math.sqrt(q.shape[-1])
+    if valid_keys is not None:
+        keys = torch.arange(k.shape[1], device=q8.device)[None, :] < valid_keys[:, None]  # [B, K]
+        scores = scores.masked_fill(~keys[:, None, None, :], float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    out = torch.einsum("bhsk,bkhd->bshd", torch.softmax(scores, dim=-1).nan_to_num(0.0), v)
+    return out.to(torch.bfloat16).contiguous(), lse.contiguous()
+
+
+def lora_adds_to_v(linear: FastLinear, inner: int) -> bool:
+    """Whether adapters on a fused QKV linear add to its v rows [2 * inner, 3 * inner) now."""
+    lora = linear.lora
+    return lora is not None and any(
+        row1 > 2 * inner and lora.in_effect(site) for site, (_, row1) in lora.sites.items())
+
+
+def v_weight_bound(linear: FastLinear, rows: slice) -> tuple[torch.Tensor, torch.Tensor]:
+    """The v bound's weight terms of an FP8 QKV linear (module docstring): (max_j |bias_j| * BOUND_MARGIN / 448,
+    max_j weight_scale_j * sum_k |weight_q_jk| * BOUND_MARGIN) over its v rows `rows`, fp32 [1] each, so that
+    v's scale = bias_term + max row scale * row_term; computed once for these weights (fuse_lora rewrites them in
+    place: their version says so)."""
+    key = (linear.weight_q.data_ptr(), linear.weight_q._version, linear.weight_scale._version, linear.bias._version)
+    cached = getattr(linear, "_v_bound", None)
+    if cached is None or cached[0] != key:
+        l1 = linear.weight_q[rows].float().abs().sum(dim=1) * linear.weight_scale[rows]
+        bias_max = linear.bias[rows].float().abs().max()
+        linear._v_bound = (key, ((bias_max * (BOUND_MARGIN / FP8_MAX)).reshape(1),
+                                 (l1.max() * BOUND_MARGIN).reshape(1)))
+    return linear._v_bound[1]
 
 
 def fp8_attention_fa3(q8, k8, v8, q_scale, k_scale, v_scales, seqused_k) -> torch.Tensor:

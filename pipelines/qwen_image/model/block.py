@@ -23,8 +23,7 @@ from ....kernels.fp8 import quantize_fp8_rowwise
 from ....kernels.gelu_fp8 import gelu_fp8
 from ....kernels.layer_norm_modulate import layer_norm_modulate, layer_norm_modulate_fp8
 from ....kernels.output_bound import output_bound_scales
-from ....kernels._utils import FP8_MAX
-from ....kernels.qkv_pack import BOUND_MARGIN, qkv_pack, rms_norm_fp8_scale
+from ....kernels.qkv_pack import qkv_pack, rms_norm_fp8_scale
 from ....kernels.residual_gate import (
     residual_gate,
     residual_gate_layer_norm_modulate,
@@ -36,7 +35,7 @@ from ...core.runtime.cuda_graph import read_by_graph
 from ...core.runtime.parallel import Ulysses, UlyssesPlan
 from ...core.runtime.taylorseer import PendingTerm
 from ...core.model.attention import TextMask, joint_attention
-from ...core.model.fp8_attention import CudnnFp8Attention, fp8_attention
+from ...core.model.fp8_attention import CudnnFp8Attention, fp8_attention, lora_adds_to_v, v_weight_bound
 from ...core.model.linear import FastLinear, Operand, as_fp8_operand, q_dtype_for
 from ...core.model.numerics import clip_float16
 from .step_caches import past_hooks
@@ -106,13 +105,6 @@ class Tail:
 
     out: torch.Tensor  # [B, L, D]
     gate: torch.Tensor  # [G, D]
-
-
-def lora_adds_to_v(linear: FastLinear, inner: int) -> bool:
-    """Whether adapters on a fused QKV linear add to its v rows [2 * inner, 3 * inner) now."""
-    lora = linear.lora
-    return lora is not None and any(
-        row1 > 2 * inner and lora.in_effect(site) for site, (_, row1) in lora.sites.items())
 
 
 def add_tail(residual, tail: Tail | None, mod_row) -> torch.Tensor:
@@ -313,24 +305,10 @@ class FastBlock(nn.Module):
         for x, linear in ((img_x, self.img_qkv), (txt_x, self.txt_qkv)):
             if not isinstance(x, tuple) or not linear.fp8 or lora_adds_to_v(linear, self.heads * self.head_dim):
                 return None
-            terms.append(self._v_weight_bound(linear))
+            terms.append(v_weight_bound(linear, slice(2 * self.heads * self.head_dim, None)))
             read_by_graph(*terms[-1])  # cached for these weights, made before the forward
         return output_bound_scales([img_x[1].reshape(-1, 1), txt_x[1].reshape(-1, 1)], terms,
                                    CudnnFp8Attention.O_HEADROOM)
-
-    def _v_weight_bound(self, linear: FastLinear) -> tuple[torch.Tensor, torch.Tensor]:
-        """v's scale = bias_term + max row scale * row_term, from (max_j |bias_j|, max_j weight_scale_j * sum_k
-        |weight_q_jk|) over the QKV linear's v rows, BOUND_MARGIN and the 448s folded in; [1] each, computed once for
-        these weights (fuse_lora rewrites them in place: their version says so)."""
-        key = (linear.weight_q.data_ptr(), linear.weight_q._version, linear.weight_scale._version, linear.bias._version)
-        cached = getattr(linear, "_v_bound", None)
-        if cached is None or cached[0] != key:
-            rows = slice(2 * self.heads * self.head_dim, None)
-            l1 = linear.weight_q[rows].float().abs().sum(dim=1) * linear.weight_scale[rows]
-            bias_max = linear.bias[rows].float().abs().max()
-            linear._v_bound = (key, ((bias_max * (BOUND_MARGIN / FP8_MAX)).reshape(1),
-                                     (l1.max() * BOUND_MARGIN).reshape(1)))
-        return linear._v_bound[1]
 
     def modulation(self, silu_temb: torch.Tensor, silu_temb_t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(img [G, 6D], txt [B, 6D]) from the forward's silu(temb) [G, D] and its timestep-t rows [B, D]."""
