@@ -31,9 +31,10 @@ few-step LoRA's count); with --cache RULE, "cache" (ours with FastConfig(cache=R
 run eagerly: the same decisions, latents within GRAPH_GATE; its error against stock and ours uncached, the blocks
 computed, and its decisions, beside it). With --fp8-attention, ours again with FastConfig(fp8_attention="auto")
 (FA3; another optimize() of the same components): "fp8_attention" (40 steps), "fp8_attention+cache" per --cache
-RULE, and with --steps6 "steps6" with it too (`fp8_attention` true in the row); each gated by the option's declared
-bound (core/optimizations.py) on what it adds, its latents against ours without it (PSNR on the images), and
-printed beside stock.
+RULE, and with --steps6 "steps6" with it too (`fp8_attention` true in the row); each gated on what it adds, its
+latents against ours without it, by the option's declared bound (core/optimizations.py; PSNR on the images) or,
+where larger, EMULATION_MARGIN x what FP8 rounding emulated on stock moves this random network (which carries any
+rounding-level change far: 0.10 at 40 steps, 0.36 at 6), and printed beside stock.
 
 --budgets 16[,N...]: per image of 8 prompts (1024^2, 40 steps, no CFG, decoded; each prompt its own call, the 8
 encoded first in one text-encoder turn as `render` does, cli/run.encode_ahead; the time from the encoding to the
@@ -269,6 +270,9 @@ def fp8_attention_rows(fast, kwargs: dict, steps: int, variant: str, results: di
     from qwen_image_fast.pipelines.core.optimizations import BY_NAME
 
     bound = BY_NAME["fp8_attention"].bound
+    # the random network carries any rounding-level change far (FP8 GEMMs emulated on stock move its latents by
+    # 0.10 at 40 steps, 0.36 at 6): the bound, or that amplification's gate, whichever is larger
+    gate = max(bound.full, EMULATION_MARGIN * (results["fp8_emulation"] or 0.0))
     kernel, why = fast.transformer.fp8_attention
     if kernel is None:  # "auto" found no kernel here (the CPU check): no row says FP8 attention ran
         print(f"{size}^2 fp8_attention: not run here ({why})", flush=True)
@@ -282,13 +286,13 @@ def fp8_attention_rows(fast, kwargs: dict, steps: int, variant: str, results: di
                 ms_per_step=1000 * (seconds - sum(parts.values())) / steps,
                 latent_rel_rms=rel_rms_error(latents, stock_latents), psnr_db=psnr(image, stock_image),
                 rel_rms_vs_bf16_attention=rel_rms_error(latents, ours_latents),
-                psnr_vs_bf16_attention=psnr(image, ours_image), gate=(bound.full, bound.full_psnr_db),
+                psnr_vs_bf16_attention=psnr(image, ours_image), gate=(gate, bound.full_psnr_db),
                 applied=fast.applied, **parts)
     print(f"{size}^2 {line['variant']} ({steps} steps): {seconds:6.2f} s  {line['ms_per_step']:6.1f} ms/step  vs ours "
           f"without it rel-RMS {line['rel_rms_vs_bf16_attention']:.3e} PSNR {line['psnr_vs_bf16_attention']:.1f} dB  "
           f"vs stock rel-RMS {line['latent_rel_rms']:.3e} PSNR {line['psnr_db']:.1f} dB  {fast.applied}", flush=True)
-    if not (line["rel_rms_vs_bf16_attention"] <= bound.full and line["psnr_vs_bf16_attention"] >= bound.full_psnr_db):
-        print(f"  FAILED the option's bound ({bound.full}, {bound.full_psnr_db} dB): no speed reported", flush=True)
+    if not (line["rel_rms_vs_bf16_attention"] <= gate and line["psnr_vs_bf16_attention"] >= bound.full_psnr_db):
+        print(f"  FAILED the gate ({gate:.3f}, {bound.full_psnr_db} dB): no speed reported", flush=True)
         return []
     line.update(speedup_vs_stock=stock_s / seconds, speedup_vs_bf16_attention=ours_s / seconds)
     print(f"  x{line['speedup_vs_stock']:.2f} stock, x{line['speedup_vs_bf16_attention']:.2f} ours without it",
@@ -318,6 +322,7 @@ def compare_with_stock(stock, fast, kwargs: dict, steps: int, device, fp8: bool,
         with emulate_fp8(stock.transformer):
             emulated_error = rel_rms_error(call(stock, kwargs, steps, device)[2], ref_latents)
     gate = GATE if emulated_error is None else max(GATE, EMULATION_MARGIN * emulated_error)
+    results["fp8_emulation"] = emulated_error  # how far this random network carries a rounding-level change
     what = f"{size}^2{' + condition' if inputs else ''} {about['variant']}"
     for impl in ("stock", "ours"):
         seconds, parts, latents, image = results[impl]
