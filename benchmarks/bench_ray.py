@@ -14,7 +14,7 @@ a tiny text encoder), saved once to --checkpoint-dir; 1024x1024, 50 steps, CFG 4
 prompts / wall seconds of the whole command. Rows to results/ray.jsonl (bench "ray": engine, gpus, workers,
 prompts, images_per_s, seconds, ratio to the reference run). Beside the whole command's rate, each row splits it in
 two from the images' file times: first_image_s (start to the first image: cluster, actor, model load, warm-up, one
-image) and steady_images_per_s (the pool at work: the sum over workers of (images - 1) / (last - first image)); a
+image; first_call_s, the pipeline call that made it, from its manifest record) and steady_images_per_s (the pool at work: the sum over workers of (images - 1) / (last - first image)); a
 Ray row also carries its `Ray startup:` line's times (startup_*_s: checks done, cluster connected, first actor
 begun, first pipeline loaded).
 --cluster: "command" (default), each Ray run starts its own local cluster (a user's first try); "started", a head
@@ -55,15 +55,17 @@ def run(label: str, args: list[str], prompts: Path, out: Path) -> dict:
     seconds = time.perf_counter() - start
     if done.returncode != 0:
         sys.exit(f"{label} failed ({done.returncode}):\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}")
-    first_image_s, steady = timeline(out, start_epoch)
-    print(f"{label}: {seconds:.1f} s; first image at {first_image_s:.1f} s, then {steady:.4f} images/s; "
+    first_image_s, steady, first_call_s = timeline(out, start_epoch)
+    print(f"{label}: {seconds:.1f} s; first image at {first_image_s:.1f} s (its call {first_call_s:.1f} s, begun at "
+          f"{first_image_s - first_call_s:.1f} s), then {steady:.4f} images/s; "
           f"{done.stdout.strip().splitlines()[-2 if 'note:' in done.stdout else -1]}", flush=True)
     startup = {}
     for line in done.stdout.splitlines():
         if line.startswith("Ray startup:"):  # where a Ray command's time went before its first image
             print(f"  {line}", flush=True)
             startup = startup_fields(line)
-    return {"seconds": seconds, "first_image_s": first_image_s, "steady_images_per_s": steady, **startup}
+    return {"seconds": seconds, "first_image_s": first_image_s, "first_call_s": first_call_s,
+            "steady_images_per_s": steady, **startup}
 
 
 def startup_fields(line: str) -> dict:
@@ -77,15 +79,20 @@ def startup_fields(line: str) -> dict:
     return dict(zip(names, (float(x) for x in found.groups())))
 
 
-def timeline(out: Path, start_epoch: float) -> tuple[float, float]:
+def timeline(out: Path, start_epoch: float) -> tuple[float, float, float]:
     """(seconds from the command's start to its first image file, the steady rate: the sum over workers (the
-    records' "worker"; the local render is one) of (images - 1) / (last - first image's file time))."""
+    records' "worker"; the local render is one) of (images - 1) / (last - first image's file time), and the first
+    image's own call: its record's "seconds", the pipeline call that made it, warm-up work of a first call
+    included)."""
     times: dict = {}
+    first = (float("inf"), None)
     for line in (out / "manifest.jsonl").read_text().splitlines():
         record = json.loads(line)
-        times.setdefault(record.get("worker", 0), []).append((out / record["file"]).stat().st_mtime)
+        mtime = (out / record["file"]).stat().st_mtime
+        times.setdefault(record.get("worker", 0), []).append(mtime)
+        first = min(first, (mtime, record["seconds"]))
     steady = sum((len(t) - 1) / (max(t) - min(t)) for t in times.values() if len(t) > 1)
-    return min(min(t) for t in times.values()) - start_epoch, steady
+    return min(min(t) for t in times.values()) - start_epoch, steady, first[1]
 
 
 def start_cluster(temp: Path, *options: str) -> tuple[str, subprocess.Popen]:
