@@ -142,6 +142,9 @@ def main():
     parser.add_argument("--cluster", choices=("command", "started"), default="command",
                         help="command: each Ray run starts a local cluster; started: one started before the runs")
     parser.add_argument("--out", type=Path, default=None, help="results folder (default benchmarks/results)")
+    parser.add_argument("--warm-up", action="store_true",
+                        help="first an untimed local render of one prompt, so that both timed runs find the same "
+                        "on-disk caches (compiled kernels) instead of the first run filling them for the second")
     args = parser.parse_args()
     if args.only and not args.work:
         parser.error("--only needs --work (where the other run's images and seconds are kept)")
@@ -154,6 +157,10 @@ def main():
 
         common = real_args(save_random_checkpoint(args.checkpoint_dir))
     head, temp = None, Path(tempfile.mkdtemp(prefix="/tmp/qif-bench-ray-"))  # short: Ray's socket paths
+    if args.warm_up:
+        (temp / "warm.txt").write_text("a warm-up prompt\n")
+        warm = run("warm-up (untimed)", common, temp / "warm.txt", temp / "warm")
+        print(f"warm-up: {warm['seconds']:.1f} s", flush=True)
     if args.cluster == "started":
         try:
             address, head = start_cluster(temp)
@@ -180,7 +187,7 @@ def main():
                  **seconds[label], images_per_s=n / seconds[label]["seconds"],
                  vs_reference=reference["seconds"] / seconds[label]["seconds"],
                  steady_vs_reference=seconds[label]["steady_images_per_s"] / reference["steady_images_per_s"],
-                 reference=labels[0], calls=calls,
+                 reference=labels[0], calls=calls, warm_up=args.warm_up,
                  config="1024x1024, 50 steps, cfg 4, fast preset, random full-size weights")
             for (engine, workers, _), label in zip(runs, labels)]
     for row in rows:
