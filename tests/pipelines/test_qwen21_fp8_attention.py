@@ -124,6 +124,24 @@ def test_pipeline_with_graphs_and_a_step_cache(reference_kernel, stand_in_graphs
     assert 1e-4 < error <= TINY_ERROR, error
 
 
+def test_under_a_memory_budget_as_resident(reference_kernel):
+    """With a memory budget (blocks streamed; the prefix caches, FP8 here, released before each decode and
+    extracted anew): the images equal the resident pipeline's with FP8 attention bit for bit, call after call."""
+    import numpy as np
+    from diffusers import QwenImage21Pipeline
+
+    from test_qwen21_memory import budget_for, components, images
+
+    config = FastConfig(fp8=False, fp8_attention="auto")
+    expected = images(optimize(QwenImage21Pipeline(**components()), config), output_type="np")
+    low = optimize(QwenImage21Pipeline(**components()),
+                   config.replace(memory="low", max_memory_gib=budget_for(resident_blocks=2)))
+    for call in range(2):
+        assert np.array_equal(images(low, output_type="np"), expected), f"call {call}"
+        assert low._turns.arenas["transformer"].stream.copied > 0
+        assert "fp8_attention:reference" in low.applied, low.applied
+
+
 def test_where_it_cannot_run(tmp_path):
     """cuDNN's kernel (no log-sum-exp) refused on 2.1, by the model, optimize and the command line before loading;
     FA3 named on the CPU refused before any conversion; "auto" on the CPU runs BF16 attention and the plan says
