@@ -27,7 +27,7 @@ from ...kernels.residual_gate import residual_gate_layer_norm_modulate, residual
 from ...kernels.swiglu import silu_mul, silu_mul_fp8
 from ..core.config import FastTransformerConfig
 from ..core.model.attention import TextMask, joint_attention
-from ..core.model.fp8_attention import fp8_attention_lse, lora_adds_to_v, v_weight_bound
+from ..core.model.fp8_attention import fp8_attention_lse, v_bound_terms
 from ..core.model.linear import FastLinear, Operand, as_fp8_operand, q_dtype_for
 from ..core.runtime.cuda_graph import read_by_graph
 
@@ -184,12 +184,8 @@ class FastBlock21(nn.Module):
         """v's FP8 scale [1] from its bound over the QKV GEMM's FP8 row scales (every row of this forward: a
         prefill's prefix and target share it), or None where the bound does not hold (the operand or the weight not
         FP8, a LoRA adding to v's rows)."""
-        inner = self.heads * self.head_dim
-        if not isinstance(h, tuple) or not self.qkv.fp8 or lora_adds_to_v(self.qkv, inner):
-            return None
-        terms = v_weight_bound(self.qkv, slice(2 * inner, None))
-        read_by_graph(*terms)  # cached for these weights, made before the forward
-        return output_bound_scales([h[1].reshape(-1, 1)], [terms], 1.0)[:1]
+        terms = v_bound_terms(h, self.qkv, self.heads * self.head_dim)
+        return None if terms is None else output_bound_scales([h[1].reshape(-1, 1)], [terms], 1.0)[:1]
 
     def attention_fp8(self, h, shape: tuple, rows: Rows, plan: Attention, prefix: Fp8Prefix, scratch: tuple):
         """attention() under FP8 attention (the module docstring)."""

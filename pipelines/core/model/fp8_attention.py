@@ -32,7 +32,8 @@ from ....kernels._utils import FP8_MAX
 from ....kernels.qkv_pack import BOUND_MARGIN
 from ....kernels.quantize_heads import quantize_fp8_heads
 from ..gpu_support import support_on
-from .linear import FastLinear
+from ..runtime.cuda_graph import read_by_graph
+from .linear import FastLinear, Operand
 
 INSTALL = "pip install 'qwen-image-fast[fp8-attention]'"
 PACKAGES = {"cudnn": ("nvidia-cudnn-frontend", "cudnn"), "fa3": ("tokenspeed-fa3", "flash_attn_interface")}
@@ -153,6 +154,17 @@ def lora_adds_to_v(linear: FastLinear, inner: int) -> bool:
         row1 > 2 * inner and lora.in_effect(site) for site, (_, row1) in lora.sites.items())
 
 
+def v_bound_terms(x: Operand, linear: FastLinear, inner: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """v's bound terms (v_weight_bound over the v rows [2 * inner, 3 * inner)) for the QKV linear `linear` on its
+    operand x, or None where the bound does not hold: x or the weight not FP8, or a LoRA adding to v's rows (v is
+    then measured, quantize_fp8_heads)."""
+    if not isinstance(x, tuple) or not linear.fp8 or lora_adds_to_v(linear, inner):
+        return None
+    terms = v_weight_bound(linear, slice(2 * inner, None))
+    read_by_graph(*terms)  # cached for these weights, made before the forward
+    return terms
+
+
 def v_weight_bound(linear: FastLinear, rows: slice) -> tuple[torch.Tensor, torch.Tensor]:
     """The v bound's weight terms of an FP8 QKV linear (module docstring): (max_j |bias_j| * BOUND_MARGIN / 448,
     max_j weight_scale_j * sum_k |weight_q_jk| * BOUND_MARGIN) over its v rows `rows`, fp32 [1] each, so that
@@ -171,13 +183,7 @@ def v_weight_bound(linear: FastLinear, rows: slice) -> tuple[torch.Tensor, torch
 def fp8_attention_fa3(q8, k8, v8, q_scale, k_scale, v_scales, seqused_k) -> torch.Tensor:
     """q8, k8, v8: FP8 [B, S, H, D]; q_scale, k_scale: fp32 [1]; v_scales: fp32 [B, H]; seqused_k: int32 [B].
     Returns BF16 [B, S, H, D] (a new tensor: the package's custom op refuses an output buffer it is given)."""
-    from flash_attn_interface import _flash_attn_forward
-
-    b, _, h, d = q8.shape
-    descales = [t.expand(b, h).contiguous() for t in (q_scale, k_scale)]
-    out, *_ = _flash_attn_forward(q8, k8, v8, seqused_k=seqused_k, q_descale=descales[0], k_descale=descales[1],
-                                  v_descale=v_scales, softmax_scale=1 / math.sqrt(d))
-    return out
+    return fp8_attention_lse("fa3", q8, k8, v8, q_scale, k_scale, v_scales, seqused_k)[0]
 
 
 class CudnnFp8Attention:

@@ -35,7 +35,7 @@ from ...core.runtime.cuda_graph import read_by_graph
 from ...core.runtime.parallel import Ulysses, UlyssesPlan
 from ...core.runtime.taylorseer import PendingTerm
 from ...core.model.attention import TextMask, joint_attention
-from ...core.model.fp8_attention import CudnnFp8Attention, fp8_attention, lora_adds_to_v, v_weight_bound
+from ...core.model.fp8_attention import CudnnFp8Attention, fp8_attention, v_bound_terms
 from ...core.model.linear import FastLinear, Operand, as_fp8_operand, q_dtype_for
 from ...core.model.numerics import clip_float16
 from .step_caches import past_hooks
@@ -301,12 +301,10 @@ class FastBlock(nn.Module):
         of the two streams' bounds. Returns fp32 [3]: (v's scale, cuDNN's output scale v_scale * O_HEADROOM, its
         reciprocal), one kernel (kernels/output_bound.py). None where the bound does not hold: an operand or a
         weight not FP8, or a LoRA adding to v's rows (then quantize_fp8_heads measures v)."""
-        terms = []
-        for x, linear in ((img_x, self.img_qkv), (txt_x, self.txt_qkv)):
-            if not isinstance(x, tuple) or not linear.fp8 or lora_adds_to_v(linear, self.heads * self.head_dim):
-                return None
-            terms.append(v_weight_bound(linear, slice(2 * self.heads * self.head_dim, None)))
-            read_by_graph(*terms[-1])  # cached for these weights, made before the forward
+        terms = [v_bound_terms(x, linear, self.heads * self.head_dim)
+                 for x, linear in ((img_x, self.img_qkv), (txt_x, self.txt_qkv))]
+        if None in terms:
+            return None
         return output_bound_scales([img_x[1].reshape(-1, 1), txt_x[1].reshape(-1, 1)], terms,
                                    CudnnFp8Attention.O_HEADROOM)
 
