@@ -24,7 +24,6 @@ from tqdm import tqdm
 
 from .manifest import MANIFEST, append_line, drop_partial_last_line, merge_manifests, pending_jobs
 from .output import remove_stale_temp_files
-from .devices import resolve_device
 from .ray_stage import FORWARDED_ENV, GatedRenderer, job_json
 from .run import Summary
 
@@ -145,8 +144,9 @@ class Stage:
     """The render stage, running: its gate, and the records its actors return, read into `records` by a thread
     (a list of JSON strings per batch; an exception of the stage; None when it has ended)."""
 
-    def __init__(self, ray, gate, rendered):
+    def __init__(self, ray, gate, rendered, *, gpus: int, device_given: bool):
         self.ray, self.gate, self.records = ray, gate, queue.Queue()
+        self.gpus, self.device_given = gpus, device_given  # the cluster's GPUs; whether --device chose the actors'
         threading.Thread(target=self._read, args=(rendered,), name="ray-records", daemon=True).start()
 
     def _read(self, rendered):
@@ -178,10 +178,13 @@ class Stage:
 def launch_stage(ray, options: list[str], rows: int, device: str | None, workers: int | None,
                  batch_size: int) -> Stage:
     """The stage over `rows` prompts (the command's options, given to each actor to check and load as the command
-    does), started: its actors begin at once, their rows wait at the gate. device: --device (None: cuda where this
-    process has a GPU, as render's checks choose)."""
-    gpu = resolve_device(device, 0, 0).type == "cuda"
-    workers = actor_count(int(ray.cluster_resources().get("GPU", 0)), gpu, workers, device is not None)
+    does), started: its actors begin at once, their rows wait at the gate. device: --device; without it the actors
+    take the cluster's GPUs where it has some, which render's checks confirm (check_actors_device: this process
+    chose CUDA too) before the gate opens. torch is not imported here: on an H200 host its import and CUDA's start
+    took seconds, all of them ahead of the actors' start."""
+    gpus = int(ray.cluster_resources().get("GPU", 0))
+    gpu = actors_on_gpus(gpus, device)
+    workers = actor_count(gpus, gpu, workers, device is not None)
     gate = start_gate(ray)
     # one row a block: a retried task (its actor killed) redoes one row, never a block some of whose records were
     # already sent (the per-block overhead, milliseconds, is nothing beside an image's seconds). The blocks made
@@ -192,7 +195,19 @@ def launch_stage(ray, options: list[str], rows: int, device: str | None, workers
     rendered = ds.map_batches(GatedRenderer, fn_constructor_kwargs=dict(options=options, cwd=os.getcwd(), gate=gate),
                               batch_size=batch_size, compute=ray.data.ActorPoolStrategy(size=workers),
                               num_gpus=1 if gpu else 0, num_cpus=0 if gpu else 1)
-    return Stage(ray, gate, rendered)
+    return Stage(ray, gate, rendered, gpus=gpus, device_given=device is not None)
+
+
+def actors_on_gpus(gpus: int, device: str | None) -> bool:
+    """Whether the stage's actors ask for a GPU: --device's kind, else whether the cluster has GPUs (render's checks,
+    choosing CUDA where this process has it, are held to the same choice by check_actors_device)."""
+    return device.partition(":")[0] == "cuda" if device is not None else gpus > 0
+
+
+def check_actors_device(gpus: int, device_given: bool, device: str):
+    """render's checks chose `device` ("cuda" / "cpu") for the rows: actor_count's refusals again, with that choice;
+    past them, it is the one actors_on_gpus made for the actors."""
+    actor_count(gpus, device == "cuda", None, device_given)
 
 
 def actor_count(gpus: int, gpu: bool, workers: int | None, device_given: bool) -> int:
@@ -239,6 +254,7 @@ def render_on_ray(spec, jobs: list, out_dir: Path, labels, *, resume: bool, conn
         return summary
     try:
         stage = connection.wait()
+        check_actors_device(stage.gpus, stage.device_given, spec.device)
     except BaseException:  # no cluster, one without what the render needs, or a stage that could not start
         connection.close()
         raise

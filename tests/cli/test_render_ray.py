@@ -383,3 +383,20 @@ def test_the_actors_count_and_device_refusals():
     with pytest.raises(ValueError, match="this process has no GPU, so render's checks chose the CPU, but the cluster "
                                          "has 2 GPU"):
         actor_count(2, gpu=False, workers=None, device_given=False)
+
+
+def test_the_actors_device_is_chosen_without_torch_and_held_to_render_s_checks():
+    """launch_stage chooses the actors' device before render's checks have (actors_on_gpus: --device's kind, else
+    the cluster's GPUs), so that torch's import is not ahead of the actors' start; render's choice is then held to
+    it (check_actors_device): a process without a GPU on a cluster with GPUs, or the reverse, is refused as before."""
+    from qwen_image_fast.cli.ray_engine import actors_on_gpus, check_actors_device
+
+    assert actors_on_gpus(2, None) and not actors_on_gpus(0, None)
+    assert actors_on_gpus(0, "cuda:1") and not actors_on_gpus(2, "cpu")
+    check_actors_device(2, False, "cuda")
+    check_actors_device(0, False, "cpu")
+    check_actors_device(2, True, "cpu")
+    with pytest.raises(ValueError, match="this process has no GPU, so render's checks chose the CPU"):
+        check_actors_device(2, False, "cpu")
+    with pytest.raises(ValueError, match="the cluster has no GPU for the actors"):
+        check_actors_device(0, False, "cuda")
