@@ -2,7 +2,7 @@
 
     python3 benchmarks/bench_qwen21.py [--sizes 1024,1328] [--condition] [--out DIR]          # the transformer
     python3 benchmarks/bench_qwen21.py --pipeline --tokenizer DIR [--sizes 1024,1328] [--condition]   # end to end
-        [--cache every:2,1,0 ...] [--steps6] [--fp8-attention]
+        [--cache every:2,1,0 ...] [--steps6] [--fp8-attention] [--cfg]
     python3 benchmarks/bench_qwen21.py --pipeline --sizes "" --memory-low --tokenizer DIR   # memory="low" alone
     python3 benchmarks/bench_qwen21.py --pipeline --sizes "" --budgets 16 --tokenizer DIR   # under a 16 GiB cap
     python3 benchmarks/bench_qwen21.py --pipeline --tiny                                  # CPU logic check
@@ -34,7 +34,9 @@ computed, and its decisions, beside it). With --fp8-attention, ours again with F
 RULE, and with --steps6 "steps6" with it too (`fp8_attention` true in the row); each gated on what it adds, its
 latents against ours without it, by the option's declared bound (core/optimizations.py; PSNR on the images) or,
 where larger, EMULATION_MARGIN x what FP8 rounding emulated on stock moves this random network (which carries any
-rounding-level change far: 0.10 at 40 steps, 0.36 at 6), and printed beside stock.
+rounding-level change far: 0.10 at 40 steps, 0.36 at 6), and printed beside stock. With --cfg, the call with a
+negative prompt and CFG 4: "cfg" (stock against ours, batched CFG: the cached steps of both branches as one forward)
+and "cfg_unpaired" (ours with batched_cfg=False), each gated against stock.
 
 --budgets 16[,N...]: per image of 8 prompts (1024^2, 40 steps, no CFG, decoded; each prompt its own call, the 8
 encoded first in one text-encoder turn as `render` does, cli/run.encode_ahead; the time from the encoding to the
@@ -42,7 +44,9 @@ last image, over 8), after a 3-step warm-up call: ours resident ("uncapped"), th
 FastConfig(memory="low", max_memory_gib=N) built from the same components after
 torch.cuda.set_per_process_memory_fraction(N GiB less the CUDA context) ("cap<N>": what streams, the buffer, peak
 reserved, the plan's smallest budget at these shapes). The check: every image equals the uncapped one bit for bit,
-else no row.
+else no row. With --budget-cfg (4 long prompts, a long negative prompt, CFG 4) the uncapped reference runs the
+branches one by one (batched_cfg=False), as a budget does; the uncapped time with batched CFG is kept beside it
+(paired_s_per_image, per_image_vs_uncapped_paired).
 
 The error is checked (GATE) before a speed is reported. Appends to results/qwen21.jsonl.
 """
@@ -73,6 +77,7 @@ GATE, EMULATION_MARGIN = 0.1, 1.25
 GRAPH_GATE = 1e-3  # ours' graphed cached step against the same step run eagerly
 PROMPT = ("A red fox curled up asleep in fresh snow at dawn, soft pink light on the drifts, its breath misting, "
           "a few pine needles on the snow, shallow depth of field")
+NEGATIVE = "blurry, low quality, distorted, watermark"  # --cfg's negative prompt (a length of its own)
 
 
 def stock_model():
@@ -252,10 +257,54 @@ def pipeline_rows(args, env: dict) -> list[dict]:
             if variant == "exact":
                 for rule in args.cache:
                     rows.extend(cache_row(fast, kwargs, steps, rule, results, device, env, size))
+                if args.cfg:
+                    rows.extend(cfg_rows(stock, fast, kwargs, steps, device, fp8, env, size))
             if fp8_fast is not None:
                 rows.extend(fp8_attention_rows(fp8_fast, kwargs, variant_steps, variant, results, device, env, size,
                                                args.cache if variant == "exact" else []))
     return rows
+
+
+def cfg_rows(stock, fast, kwargs: dict, steps: int, device, fp8: bool, env: dict, size: int) -> list[dict]:
+    """--cfg: the call with NEGATIVE and CFG 4, stock against ours (variant "cfg": batched CFG, the cached steps
+    paired, compare_with_stock's gate), then ours with batched_cfg=False ("cfg_unpaired", the same gate against
+    stock, and its distance to the paired latents printed beside; the pipeline's config put back)."""
+    from bench_edit import call
+
+    from qwen_image_fast.cli.compare import psnr
+
+    kwargs = dict(kwargs, negative_prompt=NEGATIVE, true_cfg_scale=4.0)
+    rows = []
+    results = compare_with_stock(stock, fast, kwargs, steps, device, fp8, env, rows,
+                                 dict(size=size, condition_images=len(kwargs.get("image", ())), variant="cfg"))
+    if "batched_cfg" not in fast.applied:
+        raise RuntimeError(f"--cfg: batched CFG did not run ({fast.applied})")
+    config = fast.fast_config
+    fast.fast_config = config.replace(batched_cfg=False)
+    try:
+        call(fast, kwargs, 3, device)
+        seconds, parts, latents, image = call(fast, kwargs, steps, device)
+        applied = fast.applied
+    finally:
+        fast.fast_config = config
+    (stock_s, _, stock_latents, stock_image), (paired_s, _, paired_latents, paired_image) = (results["stock"],
+                                                                                          results["ours"])
+    error, gate = rel_rms_error(latents, stock_latents), max(GATE, EMULATION_MARGIN * (results["fp8_emulation"] or 0))
+    line = dict(env, bench="qwen21_pipeline", impl="ours", size=(size // 32) * 32, steps=steps,
+                condition_images=len(kwargs.get("image", ())), variant="cfg_unpaired", s_per_image=seconds,
+                ms_per_step=1000 * (seconds - sum(parts.values())) / steps, latent_rel_rms=error,
+                psnr_db=psnr(image, stock_image), rel_rms_vs_paired=rel_rms_error(latents, paired_latents),
+                psnr_vs_paired=psnr(image, paired_image), gate=gate, applied=applied, **parts)
+    print(f"{size}^2 cfg_unpaired {seconds:6.2f} s  {line['ms_per_step']:6.1f} ms/step  latent rel-RMS {error:.2e} vs "
+          f"stock, {line['rel_rms_vs_paired']:.2e} vs paired (PSNR {line['psnr_vs_paired']:.1f} dB)  {applied}",
+          flush=True)
+    if "batched_cfg" in applied or not error <= gate:
+        print(f"  FAILED: batched CFG ran, or the check against stock ({error:.3e} > {gate:.3e}): no speed reported",
+              flush=True)
+        return rows
+    line.update(speedup_vs_stock=stock_s / seconds, paired_speedup=seconds / paired_s)
+    print(f"  x{line['speedup_vs_stock']:.2f} stock; batched CFG x{line['paired_speedup']:.3f} over it", flush=True)
+    return rows + [line]
 
 
 def fp8_attention_rows(fast, kwargs: dict, steps: int, variant: str, results: dict, device, env: dict, size: int,
@@ -459,13 +508,18 @@ def budget_rows(args, env: dict) -> list[dict]:
     torch.cuda.reset_peak_memory_stats()
     work = dict(prompts=LONG_PROMPTS4, negative=LONG_NEGATIVE, cfg=4.0) if args.budget_cfg else {}
     suffix = "_cfg_long" if args.budget_cfg else ""
+    paired = None
+    if args.budget_cfg:  # a budget runs the branches one by one: the reference that it must equal does too
+        paired, _ = eight_images(fast, size, STEPS, device, **work)
+        print(f"uncapped, batched CFG: {paired:.3f} s an image", flush=True)
+        fast.fast_config = fast.fast_config.replace(batched_cfg=False)
     per_image, expected = eight_images(fast, size, STEPS, device, **work)
     count = prefix_token_counter(fast.processor)
     prompts = work.get("prompts", PROMPTS8)
     base = dict(env, bench="qwen21_pipeline", impl="ours", size=size, steps=STEPS, prompts=len(prompts),
                 cfg=work.get("cfg", 1.0), prefix_tokens=max(count(p) for p in prompts),
                 negative_prefix_tokens=count(LONG_NEGATIVE) if args.budget_cfg else None)
-    rows = [dict(base, variant="uncapped" + suffix, s_per_image=per_image,
+    rows = [dict(base, variant="uncapped" + suffix, s_per_image=per_image, paired_s_per_image=paired,
                  peak_reserved_gib=torch.cuda.max_memory_reserved() / GIB, applied=fast.applied)]
     print(f"uncapped: {per_image:.3f} s an image, peak reserved {rows[0]['peak_reserved_gib']:.1f} GiB", flush=True)
     components = dict(fast.components)
@@ -495,6 +549,7 @@ def budget_rows(args, env: dict) -> list[dict]:
         same = bool(np.array_equal(images, expected))
         row = dict(base, variant=f"cap{budget:g}{suffix}", max_memory_gib=budget, s_per_image=per_image,
                    per_image_vs_uncapped=per_image / rows[0]["s_per_image"],
+                   per_image_vs_uncapped_paired=per_image / paired if paired else None,
                    peak_reserved_gib=torch.cuda.max_memory_reserved() / GIB, context_gib=context,
                    buffer_gib=turns.buffer_bytes / GIB, smallest_budget_gib=smallest,
                    streamed_blocks=len(blocks.streamed) if turns.streams("transformer") else 0,
@@ -625,6 +680,9 @@ def main():
     parser.add_argument("--cache", action="append", default=[],
                         help="with --pipeline: also ours with FastConfig(cache=RULE) (repeatable), e.g. every:2,1,0")
     parser.add_argument("--steps6", action="store_true", help="with --pipeline: also stock and ours at 6 steps")
+    parser.add_argument("--cfg", action="store_true",
+                        help="with --pipeline: also stock and ours with a negative prompt and CFG 4 (batched CFG), "
+                        "and ours with batched_cfg=False")
     parser.add_argument("--fp8-attention", action="store_true",
                         help="with --pipeline: also ours with FastConfig(fp8_attention='auto') (FA3)")
     parser.add_argument("--memory-low", action="store_true",

@@ -22,7 +22,6 @@ from .config import FastConfig
 EXACT_TOL = 1e-5
 QWEN21 = "QwenImage21Pipeline"
 QWEN21_VAE = "Qwen-Image-2.1's VAE (AutoencoderKLQwenImage21) decodes as diffusers runs it"  # its Facts.vae_2d
-NOT_ON_QWEN21 = "not on Qwen-Image-2.1 yet (its cond and uncond forwards run one by one)"
 
 
 @dataclass(frozen=True)
@@ -196,8 +195,9 @@ def plan_fp8_attention(config: FastConfig, facts: Facts) -> Plan:
 
 
 def plan_batched_cfg(config: FastConfig, facts: Facts) -> Plan:
-    if facts.qwen21:
-        return plain(config.batched_cfg, NOT_ON_QWEN21 + "; it is CFG-distilled, true_cfg_scale=1 by default")
+    if facts.qwen21 and config.max_memory_gib is not None:
+        return plain(config.batched_cfg, "Qwen-Image-2.1's memory budget is planned for one branch's forward at a "
+                                         "time (qwen_image21/memory.py)")
     if "cfg2" in facts.parallel:
         return plain(config.batched_cfg, "parallel='cfg' runs the negative prompt on another rank")
     if facts.diffusers_cache and not runs_cache_rule(config, facts):

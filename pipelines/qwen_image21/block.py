@@ -61,6 +61,18 @@ class Attention:
         self.fp8, self.prefix_valid = fp8, prefix_valid
 
 
+class PairedAttention:
+    """Batched CFG's cached step (model.py's _forward_pair): x's rows are the prompt's B samples, then the negative
+    prompt's B, each half attending to its own branch's keys: its Attention plan, its target's rotary tables
+    [T, D_head / 2, 2] (a target's positions follow its prefix: the branches' differ) and its prefix cache (the
+    block's kv: one per branch). The GEMMs and the per-token kernels run once over both halves."""
+
+    def __init__(self, branches: tuple, freqs: tuple, batch: int):
+        self.branches, self.freqs = branches, freqs
+        self.halves = (slice(0, batch), slice(batch, 2 * batch))
+        self.fp8 = branches[0].fp8
+
+
 class Fp8Prefix:
     """One block's prefix keys and values in FP8 (the prefix cache under FP8 attention): k8, v8 [B, P, H, D] e4m3
     (k at the block's static k scale), v_scales fp32 [B, H]; quantized once, when the prefix is computed."""
@@ -81,7 +93,7 @@ class AttentionPart(nn.Module):
     [B, N, D] in the joint order. It holds no weights (they stay the block's: its state dict is unchanged); the
     block passes itself in."""
 
-    def forward(self, block: "FastBlock21", h, shape: tuple, rows: Rows, plan: "Attention", kv,
+    def forward(self, block: "FastBlock21", h, shape: tuple, rows: Rows, plan, kv,
                 scratch) -> torch.Tensor:
         return block.attention(h, shape, rows, plan, kv, scratch)
 
@@ -142,7 +154,7 @@ class FastBlock21(nn.Module):
         x, y = residual_gate_layer_norm_modulate(x, out, gate, rows.shift, scale, mod_row=rows.mod_row, eps=self.eps)
         return x, y.flatten(0, 1)
 
-    def forward(self, x: torch.Tensor, tail, rows: Rows, plan: Attention, kv, scratch):
+    def forward(self, x: torch.Tensor, tail, rows: Rows, plan, kv, scratch):
         """x [B, N, D] (tail: the previous block's (out, tanh gate) not yet added); kv: this block's key and value
         buffers [B, T + P, H, D] (a cached step's hold the prefix at rows T..), or its Fp8Prefix; scratch: the
         attention's scratch (attention()). Returns (x, tail) with this block's MLP left as the tail."""
@@ -153,22 +165,34 @@ class FastBlock21(nn.Module):
         m = as_fp8_operand(*silu_mul_fp8(gate_up, q_dtype_for(x.device))) if self.fp8 else silu_mul(gate_up)
         return x, (self.down(m).view(x.shape), rows.gate2)
 
-    def attention(self, h, shape: tuple, rows: Rows, plan: Attention, kv, scratch) -> torch.Tensor:
+    def attention(self, h, shape: tuple, rows: Rows, plan, kv, scratch) -> torch.Tensor:
         """The normed rows h (the QKV GEMM's operand) of x [B, N, D] = shape -> the output projection of the
         attention [B, N, D]; the keys and values written into kv on the way. BF16 attention: kv the block's (key,
         value) buffers [B, T + P, H, D], scratch the queries' buffer of that shape; FP8 (plan.fp8): kv its
-        Fp8Prefix, scratch the target's (q8, k8, v8) [B, T, H, D] e4m3."""
-        if plan.fp8:
-            return self.attention_fp8(h, shape, rows, plan, kv, scratch)
+        Fp8Prefix, scratch the target's (q8, k8, v8) [B, T, H, D] e4m3. Under batched CFG (plan a PairedAttention)
+        kv and the BF16 scratch are a pair, one per branch."""
         batch, n, dim = shape
         qkv = self.qkv(h).view(batch, n, 3 * dim)
+        if plan.fp8:
+            operand = self.attention_fp8(h, qkv, rows, plan, kv, scratch)
+        elif isinstance(plan, PairedAttention):  # a cached step: the target's rows only
+            o = torch.empty(batch, n, self.heads, self.head_dim, dtype=qkv.dtype, device=qkv.device)
+            for half, branch, freqs, branch_kv, queries in zip(plan.halves, plan.branches, plan.freqs, kv, scratch):
+                o[half] = self.attend_bf16(qkv[half], freqs, 0, n, branch, branch_kv, queries)
+            operand = self.rows(o.view(batch, n, dim))
+        else:
+            o = self.attend_bf16(qkv, rows.freqs, rows.prefix_rows, rows.target_rows, plan, kv, scratch)
+            operand = self.rows(o.view(batch, n, dim))
+        return self.out(operand).view(batch, n, dim)
+
+    def attend_bf16(self, qkv, freqs, p: int, t: int, plan: Attention, kv, queries) -> torch.Tensor:
+        """qkv [B, p + t, 3D] (a prefill's prefix rows first) -> the attention [B, p + t, H, D], their keys and
+        values written into kv's buffers ([target, prefix]) and the queries into `queries` on the way."""
         k, v = kv
-        t, p = rows.target_rows, rows.prefix_rows
-        qkv_pack(qkv[:, p:], self.norm_q, self.norm_k, rows.freqs[p:], scratch, k, v, 0, self.eps)
+        qkv_pack(qkv[:, p:], self.norm_q, self.norm_k, freqs[p:], queries, k, v, 0, self.eps)
         if p:
-            qkv_pack(qkv[:, :p], self.norm_q, self.norm_k, rows.freqs[:p], scratch, k, v, t, self.eps)
-        o = attend(scratch, k, v, t, p, plan)  # [B, N, H, D] in x's order
-        return self.out(self.rows(o.view(batch, n, dim))).view(batch, n, dim)
+            qkv_pack(qkv[:, :p], self.norm_q, self.norm_k, freqs[:p], queries, k, v, t, self.eps)
+        return attend(queries, k, v, t, p, plan)
 
     def qk_fp8_scales(self, batch: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """FP8 attention's q and k scales (the RMSNorm bound: any input, any step): [1] each (qkv_pack's), then
@@ -187,43 +211,46 @@ class FastBlock21(nn.Module):
         terms = v_bound_terms(h, self.qkv, self.heads * self.head_dim)
         return None if terms is None else output_bound_scales([h[1].reshape(-1, 1)], [terms], 1.0)[:1]
 
-    def attention_fp8(self, h, shape: tuple, rows: Rows, plan: Attention, prefix: Fp8Prefix, scratch: tuple):
-        """attention() under FP8 attention (the module docstring)."""
-        batch, n, dim = shape
-        qkv = self.qkv(h).view(batch, n, 3 * dim)
+    def attention_fp8(self, h, qkv, rows: Rows, plan, kv, scratch: tuple) -> Operand:
+        """attention()'s FP8 path (the module docstring) -> the output projection's operand. Under batched CFG
+        (plan a PairedAttention, a cached step) each half's queries attend to its own branch's prefix cache (kv: a
+        pair of Fp8Prefix); the target's own keys, per sample, are one call for both."""
+        batch, n, dim = qkv.shape[0], qkv.shape[1], self.heads * self.head_dim
         t, p = rows.target_rows, rows.prefix_rows
+        if isinstance(plan, PairedAttention):
+            halves, branches, freqs, prefixes = plan.halves, plan.branches, plan.freqs, kv
+        else:
+            halves, branches, freqs, prefixes = (slice(None),), (plan,), (rows.freqs[p:],), (kv,)
         q8, k8, v8 = scratch
         q_scale, k_scale, q_descale, k_descale = self.qk_fp8_scales(batch)
         qk_scales = (q_scale, k_scale)
         read_by_graph(q_scale, k_scale, q_descale, k_descale)
         v_scale = self.v_fp8_scale(h)
         v = v8 if v_scale is not None else torch.empty(v8.shape, dtype=qkv.dtype, device=qkv.device)
-        qkv_pack(qkv[:, p:], self.norm_q, self.norm_k, rows.freqs[p:], q8, k8, v, 0, self.eps,
-                 qk_scales=qk_scales, v_scale=v_scale)
+        for half, half_freqs in zip(halves, freqs):
+            qkv_pack(qkv[half, p:], self.norm_q, self.norm_k, half_freqs, q8[half], k8[half], v[half], 0, self.eps,
+                     qk_scales=qk_scales, v_scale=v_scale)
         if v_scale is None:
             v8, v_scales = quantize_fp8_heads(v, torch.full((batch,), t, dtype=torch.int32, device=v.device),
                                               per_tensor=False)
         else:
             v_scales = v_scale.expand(batch, self.heads)
-        prefix_o = self._prefill_prefix(qkv[:, :p], rows, plan, prefix, qk_scales, v_scale) if p else None
+        prefix_o = self._prefill_prefix(qkv[:, :p], rows, plan, kv, qk_scales, v_scale) if p else None
         o_t, lse_t = fp8_attention_lse(plan.fp8, q8, k8, v8, q_descale, k_descale, v_scales, dtype=qkv.dtype)
-        o_p, lse_p = fp8_attention_lse(plan.fp8, q8, prefix.k8, prefix.v8, q_descale, k_descale, prefix.v_scales,
-                                       plan.prefix_valid, qkv.dtype)
-        if self.out.fp8:  # the output projection's rowwise-FP8 operand [B, N, D], the prefix's rows first
-            codes = torch.empty(batch, n, dim, dtype=q_dtype_for(qkv.device), device=qkv.device)
-            scales = torch.empty(batch, n, dtype=torch.float32, device=qkv.device)
-            merge_attention(o_t, lse_t, o_p, lse_p, codes[:, p:], scales[:, p:])
-            if p:
-                prefix_codes, prefix_scales = quantize_fp8_rowwise(prefix_o.reshape(batch, p, dim), codes.dtype)
-                codes[:, :p], scales[:, :p] = prefix_codes, prefix_scales[..., 0]
-            operand = as_fp8_operand(codes.view(-1, dim), scales.view(-1, 1))
-        else:
-            operand = torch.empty(batch, n, dim, dtype=qkv.dtype, device=qkv.device)
-            merge_attention(o_t, lse_t, o_p, lse_p, operand[:, p:])
-            if p:
-                operand[:, :p] = prefix_o.reshape(batch, p, dim)
-            operand = operand.view(-1, dim)
-        return self.out(operand).view(batch, n, dim)
+        fp8_out = self.out.fp8  # the output projection's rowwise-FP8 operand [B, N, D], the prefix's rows first
+        out = torch.empty(batch, n, dim, dtype=q_dtype_for(qkv.device) if fp8_out else qkv.dtype, device=qkv.device)
+        scales = torch.empty(batch, n, dtype=torch.float32, device=qkv.device) if fp8_out else None
+        for half, branch, prefix in zip(halves, branches, prefixes):
+            o_p, lse_p = fp8_attention_lse(plan.fp8, q8[half], prefix.k8, prefix.v8, q_descale[half],
+                                           k_descale[half], prefix.v_scales, branch.prefix_valid, qkv.dtype)
+            merge_attention(o_t[half], lse_t[half], o_p, lse_p, out[half, p:],
+                            scales[half, p:] if fp8_out else None)
+        if p and fp8_out:
+            prefix_codes, prefix_scales = quantize_fp8_rowwise(prefix_o.reshape(batch, p, dim), out.dtype)
+            out[:, :p], scales[:, :p] = prefix_codes, prefix_scales[..., 0]
+        elif p:
+            out[:, :p] = prefix_o.reshape(batch, p, dim)
+        return as_fp8_operand(out.view(-1, dim), scales.view(-1, 1)) if fp8_out else out.view(-1, dim)
 
     def _prefill_prefix(self, qkv, rows: Rows, plan: Attention, prefix: Fp8Prefix, qk_scales, v_scale):
         """A prefill's prefix rows qkv [B, P, 3D]: their keys and values into the FP8 prefix cache (k at the static

@@ -77,7 +77,8 @@ from ..core.model.lora import LoraState, lora_scale_of
 from ..core.model.unsupported import Unsupported, refuse
 from ..core.runtime.context import count_blocks, forward_context, get_context, record
 from ..core.runtime.cuda_graph import read_by_graph, signature
-from .block import Attention, FastBlock21, Fp8Prefix, Rows
+from ..core.runtime.cfg_pairing import Speculation
+from .block import Attention, FastBlock21, Fp8Prefix, PairedAttention, Rows
 from .single_file import QwenImage21SingleFile
 from .single_file import layout as family_layout
 
@@ -94,6 +95,10 @@ IMG_TOKENS_PER_SLOT = 4  # a vision-language image slot stands for 2 x 2 latent 
 # QwenImage21TransformerBlock in 0.42.1: stock's enable_cache refuses them with the registry's ValueError
 REGISTRY_CACHES = ("FirstBlockCacheConfig", "MagCacheConfig", "SeaCacheConfig")
 MAX_LAYOUTS = 16  # kept layouts: past this, all are dropped (a graph keeps the tensors it reads: read_by_graph)
+RECENT_LAYOUTS = 4  # the masks last passed (a prompt's and a negative prompt's, in turn), found without a host sync
+# a cached step's own inputs under batched CFG (the rest, the latents and the timestep, the branches share)
+BRANCH_INPUTS = ("encoder_hidden_states", "encoder_hidden_states_mask", "img_mask", "kv_cache")
+STEP_KINDS = ("cached_step", "cached_pair")  # the graphs of cached steps: keyed by the prefix slots they read
 
 
 class Layout:
@@ -190,7 +195,7 @@ class PrefixCache:
     def stale_graphs(self, graphs):
         """Drops the graphs (a CallGraphs) that read the buffers of freed slots."""
         if self.freed:
-            graphs.drop(lambda key: key[2][0] == "cached_step" and key[2][1] in self.freed)
+            graphs.drop(lambda key: key[2][0] in STEP_KINDS and not self.freed.isdisjoint(key[2][1]))
             self.freed.clear()
 
     def of(self, handle) -> list:
@@ -259,8 +264,8 @@ class FastQwenImage21Transformer(Unsupported, LoraAdapters, QwenImage21SingleFil
         self.planned_prefix: int | None = None  # a budget's plan: the most prefix tokens a forward may have
         self._cache_name: str | None = None
         self.layouts: dict[tuple, Layout] = {}  # by Layout.key
-        # (img_mask, its version, text mask, its version, shapes, (batch, device), key)
-        self._last_layout: tuple | None = None
+        # the last RECENT_LAYOUTS lookups: (img_mask, its version, text mask, its version, shapes, (batch, device), key)
+        self._recent_layouts: list[tuple] = []
 
     @classmethod
     @torch.no_grad()
@@ -373,10 +378,24 @@ class FastQwenImage21Transformer(Unsupported, LoraAdapters, QwenImage21SingleFil
             record(name, value)
         if self.is_cache_enabled:
             record("step_cache", type(self._cache_config).__name__)
+        inputs = dict(hidden_states=hidden_states, encoder_hidden_states=encoder_hidden_states, timestep=timestep,
+                      img_shapes=img_shapes, img_mask=img_mask, encoder_hidden_states_mask=encoder_hidden_states_mask,
+                      kv_cache=kv_cache, kv_cache_mode=kv_cache_mode)
         with forward_context(lora_scale=lora_scale_of(attention_kwargs, "Qwen-Image-2.1")):
-            output = self._forward(hidden_states, encoder_hidden_states, timestep, img_shapes, img_mask,
-                                   encoder_hidden_states_mask, kv_cache, kv_cache_mode)
+            speculation = get_context().cfg_speculation
+            if speculation is None:
+                output = self._forward(**inputs)
+            else:
+                output = speculation(lambda inputs: self._forward(**inputs), self._forward_pair, self._cache_name,
+                                     inputs, self.lora_key())
         return Transformer2DModelOutput(sample=output) if return_dict else (output,)
+
+    def cfg_speculation(self) -> Speculation:
+        """Batched CFG's pairing of a diffusers-loop call's "cond" and "uncond" forwards (core/runtime/
+        cfg_pairing.py): with the prefix cache, from the first cached step on (_forward_pair); the prefill runs one
+        branch at a time (each fills its own prefix cache), and forwards without the prefix cache are not paired."""
+        return Speculation(BRANCH_INPUTS, pairable=lambda inputs: inputs["kv_cache"] is not None,
+                           pairs_now=lambda inputs: inputs["kv_cache_mode"] == "cached")
 
     def _forward(self, hidden_states, encoder_hidden_states, timestep, img_shapes, img_mask, encoder_hidden_states_mask,
                  kv_cache, kv_cache_mode) -> torch.Tensor:
@@ -400,18 +419,12 @@ class FastQwenImage21Transformer(Unsupported, LoraAdapters, QwenImage21SingleFil
         blocks = len(self.transformer_blocks)
 
         fp8_attention = self.fp8_attention[0]
-        kv_shape = (batch, layout.prefix if fp8_attention else layout.target + layout.prefix,
-                    self.config.num_attention_heads, self.config.attention_head_dim)
+        kv_shape = self._kv_shape(layout, batch)
         if kv_cache_mode == "cached":  # only the target's tokens: their latents are the last `target` rows
-            kvs = self.prefix_cache.of(kv_cache)
-            if tuple(next(iter(kvs[0])).shape) != kv_shape:
-                raise ValueError(f"the prefix KV cache holds {tuple(next(iter(kvs[0])).shape[:2])} (batch, keys), "
-                                 f"this forward needs {kv_shape[:2]}: extract it anew")
-            if graphs is not None:
-                self.prefix_cache.stale_graphs(graphs)
+            kvs = self._prefix_buffers(kv_cache, layout, batch, graphs)
             # what a graph reads beside its inputs: the slot's buffers, the layout's tables (by content), the
             # adapters as they are
-            graph_key = ("cached_step", self.prefix_cache.serial(kv_cache), layout.key, backend, fp8_attention)
+            graph_key = ("cached_step", (self.prefix_cache.serial(kv_cache),), layout.key, backend, fp8_attention)
             plan = Attention(backend, layout.seqused_k, layout.key_mask, fp8=fp8_attention,
                              prefix_valid=layout.prefix_valid)
             piece = functools.partial(self._cached_piece, graphs, graph_key, layout, kvs, plan)
@@ -447,6 +460,70 @@ class FastQwenImage21Transformer(Unsupported, LoraAdapters, QwenImage21SingleFil
         kept = slice(-layout.target, None) if kv_cache_mode == "extract" else slice(None)
         return self._step_cached(step_cache, piece, {}, batch, kept)
 
+    def _kv_shape(self, layout: Layout, batch: int) -> tuple:
+        """A block's prefix-cache buffers' shape: [B, T + P, H, D] (key and value, [target, prefix]), or under FP8
+        attention the prefix's alone [B, P, H, D] (Fp8Prefix)."""
+        return (batch, layout.prefix if self.fp8_attention[0] else layout.target + layout.prefix,
+                self.config.num_attention_heads, self.config.attention_head_dim)
+
+    def _prefix_buffers(self, kv_cache, layout: Layout, batch: int, graphs) -> list:
+        """A cached step's prefix cache: kv_cache's slot, per block, checked against the forward's shape; the graphs
+        of freed slots dropped (graphs: the call's CallGraphs, or None)."""
+        kvs, kv_shape = self.prefix_cache.of(kv_cache), self._kv_shape(layout, batch)
+        if tuple(next(iter(kvs[0])).shape) != kv_shape:
+            raise ValueError(f"the prefix KV cache holds {tuple(next(iter(kvs[0])).shape[:2])} (batch, keys), "
+                             f"this forward needs {kv_shape[:2]}: extract it anew")
+        if graphs is not None:
+            self.prefix_cache.stale_graphs(graphs)
+        return kvs
+
+    def _forward_pair(self, inputs: dict, negative: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """Batched CFG (cfg_speculation's pair): the prompt's cached step (`inputs`, a forward's arguments) and the
+        negative prompt's (the same latents and timestep, with negative's own BRANCH_INPUTS) as one step of batch
+        2B -> (the prompt's output, the negative prompt's). Each half attends to its own branch's prefix cache at
+        its own rotary positions (block.PairedAttention); one graph of the runner's for both, keyed by both slots."""
+        hidden, timestep, img_shapes = inputs["hidden_states"], inputs["timestep"], inputs["img_shapes"]
+        batch, device = hidden.shape[0], hidden.device
+        context = get_context()
+        graphs = context.step_graphs if not self.is_cache_enabled else None
+        branches = []
+        for branch in (inputs, inputs | negative):
+            layout = self._layout(img_shapes, branch["img_mask"], branch["encoder_hidden_states_mask"], batch, device)
+            branches.append((layout, self._prefix_buffers(branch["kv_cache"], layout, batch, graphs)))
+        (layout, kvs), (negative_layout, negative_kvs) = branches
+        backend, fp8_attention = self.attention_backend, self.fp8_attention[0]
+        plan = PairedAttention(tuple(Attention(backend, lay.seqused_k, lay.key_mask, fp8=fp8_attention,
+                                               prefix_valid=lay.prefix_valid) for lay, _ in branches),
+                               tuple(lay.freqs[lay.prefix:] for lay, _ in branches), batch)
+        serials = tuple(self.prefix_cache.serial(branch["kv_cache"]) for branch in (inputs, negative))
+        graph_key = ("cached_pair", serials, layout.key, negative_layout.key, backend, fp8_attention)
+        step_inputs = dict(hidden_states=hidden[:, -layout.target:], timestep=timestep)
+        compute = functools.partial(self._paired_step, (layout, negative_layout), plan, list(zip(kvs, negative_kvs)))
+        blocks = len(self.transformer_blocks)
+        record("batched_cfg")
+        count_blocks(2 * blocks * batch, 2 * blocks * batch)
+        if graphs is None:
+            out = compute(**step_inputs)
+        else:
+            out = graphs.run((signature(step_inputs), self.lora_key(), graph_key + ("step", 0, blocks)),
+                             step_inputs, compute)
+        return out[:batch], out[batch:]
+
+    def _paired_step(self, layouts: tuple, plan: PairedAttention, kvs: list, hidden_states, timestep) -> torch.Tensor:
+        """_forward_pair's step: the target's latents [B, T, C] -> the outputs [2B, T, C], the prompt's first; kvs
+        per block the branches' pair of prefix buffers."""
+        # as _cached_step: what the step reads beside its inputs, made before it (a graph of it keeps them)
+        for layout in layouts:
+            read_by_graph(layout.freqs, layout.seqused_k, layout.key_mask,
+                          *(() if layout.prefix_valid is None else (layout.prefix_valid,)))
+        read_by_graph(*(t for pair in kvs for kv in pair for t in kv))
+        target = layouts[0].target
+        x = self.img_in(hidden_states)
+        x = torch.cat([x, x])  # both branches' target rows begin as the same latents
+        modulation, temb = self._modulation(torch.cat([timestep, timestep]), x)
+        rows = Rows(modulation[:x.shape[0]], None, None, 0, target)
+        return self._piece("step", x, rows, plan, kvs, temb, 0, len(self.transformer_blocks), target)
+
     def _step_cached(self, step_cache, piece, inputs: dict, batch: int, kept: slice) -> torch.Tensor:
         """A forward under the call's step cache (core/runtime/step_cache.py), its branch the cache_context's."""
         out, computes = step_cache.forward(piece, inputs, [self._cache_name or "cond"], kept)
@@ -456,23 +533,23 @@ class FastQwenImage21Transformer(Unsupported, LoraAdapters, QwenImage21SingleFil
         return out
 
     def _layout(self, img_shapes, img_mask, text_mask, batch: int, device) -> Layout:
-        """The forward's Layout: the last one when the pipeline passes the same mask tensors again, unmodified (no
+        """The forward's Layout: a recent one when the pipeline passes the same mask tensors again, unmodified (no
         host sync), else the one of this content, built if new."""
-        last = self._last_layout
-        if (last is not None and last[0]() is img_mask and last[1] == img_mask._version
-                and (last[2]() if last[2] is not None else None) is text_mask
-                and last[3] == (text_mask._version if text_mask is not None else None) and last[4] == repr(img_shapes)
-                and last[5] == (batch, str(device)) and last[6] in self.layouts):
-            return self.layouts[last[6]]
+        for last in self._recent_layouts:
+            if (last[0]() is img_mask and last[1] == img_mask._version
+                    and (last[2]() if last[2] is not None else None) is text_mask
+                    and last[3] == (text_mask._version if text_mask is not None else None)
+                    and last[4] == repr(img_shapes) and last[5] == (batch, str(device)) and last[6] in self.layouts):
+                return self.layouts[last[6]]
         key = Layout.key(img_shapes, img_mask, text_mask, batch, device)
         if key not in self.layouts:
             if len(self.layouts) >= MAX_LAYOUTS:
                 self.layouts.clear()
             self.layouts[key] = Layout(self, img_shapes, img_mask, text_mask, batch, device, key)
-        self._last_layout = (weakref.ref(img_mask), img_mask._version,
-                             weakref.ref(text_mask) if text_mask is not None else None,
-                             text_mask._version if text_mask is not None else None, repr(img_shapes),
-                             (batch, str(device)), key)
+        self._recent_layouts = [(weakref.ref(img_mask), img_mask._version,
+                                 weakref.ref(text_mask) if text_mask is not None else None,
+                                 text_mask._version if text_mask is not None else None, repr(img_shapes),
+                                 (batch, str(device)), key)] + self._recent_layouts[:RECENT_LAYOUTS - 1]
         return self.layouts[key]
 
     def _modulation(self, timestep, hidden_states) -> tuple[torch.Tensor, torch.Tensor]:
@@ -533,6 +610,8 @@ class FastQwenImage21Transformer(Unsupported, LoraAdapters, QwenImage21SingleFil
         if plan.fp8:  # the target's q, k, v in FP8 [B, T, H, D]
             shape = (x.shape[0], rows.target_rows, self.config.num_attention_heads, self.config.attention_head_dim)
             scratch = tuple(torch.empty(shape, dtype=FP8_DTYPE, device=x.device) for _ in range(3))
+        elif isinstance(plan, PairedAttention):  # each branch's queries' buffer, as its key and value buffers
+            scratch = tuple(torch.empty(k.shape, dtype=x.dtype, device=x.device) for k, _ in kvs[0])
         else:  # the queries' buffer, as the blocks' key and value buffers
             scratch = torch.empty(kvs[0][0].shape, dtype=x.dtype, device=x.device)
         streaming = self.block_arena.stream if self.block_arena is not None else None

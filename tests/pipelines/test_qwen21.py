@@ -236,40 +236,43 @@ def latents(pipe, **extra) -> torch.Tensor:
 @pytest.mark.parametrize("use_kv_cache", [True, False])
 def test_optimized_pipeline_matches_stock(use_kv_cache):
     """optimize(QwenImage21Pipeline): the fast pipeline class with the stock __call__; its latents equal stock's
-    (fp32, FP8 off) with the prefix cache on (cond and uncond each their own) and off; applied says what ran and
-    the plan why batched CFG and CUDA graphs do not."""
+    (fp32, FP8 off) with the prefix cache on (cond and uncond each their own) and off; applied says what ran (batched
+    CFG: the cached steps paired, so only with the prefix cache) and the plan why CUDA graphs do not."""
     from qwen_image_fast.pipelines.core.optimizations import plans
 
     expected = latents(tiny_pipeline(), use_kv_cache=use_kv_cache)
     fast = optimize(tiny_pipeline(), FastConfig(fp8=False))
     assert isinstance(fast, FastQwenImage21Pipeline) and isinstance(fast.transformer, FastQwenImage21Transformer)
     assert_close(latents(fast, use_kv_cache=use_kv_cache), expected, 1e-5, f"use_kv_cache={use_kv_cache}")
-    assert fast.applied == ["fused_transformer", "attention:sdpa"], fast.applied
+    assert fast.applied == ["fused_transformer", "attention:sdpa"] + (["batched_cfg"] if use_kv_cache else []), \
+        fast.applied
     why_not = {opt.name: plan.why_not for opt, plan in plans(fast.fast_config, fast.facts())}
-    assert "not on Qwen-Image-2.1 yet" in why_not["batched_cfg"] and "CFG-distilled" in why_not["batched_cfg"]
+    assert why_not["batched_cfg"] is None
     assert why_not["cuda_graphs"] and why_not["vae_2d_decode"] and why_not["modulation_table"], why_not
     assert len(fast.transformer.prefix_cache.slots) == (2 if use_kv_cache else 0)
 
 
-def test_cached_steps_replay_from_graphs_across_calls(stand_in_graphs):
-    """CUDA graphs (the stand-in for capture): a cached step's graph is captured at its second use, per cache
-    (cond, uncond), and replayed; the next call's caches take the same slots, so its cached steps all replay; both
-    calls equal stock."""
+@pytest.mark.parametrize("batched_cfg", [True, False], ids=["paired", "one-by-one"])
+def test_cached_steps_replay_from_graphs_across_calls(stand_in_graphs, batched_cfg):
+    """CUDA graphs (the stand-in for capture): a cached step's graph is captured at its second use, per cache (cond,
+    uncond), or one for both paired by batched CFG, and replayed; the next call's caches take the same slots, so its
+    cached steps all replay; both calls equal stock."""
     call = dict(num_inference_steps=4, use_kv_cache=True)
     expected = latents(tiny_pipeline(), **call)
-    fast = optimize(tiny_pipeline(), FastConfig(fp8=False))
+    fast = optimize(tiny_pipeline(), FastConfig(fp8=False, batched_cfg=batched_cfg))
+    graphs = 1 if batched_cfg else 2  # the pair's, or cond's and uncond's
     for n in range(2):
         captures, replays = len(stand_in_graphs["captures"]), len(stand_in_graphs["replays"])
         assert_close(latents(fast, **call), expected, 1e-5, f"call {n}")
-        assert "cuda_graphs" in fast.applied, fast.applied
-        # 3 cached steps a call for each of cond and uncond: call 0 runs one eagerly, captures at the next
-        assert len(stand_in_graphs["captures"]) - captures == (2 if n == 0 else 0), stand_in_graphs
-        assert len(stand_in_graphs["replays"]) - replays == (4 if n == 0 else 6), stand_in_graphs
+        assert "cuda_graphs" in fast.applied and ("batched_cfg" in fast.applied) == batched_cfg, fast.applied
+        # 3 cached steps a call for each graph: call 0 runs one eagerly, captures at the next
+        assert len(stand_in_graphs["captures"]) - captures == (graphs if n == 0 else 0), stand_in_graphs
+        assert len(stand_in_graphs["replays"]) - replays == (2 if n == 0 else 3) * graphs, stand_in_graphs
     assert len(fast.transformer.layouts) == 2  # the prompts' and the negative prompts' (another text length)
     # another size: its caches take new slots, which free the first size's (their handles are gone) and the graphs
     # that read them
     assert_close(latents(fast, **call, height=96), latents(tiny_pipeline(), **call, height=96), 1e-5, "96 high")
-    assert len(fast.transformer.prefix_cache.slots) == 2 and len(fast.runner.graphs) == 2
+    assert len(fast.transformer.prefix_cache.slots) == 2 and len(fast.runner.graphs) == graphs
 
 
 def test_a_slot_freed_without_graphs_never_replays_its_graphs(stand_in_graphs):
@@ -279,19 +282,20 @@ def test_a_slot_freed_without_graphs_never_replays_its_graphs(stand_in_graphs):
     freed buffers; the stale graphs are dropped, and every call equals stock."""
     call = dict(num_inference_steps=3, use_kv_cache=True)
     expected = {height: latents(tiny_pipeline(), **call, height=height) for height in (64, 96)}
-    fast = optimize(tiny_pipeline(), FastConfig(fp8=False))
+    fast = optimize(tiny_pipeline(), FastConfig(fp8=False, batched_cfg=False))  # a graph per slot
     assert_close(latents(fast, **call, height=64), expected[64], 1e-5, "64 high, graphs")
     assert len(stand_in_graphs["captures"]) == 2 and len(fast.runner.graphs) == 2
-    fast.fast_config = FastConfig(fp8=False, cuda_graphs=False)
+    fast.fast_config = FastConfig(fp8=False, cuda_graphs=False, batched_cfg=False)
     assert_close(latents(fast, **call, height=96), expected[96], 1e-5, "96 high, no graphs")
     assert "cuda_graphs" not in fast.applied and len(fast.runner.graphs) == 2  # nothing dropped them yet
-    fast.fast_config = FastConfig(fp8=False)
+    fast.fast_config = FastConfig(fp8=False, batched_cfg=False)
     replays = len(stand_in_graphs["replays"])
     assert_close(latents(fast, **call, height=64), expected[64], 1e-5, "64 high again, graphs")
     assert len(stand_in_graphs["captures"]) == 4, "the new slots' steps are captured anew"
     assert len(stand_in_graphs["replays"]) - replays == 2, stand_in_graphs
     serials = {slot[2] for slot in fast.transformer.prefix_cache.slots.values()}
-    assert {key[2][1] for key in fast.runner.graphs.graphs} == serials, "the freed slots' graphs are dropped"
+    assert {serial for key in fast.runner.graphs.graphs for serial in key[2][1]} == serials, \
+        "the freed slots' graphs are dropped"
 
 
 def test_a_failed_capture_turns_the_steps_graphs_off_for_the_pipeline(stand_in_graphs, monkeypatch, caplog):
@@ -336,7 +340,8 @@ def test_cached_steps_replay_real_graphs_on_gpu():
     for n in range(2):
         assert torch.equal(latents(graphed), expected), f"call {n}"
         assert "cuda_graphs" in graphed.applied, graphed.applied
-    assert len(graphed.runner.graphs) == 2 and graphed.runner.graphs_failed is None  # cond's and uncond's
+    assert len(graphed.runner.graphs) == 1 and graphed.runner.graphs_failed is None  # the paired steps'
+    assert "batched_cfg" in graphed.applied and "batched_cfg" in eager.applied
 
 
 def test_optimized_pipeline_fp8_and_baseline():
@@ -346,7 +351,7 @@ def test_optimized_pipeline_fp8_and_baseline():
     fp8 = optimize(tiny_pipeline(), FastConfig(fp8=True))
     error = rel_rms_error(latents(fp8), expected)
     assert 1e-6 < error <= FP8_BOUND.tiny, error
-    assert fp8.applied == ["fused_transformer", "fp8", "fp8_fast_accum", "attention:sdpa"], fp8.applied
+    assert fp8.applied == ["fused_transformer", "fp8", "fp8_fast_accum", "attention:sdpa", "batched_cfg"], fp8.applied
     baseline = optimize(tiny_pipeline(), "baseline")
     assert isinstance(baseline.transformer, QwenImage21Transformer2DModel)
     assert torch.equal(latents(baseline), expected) and baseline.applied == [], baseline.applied

@@ -28,7 +28,8 @@ def test_low_memory_matches_stock_and_the_resident_pipeline(condition):
     fast = optimize(QwenImage21Pipeline(**tiny_qwen21_components()), FastConfig(fp8=False))
     low = optimize(QwenImage21Pipeline(**tiny_qwen21_components()), FastConfig(fp8=False, memory="low"))
     planned = low.applied
-    assert planned == fast.applied + ["memory:low"], (planned, fast.applied)
+    assert sorted(planned) == sorted(fast.applied + ["memory:low"]) and "batched_cfg" in planned, (planned,
+                                                                                                  fast.applied)
     resident = latents(fast, **extra)
     assert_close(resident, expected, 1e-5, f"resident, condition={condition}")
     assert torch.equal(latents(low, **extra), resident), "memory='low' differs from the resident pipeline"
@@ -153,7 +154,7 @@ def test_a_budget_streams_blocks_and_text_layers_with_the_same_images():
     expected = images(optimize(QwenImage21Pipeline(**components()), FastConfig(fp8=False)), output_type="np")
     low = optimize(QwenImage21Pipeline(**components()), FastConfig(fp8=False, memory="low", max_memory_gib=gib))
     planned = low.applied
-    assert f"memory:low{gib:g}gib" in planned, planned
+    assert f"memory:low{gib:g}gib" in planned and "batched_cfg" not in planned, planned
     turns = low._turns
     blocks, text = turns.arenas["transformer"], turns.arenas["text_encoder"]
     assert turns.streams("transformer") and turns.streams("text_encoder")

@@ -12,7 +12,9 @@ The runner (runner.py) runs it for both kinds of loop:
   latents and text tensors, unmodified since (their version counters), an equal timestep (one host sync), the same
   image shapes, LoRA scale and adapters); otherwise it runs as usual and the kept half is dropped. So the first
   step runs unpaired, and a loop that calls otherwise gets what it asked for. Calls with ControlNet residuals
-  (computed per text), `additional_t_cond` or `guidance` are never paired there.
+  (computed per text), `additional_t_cond` or `guidance` are never paired there. Qwen-Image-2.1's model pairs its
+  cached steps the same way (its branch's own inputs: the text, its image slots and its prefix cache;
+  qwen_image21/model.py).
 """
 
 import math
@@ -61,24 +63,25 @@ def paired_inputs(inputs: dict, negative_embeds: torch.Tensor, negative_mask: to
                          guidance=None if guidance is None else torch.cat([guidance, guidance]), modulation=modulation)
 
 
-def version(t: torch.Tensor | None) -> int | None:
-    return None if t is None else t._version
+def version(t) -> int | None:
+    return t._version if isinstance(t, torch.Tensor) else None
 
 
 @dataclass
-class NegativeText:
-    """The text of the last "uncond" call, and the version counters it had then."""
+class NegativeInputs:
+    """What the last "uncond" call passed for its own branch (the negative text; a model's other per-branch inputs:
+    Speculation.branch_inputs), and the version counters its tensors had then."""
 
-    embeds: torch.Tensor
-    mask: torch.Tensor | None
+    inputs: dict
     versions: tuple
 
     @classmethod
-    def of(cls, embeds, mask) -> "NegativeText":
-        return cls(embeds, mask, (version(embeds), version(mask)))
+    def of(cls, inputs: dict, names: tuple) -> "NegativeInputs":
+        kept = {name: inputs[name] for name in names}
+        return cls(kept, tuple(version(v) for v in kept.values()))
 
     def unchanged(self) -> bool:
-        return (version(self.embeds), version(self.mask)) == self.versions
+        return tuple(version(v) for v in self.inputs.values()) == self.versions
 
 
 @dataclass
@@ -90,51 +93,61 @@ class Speculated:
     timestep: torch.Tensor
     img_shapes: str
     state: tuple  # (LoRA call scale, adapters' version)
-    negative: NegativeText
+    negative: NegativeInputs
     output: torch.Tensor
 
 
 class Speculation:
     """The pairing of one diffusers-loop call (a new one per call). __call__ answers one forward: `forward(inputs)`
-    runs one, `pair(inputs, negative_embeds, negative_mask)` runs a pair and returns both halves."""
+    runs one, `pair(inputs, negative)` runs a pair (negative: the "uncond" call's branch_inputs, by name) and
+    returns both halves. branch_inputs: the forward's arguments that are the branch's own (the 2512 models': the
+    text and its mask; Qwen-Image-2.1's also its image slots and prefix cache); pairable(inputs): whether a forward
+    takes part in pairing at all (the 2512 models': no ControlNet residuals, additional_t_cond or guidance);
+    pairs_now(inputs): whether a "cond" forward that does is paired (Qwen-Image-2.1's: its cached steps, not the
+    prefill, whose "uncond" call still gives the next step its negative inputs)."""
 
-    def __init__(self):
-        self.negative: NegativeText | None = None
+    def __init__(self, branch_inputs: tuple = ("encoder_hidden_states", "encoder_hidden_states_mask"),
+                 pairable=None, pairs_now=None):
+        self.branch_inputs = branch_inputs
+        self.pairable = pairable or (lambda inputs: all(
+            inputs[name] is None for name in ("controlnet_block_samples", "additional_t_cond", "guidance")))
+        self.pairs_now = pairs_now or (lambda inputs: True)
+        self.negative: NegativeInputs | None = None
         self.speculated: Speculated | None = None
 
     def __call__(self, forward, pair, context: str | None, inputs: dict, state: tuple) -> torch.Tensor:
         speculated, self.speculated = self.speculated, None
-        if any(inputs[name] is not None for name in ("controlnet_block_samples", "additional_t_cond", "guidance")):
+        if not self.pairable(inputs):
             self.negative = None
             return forward(inputs)
         if context == "uncond":
             if speculated is not None and self._is_what_was_speculated(speculated, inputs, state):
                 return speculated.output
-            self.negative = NegativeText.of(inputs["encoder_hidden_states"], inputs["encoder_hidden_states_mask"])
+            self.negative = NegativeInputs.of(inputs, self.branch_inputs)
             return forward(inputs)
         negative = self.negative
-        if context != "cond" or negative is None or not self._pairs_with(negative, inputs):
+        if (context != "cond" or negative is None or not self.pairs_now(inputs)
+                or not self._pairs_with(negative, inputs)):
             return forward(inputs)
-        if inputs["modulation"] is not None:
+        if inputs.get("modulation") is not None:
             raise ValueError("modulation= is for one forward; a pipeline that pairs CFG forwards computes it")
-        cond, uncond = pair(inputs, negative.embeds, negative.mask)
+        cond, uncond = pair(inputs, negative.inputs)
         hidden = inputs["hidden_states"]
         self.speculated = Speculated(hidden, hidden._version, inputs["timestep"], repr(inputs["img_shapes"]), state,
                                      negative, uncond)
         return cond
 
     @staticmethod
-    def _pairs_with(negative: NegativeText, inputs: dict) -> bool:
-        text = inputs["encoder_hidden_states"]
-        return (negative.unchanged() and negative.embeds.shape[0] == text.shape[0]
-                and negative.embeds.dtype == text.dtype and negative.embeds.device == text.device)
+    def _pairs_with(negative: NegativeInputs, inputs: dict) -> bool:
+        text, negative_text = inputs["encoder_hidden_states"], negative.inputs["encoder_hidden_states"]
+        return (negative.unchanged() and negative_text.shape[0] == text.shape[0]
+                and negative_text.dtype == text.dtype and negative_text.device == text.device)
 
-    @staticmethod
-    def _is_what_was_speculated(speculated: Speculated, inputs: dict, state: tuple) -> bool:
+    def _is_what_was_speculated(self, speculated: Speculated, inputs: dict, state: tuple) -> bool:
         negative, hidden = speculated.negative, inputs["hidden_states"]
         return (hidden is speculated.hidden_states and hidden._version == speculated.hidden_version
-                and inputs["encoder_hidden_states"] is negative.embeds
-                and inputs["encoder_hidden_states_mask"] is negative.mask and negative.unchanged()
+                and all(inputs[name] is negative.inputs[name] for name in self.branch_inputs)
+                and negative.unchanged()
                 and repr(inputs["img_shapes"]) == speculated.img_shapes and state == speculated.state
                 and inputs["timestep"].shape == speculated.timestep.shape
                 and bool(torch.equal(inputs["timestep"], speculated.timestep)))

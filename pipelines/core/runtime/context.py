@@ -22,7 +22,10 @@ call of the transformer), the runner puts a hook on the module (runtime/forward_
   step follows host work on the prefix cache): the runner's store and the call's eager keys
   (runtime/cuda_graph.CallGraphs);
 - step_cache: in a call with FastConfig(cache=...), for such a model: the call's StepCacheRun (runtime/step_cache.py),
-  which its forwards run their pieces through.
+  which its forwards run their pieces through;
+- cfg_speculation: in a call whose plan has batched CFG, for such a model: the call's pairing of its "cond" and
+  "uncond" forwards (runtime/cfg_pairing.Speculation, made by the model: cfg_speculation()), which its forward
+  answers through.
 """
 
 import contextlib
@@ -43,6 +46,7 @@ class ForwardContext:
     record: Any = None  # optimizations.CallRecord
     step_graphs: Any = None  # cuda_graph.CallGraphs
     step_cache: Any = None  # step_cache.StepCacheRun
+    cfg_speculation: Any = None  # cfg_pairing.Speculation
 
 
 _CONTEXT: ContextVar[ForwardContext] = ContextVar("qwen_image_fast_forward_context", default=ForwardContext())

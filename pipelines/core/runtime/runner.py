@@ -15,8 +15,8 @@ A pipeline owns one Runner (its graphs live across calls); each call opens a Cal
   diffusers loop calls: pairs "cond" and "uncond" by speculation (cfg_pairing.Speculation) when batched CFG is on.
 - A model that runs its own steps (`runs_its_steps`: Qwen-Image-2.1's, whose cached steps follow host work on the
   prefix cache) finds the runner's store in the forward context (`step_graphs`, cuda_graph.CallGraphs): the same
-  store, capture policy and failure policy; and the call's step cache (`step_cache`, a StepCacheRun) whose pieces
-  its forward runs.
+  store, capture policy and failure policy; the call's step cache (`step_cache`, a StepCacheRun) whose pieces
+  its forward runs; and with batched CFG its own speculation (`cfg_speculation`) that pairs its cached steps.
 Under diffusers' step caches (transformer.enable_cache) a forward runs eagerly, its hooks deciding on the host around
 the blocks (and their attention modules), unless the step cache runs it (a native rule, model/step_caches.py); with
 graphs each block replays from its own graphs instead (block_graphs.py: the whole block, or three pieces around a
@@ -111,7 +111,8 @@ class Runner:
         # cache's pieces itself
         own_steps = getattr(transformer, "runs_its_steps", False)
         with forward_context(record=record, step_graphs=run.call_graphs if graphs and own_steps else None,
-                             step_cache=run.step_cache if own_steps else None), \
+                             step_cache=run.step_cache if own_steps else None,
+                             cfg_speculation=transformer.cfg_speculation() if pair_cfg and own_steps else None), \
                 hook_on(transformer, run) if run.fused else contextlib.nullcontext():
             yield run
 
@@ -249,5 +250,7 @@ class CallRun:
         if self.speculation is None:
             return self._forward(context, inputs, onload=False)
         return self.speculation(lambda inputs: self._forward(context, inputs, onload=False),
-                                lambda inputs, embeds, mask: self.pair(inputs, embeds, mask, onload=False),
+                                lambda inputs, negative: self.pair(inputs, negative["encoder_hidden_states"],
+                                                                   negative["encoder_hidden_states_mask"],
+                                                                   onload=False),
                                 context, inputs, self.transformer.lora_key())
