@@ -9,19 +9,22 @@ both prefixes; FP8 attention (the reference kernel on the CPU) equal to its unpa
 latents or timestep are not the ones paired computes anew. The pipeline-level comparisons (with graphs, memory="low")
 are test_qwen21.py's and test_qwen21_memory.py's, which run with CFG and batched CFG on by default."""
 
+import contextlib
+
 import pytest
 import torch
 from diffusers.hooks import TaylorSeerCacheConfig
 from diffusers.models.transformers.transformer_qwenimage21 import QwenImage21KVCache
-from helpers import assert_close
+from helpers import assert_close, rel_rms_error
 
 from qwen_image_fast import FastConfig, optimize
 from qwen_image_fast.pipelines.core.config import FastTransformerConfig
-from qwen_image_fast.pipelines.core.optimizations import plans
+from qwen_image_fast.pipelines.core.optimizations import BY_NAME, FP8_BOUND, CallRecord, plans
+from qwen_image_fast.pipelines.core.runtime.runner import Runner
 from qwen_image_fast.pipelines.core.runtime.context import forward_context
 from qwen_image_fast.pipelines.qwen_image21.model import FastQwenImage21Transformer
 
-from test_qwen21 import inputs, tiny_pipeline, tiny_stock
+from test_qwen21 import REAL, inputs, tiny_pipeline, tiny_stock
 from test_qwen21_fp8_attention import reference_kernel  # noqa: F401 (a fixture)
 
 CASES = {  # id -> (batch, prompt's text lengths, negative prompt's, condition image (h, w) in latent tokens)
@@ -42,14 +45,15 @@ def cfg_loop(model, cond: dict, uncond: dict, steps: int = 4, scale: float = 2.0
              uncond_latents=lambda latents: latents, uncond_timestep=lambda t: t) -> list[torch.Tensor]:
     """QwenImage21Pipeline's loop around the transformer (the prefix caches extracted at the first step, then
     cached; CFG; Euler steps on the target latents): each step's (cond, uncond) outputs. speculation: the fast
-    model's pairing in the forward context (None: none); uncond_latents / uncond_timestep: what the "uncond" call
+    model's pairing in the forward context (None: the context's, a runner's call or none); uncond_latents / uncond_timestep: what the "uncond" call
     gets instead of the step's latents / timestep."""
     kvs = QwenImage21KVCache(len(model.transformer_blocks)), QwenImage21KVCache(len(model.transformer_blocks))
     target = cond["img_shapes"][0][-1][1] * cond["img_shapes"][0][-1][2]
     latents, outs = cond["hidden_states"], []
-    with torch.no_grad(), forward_context(cfg_speculation=speculation):
+    paired = forward_context(cfg_speculation=speculation) if speculation is not None else contextlib.nullcontext()
+    with torch.no_grad(), paired:
         for i in range(steps):
-            t = torch.full((latents.shape[0],), 1 - i / steps)
+            t = torch.full((latents.shape[0],), 1 - i / steps, device=latents.device, dtype=latents.dtype)
             mode = "extract" if i == 0 else "cached"
             step = []
             for name, args, kv in (("cond", cond, kvs[0]), ("uncond", uncond, kvs[1])):
@@ -116,6 +120,34 @@ def test_fp8_attention_paired_equals_unpaired(reference_kernel, monkeypatch, cas
         assert_close(got[0], want[0], 1e-5, f"step {n}, cond")
         assert_close(got[1], want[1], 1e-5, f"step {n}, uncond")
     assert len(pairs) == 3 and ("fp8_attention", "reference") in fast.running()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8_attention", ["off", "fa3"])
+def test_real_width_paired_in_graphs_on_gpu(monkeypatch, fp8_attention):
+    """2 blocks at the real width (32 heads x 128), bf16, FP8 GEMMs, a condition image, the prompt and the negative
+    prompt of different lengths: every step's cond and uncond target rows within the bound of stock (FP8 GEMMs; with
+    FP8 attention, FA3, its own), the cached steps paired; the same loop in a pipeline call's runner (its CUDA
+    graphs: the paired step run eagerly, captured, replayed) equal to it run eagerly."""
+    stock = tiny_stock(**REAL).to("cuda", torch.bfloat16)
+    fast = FastQwenImage21Transformer.from_diffusers(stock, FastTransformerConfig(fp8_attention=fp8_attention))
+    cond = inputs(1, (40,), (16, 16), target=(32, 48), config=REAL, device="cuda", dtype=torch.bfloat16, seed=1)
+    uncond = inputs(1, (23,), (16, 16), target=(32, 48), config=REAL, device="cuda", dtype=torch.bfloat16, seed=2)
+    uncond["hidden_states"] = cond["hidden_states"]
+    bound = BY_NAME["fp8_attention"].bound.full if fp8_attention != "off" else FP8_BOUND.full
+    expected = cfg_loop(stock, cond, uncond)
+    pairs = paired_steps(monkeypatch, fast)
+    eager = cfg_loop(fast, cond, uncond, speculation=fast.cfg_speculation())
+    errors = [rel_rms_error(got[half].float(), want[half].float()) for got, want in zip(eager, expected)
+              for half in (0, 1)]
+    assert all(e <= bound for e in errors) and len(pairs) == 3, (fast.attention_backend, errors, len(pairs))
+    record = CallRecord()
+    with Runner().call(fast, record, graphs=True, pair_cfg=True, bucket=1):
+        graphed = cfg_loop(fast, cond, uncond)
+    for n, (got, want) in enumerate(zip(graphed, eager)):
+        assert_close(got[0], want[0], 1e-6, f"step {n}, cond: graphed vs eager")
+        assert_close(got[1], want[1], 1e-6, f"step {n}, uncond: graphed vs eager")
+    assert {"cuda_graphs", "batched_cfg"} <= set(record.labels()) and len(pairs) == 6, record.labels()
 
 
 def test_the_plan_says_where_it_does_not_run():
