@@ -151,8 +151,9 @@ def test_graphs_replay_from_a_signatures_second_forward_in_a_call(stand_in_graph
 
 def test_cfg_pairing_returns_the_kept_half_only_for_the_inputs_it_was_computed_from():
     """Calls as a pipeline's loop makes them, then ones that differ from what the "cond" call speculated: another
-    latents tensor, latents changed in place, another negative text, another timestep. Each "uncond" answer must be
-    the unpaired forward of its own inputs."""
+    latents tensor, latents changed in place, another negative text. Each "uncond" answer must be the unpaired
+    forward of its own inputs. Another timestep's values (compared on the device, not at each step): the call ends
+    in a ValueError saying to turn batched CFG off."""
     from qwen_image_fast.pipelines.core.runtime.forward_hook import hook_on
     from qwen_image_fast.pipelines.core.runtime.runner import Runner
 
@@ -182,7 +183,6 @@ def test_cfg_pairing_returns_the_kept_half_only_for_the_inputs_it_was_computed_f
         "other latents": (h2, negative, t, torch.randn_like(h)),
         "latents changed in place": (h2.clone(), negative, t, "in place"),
         "other negative text": (h2, other_negative, t, None),
-        "other timestep": (h2, negative, torch.tensor([0.25]), None),
     }
     for what, (hidden, embeds, timestep, change) in misses.items():
         assert_close(call("cond", hidden, text, t), unpaired(hidden, text, t), 1e-5, what)
@@ -194,6 +194,13 @@ def test_cfg_pairing_returns_the_kept_half_only_for_the_inputs_it_was_computed_f
         call("uncond", h2, negative, t)  # the loop's negative text again, for the next case
     paired_call.__exit__(None, None, None)
     assert batches.count(2) == len(misses)
+    paired_call = Runner().call(fast, optimizations.CallRecord(), graphs=False, pair_cfg=True, bucket=1)
+    paired_call.__enter__()
+    for timestep in (t, torch.tensor([0.25])):  # the loop's, then another for the "uncond" call of a paired step
+        call("cond", h, text, t)
+        call("uncond", h, negative, timestep)
+    with pytest.raises(ValueError, match="passed another timestep: this loop needs FastConfig\\(batched_cfg=False\\)"):
+        paired_call.__exit__(None, None, None)
 
 
 @pytest.mark.usefixtures("small_condition_images")

@@ -89,22 +89,30 @@ def test_paired_steps_match_stock(monkeypatch, case):
     assert len(pairs) == 3, "the 3 cached steps, paired"
 
 
-@pytest.mark.parametrize("how", ["other latents", "other timestep"])
-def test_an_uncond_call_unlike_the_paired_one_computes_anew(monkeypatch, how):
-    """A loop whose "uncond" call passes other latents or another timestep than its step's "cond" call gets what it
-    asked for: its output computed anew (equal to stock's for those inputs), not the paired half."""
-    change = (dict(uncond_latents=lambda latents: latents * 0.9) if how == "other latents" else
-              dict(uncond_timestep=lambda t: t * 0.9))
+def test_an_uncond_call_unlike_the_paired_one_computes_anew_or_the_call_fails(monkeypatch):
+    """A loop whose "uncond" call passes other latents than its step's "cond" call gets what it asked for: its
+    output computed anew (equal to stock's for those inputs), not the paired half. Another timestep (its values are
+    compared on the device, read once at the end): the speculation's verify() fails the call, saying what to do."""
     stock = tiny_stock()
     fast = FastQwenImage21Transformer.from_diffusers(stock, FastTransformerConfig(fp8=False))
     cond, uncond = branches("t2i-two-lengths")
+    change = dict(uncond_latents=lambda latents: latents * 0.9)
     expected = cfg_loop(stock, cond, uncond, **change)
     pairs = paired_steps(monkeypatch, fast)
-    got = cfg_loop(fast, cond, uncond, speculation=fast.cfg_speculation(), **change)
+    speculation = fast.cfg_speculation()
+    got = cfg_loop(fast, cond, uncond, speculation=speculation, **change)
     for n, (steps, want) in enumerate(zip(got, expected)):
         assert_close(steps[1], want[1], 1e-5, f"step {n}, uncond")
         assert_close(steps[0], want[0], 1e-5, f"step {n}, cond")
     assert len(pairs) == 3, "the cond calls still paired; their uncond halves dropped"
+    speculation.verify()  # nothing answered from a kept half
+    speculation = fast.cfg_speculation()
+    cfg_loop(fast, cond, uncond, speculation=speculation, uncond_timestep=lambda t: t * 0.9)
+    with pytest.raises(ValueError, match=r"passed another timestep: this loop needs FastConfig\(batched_cfg=False\)"):
+        speculation.verify()
+    speculation = fast.cfg_speculation()
+    cfg_loop(fast, cond, uncond, speculation=speculation)
+    speculation.verify()
 
 
 @pytest.mark.parametrize("case", list(CASES))

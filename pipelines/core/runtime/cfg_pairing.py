@@ -9,8 +9,10 @@ The runner (runner.py) runs it for both kinds of loop:
   same tensor for the whole call). Speculation gets them paired without rewriting their loops: a "cond" forward
   also computes the "uncond" half with the negative text the previous step's "uncond" call passed, and keeps it;
   the step's "uncond" call returns the kept half only if its inputs are those it was computed from (the same
-  latents and text tensors, unmodified since (their version counters), an equal timestep (one host sync), the same
-  image shapes, LoRA scale and adapters); otherwise it runs as usual and the kept half is dropped. So the first
+  latents and text tensors, unmodified since (their version counters), the same image shapes, LoRA scale and
+  adapters, a timestep of the same shape); otherwise it runs as usual and the kept half is dropped. The timesteps'
+  values are compared on the device and read at the end of the call (Speculation.verify: a ValueError then, the
+  result not returned), not at each step, where the read would stall the GPU. So the first
   step runs unpaired, and a loop that calls otherwise gets what it asked for. Calls with ControlNet residuals
   (computed per text), `additional_t_cond` or `guidance` are never paired there. Qwen-Image-2.1's model pairs its
   cached steps the same way (its branch's own inputs: the text, its image slots and its prefix cache;
@@ -114,6 +116,7 @@ class Speculation:
         self.pairs_now = pairs_now or (lambda inputs: True)
         self.negative: NegativeInputs | None = None
         self.speculated: Speculated | None = None
+        self.timestep_checks: list[torch.Tensor] = []  # per kept half returned: its timesteps differ (device bool)
 
     def __call__(self, forward, pair, context: str | None, inputs: dict, state: tuple) -> torch.Tensor:
         speculated, self.speculated = self.speculated, None
@@ -122,6 +125,9 @@ class Speculation:
             return forward(inputs)
         if context == "uncond":
             if speculated is not None and self._is_what_was_speculated(speculated, inputs, state):
+                # the timesteps' values are compared on the device, read once at the end of the call (verify): a
+                # host read here would stall the GPU at every step, which the CPU no longer runs ahead of
+                self.timestep_checks.append((inputs["timestep"] != speculated.timestep).any())
                 return speculated.output
             self.negative = NegativeInputs.of(inputs, self.branch_inputs)
             return forward(inputs)
@@ -150,4 +156,13 @@ class Speculation:
                 and negative.unchanged()
                 and repr(inputs["img_shapes"]) == speculated.img_shapes and state == speculated.state
                 and inputs["timestep"].shape == speculated.timestep.shape
-                and bool(torch.equal(inputs["timestep"], speculated.timestep)))
+                and inputs["timestep"].device == speculated.timestep.device)
+
+    def verify(self):
+        """At the end of the call (the runner's): ValueError if a kept half was returned to an "uncond" call whose
+        timestep's values were not its "cond" call's (a loop that diffusers' pipelines are not: each passes the
+        step's timestep to both), so that its result is never returned."""
+        if self.timestep_checks and bool(torch.stack(self.timestep_checks).any()):
+            raise ValueError("batched CFG (FastConfig(batched_cfg=True)) answered an \"uncond\" forward with the half "
+                             "its \"cond\" forward computed, and that \"uncond\" call passed another timestep: this "
+                             "loop needs FastConfig(batched_cfg=False)")

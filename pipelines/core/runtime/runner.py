@@ -110,11 +110,14 @@ class Runner:
         # a model that runs its own steps (Qwen-Image-2.1's) graphs them with the runner's store, and runs the step
         # cache's pieces itself
         own_steps = getattr(transformer, "runs_its_steps", False)
+        own_speculation = transformer.cfg_speculation() if pair_cfg and own_steps else None
         with forward_context(record=record, step_graphs=run.call_graphs if graphs and own_steps else None,
-                             step_cache=run.step_cache if own_steps else None,
-                             cfg_speculation=transformer.cfg_speculation() if pair_cfg and own_steps else None), \
+                             step_cache=run.step_cache if own_steps else None, cfg_speculation=own_speculation), \
                 hook_on(transformer, run) if run.fused else contextlib.nullcontext():
             yield run
+        for speculation in (run.speculation, own_speculation):  # the timesteps it answered for (cfg_pairing.py)
+            if speculation is not None:
+                speculation.verify()
 
 
 class CallRun:
