@@ -487,6 +487,15 @@ def eight_images(pipe, size: int, steps: int, device, prompts=PROMPTS8, negative
     return (time.perf_counter() - start) / len(jobs), np.stack(images)
 
 
+def image_differences(images: np.ndarray, expected: np.ndarray) -> str:
+    """Per image of [N, H, W, C] in [0, 1]: equal, or its largest difference and PSNR against `expected`'s."""
+    def differs(a, b) -> str:
+        diff = a.astype(np.float64) - b
+        return f"max |diff| {np.abs(diff).max():.3g}, PSNR {10 * np.log10(1 / np.mean(diff ** 2)):.1f} dB"
+
+    return "; ".join("equal" if np.array_equal(a, b) else differs(a, b) for a, b in zip(images, expected))
+
+
 def budget_rows(args, env: dict) -> list[dict]:
     """--budgets: ours resident, then memory="low" under each budget's cap (module docstring)."""
     import gc
@@ -514,6 +523,9 @@ def budget_rows(args, env: dict) -> list[dict]:
         print(f"uncapped, batched CFG: {paired:.3f} s an image", flush=True)
         fast.fast_config = fast.fast_config.replace(batched_cfg=False)
     per_image, expected = eight_images(fast, size, STEPS, device, **work)
+    if args.budget_cfg:  # the reference must reproduce itself for "equal to it" to say anything
+        _, again = eight_images(fast, size, STEPS, device, **work)
+        print(f"uncapped, again: {image_differences(again, expected)}", flush=True)
     count = prefix_token_counter(fast.processor)
     prompts = work.get("prompts", PROMPTS8)
     base = dict(env, bench="qwen21_pipeline", impl="ours", size=size, steps=STEPS, prompts=len(prompts),
@@ -560,7 +572,8 @@ def budget_rows(args, env: dict) -> list[dict]:
         if same:
             rows.append(row)
         else:
-            print(f"  FAILED: cap{budget:g}'s images differ from the uncapped ones: no speed reported", flush=True)
+            print(f"  FAILED: cap{budget:g}'s images differ from the uncapped ones ({image_differences(images, expected)})"
+                  ": no speed reported", flush=True)
         components = dict(low.components)
         del low, blocks, text, turns
         torch.cuda.set_per_process_memory_fraction(1.0)
