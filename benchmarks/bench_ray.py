@@ -18,8 +18,8 @@ image; first_call_s, the pipeline call that made it, from its manifest record) a
 Ray row also carries its `Ray startup:` line's times (startup_*_s: checks done, cluster connected, first actor
 begun, first pipeline loaded).
 --cluster: "command" (default), each Ray run starts its own local cluster (a user's first try); "started", a head
-node started before the runs (`ray start --head`, as on a real cluster) that they connect to (--ray-address), its
-start not timed (the row's "cluster" field says which).
+node started before the runs (`ray start --head`, as on a real cluster) and connected to once (start_cluster: ready)
+that they connect to (--ray-address), its start not timed (the row's "cluster" field says which).
 """
 
 import argparse
@@ -98,8 +98,8 @@ def timeline(out: Path, start_epoch: float) -> tuple[float, float, float]:
 def start_cluster(temp: Path, *options: str) -> tuple[str, subprocess.Popen]:
     """A head node on loopback (`ray start --head --block`, its own temporary folder; `options`: more of `ray start`'s,
     e.g. "--num-cpus", "2"), with a token of its own in this process's environment, which the commands inherit
-    (tests/cli/test_render_ray.py's cluster too); (its address, its process, killed with its group). RuntimeError if
-    it does not start."""
+    (tests/cli/test_render_ray.py's cluster too); (its address, its process, killed with its group), once it has taken
+    a connection. RuntimeError if it does not start."""
     import secrets
     import socket
 
@@ -116,11 +116,19 @@ def start_cluster(temp: Path, *options: str) -> tuple[str, subprocess.Popen]:
     while True:
         try:
             socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            return f"127.0.0.1:{port}", head
+            break
         except OSError:
             if head.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError("the Ray head node did not start") from None
             time.sleep(0.2)
+    # the GCS port answers seconds before the node's raylet has registered, and the first ray.init waits for that
+    # (it polls each second): one connection made here, as any earlier job on a running cluster would have made it
+    ready = subprocess.run([sys.executable, "-c", f"import ray; ray.init(address='127.0.0.1:{port}', "
+                            "log_to_driver=False, logging_level='ERROR'); ray.shutdown()"], capture_output=True)
+    if ready.returncode != 0:
+        os.killpg(head.pid, 9)
+        raise RuntimeError(f"the Ray head node did not take a connection: {ready.stderr.decode()[-500:]}")
+    return f"127.0.0.1:{port}", head
 
 
 def same_images(a: Path, b: Path, n: int) -> bool:
