@@ -36,6 +36,12 @@ fill every block's buffer) and keeps its target's rows' residuals; a cached step
 the front's output instead. A skipped block's buffers are not touched: the prefix part is written by the prefill
 only, the target part by every step that runs the block, before its attention reads it.
 
+Under batched CFG (the runner's call puts the model's own speculation, cfg_speculation(), in the forward context)
+diffusers' "cond" call of a cached step computes the "uncond" branch beside it, as one step of batch 2B
+(_forward_pair: the two target row sets through one GEMM each, each half attending to its own branch's prefix
+cache at its own rotary positions, block.PairedAttention), and the step's "uncond" call gets its half
+(core/runtime/cfg_pairing.py says when). The prefill runs one branch at a time.
+
 Under diffusers' TaylorSeerCacheConfig (enable_cache) its own hooks sit on each block's `attn` (block.AttentionPart)
 and compute or predict that block's attention output, one state per cache_context; such a forward runs eagerly. Under
 a memory budget (memory.py) the streamed blocks' weights are copied in ahead of them inside the forward, and the

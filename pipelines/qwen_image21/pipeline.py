@@ -2,10 +2,11 @@
 __call__, unchanged, around the fast Qwen-Image-2.1 transformer (model.py).
 
 What runs is the registry's (core/optimizations.py): fused_transformer, fp8 (every block linear),
-fp8_fast_accum, attention, cuda_graphs (the cached steps, model.py, from the graphs of the pipeline's runner) and
-FastConfig(cache=...) (the step cache's pieces, model.py), diffusers' TaylorSeerCacheConfig (its own hooks on the
-blocks' `attn`, model.py) and memory="low" with or without a budget (memory.py) run here; batched CFG and diffusers'
-other step caches do not yet (the plan and enable_cache say why), and the options that would change diffusers' loop
+fp8_fast_accum, attention, cuda_graphs (the cached steps, model.py, from the graphs of the pipeline's runner),
+batched_cfg (the cached steps of both CFG branches paired, model.py), FastConfig(cache=...) (the step cache's pieces,
+model.py), diffusers' TaylorSeerCacheConfig (its own hooks on the blocks' `attn`, model.py) and memory="low" with or
+without a budget (memory.py) run here; diffusers' other step caches do not (enable_cache says why), and the
+options that would change diffusers' loop
 (sampler, cfg_fraction, parallel) are refused, as for the 2512 family's image-conditioned pipelines.
 Each call runs in the pipeline's runner (core/pipeline/base.py's _fast_call); `applied` after a call is what it
 recorded running.

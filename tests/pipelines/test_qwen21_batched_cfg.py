@@ -74,6 +74,16 @@ def paired_steps(monkeypatch, model) -> list:
     return calls
 
 
+def paired_equal(monkeypatch, fast, cond: dict, uncond: dict, expected: list) -> int:
+    """The fast model's loop with its speculation: each step's cond and uncond outputs equal `expected`'s (1e-5);
+    returns how many steps it paired."""
+    pairs = paired_steps(monkeypatch, fast)
+    for n, (got, want) in enumerate(zip(cfg_loop(fast, cond, uncond, speculation=fast.cfg_speculation()), expected)):
+        assert_close(got[0], want[0], 1e-5, f"step {n}, cond")
+        assert_close(got[1], want[1], 1e-5, f"step {n}, uncond")
+    return len(pairs)
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_paired_steps_match_stock(monkeypatch, case):
     """Every step's cond and uncond outputs equal stock's (fp32, FP8 off), the cached steps paired: one
@@ -81,12 +91,7 @@ def test_paired_steps_match_stock(monkeypatch, case):
     stock = tiny_stock()
     fast = FastQwenImage21Transformer.from_diffusers(stock, FastTransformerConfig(fp8=False))
     cond, uncond = branches(case)
-    expected = cfg_loop(stock, cond, uncond)
-    pairs = paired_steps(monkeypatch, fast)
-    for n, (got, want) in enumerate(zip(cfg_loop(fast, cond, uncond, speculation=fast.cfg_speculation()), expected)):
-        assert_close(got[0], want[0], 1e-5, f"step {n}, cond")
-        assert_close(got[1], want[1], 1e-5, f"step {n}, uncond")
-    assert len(pairs) == 3, "the 3 cached steps, paired"
+    assert paired_equal(monkeypatch, fast, cond, uncond, cfg_loop(stock, cond, uncond)) == 3, "the 3 cached steps"
 
 
 def test_an_uncond_call_unlike_the_paired_one_computes_anew_or_the_call_fails(monkeypatch):
@@ -122,12 +127,8 @@ def test_fp8_attention_paired_equals_unpaired(reference_kernel, monkeypatch, cas
     stock = tiny_stock()
     fast = FastQwenImage21Transformer.from_diffusers(stock, FastTransformerConfig(fp8=False, fp8_attention="auto"))
     cond, uncond = branches(case)
-    expected = cfg_loop(fast, cond, uncond)
-    pairs = paired_steps(monkeypatch, fast)
-    for n, (got, want) in enumerate(zip(cfg_loop(fast, cond, uncond, speculation=fast.cfg_speculation()), expected)):
-        assert_close(got[0], want[0], 1e-5, f"step {n}, cond")
-        assert_close(got[1], want[1], 1e-5, f"step {n}, uncond")
-    assert len(pairs) == 3 and ("fp8_attention", "reference") in fast.running()
+    assert paired_equal(monkeypatch, fast, cond, uncond, cfg_loop(fast, cond, uncond)) == 3
+    assert ("fp8_attention", "reference") in fast.running()
 
 
 @pytest.mark.gpu
