@@ -2,7 +2,7 @@
 
     python3 benchmarks/bench_qwen21.py [--sizes 1024,1328] [--condition] [--out DIR]          # the transformer
     python3 benchmarks/bench_qwen21.py --pipeline --tokenizer DIR [--sizes 1024,1328] [--condition]   # end to end
-        [--cache every:2,1,0 ...] [--steps6] [--fp8-attention] [--cfg]
+        [--cache every:2,1,0 ...] [--steps6] [--fp8-attention] [--cfg | --cfg-long]
     python3 benchmarks/bench_qwen21.py --pipeline --sizes "" --memory-low --tokenizer DIR   # memory="low" alone
     python3 benchmarks/bench_qwen21.py --pipeline --sizes "" --budgets 16 --tokenizer DIR   # under a 16 GiB cap
     python3 benchmarks/bench_qwen21.py --pipeline --tiny                                  # CPU logic check
@@ -36,7 +36,8 @@ latents against ours without it, by the option's declared bound (core/optimizati
 where larger, EMULATION_MARGIN x what FP8 rounding emulated on stock moves this random network (which carries any
 rounding-level change far: 0.10 at 40 steps, 0.36 at 6), and printed beside stock. With --cfg, the call with a
 negative prompt and CFG 4: "cfg" (stock against ours, batched CFG: the cached steps of both branches as one forward)
-and "cfg_unpaired" (ours with batched_cfg=False), each gated against stock.
+and "cfg_unpaired" (ours with batched_cfg=False, then ours paired again: paired_again_s), each gated against stock;
+--cfg-long the same with ~920- and ~850-token prompts ("cfg_long", "cfg_long_unpaired").
 
 --budgets 16[,N...]: per image of 8 prompts (1024^2, 40 steps, no CFG, decoded; each prompt its own call, the 8
 encoded first in one text-encoder turn as `render` does, cli/run.encode_ahead; the time from the encoding to the
@@ -257,26 +258,32 @@ def pipeline_rows(args, env: dict) -> list[dict]:
             if variant == "exact":
                 for rule in args.cache:
                     rows.extend(cache_row(fast, kwargs, steps, rule, results, device, env, size))
-                if args.cfg:
-                    rows.extend(cfg_rows(stock, fast, kwargs, steps, device, fp8, env, size))
+                if args.cfg or args.cfg_long:
+                    rows.extend(cfg_rows(stock, fast, kwargs, steps, device, fp8, env, size, long=args.cfg_long))
             if fp8_fast is not None:
                 rows.extend(fp8_attention_rows(fp8_fast, kwargs, variant_steps, variant, results, device, env, size,
                                                args.cache if variant == "exact" else []))
     return rows
 
 
-def cfg_rows(stock, fast, kwargs: dict, steps: int, device, fp8: bool, env: dict, size: int) -> list[dict]:
+def cfg_rows(stock, fast, kwargs: dict, steps: int, device, fp8: bool, env: dict, size: int,
+             long: bool = False) -> list[dict]:
     """--cfg: the call with NEGATIVE and CFG 4, stock against ours (variant "cfg": batched CFG, the cached steps
     paired, compare_with_stock's gate), then ours with batched_cfg=False ("cfg_unpaired", the same gate against
-    stock, and its distance to the paired latents printed beside; the pipeline's config put back)."""
+    stock, and its distance to the paired latents printed beside; the pipeline's config put back), then ours paired
+    again (`paired_again_s` in that row: an order effect shows as the two paired times apart). long (--cfg-long):
+    the first of LONG_PROMPTS4 with LONG_NEGATIVE (~920 and ~850 tokens), variants "cfg_long" and
+    "cfg_long_unpaired"."""
     from bench_edit import call
 
     from qwen_image_fast.cli.compare import psnr
 
-    kwargs = dict(kwargs, negative_prompt=NEGATIVE, true_cfg_scale=4.0)
+    text = dict(prompt=LONG_PROMPTS4[0], negative_prompt=LONG_NEGATIVE) if long else dict(negative_prompt=NEGATIVE)
+    kwargs = dict(kwargs, **text, true_cfg_scale=4.0)
+    variant = "cfg_long" if long else "cfg"
     rows = []
     results = compare_with_stock(stock, fast, kwargs, steps, device, fp8, env, rows,
-                                 dict(size=size, condition_images=len(kwargs.get("image", ())), variant="cfg"))
+                                 dict(size=size, condition_images=len(kwargs.get("image", ())), variant=variant))
     if "batched_cfg" not in fast.applied:
         raise RuntimeError(f"--cfg: batched CFG did not run ({fast.applied})")
     config = fast.fast_config
@@ -287,17 +294,19 @@ def cfg_rows(stock, fast, kwargs: dict, steps: int, device, fp8: bool, env: dict
         applied = fast.applied
     finally:
         fast.fast_config = config
+    paired_again_s = call(fast, kwargs, steps, device)[0]
     (stock_s, _, stock_latents, stock_image), (paired_s, _, paired_latents, paired_image) = (results["stock"],
                                                                                           results["ours"])
     error, gate = rel_rms_error(latents, stock_latents), max(GATE, EMULATION_MARGIN * (results["fp8_emulation"] or 0))
     line = dict(env, bench="qwen21_pipeline", impl="ours", size=(size // 32) * 32, steps=steps,
-                condition_images=len(kwargs.get("image", ())), variant="cfg_unpaired", s_per_image=seconds,
+                condition_images=len(kwargs.get("image", ())), variant=f"{variant}_unpaired", s_per_image=seconds,
+                paired_again_s=paired_again_s,
                 ms_per_step=1000 * (seconds - sum(parts.values())) / steps, latent_rel_rms=error,
                 psnr_db=psnr(image, stock_image), rel_rms_vs_paired=rel_rms_error(latents, paired_latents),
                 psnr_vs_paired=psnr(image, paired_image), gate=gate, applied=applied, **parts)
-    print(f"{size}^2 cfg_unpaired {seconds:6.2f} s  {line['ms_per_step']:6.1f} ms/step  latent rel-RMS {error:.2e} vs "
-          f"stock, {line['rel_rms_vs_paired']:.2e} vs paired (PSNR {line['psnr_vs_paired']:.1f} dB)  {applied}",
-          flush=True)
+    print(f"{size}^2 {variant}_unpaired {seconds:6.2f} s  {line['ms_per_step']:6.1f} ms/step  latent rel-RMS "
+          f"{error:.2e} vs stock, {line['rel_rms_vs_paired']:.2e} vs paired (PSNR {line['psnr_vs_paired']:.1f} dB)  "
+          f"{applied}; paired again {paired_again_s:.2f} s", flush=True)
     if "batched_cfg" in applied or not error <= gate:
         print(f"  FAILED: batched CFG ran, or the check against stock ({error:.3e} > {gate:.3e}): no speed reported",
               flush=True)
@@ -696,6 +705,8 @@ def main():
     parser.add_argument("--cfg", action="store_true",
                         help="with --pipeline: also stock and ours with a negative prompt and CFG 4 (batched CFG), "
                         "and ours with batched_cfg=False")
+    parser.add_argument("--cfg-long", action="store_true",
+                        help="as --cfg with a ~920-token prompt and a ~850-token negative prompt")
     parser.add_argument("--fp8-attention", action="store_true",
                         help="with --pipeline: also ours with FastConfig(fp8_attention='auto') (FA3)")
     parser.add_argument("--memory-low", action="store_true",
