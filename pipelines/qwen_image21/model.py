@@ -143,6 +143,14 @@ class Layout:
         self.key_mask = torch.cat([key_valid.new_ones(batch, self.target), key_valid], dim=1)[:, None, None, :]
         self.segments = _qwenimage21_prefix_segments(image_ids, self.prefix)
 
+    def step_attention(self, backend: str, fp8: str | None) -> Attention:
+        """A cached step's attention plan: the target's queries against its own keys and the prefix cache's."""
+        return Attention(backend, self.seqused_k, self.key_mask, fp8=fp8, prefix_valid=self.prefix_valid)
+
+    def step_tables(self) -> tuple:
+        """The tables and masks a cached step reads beside its inputs (a graph of it keeps them: read_by_graph)."""
+        return (self.freqs, self.seqused_k, self.key_mask) + (() if self.prefix_valid is None else (self.prefix_valid,))
+
     @staticmethod
     def key(img_shapes, img_mask, text_mask, batch: int, device) -> tuple:
         """What a layout is a function of, by content (one small device-to-host copy)."""
@@ -431,9 +439,8 @@ class FastQwenImage21Transformer(Unsupported, LoraAdapters, QwenImage21SingleFil
             # what a graph reads beside its inputs: the slot's buffers, the layout's tables (by content), the
             # adapters as they are
             graph_key = ("cached_step", (self.prefix_cache.serial(kv_cache),), layout.key, backend, fp8_attention)
-            plan = Attention(backend, layout.seqused_k, layout.key_mask, fp8=fp8_attention,
-                             prefix_valid=layout.prefix_valid)
-            piece = functools.partial(self._cached_piece, graphs, graph_key, layout, kvs, plan)
+            piece = functools.partial(self._cached_piece, graphs, graph_key, layout, kvs,
+                                      layout.step_attention(backend, fp8_attention))
             inputs = dict(hidden_states=hidden_states[:, -layout.target:], timestep=timestep)
             if step_cache is None:
                 count_blocks(blocks * batch, blocks * batch)
@@ -498,8 +505,7 @@ class FastQwenImage21Transformer(Unsupported, LoraAdapters, QwenImage21SingleFil
             branches.append((layout, self._prefix_buffers(branch["kv_cache"], layout, batch, graphs)))
         (layout, kvs), (negative_layout, negative_kvs) = branches
         backend, fp8_attention = self.attention_backend, self.fp8_attention[0]
-        plan = PairedAttention(tuple(Attention(backend, lay.seqused_k, lay.key_mask, fp8=fp8_attention,
-                                               prefix_valid=lay.prefix_valid) for lay, _ in branches),
+        plan = PairedAttention(tuple(lay.step_attention(backend, fp8_attention) for lay, _ in branches),
                                tuple(lay.freqs[lay.prefix:] for lay, _ in branches), batch)
         serials = tuple(self.prefix_cache.serial(branch["kv_cache"]) for branch in (inputs, negative))
         graph_key = ("cached_pair", serials, layout.key, negative_layout.key, backend, fp8_attention)
@@ -519,10 +525,8 @@ class FastQwenImage21Transformer(Unsupported, LoraAdapters, QwenImage21SingleFil
         """_forward_pair's step: the target's latents [B, T, C] -> the outputs [2B, T, C], the prompt's first; kvs
         per block the branches' pair of prefix buffers."""
         # as _cached_step: what the step reads beside its inputs, made before it (a graph of it keeps them)
-        for layout in layouts:
-            read_by_graph(layout.freqs, layout.seqused_k, layout.key_mask,
-                          *(() if layout.prefix_valid is None else (layout.prefix_valid,)))
-        read_by_graph(*(t for pair in kvs for kv in pair for t in kv))
+        read_by_graph(*(t for layout in layouts for t in layout.step_tables()),
+                      *(t for pair in kvs for kv in pair for t in kv))
         target = layouts[0].target
         x = self.img_in(hidden_states)
         x = torch.cat([x, x])  # both branches' target rows begin as the same latents
@@ -585,8 +589,7 @@ class FastQwenImage21Transformer(Unsupported, LoraAdapters, QwenImage21SingleFil
         """The blocks [start, stop) of a cached step on the target's rows: from its latents [B, T, C] (name "step"
         and "front"), or from the rows img [B, T, D] a piece before it left; every token reads its sample's row."""
         # the layout's tables and masks and the prefix buffers, made before the step: a graph of it keeps them
-        read_by_graph(layout.freqs, layout.seqused_k, layout.key_mask, *(t for kv in kvs for t in kv),
-                      *(() if layout.prefix_valid is None else (layout.prefix_valid,)))
+        read_by_graph(*layout.step_tables(), *(t for kv in kvs for t in kv))
         x = self.img_in(hidden_states) if img is None else img
         batch = x.shape[0]
         modulation, temb = self._modulation(timestep, x)
