@@ -45,7 +45,7 @@ last image, over 8), after a 3-step warm-up call: ours resident ("uncapped"), th
 FastConfig(memory="low", max_memory_gib=N) built from the same components after
 torch.cuda.set_per_process_memory_fraction(N GiB less the CUDA context) ("cap<N>": what streams, the buffer, peak
 reserved, the plan's smallest budget at these shapes). The check: every image equals the uncapped one bit for bit,
-else no row. With --budget-cfg (4 long prompts, a long negative prompt, CFG 4) the uncapped reference runs the
+else no row, and where it differs (where_it_differs: the loop's latents, or the decode under the cap). With --budget-cfg (4 long prompts, a long negative prompt, CFG 4) the uncapped reference runs the
 branches one by one (batched_cfg=False), as a budget does; the uncapped time with batched CFG is kept beside it
 (paired_s_per_image, per_image_vs_uncapped_paired).
 
@@ -470,9 +470,40 @@ LONG_PROMPTS4 = [", ".join([PROMPT] * 24) + f", picture {i} of a series" for i i
 LONG_NEGATIVE = ", ".join(["blurry, low quality, distorted, oversaturated, watermark, text"] * 60)  # 840 tokens
 
 
+class DecodeRecorder:
+    """Each VAE decode's input (the denoising loop's latents) and output, as CPU copies, while in the `with`: which
+    side of the decode a difference between two runs comes from. The copies follow the decode, which the pipeline
+    reads back right after it anyway (output_type="np")."""
+
+    def __init__(self, vae):
+        self.vae, self.calls = vae, []
+
+    def __enter__(self):
+        decode = self.vae.decode
+
+        def recorded(z, *args, **kwargs):
+            out = decode(z, *args, **kwargs)
+            sample = out[0] if isinstance(out, tuple) else out.sample
+            self.calls.append((z.detach().cpu(), sample.detach().cpu()))
+            return out
+
+        self.vae.decode = recorded  # an instance attribute over the class's method, deleted on exit
+        return self
+
+    def __exit__(self, *exc):
+        del self.vae.decode
+
+
+def tensor_differences(tensors: list, expected: list) -> str:
+    """Per pair: equal, or its largest absolute difference."""
+    return "; ".join("equal" if torch.equal(a, b) else f"max |diff| {(a.float() - b.float()).abs().max():.3g}"
+                     for a, b in zip(tensors, expected))
+
+
 def eight_images(pipe, size: int, steps: int, device, prompts=PROMPTS8, negative=None,
-                 cfg: float = 1.0) -> tuple[float, np.ndarray]:
-    """(seconds an image over `prompts`, the images [N, H, W, 4]) after a 3-step warm-up call (bench docstring)."""
+                 cfg: float = 1.0) -> tuple[float, np.ndarray, list]:
+    """(seconds an image over `prompts`, the images [N, H, W, 4], per image its decode's (input, output):
+    DecodeRecorder) after a 3-step warm-up call (bench docstring)."""
     from types import SimpleNamespace
 
     from qwen_image_fast.cli.run import encode_ahead
@@ -490,10 +521,11 @@ def eight_images(pipe, size: int, steps: int, device, prompts=PROMPTS8, negative
     encoded, until = encode_ahead(pipe, jobs, 0)
     if until != len(jobs) or len(encoded) != len(jobs):
         raise RuntimeError(f"encode_ahead covered {len(encoded)} of {len(jobs)} prompts")
-    images = [render(i, **encoded[i]) for i in range(len(jobs))]
+    with DecodeRecorder(pipe.vae) as decodes:
+        images = [render(i, **encoded[i]) for i in range(len(jobs))]
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    return (time.perf_counter() - start) / len(jobs), np.stack(images)
+    return (time.perf_counter() - start) / len(jobs), np.stack(images), decodes.calls
 
 
 def image_differences(images: np.ndarray, expected: np.ndarray) -> str:
@@ -503,6 +535,20 @@ def image_differences(images: np.ndarray, expected: np.ndarray) -> str:
         return f"max |diff| {np.abs(diff).max():.3g}, PSNR {10 * np.log10(1 / np.mean(diff ** 2)):.1f} dB"
 
     return "; ".join("equal" if np.array_equal(a, b) else differs(a, b) for a, b in zip(images, expected))
+
+
+def where_it_differs(vae, decodes: list, expected_decodes: list, device):
+    """A budget's images not equal to the uncapped ones: whether the denoising loop's latents already differ, and if
+    they do not, whether the uncapped run's latents decoded again here, under the cap, give its decode outputs (a
+    decode that picks other convolution algorithms when the cap leaves less room would not)."""
+    latents = [z for z, _ in decodes], [z for z, _ in expected_decodes]
+    print(f"  the decode's inputs (the loop's latents) against the uncapped run's: {tensor_differences(*latents)}",
+          flush=True)
+    if all(torch.equal(a, b) for a, b in zip(*latents)):
+        with torch.no_grad():
+            again = [vae.decode(z.to(device), return_dict=False)[0].cpu() for z in latents[1]]
+        print("  the uncapped run's latents decoded again under the cap, against its own decode: "
+              f"{tensor_differences(again, [out for _, out in expected_decodes])}", flush=True)
 
 
 def budget_rows(args, env: dict) -> list[dict]:
@@ -528,12 +574,12 @@ def budget_rows(args, env: dict) -> list[dict]:
     suffix = "_cfg_long" if args.budget_cfg else ""
     paired = None
     if args.budget_cfg:  # a budget runs the branches one by one: the reference that it must equal does too
-        paired, _ = eight_images(fast, size, STEPS, device, **work)
+        paired, _, _ = eight_images(fast, size, STEPS, device, **work)
         print(f"uncapped, batched CFG: {paired:.3f} s an image", flush=True)
         fast.fast_config = fast.fast_config.replace(batched_cfg=False)
-    per_image, expected = eight_images(fast, size, STEPS, device, **work)
+    per_image, expected, expected_decodes = eight_images(fast, size, STEPS, device, **work)
     if args.budget_cfg:  # the reference must reproduce itself for "equal to it" to say anything
-        _, again = eight_images(fast, size, STEPS, device, **work)
+        _, again, _ = eight_images(fast, size, STEPS, device, **work)
         print(f"uncapped, again: {image_differences(again, expected)}", flush=True)
     count = prefix_token_counter(fast.processor)
     prompts = work.get("prompts", PROMPTS8)
@@ -566,7 +612,7 @@ def budget_rows(args, env: dict) -> list[dict]:
         torch.cuda.reset_peak_memory_stats()
         print(f"cap{budget:g}: buffer {turns.buffer_bytes / GIB:.2f} GiB, context {context:.2f} GiB, the plan's "
               f"smallest budget {smallest:.2f} GiB", flush=True)
-        per_image, images = eight_images(low, size, STEPS, device, **work)
+        per_image, images, decodes = eight_images(low, size, STEPS, device, **work)
         same = bool(np.array_equal(images, expected))
         row = dict(base, variant=f"cap{budget:g}{suffix}", max_memory_gib=budget, s_per_image=per_image,
                    per_image_vs_uncapped=per_image / rows[0]["s_per_image"],
@@ -583,6 +629,7 @@ def budget_rows(args, env: dict) -> list[dict]:
         else:
             print(f"  FAILED: cap{budget:g}'s images differ from the uncapped ones ({image_differences(images, expected)})"
                   ": no speed reported", flush=True)
+            where_it_differs(low.vae, decodes, expected_decodes, device)
         components = dict(low.components)
         del low, blocks, text, turns
         torch.cuda.set_per_process_memory_fraction(1.0)
