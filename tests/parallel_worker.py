@@ -1,8 +1,9 @@
 """One rank of a parallel render of the tiny pipeline: `torchrun --nproc_per_node N tests/parallel_worker.py OUT
-PARALLEL [--ulysses DEGREE] [--cache RULE] [--graphs]` (gloo on the CPU; RULE: a FastConfig.cache rule; --graphs:
+PARALLEL [--ulysses DEGREE] [--cache RULE ...] [--graphs]` (gloo on the CPU; RULE: a FastConfig.cache rule; --graphs:
 CUDA graphs through the CPU stand-in of graph_stand_in.py, which also checks what the captured forwards read). Each
-image group's first rank saves every case's latents and what ran to OUT/rank<R>.pt; test_parallel.py compares
-them with stock diffusers and the single-process fast pipeline."""
+image group's first rank saves every case's latents and what ran to OUT/rank<R>.pt (with --cache, one pipeline per
+rule, one after the other in the same processes: OUT/rank<R>-cache<I>.pt for the I-th rule); test_parallel.py
+compares them with stock diffusers and the single-process fast pipeline."""
 
 import argparse
 import os
@@ -49,14 +50,22 @@ def main():
     parser.add_argument("out")
     parser.add_argument("parallel")
     parser.add_argument("--ulysses", type=int, default=0)
-    parser.add_argument("--cache", default=None)
+    parser.add_argument("--cache", action="append", help="a step cache rule; repeated: each in turn (one launch)")
     parser.add_argument("--graphs", action="store_true")
     args = parser.parse_args()
     graphs = install(setattr) if args.graphs else None
     dist.init_process_group("gloo")
+    for i, cache in enumerate(args.cache or [None]):
+        suffix = "" if args.cache is None else f"-cache{i}"
+        render_all(args, cache, graphs, suffix)
+    dist.destroy_process_group()
+
+
+def render_all(args, cache: str | None, graphs, suffix: str):
+    """Every case through a new fast pipeline with `cache`; the image group leader saves what it got."""
     pipe = optimize(tiny_pipeline(QwenImagePipeline, 0, TRANSFORMER),
                     FastConfig(fp8=False, cuda_graphs=args.graphs, parallel=args.parallel,
-                               ulysses_degree=args.ulysses, cache=args.cache))
+                               ulysses_degree=args.ulysses, cache=cache))
     pipe.set_progress_bar_config(disable=True)
     # the first forward's [B, L] rows: the BF16 GEMMs around the blocks take (all of them, under Ulysses too), and
     # the first block (this rank's part)
@@ -77,8 +86,7 @@ def main():
         results["applied"].append(pipe.applied)
     if pipe.parallel.is_image_leader:
         torch.save(results | {"dp_rank": pipe.parallel.dp_rank, "rows": rows, "graphs": graphs},
-                   os.path.join(args.out, f"rank{dist.get_rank()}.pt"))
-    dist.destroy_process_group()
+                   os.path.join(args.out, f"rank{dist.get_rank()}{suffix}.pt"))
 
 
 if __name__ == "__main__":

@@ -50,15 +50,19 @@ def image_tokens(height: int, width: int) -> int:
     return (height // scale) * (width // scale)
 
 
-def launch(tmp_path, nproc: int, parallel: str, ulysses: int = 0, cache: str | None = None,
-           graphs: bool = False) -> dict[int, dict]:
-    """torchrun the worker; {rank: what that image group leader saved}."""
+def launch(tmp_path, nproc: int, parallel: str, ulysses: int = 0, caches: tuple[str, ...] = (),
+           graphs: bool = False) -> dict:
+    """torchrun the worker; {rank: what that image group leader saved}, or with step cache rules {(rank, the
+    rule's index): ...} (the rules one after the other in the same processes: one launch's startup)."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-               str(WORKER), str(tmp_path), parallel, f"--ulysses={ulysses}", *([f"--cache={cache}"] if cache else []),
+               str(WORKER), str(tmp_path), parallel, f"--ulysses={ulysses}", *(f"--cache={c}" for c in caches),
                *(["--graphs"] if graphs else [])]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
+    if caches:
+        return {(int(f.stem[4:].split("-cache")[0]), int(f.stem.split("-cache")[1])): torch.load(f)
+                for f in sorted(tmp_path.glob("rank*-cache*.pt"))}
     return {int(f.stem[4:]): torch.load(f) for f in sorted(tmp_path.glob("rank*.pt"))}
 
 
@@ -108,26 +112,32 @@ def test_parallel_graphs_over_calls_in_a_row(tmp_path, stock_latents, parallel):
     assert all("cuda_graphs" in applied for applied in results["applied"]), results["applied"]
 
 
-@pytest.mark.parametrize("cache", ["every:2,1,0", "dbcache:1,0,0.71,w=0"])
-def test_cfg_parallel_with_a_step_cache_equals_one_process(tmp_path, cache):
-    """CFG-parallel (2 ranks: the prompt on one, the negative prompt on the other) with FastConfig.cache: each rank
-    keeps its branch's cache state and decides as the single-process run decides for that branch; the same latents.
-    The threshold 0.71 sits between the first case's branches (second-step differences 0.699 and 0.721 here): one
-    branch reuses its middle blocks, the other computes them."""
-    one = optimize(tiny_pipeline(QwenImagePipeline, 0, TRANSFORMER), FastConfig(fp8=False, cuda_graphs=False,
-                                                                               cache=cache))
-    one.set_progress_bar_config(disable=True)
-    expected, decisions = [], []
-    for seed, case in enumerate(CASES):
-        expected.append(render(one, case, seed))
-        decisions.append({b: [c for c, _ in branch.decisions] for b, branch in one._last_step_cache.branches.items()})
-    [results] = launch(tmp_path, 2, "cfg", 0, cache).values()
-    for case, got, want in zip(CASES, results["latents"], expected):
-        assert_close(got, want, EXACT_TOL, f"{cache}, {case}")
-    assert all(f"step_cache:{FastConfig(cache=cache).cache.label()}" in applied for applied in results["applied"])
-    assert all("parallel:cfg2" in applied for applied in results["applied"])
-    if cache.startswith("dbcache"):
-        assert decisions[0] == {"cond": [True, False], "uncond": [True, True]}, decisions[0]
+STEP_CACHES = ("every:2,1,0", "dbcache:1,0,0.71,w=0")
+
+
+def test_cfg_parallel_with_a_step_cache_equals_one_process(tmp_path):
+    """CFG-parallel (2 ranks: the prompt on one, the negative prompt on the other) with FastConfig.cache, each rule
+    in STEP_CACHES (in one launch): each rank keeps its branch's cache state and decides as the single-process run
+    decides for that branch; the same latents. The threshold 0.71 sits between the first case's branches
+    (second-step differences 0.699 and 0.721 here): one branch reuses its middle blocks, the other computes them."""
+    saved = launch(tmp_path, 2, "cfg", 0, STEP_CACHES)
+    assert sorted(saved) == [(0, i) for i in range(len(STEP_CACHES))]
+    for i, cache in enumerate(STEP_CACHES):
+        one = optimize(tiny_pipeline(QwenImagePipeline, 0, TRANSFORMER), FastConfig(fp8=False, cuda_graphs=False,
+                                                                                   cache=cache))
+        one.set_progress_bar_config(disable=True)
+        expected, decisions = [], []
+        for seed, case in enumerate(CASES):
+            expected.append(render(one, case, seed))
+            decisions.append({b: [c for c, _ in branch.decisions]
+                              for b, branch in one._last_step_cache.branches.items()})
+        results = saved[0, i]
+        for case, got, want in zip(CASES, results["latents"], expected):
+            assert_close(got, want, EXACT_TOL, f"{cache}, {case}")
+        assert all(f"step_cache:{FastConfig(cache=cache).cache.label()}" in applied for applied in results["applied"])
+        assert all("parallel:cfg2" in applied for applied in results["applied"])
+        if cache.startswith("dbcache"):
+            assert decisions[0] == {"cond": [True, False], "uncond": [True, True]}, decisions[0]
 
 
 def test_ulysses_plan_splits_without_padding_and_restores_the_order():
