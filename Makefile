@@ -15,6 +15,9 @@ $(VENV)/.installed: pyproject.toml tests/constraints.txt
 	touch $@
 
 test: install
+	# compiled once here: where PYTHONDONTWRITEBYTECODE is set (this workplace sets it) each test's subprocesses (CLI,
+	# servers, Ray actors, torchrun ranks) would compile these sources again (~0.3 s a process)
+	$(PY) -m compileall -q qwen_image_fast kernels pipelines tests benchmarks > /dev/null
 	# two workers on the 2-core CI machine, one thread each (tiny tensors: threads only contend); an idle worker
 	# takes queued tests from the busy one (worksteal), so the long end-to-end tests do not leave one core idle
 	OMP_NUM_THREADS=1 TRITON_INTERPRET=1 HF_HUB_OFFLINE=1 $(PY) -m pytest -q -ra -n 2 --dist worksteal --durations=15 tests
