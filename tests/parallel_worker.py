@@ -1,9 +1,10 @@
-"""One rank of a parallel render of the tiny pipeline: `torchrun --nproc_per_node N tests/parallel_worker.py OUT
-PARALLEL [--ulysses DEGREE] [--cache RULE ...] [--graphs]` (gloo on the CPU; RULE: a FastConfig.cache rule; --graphs:
-CUDA graphs through the CPU stand-in of graph_stand_in.py, which also checks what the captured forwards read). Each
-image group's first rank saves every case's latents and what ran to OUT/rank<R>.pt (with --cache, one pipeline per
-rule, one after the other in the same processes: OUT/rank<R>-cache<I>.pt for the I-th rule); test_parallel.py
-compares them with stock diffusers and the single-process fast pipeline."""
+"""One rank of parallel renders of the tiny pipeline: `torchrun --nproc_per_node N tests/parallel_worker.py OUT RUN
+[RUN ...] [--graphs]` (gloo on the CPU), RUN = PARALLEL[/ULYSSES[/CACHE]] (FastConfig's parallel, ulysses_degree and
+cache rule), each run a new fast pipeline, one after the other in the same processes (one launch's startup for
+several configurations); --graphs: CUDA graphs through the CPU stand-in of graph_stand_in.py, which also checks what
+the captured forwards read (its log begun anew for each run). Each image group's first rank saves every case's
+latents and what ran to OUT/rank<R>-run<I>.pt for the I-th run; test_parallel.py compares them with stock diffusers
+and the single-process fast pipeline."""
 
 import argparse
 import os
@@ -48,24 +49,24 @@ def render(pipe, case: dict, seed: int) -> torch.Tensor:
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
-    parser.add_argument("parallel")
-    parser.add_argument("--ulysses", type=int, default=0)
-    parser.add_argument("--cache", action="append", help="a step cache rule; repeated: each in turn (one launch)")
+    parser.add_argument("runs", nargs="+", help="PARALLEL[/ULYSSES[/CACHE]], each in turn")
     parser.add_argument("--graphs", action="store_true")
     args = parser.parse_args()
     graphs = install(setattr) if args.graphs else None
     dist.init_process_group("gloo")
-    for i, cache in enumerate(args.cache or [None]):
-        suffix = "" if args.cache is None else f"-cache{i}"
-        render_all(args, cache, graphs, suffix)
+    for i, run in enumerate(args.runs):
+        parallel, ulysses, cache = (run.split("/", 2) + [None, None])[:3]
+        if graphs is not None:
+            for entries in (graphs["captures"], graphs["replays"], graphs["unowned"]):
+                entries.clear()
+        render_all(FastConfig(fp8=False, cuda_graphs=args.graphs, parallel=parallel,
+                              ulysses_degree=int(ulysses or 0), cache=cache), graphs, os.path.join(args.out, f"rank{dist.get_rank()}-run{i}.pt"))
     dist.destroy_process_group()
 
 
-def render_all(args, cache: str | None, graphs, suffix: str):
-    """Every case through a new fast pipeline with `cache`; the image group leader saves what it got."""
-    pipe = optimize(tiny_pipeline(QwenImagePipeline, 0, TRANSFORMER),
-                    FastConfig(fp8=False, cuda_graphs=args.graphs, parallel=args.parallel,
-                               ulysses_degree=args.ulysses, cache=cache))
+def render_all(config: FastConfig, graphs, path: str):
+    """Every case through a new fast pipeline with `config`; the image group leader saves what it got to `path`."""
+    pipe = optimize(tiny_pipeline(QwenImagePipeline, 0, TRANSFORMER), config)
     pipe.set_progress_bar_config(disable=True)
     # the first forward's [B, L] rows: the BF16 GEMMs around the blocks take (all of them, under Ulysses too), and
     # the first block (this rank's part)
@@ -85,8 +86,7 @@ def render_all(args, cache: str | None, graphs, suffix: str):
         results["latents"].append(render(pipe, case, seed))
         results["applied"].append(pipe.applied)
     if pipe.parallel.is_image_leader:
-        torch.save(results | {"dp_rank": pipe.parallel.dp_rank, "rows": rows, "graphs": graphs},
-                   os.path.join(args.out, f"rank{dist.get_rank()}{suffix}.pt"))
+        torch.save(results | {"dp_rank": pipe.parallel.dp_rank, "rows": rows, "graphs": graphs}, path)
 
 
 if __name__ == "__main__":

@@ -50,66 +50,74 @@ def image_tokens(height: int, width: int) -> int:
     return (height // scale) * (width // scale)
 
 
-def launch(tmp_path, nproc: int, parallel: str, ulysses: int = 0, caches: tuple[str, ...] = (),
-           graphs: bool = False) -> dict:
-    """torchrun the worker; {rank: what that image group leader saved}, or with step cache rules {(rank, the
-    rule's index): ...} (the rules one after the other in the same processes: one launch's startup)."""
+def launch(tmp_path, nproc: int, runs: list[str], graphs: bool = False) -> dict[tuple[int, int], dict]:
+    """torchrun the worker over `runs` (PARALLEL[/ULYSSES[/CACHE]] each, one after the other in the same
+    processes: one launch's startup for them all); {(rank, run index): what that image group leader saved}."""
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-               str(WORKER), str(tmp_path), parallel, f"--ulysses={ulysses}", *(f"--cache={c}" for c in caches),
-               *(["--graphs"] if graphs else [])]
+               str(WORKER), str(tmp_path), *runs, *(["--graphs"] if graphs else [])]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    if caches:
-        return {(int(f.stem[4:].split("-cache")[0]), int(f.stem.split("-cache")[1])): torch.load(f)
-                for f in sorted(tmp_path.glob("rank*-cache*.pt"))}
-    return {int(f.stem[4:]): torch.load(f) for f in sorted(tmp_path.glob("rank*.pt"))}
+    saved = {}
+    for f in sorted(tmp_path.glob("rank*-run*.pt")):
+        rank, run = f.stem[len("rank"):].split("-run")
+        saved[int(rank), int(run)] = torch.load(f)
+    return saved
 
 
-@pytest.mark.parametrize("nproc, parallel, ulysses, leaders, labels", [
-    (4, "cfg,ulysses", 0, [0], ["parallel:cfg2", "parallel:ulysses2"]),
-    (4, "ulysses", 2, [0, 2], ["parallel:ulysses2"]),  # two data-parallel groups of 2
-])
-def test_parallel_against_stock(tmp_path, stock_latents, single_process_applied, nproc, parallel, ulysses, leaders,
-                                labels):
+# 4 ranks: (the run, its image group leaders, its labels)
+AGAINST_STOCK = [
+    ("cfg,ulysses/0", [0], ["parallel:cfg2", "parallel:ulysses2"]),
+    ("ulysses/2", [0, 2], ["parallel:ulysses2"]),  # two data-parallel groups of 2
+]
+
+
+def test_parallel_against_stock(tmp_path, stock_latents, single_process_applied):
     """The registry's checks of the parallel optimization (test_optimizations.py's case points here), with gloo
-    processes under torchrun: (a) its labels are what it adds to the single-process run's `applied`, which loses
-    batched_cfg where CFG-parallel runs the negative prompt on the other rank; (b) the latents equal stock
-    diffusers' (fp32, 1e-5); (c) each rank's forwards hold a part only: one of prompt / negative prompt with
-    CFG-parallel, its slice of the tokens in the blocks with Ulysses, whose BF16 GEMMs around the blocks (img_in,
-    txt_in, proj_out) take all rows, as on one GPU (cuBLAS rounds a row by the row count it picks a kernel for)."""
-    saved = launch(tmp_path, nproc, parallel, ulysses)
-    assert sorted(saved) == leaders
-    expected = [label for label in single_process_applied if not (label == "batched_cfg" and "cfg" in parallel)]
-    for rank, results in saved.items():
+    processes under torchrun, each of AGAINST_STOCK's runs in one launch of 4: (a) its labels are what it adds to
+    the single-process run's `applied`, which loses batched_cfg where CFG-parallel runs the negative prompt on the
+    other rank; (b) the latents equal stock diffusers' (fp32, 1e-5); (c) each rank's forwards hold a part only: one
+    of prompt / negative prompt with CFG-parallel, its slice of the tokens in the blocks with Ulysses, whose BF16
+    GEMMs around the blocks (img_in, txt_in, proj_out) take all rows, as on one GPU (cuBLAS rounds a row by the row
+    count it picks a kernel for)."""
+    every = launch(tmp_path, 4, [run for run, _, _ in AGAINST_STOCK])
+    for i, (run, leaders, labels) in enumerate(AGAINST_STOCK):
+        parallel = run.split("/")[0]
+        saved = {rank: results for (rank, j), results in every.items() if j == i}
+        assert sorted(saved) == leaders, run
+        expected = [label for label in single_process_applied if not (label == "batched_cfg" and "cfg" in parallel)]
+        for rank, results in saved.items():
+            for case, got, want in zip(CASES, results["latents"], stock_latents):
+                assert got.shape == want.shape, case
+                assert_close(got, want, EXACT_TOL, f"{run}, rank {rank}, {case}")
+            for entries in results["applied"]:
+                assert [e for e in entries if not e.startswith("parallel:")] == expected, run
+                assert [e for e in entries if e.startswith("parallel:")] == labels, run
+            rows = results["rows"]  # the first forward of the first case (40x24): 2 ranks share its tokens
+            batch, image, text = 1 if "cfg" in parallel else 2, image_tokens(40, 24), rows["txt_in"][1]
+            assert rows["img_in"] == rows["proj_out"] == (batch, image) and rows["txt_in"][0] == batch, rows
+            assert rows["block_img"] == (batch, even_sizes(image, 2)[0]), rows
+            assert rows["block_txt"] == (batch, even_sizes(text, 2)[0]) and text >= 2, rows
+        assert [results["dp_rank"] for results in saved.values()] == list(range(len(leaders))), run
+
+
+def test_parallel_graphs_over_calls_in_a_row(tmp_path, stock_latents):
+    """Two ranks, CUDA graphs (the CPU stand-in), CFG-parallel then Ulysses in one launch, the cases one call after
+    another (other prompts, text lengths, sizes, batches and step counts; the last replays graphs the first call
+    captured): every call equals stock, and every tensor a captured forward read from outside is owned by the graph
+    store (graph_stand_in.py). A Ulysses layout made anew each call, its index tensors not kept by the graph that
+    reads them, is what crashed the second call on two GPUs (an index out of bounds in the replay)."""
+    saved = launch(tmp_path, 2, ["cfg", "ulysses"], graphs=True)
+    assert sorted(saved) == [(0, 0), (0, 1)]
+    for (_, i), results in saved.items():
+        parallel = ("cfg", "ulysses")[i]
         for case, got, want in zip(CASES, results["latents"], stock_latents):
-            assert got.shape == want.shape, case
-            assert_close(got, want, EXACT_TOL, f"rank {rank}, {case}")
-        for entries in results["applied"]:
-            assert [e for e in entries if not e.startswith("parallel:")] == expected
-            assert [e for e in entries if e.startswith("parallel:")] == labels
-        rows = results["rows"]  # the first forward of the first case (40x24): 2 ranks share its tokens
-        batch, image, text = 1 if "cfg" in parallel else 2, image_tokens(40, 24), rows["txt_in"][1]
-        assert rows["img_in"] == rows["proj_out"] == (batch, image) and rows["txt_in"][0] == batch, rows
-        assert rows["block_img"] == (batch, even_sizes(image, 2)[0]), rows
-        assert rows["block_txt"] == (batch, even_sizes(text, 2)[0]) and text >= 2, rows
-    assert [results["dp_rank"] for results in saved.values()] == list(range(len(leaders)))
-
-
-@pytest.mark.parametrize("parallel", ["cfg", "ulysses"])
-def test_parallel_graphs_over_calls_in_a_row(tmp_path, stock_latents, parallel):
-    """Two ranks, CUDA graphs (the CPU stand-in), the cases one call after another (other prompts, text lengths,
-    sizes, batches and step counts; the last replays graphs the first call captured): every call equals stock, and
-    every tensor a captured forward read from outside is owned by the graph store (graph_stand_in.py). A Ulysses
-    layout made anew each call, its index tensors not kept by the graph that reads them, is what crashed the
-    second call on two GPUs (an index out of bounds in the replay)."""
-    [results] = launch(tmp_path, 2, parallel, graphs=True).values()
-    for case, got, want in zip(CASES, results["latents"], stock_latents):
-        assert_close(got, want, EXACT_TOL, f"{parallel}, {case}")
-    log = results["graphs"]
-    assert not log["unowned"], f"read by a graph that does not own them: {log['unowned']}"
-    assert log["captures"] and len(log["replays"]) > len(CASES), log  # graphs captured, and replayed across calls
-    assert all("cuda_graphs" in applied for applied in results["applied"]), results["applied"]
+            assert_close(got, want, EXACT_TOL, f"{parallel}, {case}")
+        log = results["graphs"]
+        assert not log["unowned"], f"{parallel}: read by a graph that does not own them: {log['unowned']}"
+        assert log["captures"] and len(log["replays"]) > len(CASES), log  # captured, and replayed across calls
+        assert all("cuda_graphs" in applied and f"parallel:{parallel}2" in applied
+                   for applied in results["applied"]), results["applied"]
 
 
 STEP_CACHES = ("every:2,1,0", "dbcache:1,0,0.71,w=0")
@@ -120,7 +128,7 @@ def test_cfg_parallel_with_a_step_cache_equals_one_process(tmp_path):
     in STEP_CACHES (in one launch): each rank keeps its branch's cache state and decides as the single-process run
     decides for that branch; the same latents. The threshold 0.71 sits between the first case's branches
     (second-step differences 0.699 and 0.721 here): one branch reuses its middle blocks, the other computes them."""
-    saved = launch(tmp_path, 2, "cfg", 0, STEP_CACHES)
+    saved = launch(tmp_path, 2, [f"cfg/0/{cache}" for cache in STEP_CACHES])
     assert sorted(saved) == [(0, i) for i in range(len(STEP_CACHES))]
     for i, cache in enumerate(STEP_CACHES):
         one = optimize(tiny_pipeline(QwenImagePipeline, 0, TRANSFORMER), FastConfig(fp8=False, cuda_graphs=False,
