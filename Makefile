@@ -27,7 +27,9 @@ test: install
 # `make demo`: samples/prompts.txt -> samples/out/ with the real model if it is in the local Hugging Face cache and a
 # GPU is there, else the tiny random model (its images are noise). No GPU: Triton kernels run in its interpreter.
 demo: install
-	$(if $(shell command -v nvidia-smi),,TRITON_INTERPRET=1) HF_HUB_OFFLINE=1 $(VENV)/bin/qwen-image-fast render \
+	# PYTHONDONTWRITEBYTECODE emptied as for `make test`: the first run writes the bytecode pip did not
+	PYTHONDONTWRITEBYTECODE= $(if $(shell command -v nvidia-smi),,TRITON_INTERPRET=1) HF_HUB_OFFLINE=1 \
+		$(VENV)/bin/qwen-image-fast render \
 		--model auto --prompts samples/prompts.txt --out samples/out
 
 clean:
