@@ -59,8 +59,9 @@ def main():
         if graphs is not None:
             for entries in (graphs["captures"], graphs["replays"], graphs["unowned"]):
                 entries.clear()
-        render_all(FastConfig(fp8=False, cuda_graphs=args.graphs, parallel=parallel,
-                              ulysses_degree=int(ulysses or 0), cache=cache), graphs, os.path.join(args.out, f"rank{dist.get_rank()}-run{i}.pt"))
+        config = FastConfig(fp8=False, cuda_graphs=args.graphs, parallel=parallel, ulysses_degree=int(ulysses or 0),
+                            cache=cache)
+        render_all(config, graphs, os.path.join(args.out, f"rank{dist.get_rank()}-run{i}.pt"))
     dist.destroy_process_group()
 
 
