@@ -107,10 +107,11 @@ def test_parallel_graphs_over_calls_in_a_row(tmp_path, stock_latents):
     captured): every call equals stock, and every tensor a captured forward read from outside is owned by the graph
     store (graph_stand_in.py). A Ulysses layout made anew each call, its index tensors not kept by the graph that
     reads them, is what crashed the second call on two GPUs (an index out of bounds in the replay)."""
-    saved = launch(tmp_path, 2, ["cfg", "ulysses"], graphs=True)
-    assert sorted(saved) == [(0, 0), (0, 1)]
+    runs = ["cfg", "ulysses"]
+    saved = launch(tmp_path, 2, runs, graphs=True)
+    assert sorted(saved) == [(0, i) for i in range(len(runs))]
     for (_, i), results in saved.items():
-        parallel = ("cfg", "ulysses")[i]
+        parallel = runs[i]
         for case, got, want in zip(CASES, results["latents"], stock_latents):
             assert_close(got, want, EXACT_TOL, f"{parallel}, {case}")
         log = results["graphs"]
