@@ -22,6 +22,7 @@ _WHERE = {
     "FastQwenImage21Pipeline": ".pipelines.qwen_image21.pipeline",
     "FastQwenImage21Transformer": ".pipelines.qwen_image21.model",
     "FastAutoencoderKLQwenImage": ".pipelines.qwen_image.model.vae",
+    "FastAutoencoderKLQwenImage21": ".pipelines.qwen_image21.vae",
     "PromptEnhancer": ".pipelines.qwen35.enhance",
     "lightning_scheduler": ".pipelines.qwen_image.samplers",
     **{name: ".pipelines.qwen_image.family" for name in (

@@ -211,8 +211,9 @@ class FastConfig(FastTransformerConfig):
         from the pipeline's scheduler config). Text-to-image only.
     cfg_fraction: selective CFG: guidance only for the first fraction of the steps (1.0 = every step).
         Text-to-image only.
-    vae_2d_decode: decode an image with the VAE decoder's causal 3D convolutions as the 2D ones they amount to for
-        one frame (model/vae.py); not while the VAE tiles or has offload hooks.
+    vae_2d_decode: decode an image with plain 2D convolutions (2512: its decoder's causal 3D ones as the 2D ones
+        they amount to for one frame), each norm and SiLU one kernel, no frame cache (core/model/vae_2d.py); not
+        while the VAE tiles or has offload hooks.
     parallel: one image on several processes of an initialised torch.distributed group (runtime/parallel.py):
         "none" | "cfg" (2 ranks: prompt and negative prompt; needs CFG; then batched_cfg does not apply) |
         "ulysses" (sequence parallel; needs fused_transformer) | "cfg,ulysses". Text-to-image only.

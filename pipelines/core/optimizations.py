@@ -21,7 +21,6 @@ from .config import FastConfig
 # fp32, tiny config, FP8 off: what "equal to stock" means for an exact optimization (final latents, rel-RMS).
 EXACT_TOL = 1e-5
 QWEN21 = "QwenImage21Pipeline"
-QWEN21_VAE = "Qwen-Image-2.1's VAE (AutoencoderKLQwenImage21) decodes as diffusers runs it"  # its Facts.vae_2d
 
 
 @dataclass(frozen=True)
@@ -338,7 +337,8 @@ REGISTRY: tuple[Optimization, ...] = (
                  "(against the file's own dequantized weights: the fp8 bound)", loaded_plan("requantized"),
                  bound=FP8_BOUND),
     Optimization("vae_2d_decode", "vae_2d_decode", "exact",
-                 "an image's VAE decode as the 2D convolutions its causal 3D ones amount to", plan_vae_2d_decode),
+                 "an image's VAE decode as plain 2D convolutions (2512: what its causal 3D ones amount to), each "
+                 "norm and SiLU one kernel, no frame cache", plan_vae_2d_decode),
 )
 BY_NAME = {opt.name: opt for opt in REGISTRY}
 CFG_ONLY = ("batched_cfg", "cfg_fraction")  # they run only in a call with CFG (true_cfg_scale > 1, a negative prompt)

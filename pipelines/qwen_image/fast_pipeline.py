@@ -17,12 +17,13 @@ from diffusers import AutoencoderKLQwenImage
 
 from ..core.config import FastConfig
 from ..core.gpu_support import fp8_gemm_why_not
+from ..core.model.vae_2d import as_vae_class, why_not_2d
 from ..core.optimizations import Facts
 from ..core.pipeline.base import (FastCheckpointPipeline, FastLoraPipeline, FastPipelineState, check_blocks_for_cache,
                                   check_given_fast_transformer, refuse_text_to_image_only, transformer_config_on)
 from ..core.runtime.offload import has_offload_hooks, retire_arenas_of
 from .model.transformer import FastQwenImageTransformer
-from .model.vae import FastAutoencoderKLQwenImage, as_vae_class, why_not_2d
+from .model.vae import FastAutoencoderKLQwenImage
 
 logger = logging.getLogger(__name__)
 

@@ -4,10 +4,10 @@ __call__, unchanged, around the fast Qwen-Image-2.1 transformer (model.py).
 What runs is the registry's (core/optimizations.py): fused_transformer, fp8 (every block linear),
 fp8_fast_accum, attention, cuda_graphs (the cached steps, model.py, from the graphs of the pipeline's runner),
 batched_cfg (the cached steps of both CFG branches paired, model.py), FastConfig(cache=...) (the step cache's pieces,
-model.py), diffusers' TaylorSeerCacheConfig (its own hooks on the blocks' `attn`, model.py) and memory="low" with or
-without a budget (memory.py) run here; diffusers' other step caches do not (enable_cache says why), and the
-options that would change diffusers' loop
-(sampler, cfg_fraction, parallel) are refused, as for the 2512 family's image-conditioned pipelines.
+model.py), diffusers' TaylorSeerCacheConfig (its own hooks on the blocks' `attn`, model.py), memory="low" with or
+without a budget (memory.py) and vae_2d_decode (the VAE converted: vae.py) run here; diffusers' other step caches
+do not (enable_cache says why), and the options that would change diffusers' loop (sampler, cfg_fraction,
+parallel) are refused, as for the 2512 family's image-conditioned pipelines.
 Each call runs in the pipeline's runner (core/pipeline/base.py's _fast_call); `applied` after a call is what it
 recorded running.
 """
@@ -17,11 +17,12 @@ import functools
 import inspect
 
 import torch
-from diffusers import QwenImage21Pipeline
+from diffusers import AutoencoderKLQwenImage21, QwenImage21Pipeline
 
 from ..core.config import FastConfig
 from ..core.gpu_support import fp8_gemm_why_not
-from ..core.optimizations import QWEN21_ALSO_RUNS, QWEN21_VAE, Facts, memory_label
+from ..core.model.vae_2d import as_vae_class, why_not_2d
+from ..core.optimizations import QWEN21_ALSO_RUNS, Facts, memory_label
 from ..core.pipeline.turns import TurnTakingPipeline
 from ..core.pipeline.base import (FastCheckpointPipeline, FastLoraPipeline, FastPipelineState, check_blocks_for_cache,
                                   check_given_fast_transformer, refuse_text_to_image_only, transformer_config_on)
@@ -31,6 +32,7 @@ from ..core.runtime.offload import has_offload_hooks, retire_arenas_of
 from .memory import PLAN as MEMORY_PLAN
 from .memory import place_low_memory
 from .model import FastQwenImage21Transformer
+from .vae import FastAutoencoderKLQwenImage21
 
 CALL_SIGNATURE = inspect.signature(QwenImage21Pipeline.__call__)
 
@@ -91,6 +93,10 @@ class FastQwenImage21Pipeline(TurnTakingPipeline, FastPipelineState, FastLoraPip
             device = torch.device(device) if device is not None else transformer.device
             self.register_modules(transformer=FastQwenImage21Transformer.from_diffusers(
                 transformer, transformer_config_on(config, device), device))
+        if config.vae_2d_decode and type(self.vae) is AutoencoderKLQwenImage21:
+            self.register_modules(vae=as_vae_class(self.vae, FastAutoencoderKLQwenImage21))
+        elif not config.vae_2d_decode and type(self.vae) is FastAutoencoderKLQwenImage21:  # a saved fast pipeline's
+            self.register_modules(vae=as_vae_class(self.vae, AutoencoderKLQwenImage21))
         self._new_state(config)
         self._turns = None
         if isinstance(self.transformer, FastQwenImage21Transformer):
@@ -114,7 +120,8 @@ class FastQwenImage21Pipeline(TurnTakingPipeline, FastPipelineState, FastLoraPip
                      attention=transformer.attention_backend if fused else None,
                      fp8_attention=transformer.fp8_attention[0] if fused else None,
                      fp8_attention_why=transformer.fp8_attention[1] if fused else None,
-                     offload_hooks=transformer is not None and has_offload_hooks(transformer), vae_2d=QWEN21_VAE,
+                     offload_hooks=transformer is not None and has_offload_hooks(transformer),
+                     vae_2d=why_not_2d(self.vae),
                      enhancer=False, loaded=transformer.single_file.applied if fused and transformer.single_file else (),
                      diffusers_cache=(type(transformer._cache_config).__name__
                                       if fused and transformer.is_cache_enabled else None))

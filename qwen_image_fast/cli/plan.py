@@ -2,7 +2,7 @@
 line says (the checkpoint's pipeline class, the device, the options), before anything loads."""
 
 from ..pipelines.core.config import FastConfig
-from ..pipelines.core.optimizations import CFG_ONLY, QWEN21, QWEN21_VAE, Facts, plans
+from ..pipelines.core.optimizations import CFG_ONLY, QWEN21, Facts, plans
 from .models import STOCK_PRESET, TINY_MODEL_ID, Labels
 from .option_names import option_of
 
@@ -28,7 +28,7 @@ def command_facts(config: FastConfig, labels: Labels, pipeline: str, device, sha
                  fp8_why=fp8_why,
                  fp8_attention=fp8_attention, fp8_attention_why=why,
                  attention=resolve_backend(config.attention, device, dtype) if fused else None, offload_hooks=False,
-                 vae_2d=QWEN21_VAE if pipeline == QWEN21 else None, enhancer=labels.enhancer is not None,
+                 vae_2d=None, enhancer=labels.enhancer is not None,
                  parallel=parallel, loaded=loaded if fused else ())
 
 

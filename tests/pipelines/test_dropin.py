@@ -179,9 +179,13 @@ def test_a_missing_folder_is_named(load, tmp_path):
 def test_the_base_knows_the_fast_classes_by_their_names():
     """core/pipeline/base.py names the families' fast classes without importing them (a saved folder's
     model_index.json names them so): the names must be the classes'."""
-    from qwen_image_fast.pipelines.core.pipeline.base import FAST_QWEN_IMAGE_VAE, FAST_TRANSFORMERS
+    from diffusers import AutoencoderKLQwenImage, AutoencoderKLQwenImage21
+
+    from qwen_image_fast.pipelines.core.pipeline.base import FAST_TRANSFORMERS, FAST_VAES
     from qwen_image_fast.pipelines.qwen_image.model.vae import FastAutoencoderKLQwenImage
     from qwen_image_fast.pipelines.qwen_image21.model import FastQwenImage21Transformer
+    from qwen_image_fast.pipelines.qwen_image21.vae import FastAutoencoderKLQwenImage21
 
     assert FAST_TRANSFORMERS == (FastQwenImageTransformer.__name__, FastQwenImage21Transformer.__name__)
-    assert FAST_QWEN_IMAGE_VAE == FastAutoencoderKLQwenImage.__name__
+    assert FAST_VAES == {AutoencoderKLQwenImage.__name__: FastAutoencoderKLQwenImage.__name__,
+                         AutoencoderKLQwenImage21.__name__: FastAutoencoderKLQwenImage21.__name__}

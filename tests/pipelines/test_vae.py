@@ -10,12 +10,8 @@ import torch.nn as nn
 from test_pipeline import EXACT, fast_pipeline, stock_pipeline
 from test_pipeline import run as run_pipeline
 
-from qwen_image_fast.pipelines.qwen_image.model.vae import (
-    FastAutoencoderKLQwenImage,
-    as_vae_class,
-    decode_image,
-    decodes_2d,
-)
+from qwen_image_fast.pipelines.core.model.vae_2d import as_vae_class, decodes_2d
+from qwen_image_fast.pipelines.qwen_image.model.vae import FastAutoencoderKLQwenImage, decode_image
 
 
 def random_norms(vae):
@@ -59,10 +55,10 @@ def test_decode_image_matches_the_stock_decode_fp32(vae):
 
 def test_decode_image_without_the_kernel_matches_the_stock_decode(vae, monkeypatch):
     """The channel norm + SiLU as upstream's ops, where Triton does not run (a CPU without its interpreter)."""
-    from qwen_image_fast.pipelines.qwen_image.model import vae as vae_module
+    from qwen_image_fast.pipelines.core.model import vae_2d
 
-    monkeypatch.setattr(vae_module, "INTERPRETED", False)
-    monkeypatch.setattr(vae_module, "channel_norm", None)  # not called
+    monkeypatch.setattr(vae_2d, "INTERPRETED", False)
+    monkeypatch.setattr(vae_2d, "channel_norm", None)  # not called
     z = latents(vae)
     torch.testing.assert_close(decode_image(vae, z), vae.decode(z).sample, atol=1e-5, rtol=0)
 

@@ -12,7 +12,6 @@ import logging
 from pathlib import Path
 
 import torch
-from diffusers import AutoencoderKLQwenImage
 from diffusers.pipelines.pipeline_utils import logger as diffusers_pipeline_logger
 
 from ..config import FastConfig, check_cache_blocks
@@ -28,7 +27,9 @@ logger = logging.getLogger(__name__)
 # The fast transformers' class names, as a saved fast pipeline's model_index.json names them (the families' classes:
 # qwen_image/model/transformer.py, qwen_image21/model.py; tests/pipelines/test_dropin.py checks the names)
 FAST_TRANSFORMERS = ("FastQwenImageTransformer", "FastQwenImage21Transformer")
-FAST_QWEN_IMAGE_VAE = "FastAutoencoderKLQwenImage"  # qwen_image/model/vae.py's class, as model_index.json names it
+# The VAE classes a model_index.json names: stock -> fast (qwen_image/model/vae.py, qwen_image21/vae.py)
+FAST_VAES = {"AutoencoderKLQwenImage": "FastAutoencoderKLQwenImage",
+             "AutoencoderKLQwenImage21": "FastAutoencoderKLQwenImage21"}
 
 
 def transformer_config_on(config: FastConfig, device: torch.device):
@@ -178,12 +179,12 @@ def saved_config(path_or_id) -> FastConfig:
 
 def saved_options(path_or_id) -> dict:
     """The build options a folder a fast pipeline saved was saved with: the fast transformer's stored ones (fp8,
-    bf16_linears, fp8_fast_accum) and, for Qwen-Image-2512's VAE, vae_2d_decode (the VAE class it names)."""
+    bf16_linears, fp8_fast_accum) and vae_2d_decode (the VAE class it names: FAST_VAES)."""
     saved = json.loads((local_folder(path_or_id, "transformer") / "config.json").read_text())["fast_config"]
     options = {name: saved[name] for name in ("fp8", "bf16_linears", "fp8_fast_accum")}
     vae = list(model_index(path_or_id).get("vae", [None, None]))[-1]
-    if vae in (AutoencoderKLQwenImage.__name__, FAST_QWEN_IMAGE_VAE):
-        options["vae_2d_decode"] = vae == FAST_QWEN_IMAGE_VAE
+    if vae in FAST_VAES or vae in FAST_VAES.values():
+        options["vae_2d_decode"] = vae in FAST_VAES.values()
     return options
 
 
