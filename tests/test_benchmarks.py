@@ -36,6 +36,7 @@ TINY = {
     "bench_serve.py": ["--tiny", "--port", "0", "--out", "{tmp}/out"],  # a folder not made yet
     "bench_text.py": ["--tiny"],
     "bench_transformer.py": ["--tiny"],
+    "bench_vae.py": ["--tiny"],
     "compare_stock_vs_fast.py": ["--model", "tiny-random", "--prompts", "tests/fixtures/two_prompts.txt", "--out",
                                  "{tmp}"],
     "gpu_tests.py": ["run", "--tiny", "--of", "2", "--out", "{tmp}"],

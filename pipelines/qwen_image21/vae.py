@@ -16,10 +16,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from diffusers import AutoencoderKLQwenImage21, ModelMixin  # noqa: F401 (ModelMixin: see FastAutoencoderKLQwenImage21)
 from diffusers.models.autoencoders.autoencoder_kl_qwenimage21 import QwenImage21ResidualUpBlock, _unpatchify
-from diffusers.models.autoencoders.vae import DecoderOutput
 
-from ..core.model.vae_2d import Decodes2D, decodes_2d, norm_activation, residual
-from ..core.runtime.context import record
+from ..core.model.vae_2d import Decodes2D, into_decoder, out_of_decoder, residual
 
 
 class FastAutoencoderKLQwenImage21(Decodes2D, AutoencoderKLQwenImage21):
@@ -28,12 +26,8 @@ class FastAutoencoderKLQwenImage21(Decodes2D, AutoencoderKLQwenImage21):
     records when it did (applied: vae_2d_decode). A saved fast pipeline names this class in model_index.json;
     diffusers' loader looks for ModelMixin in the module that defines it, to know how to load it."""
 
-    def _decode(self, z: torch.Tensor, return_dict: bool = True):
-        if not decodes_2d(self, z):
-            return super()._decode(z, return_dict=return_dict)
-        record("vae_2d_decode")
-        image = decode_image(self, z)
-        return DecoderOutput(sample=image) if return_dict else (image,)
+    def decode_image_2d(self, latents: torch.Tensor) -> torch.Tensor:
+        return decode_image(self, latents)
 
 
 def conv(x: torch.Tensor, layer: nn.Conv2d) -> torch.Tensor:
@@ -62,18 +56,10 @@ def up_block_2d(x: torch.Tensor, block: nn.Module) -> torch.Tensor:
 @torch.no_grad()
 def decode_image(vae, latents: torch.Tensor) -> torch.Tensor:
     """vae._decode(latents).sample for latents [B, z, 1, h, w] (decodes_2d): [B, C, 1, H, W] in [-1, 1]."""
-    decoder = vae.decoder
-    x = conv(latents[:, :, 0], vae.post_quant_conv)
-    x = conv(x, decoder.conv_in)
-    mid = decoder.mid_block
-    x = residual(x, mid.resnets[0], conv)
-    for attention, resnet in zip(mid.attentions, mid.resnets[1:]):
-        if attention is not None:
-            x = attention(x.unsqueeze(2)).squeeze(2)  # it reshapes 5D to 2D itself
-        x = residual(x, resnet, conv)
-    for up_block in decoder.up_blocks:
+    x = into_decoder(vae, latents, conv)
+    for up_block in vae.decoder.up_blocks:
         x = up_block_2d(x, up_block)
-    x = conv(norm_activation(x, decoder.norm_out, decoder.nonlinearity), decoder.conv_out).unsqueeze(2)
+    x = out_of_decoder(x, vae.decoder, conv)
     if vae.config.patch_size is not None:
         x = _unpatchify(x, patch_size=vae.config.patch_size)
     return x.clamp(-1.0, 1.0)

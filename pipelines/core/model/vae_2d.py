@@ -5,7 +5,9 @@ Both decoders are Wan's video decoder: RMS channel norms, SiLU, causal convoluti
 activation for the next frame. For an image (one latent frame) each leaf's decode_image runs the same modules as
 plain 2D convolutions on [B, C, H, W], every norm and its SiLU as one kernel (kernels/channel_norm.py), and no frame
 cache. Here: the class marker and the checks of when that computes what stock's _decode computes, the conversion
-between the stock and the fast class, and a residual block in 2D (the two families' blocks have the same parts).
+between the stock and the fast class, and what the two decoders have alike in 2D (a residual block, the way in
+through the middle block, the way out); each leaf's `conv` runs its convolution class as a 2D one, and its up blocks
+are its own.
 """
 
 import copy
@@ -14,16 +16,28 @@ from typing import Callable
 
 import torch
 import torch.nn as nn
+from diffusers.models.autoencoders.vae import DecoderOutput
 
 from ....kernels._utils import FLOAT_DTYPES, INTERPRETED
 from ....kernels.channel_norm import channel_norm, channel_norm_ref
+from ..runtime.context import record
 from ..runtime.offload import has_offload_hooks
 
 
 class Decodes2D:
-    """Marks a fast VAE class (FastAutoencoderKLQwenImage, FastAutoencoderKLQwenImage21): its _decode runs an image
-    as 2D convolutions wherever decodes_2d holds, stock's decode otherwise, and records when it did (applied:
-    vae_2d_decode)."""
+    """The fast VAE classes' base, before diffusers' class (FastAutoencoderKLQwenImage, FastAutoencoderKLQwenImage21):
+    _decode runs an image through the leaf's decode_image_2d wherever decodes_2d holds, and records that it did
+    (applied: vae_2d_decode); stock's _decode otherwise (video, tiles, offload hooks)."""
+
+    def decode_image_2d(self, latents: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _decode(self, z: torch.Tensor, return_dict: bool = True):
+        if not decodes_2d(self, z):
+            return super()._decode(z, return_dict=return_dict)
+        record("vae_2d_decode")
+        image = self.decode_image_2d(z)
+        return DecoderOutput(sample=image) if return_dict else (image,)
 
 
 def why_not_2d(vae) -> str | None:
@@ -76,3 +90,25 @@ def residual(x: torch.Tensor, block: nn.Module, conv: Callable[[torch.Tensor, nn
     x = conv(norm_activation(x, block.norm1, block.nonlinearity), block.conv1)
     x = conv(norm_activation(x, block.norm2, block.nonlinearity), block.conv2)
     return x + h
+
+
+def into_decoder(vae, latents: torch.Tensor, conv: Callable[[torch.Tensor, nn.Module], torch.Tensor]
+                 ) -> torch.Tensor:
+    """The first frame of latents [B, z, frames, h, w] through post_quant_conv, the decoder's conv_in and its middle
+    block (a residual block, then attention and residual block pairs): [B, C, h, w]."""
+    decoder = vae.decoder
+    x = conv(latents[:, :, 0], vae.post_quant_conv)
+    x = conv(x, decoder.conv_in)
+    mid = decoder.mid_block
+    x = residual(x, mid.resnets[0], conv)
+    for attention, resnet in zip(mid.attentions, mid.resnets[1:]):
+        if attention is not None:
+            x = attention(x.unsqueeze(2)).squeeze(2)  # it reshapes 5D to 2D itself
+        x = residual(x, resnet, conv)
+    return x
+
+
+def out_of_decoder(x: torch.Tensor, decoder: nn.Module, conv: Callable[[torch.Tensor, nn.Module], torch.Tensor]
+                   ) -> torch.Tensor:
+    """The decoder's head on [B, C, H, W]: norm_out and SiLU, conv_out; [B, C_out, 1, H, W] (one frame)."""
+    return conv(norm_activation(x, decoder.norm_out, decoder.nonlinearity), decoder.conv_out).unsqueeze(2)

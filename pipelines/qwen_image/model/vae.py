@@ -14,10 +14,8 @@ import torch
 import torch.nn.functional as F
 from diffusers import AutoencoderKLQwenImage, ModelMixin  # noqa: F401 (ModelMixin: see FastAutoencoderKLQwenImage)
 from diffusers.models.autoencoders.autoencoder_kl_qwenimage import QwenImageCausalConv3d
-from diffusers.models.autoencoders.vae import DecoderOutput
 
-from ...core.model.vae_2d import Decodes2D, decodes_2d, norm_activation, residual
-from ...core.runtime.context import record
+from ...core.model.vae_2d import Decodes2D, into_decoder, out_of_decoder, residual
 
 
 class FastAutoencoderKLQwenImage(Decodes2D, AutoencoderKLQwenImage):
@@ -26,12 +24,8 @@ class FastAutoencoderKLQwenImage(Decodes2D, AutoencoderKLQwenImage):
     did (applied: vae_2d_decode). A saved fast pipeline names this class in model_index.json; diffusers' loader
     looks for ModelMixin in the module that defines it, to know how to load it (hence that import here)."""
 
-    def _decode(self, z: torch.Tensor, return_dict: bool = True):
-        if not decodes_2d(self, z):
-            return super()._decode(z, return_dict=return_dict)
-        record("vae_2d_decode")
-        image = decode_image(self, z)
-        return DecoderOutput(sample=image) if return_dict else (image,)
+    def decode_image_2d(self, latents: torch.Tensor) -> torch.Tensor:
+        return decode_image(self, latents)
 
 
 def conv(x: torch.Tensor, layer: QwenImageCausalConv3d) -> torch.Tensor:
@@ -43,17 +37,10 @@ def conv(x: torch.Tensor, layer: QwenImageCausalConv3d) -> torch.Tensor:
 @torch.no_grad()
 def decode_image(vae, latents: torch.Tensor) -> torch.Tensor:
     """vae._decode(latents).sample for latents [B, z, 1, h, w] (decodes_2d): [B, 3, 1, H, W] in [-1, 1]."""
-    decoder = vae.decoder
-    x = conv(latents[:, :, 0], vae.post_quant_conv)
-    x = conv(x, decoder.conv_in)
-    mid = decoder.mid_block
-    x = residual(x, mid.resnets[0], conv)
-    for attention, resnet in zip(mid.attentions, mid.resnets[1:]):
-        x = residual(attention(x.unsqueeze(2)).squeeze(2), resnet, conv)  # the attention reshapes 5D to 2D itself
-    for up_block in decoder.up_blocks:
+    x = into_decoder(vae, latents, conv)
+    for up_block in vae.decoder.up_blocks:
         for resnet in up_block.resnets:
             x = residual(x, resnet, conv)
         if up_block.upsamplers is not None:
             x = up_block.upsamplers[0].resample(x)  # nearest-exact 2x in fp32, then a 2D convolution
-    x = conv(norm_activation(x, decoder.norm_out, decoder.nonlinearity), decoder.conv_out)
-    return x.clamp(-1.0, 1.0).unsqueeze(2)
+    return out_of_decoder(x, vae.decoder, conv).clamp(-1.0, 1.0)
