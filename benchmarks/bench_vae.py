@@ -7,9 +7,9 @@ Per model, diffusers' VAE at its default (full-size) config with random weights 
 decoder norms' gammas 1 + 0.5 N(0, 1) so that a dropped or misplaced norm shows), bf16, one image of random latents:
 "stock" is the VAE's own decode, "ours" the same weights as the fast class (FastAutoencoderKLQwenImage for 2512,
 FastAutoencoderKLQwenImage21 for 2.1; core/model/vae_2d.py) through the same `decode` call, checked to take the 2D
-path. Per row: ms (median after a warm-up, CUDA events), the convolutions' TFLOP and the rate they imply, the peak
-allocated above what the call starts with, and the max |difference| from an fp32 decode of the same weights and
-latents (values in [-1, 1]). The check before a speed is reported: ours within 1.25x stock's own bf16 error from
+path. Per row: ms (median after a warm-up, CUDA events), the convolutions' TFLOP and the rate they imply (and its
+fraction of a bf16 8192^3 GEMM's rate, measured in the same run), the peak allocated above what the call starts
+with, and the max |difference| from an fp32 decode of the same weights and latents (values in [-1, 1]). The check before a speed is reported: ours within 1.25x stock's own bf16 error from
 that fp32 decode, plus one bf16 rounding at 1.0 (2^-8). Appends to results/vae.jsonl.
 """
 
@@ -22,7 +22,7 @@ import torch
 import torch.nn as nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import append_results, bench_ms, environment, sync  # noqa: E402
+from common import append_results, bench_ms, environment, matmul_tflops, sync  # noqa: E402
 
 from qwen_image_fast.pipelines.core.model.vae_2d import as_vae_class, decodes_2d  # noqa: E402
 
@@ -95,7 +95,8 @@ def peak_gib(fn, device: torch.device) -> float | None:
     return (torch.cuda.max_memory_allocated() - before) / 2**30
 
 
-def model_rows(model: str, size: int, tiny: bool, env: dict) -> list[dict]:
+def model_rows(model: str, size: int, tiny: bool, env: dict, ceiling: float | None) -> list[dict]:
+    """ceiling: the bf16 GEMM rate in TF/s (None on the CPU)."""
     device = torch.device("cpu" if tiny else "cuda")
     dtype = torch.float32 if tiny else torch.bfloat16
     stock = random_vae(model, tiny, device, dtype)
@@ -126,10 +127,14 @@ def model_rows(model: str, size: int, tiny: bool, env: dict) -> list[dict]:
 
         ms[impl] = bench_ms(decode)
         peak = peak_gib(decode, device)
-        print(f"  {impl:5s} {ms[impl]:7.1f} ms  convolutions at {flops / ms[impl] / 1e9:6.1f} TF/s  peak above the "
-              f"call {peak if peak is None else round(peak, 2)} GiB", flush=True)
+        rate = flops / ms[impl] / 1e9
+        fraction = rate / ceiling if ceiling else None
+        print(f"  {impl:5s} {ms[impl]:7.1f} ms  convolutions at {rate:6.1f} TF/s"
+              f"{f' ({fraction:.0%} of the bf16 GEMM rate)' if fraction else ''}  peak above the call "
+              f"{peak if peak is None else round(peak, 2)} GiB", flush=True)
         rows.append({**env, "bench": "vae_decode", "model": model, "size": size, "impl": impl, "ms": ms[impl],
-                     "conv_tflop": flops / 1e12, "conv_tflops_per_s": flops / ms[impl] / 1e9, "peak_gib": peak,
+                     "conv_tflop": flops / 1e12, "conv_tflops_per_s": rate, "bf16_gemm_tflops": ceiling,
+                     "conv_fraction_of_bf16_gemm": fraction, "peak_gib": peak,
                      "max_abs_vs_fp32": errors[impl], "check_bound": bound,
                      "applied": ["vae_2d_decode"] if impl == "ours" else []})
     print(f"  ours x{ms['stock'] / ms['ours']:.2f} stock", flush=True)
@@ -145,9 +150,12 @@ def main():
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     env = {} if args.tiny else environment()
+    ceiling = None if args.tiny else matmul_tflops(8192, 8192, 8192, fp8=False)
+    if ceiling:
+        print(f"bf16 GEMM 8192^3: {ceiling:.0f} TF/s", flush=True)
     sizes = [32] if args.tiny else [int(size) for size in args.sizes.split(",")]
     rows = [row for model in args.models.split(",") for size in sizes
-            for row in model_rows(model, size, args.tiny, env)]
+            for row in model_rows(model, size, args.tiny, env, ceiling)]
     if not args.tiny:
         append_results("vae", rows, args.out)
 
