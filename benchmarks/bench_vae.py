@@ -9,8 +9,9 @@ decoder norms' gammas 1 + 0.5 N(0, 1) so that a dropped or misplaced norm shows)
 FastAutoencoderKLQwenImage21 for 2.1; core/model/vae_2d.py) through the same `decode` call, checked to take the 2D
 path. Per row: ms (median after a warm-up, CUDA events), the convolutions' TFLOP and the rate they imply (and its
 fraction of a bf16 8192^3 GEMM's rate, measured in the same run), the peak allocated above what the call starts
-with, and the max |difference| from an fp32 decode of the same weights and latents (values in [-1, 1]). The check before a speed is reported: ours within 1.25x stock's own bf16 error from
-that fp32 decode, plus one bf16 rounding at 1.0 (2^-8). Appends to results/vae.jsonl.
+with, and the max |difference| from an fp32 decode of the same weights and latents (values in [-1, 1]). The check
+before a speed is reported: ours within 1.25x stock's own bf16 error from that fp32 decode, plus one bf16 rounding
+at 1.0 (2^-8). Appends to results/vae.jsonl.
 """
 
 import argparse
