@@ -197,6 +197,19 @@ class FastTransformerConfig:
         return cls(**values)
 
 
+def transformer_configs(config: dict, stock_fields: dict, stock_name: str,
+                        fast_config: FastTransformerConfig | dict | None) -> tuple[dict, FastTransformerConfig]:
+    """A fast transformer's constructor arguments, checked: its stock model's config (stock_name's fields; another
+    field is a TypeError naming it, the missing ones take stock_fields' values) and its FastTransformerConfig (one
+    given, a FastConfig's transformer options, a dict of them, or None: the defaults)."""
+    unknown = sorted(set(config) - set(stock_fields))
+    if unknown:
+        raise TypeError(f"unknown {stock_name} config field(s) {unknown}")
+    fast = (FastTransformerConfig.of(fast_config) if isinstance(fast_config, FastTransformerConfig)
+            else FastTransformerConfig.from_dict(fast_config or {}))
+    return {**stock_fields, **config}, fast
+
+
 @dataclass(frozen=True)
 class FastConfig(FastTransformerConfig):
     """The transformer's options (above) and the pipeline's:

@@ -73,7 +73,7 @@ from diffusers.models.transformers.transformer_qwenimage21 import (
 from ...kernels._utils import FP8_DTYPE
 from ...kernels.layer_norm_modulate import layer_norm_modulate
 from ...kernels.residual_gate import residual_gate, residual_gate_layer_norm_modulate
-from ..core.config import FastTransformerConfig
+from ..core.config import FastTransformerConfig, transformer_configs
 from ..core.model.adapters import LoraAdapters, check_carriable, peft_lora_layers
 from ..core.model.attention import resolve_backend
 from ..core.model.fp8_attention import LSE_KERNELS, fp8_attention_kernel
@@ -240,12 +240,7 @@ class FastQwenImage21Transformer(Unsupported, LoraAdapters, QwenImage21SingleFil
     def __init__(self, fast_config: FastTransformerConfig | dict | None = None, **config):
         """The structure, with uninitialized weights; from_diffusers makes a working model."""
         super().__init__()
-        unknown = sorted(set(config) - set(STOCK_CONFIG))
-        if unknown:
-            raise TypeError(f"unknown QwenImage21Transformer2DModel config field(s) {unknown}")
-        config = {**STOCK_CONFIG, **config}
-        fast_config = (FastTransformerConfig.of(fast_config) if isinstance(fast_config, FastTransformerConfig)
-                       else FastTransformerConfig.from_dict(fast_config or {}))
+        config, fast_config = transformer_configs(config, STOCK_CONFIG, self.stock_model_name, fast_config)
         if fast_config.fp8_attention not in ("off", "auto") + LSE_KERNELS:
             raise ValueError(f"fp8_attention={fast_config.fp8_attention!r} is not available on Qwen-Image-2.1: its "
                              "target's queries attend to the prefix cache and to their own keys in two calls merged "

@@ -363,6 +363,22 @@ def test_guidance_fails_as_in_diffusers():
             run(model, inputs)
 
 
+def test_the_constructors_name_an_unknown_config_field():
+    """Both fast transformers' constructors (core/config.py transformer_configs): a field their stock model does not
+    have is a TypeError naming it and the model, as the stock constructor's would be one; an unknown fast option a
+    ValueError naming the allowed ones."""
+    from qwen_image_fast.pipelines.qwen_image21.model import FastQwenImage21Transformer
+
+    for cls, stock in ((FastQwenImageTransformer, "QwenImageTransformer2DModel"),
+                       (FastQwenImage21Transformer, "QwenImage21Transformer2DModel")):
+        with torch.device("meta"):
+            with pytest.raises(TypeError, match=rf"unknown {stock} config field\(s\) \['not_a_field'\]"):
+                cls(not_a_field=1)
+            with pytest.raises(ValueError, match=r"unknown FastTransformerConfig field\(s\) \['fp9'\]; allowed: fp8"):
+                cls({"fp9": True})
+            assert cls(num_layers=1).config.num_layers == 1
+
+
 def test_cache_context_and_methods_it_cannot_honour():
     fast = FastQwenImageTransformer.from_diffusers(tiny_stock(num_layers=1), FastTransformerConfig(fp8=False))
     with fast.cache_context("cond"):  # diffusers pipelines wrap every forward in it

@@ -34,7 +34,7 @@ from diffusers.models.transformers.transformer_qwenimage import (
 from ....kernels._utils import FP8_DTYPE
 from ....kernels.layer_norm_modulate import layer_norm_modulate
 from ....kernels.residual_gate import residual_gate_layer_norm_modulate
-from ...core.config import FastTransformerConfig
+from ...core.config import FastTransformerConfig, transformer_configs
 from ...core.runtime.cfg_pairing import pad_text
 from ...core.runtime.context import forward_context, get_context
 from ...core.runtime.cuda_graph import read_by_graph
@@ -110,12 +110,7 @@ class FastQwenImageTransformer(Unsupported, StepCaches, ModulationTable, LoraAda
         """The structure, with uninitialized weights (build under torch.device("meta") to allocate nothing; use
         from_diffusers / from_pretrained for a working model). config: QwenImageTransformer2DModel's arguments."""
         super().__init__()
-        unknown = sorted(set(config) - set(STOCK_CONFIG))
-        if unknown:
-            raise TypeError(f"unknown QwenImageTransformer2DModel config field(s) {unknown}")
-        config = {**STOCK_CONFIG, **config}
-        fast_config = (FastTransformerConfig.of(fast_config) if isinstance(fast_config, FastTransformerConfig)
-                       else FastTransformerConfig.from_dict(fast_config or {}))
+        config, fast_config = transformer_configs(config, STOCK_CONFIG, self.stock_model_name, fast_config)
         self.register_to_config(**config, fast_config=fast_config.to_dict())
         self.fast_config = fast_config
         heads, head_dim = config["num_attention_heads"], config["attention_head_dim"]
