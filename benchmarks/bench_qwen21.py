@@ -44,7 +44,9 @@ encoded first in one text-encoder turn as `render` does, cli/run.encode_ahead; t
 last image, over 8), after a 3-step warm-up call: ours resident ("uncapped"), then per budget N
 FastConfig(memory="low", max_memory_gib=N) built from the same components after
 torch.cuda.set_per_process_memory_fraction(N GiB less the CUDA context) ("cap<N>": what streams, the buffer, peak
-reserved, the plan's smallest budget at these shapes). The check: every image equals the uncapped one bit for bit,
+reserved, the plan's smallest budget at these shapes and its workspace). Every row also has the largest peak
+allocated in a call's denoising loop and in its decode, each above what was allocated when it began (PhasePeaks):
+what the plan's workspace must hold. The check: every image equals the uncapped one bit for bit,
 else no row, and where it differs (where_it_differs: the loop's latents, or the decode under the cap). With
 --budget-cfg (4 long prompts, a long negative prompt, CFG 4) the uncapped reference runs the
 branches one by one (batched_cfg=False), as a budget does; the uncapped time with batched CFG is kept beside it
@@ -471,19 +473,61 @@ LONG_PROMPTS4 = [", ".join([PROMPT] * 24) + f", picture {i} of a series" for i i
 LONG_NEGATIVE = ", ".join(["blurry, low quality, distorted, oversaturated, watermark, text"] * 60)  # 840 tokens
 
 
+class PhasePeaks:
+    """On a GPU, the peak memory allocated in each phase of the pipeline calls it is told of, above what was
+    allocated when the phase began: the denoising loop (from the call's start to its VAE decode: the prefix caches,
+    the activations, the graphs' pools) and the decode; what a budget's planned workspace (qwen_image21/memory.py
+    workspace_bytes) must hold. The allocator's peaks are reset at each phase's start, so the peak reserved over
+    every phase is kept here (peak_reserved_gib). Nothing on the CPU."""
+
+    def __init__(self, device: torch.device):
+        self.on, self.loop, self.decode, self.reserved, self.base = device.type == "cuda", [], [], 0, 0
+
+    def _begin(self):
+        self.reserved = max(self.reserved, torch.cuda.max_memory_reserved())
+        torch.cuda.reset_peak_memory_stats()
+        self.base = torch.cuda.memory_allocated()
+
+    def _peak_gib(self) -> float:
+        return (torch.cuda.max_memory_allocated() - self.base) / 2**30
+
+    def call_begins(self):
+        if self.on:
+            self._begin()
+
+    def decode_begins(self):
+        if self.on:
+            self.loop.append(self._peak_gib())
+            self._begin()
+
+    def decode_ends(self):
+        if self.on:
+            self.decode.append(self._peak_gib())
+
+    def peak_reserved_gib(self) -> float | None:
+        return max(self.reserved, torch.cuda.max_memory_reserved()) / 2**30 if self.on else None
+
+    def fields(self) -> dict:
+        """The row's: the largest loop and decode peaks over the calls (GiB), and the peak reserved."""
+        return dict(loop_peak_gib=max(self.loop, default=None), decode_peak_gib=max(self.decode, default=None),
+                    peak_reserved_gib=self.peak_reserved_gib())
+
+
 class DecodeRecorder:
     """Each VAE decode's input (the denoising loop's latents) and output, as CPU copies, while in the `with`: which
     side of the decode a difference between two runs comes from. The copies follow the decode, which the pipeline
-    reads back right after it anyway (output_type="np")."""
+    reads back right after it anyway (output_type="np"). peaks: told where each decode begins and ends."""
 
-    def __init__(self, vae):
-        self.vae, self.calls = vae, []
+    def __init__(self, vae, peaks: PhasePeaks):
+        self.vae, self.peaks, self.calls = vae, peaks, []
 
     def __enter__(self):
         decode = self.vae.decode
 
         def recorded(z, *args, **kwargs):
+            self.peaks.decode_begins()
             out = decode(z, *args, **kwargs)
+            self.peaks.decode_ends()
             sample = out[0] if isinstance(out, tuple) else out.sample
             self.calls.append((z.detach().cpu(), sample.detach().cpu()))
             return out
@@ -501,15 +545,16 @@ def tensor_differences(tensors: list, expected: list) -> str:
                      for a, b in zip(tensors, expected))
 
 
-def eight_images(pipe, size: int, steps: int, device, prompts=PROMPTS8, negative=None,
+def eight_images(pipe, size: int, steps: int, device, peaks: PhasePeaks, prompts=PROMPTS8, negative=None,
                  cfg: float = 1.0) -> tuple[float, np.ndarray, list]:
     """(seconds an image over `prompts`, the images [N, H, W, 4], per image its decode's (input, output):
-    DecodeRecorder) after a 3-step warm-up call (bench docstring)."""
+    DecodeRecorder) after a 3-step warm-up call (bench docstring); `peaks` told of each timed call's phases."""
     from types import SimpleNamespace
 
     from qwen_image_fast.cli.run import encode_ahead
 
     def render(i, **text):
+        peaks.call_begins()
         return pipe(**text, height=size, width=size, num_inference_steps=steps, output_type="np",
                     true_cfg_scale=cfg, generator=torch.Generator(device).manual_seed(i)).images[0]
 
@@ -522,7 +567,7 @@ def eight_images(pipe, size: int, steps: int, device, prompts=PROMPTS8, negative
     encoded, until = encode_ahead(pipe, jobs, 0)
     if until != len(jobs) or len(encoded) != len(jobs):
         raise RuntimeError(f"encode_ahead covered {len(encoded)} of {len(jobs)} prompts")
-    with DecodeRecorder(pipe.vae) as decodes:
+    with DecodeRecorder(pipe.vae, peaks) as decodes:
         images = [render(i, **encoded[i]) for i in range(len(jobs))]
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -573,14 +618,14 @@ def budget_rows(args, env: dict) -> list[dict]:
     torch.cuda.reset_peak_memory_stats()
     work = dict(prompts=LONG_PROMPTS4, negative=LONG_NEGATIVE, cfg=4.0) if args.budget_cfg else {}
     suffix = "_cfg_long" if args.budget_cfg else ""
-    paired = None
+    paired, peaks = None, PhasePeaks(device)
     if args.budget_cfg:  # a budget runs the branches one by one: the reference that it must equal does too
-        paired, _, _ = eight_images(fast, size, STEPS, device, **work)
+        paired, _, _ = eight_images(fast, size, STEPS, device, peaks, **work)
         print(f"uncapped, batched CFG: {paired:.3f} s an image", flush=True)
         fast.fast_config = fast.fast_config.replace(batched_cfg=False)
-    per_image, expected, expected_decodes = eight_images(fast, size, STEPS, device, **work)
+    per_image, expected, expected_decodes = eight_images(fast, size, STEPS, device, peaks, **work)
     if args.budget_cfg:  # the reference must reproduce itself for "equal to it" to say anything
-        _, again, _ = eight_images(fast, size, STEPS, device, **work)
+        _, again, _ = eight_images(fast, size, STEPS, device, peaks, **work)
         print(f"uncapped, again: {image_differences(again, expected)}", flush=True)
     count = prefix_token_counter(fast.processor)
     prompts = work.get("prompts", PROMPTS8)
@@ -588,8 +633,10 @@ def budget_rows(args, env: dict) -> list[dict]:
                 cfg=work.get("cfg", 1.0), prefix_tokens=max(count(p) for p in prompts),
                 negative_prefix_tokens=count(LONG_NEGATIVE) if args.budget_cfg else None)
     rows = [dict(base, variant="uncapped" + suffix, s_per_image=per_image, paired_s_per_image=paired,
-                 peak_reserved_gib=torch.cuda.max_memory_reserved() / GIB, applied=fast.applied)]
-    print(f"uncapped: {per_image:.3f} s an image, peak reserved {rows[0]['peak_reserved_gib']:.1f} GiB", flush=True)
+                 **peaks.fields(), applied=fast.applied)]
+    print(f"uncapped: {per_image:.3f} s an image, peak reserved {rows[0]['peak_reserved_gib']:.1f} GiB, the loop's "
+          f"peak {rows[0]['loop_peak_gib']:.2f} GiB above a call's start, the decode's "
+          f"{rows[0]['decode_peak_gib']:.2f}", flush=True)
     components = dict(fast.components)
     del fast
     for budget in args.budgets:
@@ -611,14 +658,16 @@ def budget_rows(args, env: dict) -> list[dict]:
         context = (total - free - torch.cuda.memory_reserved()) / GIB
         torch.cuda.set_per_process_memory_fraction((budget - context) * GIB / total)
         torch.cuda.reset_peak_memory_stats()
+        planned = memory.workspace_bytes(low) / GIB
         print(f"cap{budget:g}: buffer {turns.buffer_bytes / GIB:.2f} GiB, context {context:.2f} GiB, the plan's "
-              f"smallest budget {smallest:.2f} GiB", flush=True)
-        per_image, images, decodes = eight_images(low, size, STEPS, device, **work)
+              f"smallest budget {smallest:.2f} GiB, its workspace {planned:.2f} GiB", flush=True)
+        peaks = PhasePeaks(device)
+        per_image, images, decodes = eight_images(low, size, STEPS, device, peaks, **work)
         same = bool(np.array_equal(images, expected))
         row = dict(base, variant=f"cap{budget:g}{suffix}", max_memory_gib=budget, s_per_image=per_image,
                    per_image_vs_uncapped=per_image / rows[0]["s_per_image"],
                    per_image_vs_uncapped_paired=per_image / paired if paired else None,
-                   peak_reserved_gib=torch.cuda.max_memory_reserved() / GIB, context_gib=context,
+                   **peaks.fields(), planned_workspace_gib=planned, context_gib=context,
                    buffer_gib=turns.buffer_bytes / GIB, smallest_budget_gib=smallest,
                    streamed_blocks=len(blocks.streamed) if turns.streams("transformer") else 0,
                    blocks=len(blocks.layer_ranges),
