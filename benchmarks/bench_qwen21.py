@@ -46,10 +46,10 @@ FastConfig(memory="low", max_memory_gib=N) built from the same components after
 torch.cuda.set_per_process_memory_fraction(N GiB less the CUDA context) ("cap<N>": what streams, the buffer, peak
 reserved, the plan's smallest budget at these shapes and its workspace). Every row also has the largest peak
 allocated in a call's denoising loop and in its decode, each above what was allocated when it began (PhasePeaks):
-what the plan's workspace must hold. The check: every image equals the uncapped one bit for bit,
-else no row, and where it differs (where_it_differs: the loop's latents, or the decode under the cap). With
---budget-cfg (4 long prompts, a long negative prompt, CFG 4) the uncapped reference runs the
-branches one by one (batched_cfg=False), as a budget does; the uncapped time with batched CFG is kept beside it
+what the plan's workspace must hold. The check: every image equals the uncapped one bit for bit, else no row, and
+where it differs (where_it_differs: the loop's latents, or the decode under the cap). With --budget-cfg (4 long
+prompts, a long negative prompt, CFG 4) the uncapped reference runs the branches one by one (batched_cfg=False), as
+a budget does; the uncapped time with batched CFG is kept beside it
 (paired_s_per_image, per_image_vs_uncapped_paired).
 
 The error is checked (GATE) before a speed is reported. Appends to results/qwen21.jsonl.
