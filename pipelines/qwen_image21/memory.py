@@ -19,6 +19,7 @@ before the decode (pipeline.py), so the two never meet.
 
 import torch
 
+from ..core.model.vae_2d import why_not_2d
 from ..core.runtime import memory as core
 from ..core.runtime.memory import MemoryPlan
 from ..core.runtime.offload import HostArena, TakingTurns, tensors_of
@@ -33,21 +34,26 @@ BRANCHES = 2  # CFG's cond and uncond passes each keep a prefix cache
 # Measured on an H200 (benchmarks/RESULTS.md, "Qwen-Image-2.1", memory='low' at 1024^2): diffusers' RGBA VAE decode of
 # one image allocates 6.6 GiB at its peak above what the call holds (6,758 bytes a pixel); planned with a quarter
 # more for the allocator's fragmentation (at 7,000 a 16 GiB cap ran out of memory in the decode with 1.5 GiB reserved
-# but unusable); and a denoising step's activations and the graphs' pools (ACTIVATION_BYTES_PER_TOKEN_WIDTH: per
-# target token and transformer width).
+# but unusable). The 2D decode (vae_2d_decode, vae.py) allocates 2.67 GiB there (2,738 bytes a pixel; bench_vae.py,
+# and bench_qwen21.py --budgets' decode_peak_gib under a 16 GiB cap), planned with the same quarter more. And a
+# denoising step's activations and the graphs' pools (ACTIVATION_BYTES_PER_TOKEN_WIDTH: per target token and
+# transformer width).
 DECODE_BYTES_PER_PIXEL = 8400
+DECODE_2D_BYTES_PER_PIXEL = 3500
 ACTIVATION_BYTES_PER_TOKEN_WIDTH = 64
 
 
 def workspace_bytes(pipe) -> int:
     """A planned call's needs beside the weights: max(the denoising loop's prefix caches (the target's tokens and
-    the planned prompt, both CFG branches) and activations, the decode's)."""
+    the planned prompt, both CFG branches) and activations, the decode's: the 2D decode's where the VAE runs it,
+    diffusers' otherwise; a tiled decode, stock's, holds one tile's activations at a time)."""
     transformer = pipe.transformer
     inner = transformer.config.num_attention_heads * transformer.config.attention_head_dim
     target = (PLAN.side // (pipe.vae_scale_factor * 2)) ** 2
     keys = (BRANCHES * len(transformer.transformer_blocks) * 2 * (target + PLANNED_TEXT_TOKENS) * inner
             * transformer.dtype.itemsize)
-    return max(keys + ACTIVATION_BYTES_PER_TOKEN_WIDTH * target * inner, DECODE_BYTES_PER_PIXEL * PLAN.side ** 2)
+    decode = DECODE_2D_BYTES_PER_PIXEL if why_not_2d(pipe.vae) is None else DECODE_BYTES_PER_PIXEL
+    return max(keys + ACTIVATION_BYTES_PER_TOKEN_WIDTH * target * inner, decode * PLAN.side ** 2)
 
 
 def place_low_memory(pipe, device: torch.device, max_memory_gib: float | None = None) -> TakingTurns:

@@ -209,6 +209,24 @@ def test_a_budget_s_plan_refuses_calls_beyond_it():
         optimize(QwenImage21Pipeline(**components()), FastConfig(fp8=False, memory="low", max_memory_gib=gib / 2))
 
 
+def test_a_budget_plans_the_decode_that_runs():
+    """The plan's workspace holds the decode the VAE will run: the 2D decode's (vae_2d_decode, the default) or, with
+    it switched off, diffusers' (memory.DECODE_BYTES_PER_PIXEL). At the tiny size the decode's term is the larger one
+    (the plan is for a 1024x1024 image), so a budget that fits with the 2D decode is refused without it."""
+    from qwen_image_fast.pipelines.qwen_image21 import memory
+
+    gib = budget_for(resident_blocks=1)
+    low = optimize(QwenImage21Pipeline(**components()), FastConfig(fp8=False, memory="low", max_memory_gib=gib))
+    assert memory.workspace_bytes(low) == memory.DECODE_2D_BYTES_PER_PIXEL * 1024 ** 2
+    assert images(low, output_type="np").shape == (1, 64, 64, 4) and "vae_2d_decode" in low.applied, low.applied
+    with pytest.raises(ValueError, match=r"max_memory_gib=.* is too small for this pipeline: .* or its decode"):
+        optimize(QwenImage21Pipeline(**components()),
+                 FastConfig(fp8=False, vae_2d_decode=False, memory="low", max_memory_gib=gib))
+    stock_decode = FastConfig(fp8=False, vae_2d_decode=False, memory="low", max_memory_gib=gib + 5)
+    assert memory.workspace_bytes(optimize(QwenImage21Pipeline(**components()), stock_decode)) == (
+        memory.DECODE_BYTES_PER_PIXEL * 1024 ** 2)
+
+
 @pytest.mark.gpu
 def test_a_budget_on_gpu_streams_inside_the_graphs(monkeypatch):
     """On CUDA with graphs: the blocks' copies on the side stream from pinned memory inside the cached steps' graphs,
