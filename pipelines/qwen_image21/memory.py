@@ -43,13 +43,20 @@ DECODE_2D_BYTES_PER_PIXEL = 3500
 ACTIVATION_BYTES_PER_TOKEN_WIDTH = 64
 
 
+def planned_target_tokens(pipe) -> int:
+    """The target image's tokens in a PLAN.side x PLAN.side call: 4,096 at 1024x1024 (a latent side of 64, as
+    diffusers' prepare_latents rounds it, in patches of the transformer's patch_size, 1)."""
+    latent_side = 2 * (PLAN.side // (pipe.vae_scale_factor * 2))
+    return (latent_side // pipe.transformer.config.patch_size) ** 2
+
+
 def workspace_bytes(pipe) -> int:
     """A planned call's needs beside the weights: max(the denoising loop's prefix caches (the target's tokens and
     the planned prompt, both CFG branches) and activations, the decode's: the 2D decode's where the VAE runs it,
     diffusers' otherwise; a tiled decode, stock's, holds one tile's activations at a time)."""
     transformer = pipe.transformer
     inner = transformer.config.num_attention_heads * transformer.config.attention_head_dim
-    target = (PLAN.side // (pipe.vae_scale_factor * 2)) ** 2
+    target = planned_target_tokens(pipe)
     keys = (BRANCHES * len(transformer.transformer_blocks) * 2 * (target + PLANNED_TEXT_TOKENS) * inner
             * transformer.dtype.itemsize)
     decode = DECODE_2D_BYTES_PER_PIXEL if why_not_2d(pipe.vae) is None else DECODE_BYTES_PER_PIXEL

@@ -209,6 +209,20 @@ def test_a_budget_s_plan_refuses_calls_beyond_it():
         optimize(QwenImage21Pipeline(**components()), FastConfig(fp8=False, memory="low", max_memory_gib=gib / 2))
 
 
+def test_the_plan_counts_the_target_tokens_the_transformer_sees():
+    """memory.planned_target_tokens: the tokens of the target image the transformer reads in a call of the plan's
+    size (the prefix caches and activations of the denoising loop scale with them)."""
+    from qwen_image_fast.pipelines.qwen_image21 import memory
+
+    pipe = QwenImage21Pipeline(**components())
+    seen = []
+    pipe.transformer.register_forward_pre_hook(lambda module, args, kwargs: seen.append(kwargs["hidden_states"].shape),
+                                               with_kwargs=True)
+    side = memory.PLAN.side
+    pipe(prompt="a cat", height=side, width=side, num_inference_steps=1, output_type="latent")
+    assert seen[0][1] == memory.planned_target_tokens(pipe) == (side // 16) ** 2, seen
+
+
 def test_a_budget_plans_the_decode_that_runs():
     """The plan's workspace holds the decode the VAE will run: the 2D decode's (vae_2d_decode, the default) or, with
     it switched off, diffusers' (memory.DECODE_BYTES_PER_PIXEL). At the tiny size the decode's term is the larger one
