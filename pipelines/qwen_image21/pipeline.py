@@ -101,6 +101,7 @@ class FastQwenImage21Pipeline(TurnTakingPipeline, FastPipelineState, FastLoraPip
         self._turns = None
         if isinstance(self.transformer, FastQwenImage21Transformer):
             self.transformer.block_arena, self.transformer.planned_prefix = None, None  # an earlier placement's
+            self.transformer.prefix_cache.release()  # an earlier pipeline's calls': this one's calls bind their own
         if config.memory == "low":
             device = torch.device(device) if device is not None else self.transformer.device
             self._turns = place_low_memory(self, device, config.max_memory_gib)

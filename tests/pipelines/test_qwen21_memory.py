@@ -105,13 +105,17 @@ def test_prompts_encoded_ahead_in_one_turn_give_the_same_latents():
 def test_a_second_pipeline_from_the_components_takes_them_over():
     """A memory='low' pipeline built from another one's components (its blocks on their turn in the first one's
     buffer) gives the resident pipeline's latents; the first one refuses to run from then on (both families share
-    the placement's retirement: core/runtime/offload.py)."""
+    the placement's retirement: core/runtime/offload.py). The first one's prefix caches, which the transformer keeps
+    across calls, go back when the second is built: its calls bind their own (on a GPU, under a budget, the first
+    one's would take the room its plan counts on)."""
     from qwen_image_fast.pipelines.qwen_image21.pipeline import FastQwenImage21Pipeline
 
     resident = latents(optimize(QwenImage21Pipeline(**tiny_qwen21_components()), FastConfig(fp8=False)))
     first = optimize(QwenImage21Pipeline(**tiny_qwen21_components()), FastConfig(fp8=False, memory="low"))
     assert torch.equal(latents(first), resident) and first._turns.resident == "transformer"
+    assert first.transformer.prefix_cache.slots
     second = FastQwenImage21Pipeline(**first.components, fast_config=FastConfig(fp8=False, memory="low"))
+    assert not second.transformer.prefix_cache.slots
     with pytest.raises(RuntimeError, match="placed again by another pipeline built from the same components"):
         latents(first)
     assert torch.equal(latents(second), resident)
