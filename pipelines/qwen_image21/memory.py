@@ -35,12 +35,14 @@ BRANCHES = 2  # CFG's cond and uncond passes each keep a prefix cache
 # one image allocates 6.6 GiB at its peak above what the call holds (6,758 bytes a pixel); planned with a quarter
 # more for the allocator's fragmentation (at 7,000 a 16 GiB cap ran out of memory in the decode with 1.5 GiB reserved
 # but unusable). The 2D decode (vae_2d_decode, vae.py) allocates 2.67 GiB there (2,738 bytes a pixel; bench_vae.py,
-# and bench_qwen21.py --budgets' decode_peak_gib under a 16 GiB cap), planned with the same quarter more. And a
-# denoising step's activations and the graphs' pools (ACTIVATION_BYTES_PER_TOKEN_WIDTH: per target token and
-# transformer width).
+# and bench_qwen21.py --budgets' decode_peak_gib under a 16 GiB cap), planned with the same quarter more. And beside
+# the prefix caches, a denoising step's activations, the graphs' pools and the allocator's fragmentation
+# (ACTIVATION_BYTES_PER_TOKEN_WIDTH: per target token and transformer width, 2.5 GiB at 1024^2): a 16 GiB cap that
+# left 1.0 GiB for them (64 bytes) ran out of memory capturing a CFG call's graphs with ~900-token prompts, 0.8 GiB
+# allocated beside both branches' caches and 0.5 GiB reserved but unusable.
 DECODE_BYTES_PER_PIXEL = 8400
 DECODE_2D_BYTES_PER_PIXEL = 3500
-ACTIVATION_BYTES_PER_TOKEN_WIDTH = 64
+ACTIVATION_BYTES_PER_TOKEN_WIDTH = 160
 
 
 def planned_target_tokens(pipe) -> int:
