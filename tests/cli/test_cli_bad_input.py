@@ -189,7 +189,7 @@ BAD_INPUT = {
     "qwen21-lightning": (lambda tmp: qwen21_model(tmp, "--lightning"),
                          "--lightning samples for Qwen-Image-2512's Lightning LoRAs"),
     "qwen21-max-memory-12": (lambda tmp: qwen21_model(tmp, "--preset", "fast", "--max-memory", "12"),
-                             "--max-memory 12: the pipeline needs at least 14.5 GiB (with memory='low': 19.9 GiB "
+                             "--max-memory 12: the pipeline needs at least 14 GiB (with memory='low': 19.9 GiB "
                              "reserved at 1024x1024, measured; below 21 its blocks and text encoder layers stream "
                              "from the host)"),
     "qwen21-max-memory-16-image": (lambda tmp: qwen21_model(tmp, "--preset", "fast", "--max-memory", "16",

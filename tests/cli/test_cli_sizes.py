@@ -116,7 +116,7 @@ def test_a_large_size_on_the_cpu_warns_with_an_estimate(capsys):
     (15.6, "QwenImage21Pipeline", "has 15.6 GiB, and the fast pipeline needs about 38: add --max-memory 15 "
                                   "(memory='low': the same images bit for bit; below 21 GiB the blocks and text "
                                   "encoder layers that do not fit stream from the host)"),  # a 16 GB card
-    (11.6, "QwenImage21Pipeline", "has 11.6 GiB, and the fast pipeline needs about 38 (14.5 with --max-memory, its "
+    (11.6, "QwenImage21Pipeline", "has 11.6 GiB, and the fast pipeline needs about 38 (14 with --max-memory, its "
                                   "low-memory mode): GPUs this small are not served yet"),
 ])
 def test_a_gpu_too_small_for_the_fast_pipeline_is_told_the_memory_mode_before_loading(monkeypatch, gib, pipeline,
