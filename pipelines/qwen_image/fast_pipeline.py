@@ -56,6 +56,7 @@ class FastPipelineMixin(FastPipelineState, FastLoraPipeline, FastCheckpointPipel
         if isinstance(transformer, FastQwenImageTransformer):
             check_given_fast_transformer(transformer, config)
             transformer.block_arena = None  # a retired placement's; memory="low" sets this pipeline's
+            transformer.modulation_tables.reset()  # an earlier pipeline's calls': this one's build their own
         elif config.fused_transformer and transformer is not None:
             self.register_modules(transformer=fast_transformer(
                 transformer, config, device, modulation_device="cpu" if config.memory == "low" else None))

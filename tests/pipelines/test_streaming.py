@@ -138,7 +138,8 @@ def test_placing_the_components_again_gives_them_to_the_new_pipeline():
     pipeline's latents equal memory='fast' (each streamed block's weights came from the host, not from a slot holding
     another block), the text encoder's streaming hooks are the new arena's only, the first pipeline refuses to run
     (its weights are the new one's now) and its buffer is not kept alive. A memory='fast' pipeline from them gets the
-    weights back too."""
+    weights back too. Each new pipeline starts without the modulation tables the earlier one's calls built (under a
+    budget the plan counts one, its own) and with its own capacity for them."""
     import gc
     import weakref
 
@@ -153,8 +154,11 @@ def test_placing_the_components_again_gives_them_to_the_new_pipeline():
     hooks = len(decoder._forward_pre_hooks) + len(decoder._forward_hooks)
     first = weakref.ref(low._turns.arenas["transformer"])
     components = {name: getattr(low, name) for name in ("scheduler", "vae", "text_encoder", "tokenizer", "transformer")}
+    tables = low.transformer.modulation_tables
+    assert tables.tables and tables.capacity == 1
     again = QwenImageFastPipeline(**components, fast_config=FP8.replace(
         memory="low", max_memory_gib=budget_for(probe, resident_blocks=0)))
+    assert not tables.tables and tables.capacity == 1
     assert len(decoder._forward_pre_hooks) + len(decoder._forward_hooks) == hooks
     with pytest.raises(RuntimeError, match="placed again by another pipeline built from the same components"):
         run(low, **CFG)
@@ -167,6 +171,7 @@ def test_placing_the_components_again_gives_them_to_the_new_pipeline():
     assert first() is None
     run(again, **CFG)  # the transformer's turn again, its blocks in the slots
     back = QwenImageFastPipeline(**components, fast_config=FP8)
+    assert not tables.tables and tables.capacity == tables.DEFAULT_CAPACITY
     assert torch.equal(run(back, **CFG), expected)
     assert back.transformer.block_arena is None
 

@@ -62,7 +62,9 @@ class ModulationLayout:
 class ModulationTables:
     """The last `capacity` tables built, by key (least recently used dropped first)."""
 
-    def __init__(self, capacity: int = 4):
+    DEFAULT_CAPACITY = 4
+
+    def __init__(self, capacity: int = DEFAULT_CAPACITY):
         self.capacity = capacity
         self.tables: OrderedDict[tuple, torch.Tensor] = OrderedDict()
         self.built = 0  # how many tables were computed (not found): what a new schedule cost
@@ -77,8 +79,11 @@ class ModulationTables:
         self.built += 1
         return table
 
-    def clear(self):
+    def reset(self):
+        """No tables kept, and the default capacity: a pipeline set up anew over the transformer builds its own (a
+        memory budget's placement then keeps one: core/runtime/memory.py)."""
         self.tables.clear()
+        self.capacity = self.DEFAULT_CAPACITY
 
 
 def tensor_key(t: torch.Tensor | None) -> tuple | None:
