@@ -79,10 +79,13 @@ class ModulationTables:
         self.built += 1
         return table
 
+    def clear(self):
+        self.tables.clear()
+
     def reset(self):
         """No tables kept, and the default capacity: a pipeline set up anew over the transformer builds its own (a
         memory budget's placement then keeps one: core/runtime/memory.py)."""
-        self.tables.clear()
+        self.clear()
         self.capacity = self.DEFAULT_CAPACITY
 
 
