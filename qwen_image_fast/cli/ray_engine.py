@@ -12,6 +12,7 @@ cluster's work before any actor has written anything.
 
 import asyncio
 import json
+import logging
 import os
 import queue
 import signal
@@ -31,6 +32,9 @@ CONNECT_TIMEOUT_S = 5.0
 
 
 def import_ray():
+    # Ray Data's console logs (each dataset's start, plan and progress at INFO) would print beside the command's
+    # own lines on stderr, a bad input's one line among them: warnings and errors only, unless the user chose a level
+    os.environ.setdefault("RAY_DATA_LOG_LEVEL", "WARNING")
     try:
         import ray
         import ray.data  # noqa: F401
@@ -58,6 +62,10 @@ def connect(ray, address: str | None):
     """ray.init on the cluster at `address` (None: a new local one; check_reachable passed), the actors' environment
     forwarded."""
     env = {name: os.environ[name] for name in FORWARDED_ENV if name in os.environ}
+    # ray.init from the connecting thread warns that it cannot put its SIGTERM handler there; Connecting keeps the
+    # command's own (wait()), so the warning would only add a line to stderr, at times after a bad input's one line
+    logging.getLogger("ray._private.worker").addFilter(
+        lambda record: "SIGTERM handler is not set" not in record.getMessage())
     try:
         ray.init(address=address, runtime_env={"env_vars": env}, log_to_driver=False,
                  logging_level="ERROR", configure_logging=True)
