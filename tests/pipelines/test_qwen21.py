@@ -367,8 +367,10 @@ def test_a_few_step_sigma_schedule_through_diffusers_api_matches_stock(stand_in_
     expected = latents(tiny_pipeline(), **call)
     fast = optimize(tiny_pipeline(), FastConfig(fp8=False))
     for n in range(2):
+        replays = len(stand_in_graphs["replays"])
         assert_close(latents(fast, **call), expected, 1e-5, f"call {n}")
-    assert "cuda_graphs" in fast.applied and stand_in_graphs["replays"], fast.applied
+        assert len(stand_in_graphs["replays"]) > replays, f"call {n} replayed no graph"
+    assert "cuda_graphs" in fast.applied, fast.applied
 
 
 def test_sample_sigmas_carried_through_every_build(tmp_path):
@@ -540,7 +542,7 @@ def random_lora(seed: int) -> dict:
 def test_lora_matches_stock():
     """Two LoRAs loaded after optimize() (one before, carried over), weights, attention_kwargs scale, fuse and
     unfuse: the latents equal the stock pipeline's with the same LoRAs through peft."""
-    pytest.importorskip("peft")
+    import peft  # noqa: F401  (a test dependency: missing, the test fails rather than skips)
     stock, before = tiny_pipeline(), tiny_pipeline()
     for pipe in (stock, before):
         pipe.load_lora_weights(random_lora(1), adapter_name="a")

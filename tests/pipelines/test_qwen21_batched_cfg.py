@@ -6,7 +6,8 @@ positions) and the "uncond" call gets its half, when its inputs are those the ha
 Against stock diffusers' QwenImage21Transformer2DModel in the same loop (fp32, tiny config, FP8 off: 1e-5): the
 prompt and the negative prompt of different lengths (their targets' rotary positions differ), a condition image in
 both prefixes; FP8 attention (the reference kernel on the CPU) equal to its unpaired self; an "uncond" call whose
-latents or timestep are not the ones paired computes anew. The pipeline-level comparisons (with graphs, memory="low")
+latents are not the ones paired computes anew, and one whose timestep is not fails the call (the speculation's
+check, a ValueError at the call's end). The pipeline-level comparisons (with graphs, memory="low")
 are test_qwen21.py's and test_qwen21_memory.py's, which run with CFG and batched CFG on by default."""
 
 import contextlib

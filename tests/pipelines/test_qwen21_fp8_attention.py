@@ -108,8 +108,8 @@ def test_v_scale_from_its_bound_or_measured():
 
 def test_pipeline_with_graphs_and_a_step_cache(reference_kernel, stand_in_graphs):
     """optimize(QwenImage21Pipeline, fp8_attention="auto"): CFG with two prompt lengths, the cached steps in (stand-in)
-    CUDA graphs, within the error of stock's latents; `applied` names the kernel; with a step cache too (a skipped
-    block's prefix is not touched), within the error of the same cache without FP8 attention."""
+    CUDA graphs, within the error of stock's latents; `applied` names the kernel; with a step cache too, within the
+    error of the same cache without FP8 attention, both pipelines' `applied` naming the cache."""
     call = dict(num_inference_steps=4, use_kv_cache=True)
     expected = latents(tiny_pipeline(), **call)
     fast = optimize(tiny_pipeline(), FastConfig(fp8=False, fp8_attention="auto"))
@@ -122,6 +122,9 @@ def test_pipeline_with_graphs_and_a_step_cache(reference_kernel, stand_in_graphs
     plain = optimize(tiny_pipeline(), FastConfig(fp8=False, **cache))
     error = rel_rms_error(latents(cached, **call), latents(plain, **call))
     assert 1e-4 < error <= TINY_ERROR, error
+    assert "fp8_attention:reference" in cached.applied and "fp8_attention:reference" not in plain.applied
+    assert [a for a in cached.applied if a.startswith("step_cache:")] == [
+        a for a in plain.applied if a.startswith("step_cache:")] != [], (cached.applied, plain.applied)
 
 
 def test_under_a_memory_budget_as_resident(reference_kernel):
@@ -139,6 +142,7 @@ def test_under_a_memory_budget_as_resident(reference_kernel):
     for call in range(2):
         assert np.array_equal(images(low, output_type="np"), expected), f"call {call}"
         assert low._turns.arenas["transformer"].stream.copied > 0
+        assert not low.transformer.prefix_cache.slots, "the FP8 prefix caches were kept through the decode"
         assert "fp8_attention:reference" in low.applied, low.applied
 
 

@@ -153,9 +153,11 @@ def test_a_budget_streams_blocks_and_text_layers_with_the_same_images():
     """2 of the 5 blocks stay in the buffer and 3 stream through its two slots; the text encoder (12 decoder layers:
     more bytes than that buffer) streams the layers that do not fit. With CFG the images (decoded: the prefix caches
     go back before the VAE decode, and the next call extracts them anew) equal the resident pipeline's bit for bit,
-    call after call; `applied` names the budget."""
+    call after call, and stock's within 1e-5; `applied` names the budget."""
     gib = budget_for(resident_blocks=2)
     expected = images(optimize(QwenImage21Pipeline(**components()), FastConfig(fp8=False)), output_type="np")
+    assert_close(torch.from_numpy(expected), torch.from_numpy(images(QwenImage21Pipeline(**components()),
+                                                                       output_type="np")), 1e-5, "resident vs stock")
     low = optimize(QwenImage21Pipeline(**components()), FastConfig(fp8=False, memory="low", max_memory_gib=gib))
     planned = low.applied
     assert f"memory:low{gib:g}gib" in planned and "batched_cfg" not in planned, planned
@@ -203,6 +205,7 @@ def test_a_budget_s_plan_refuses_calls_beyond_it():
             images(low, **extra)
     with pytest.raises(ValueError, match=r"planned for text-to-image calls; this call has 1 condition image\(s\)"):
         images(low, image=CONDITION)
+    assert low._turns.loads == 0, "a refused call brought a component onto the device"
     with pytest.raises(ValueError, match=rf"the prefix .* has \d+ tokens; the memory budget .* is planned for at most "
                                          rf"{PLANNED_TEXT_TOKENS}: shorten the prompt"):
         images(low, prompt="a cat " * PLANNED_TEXT_TOKENS)
