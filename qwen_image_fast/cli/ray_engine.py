@@ -58,14 +58,17 @@ def check_reachable(address: str):
                          "with `ray start --head`, or leave --ray-address out for a local cluster") from None
 
 
+def without_sigterm_warning(record: logging.LogRecord) -> bool:
+    """ray.init from the connecting thread warns that it cannot put its SIGTERM handler there; Connecting keeps the
+    command's own (wait()), so the warning would only add a line to stderr, at times after a bad input's one line."""
+    return "SIGTERM handler is not set" not in record.getMessage()
+
+
 def connect(ray, address: str | None):
     """ray.init on the cluster at `address` (None: a new local one; check_reachable passed), the actors' environment
     forwarded."""
     env = {name: os.environ[name] for name in FORWARDED_ENV if name in os.environ}
-    # ray.init from the connecting thread warns that it cannot put its SIGTERM handler there; Connecting keeps the
-    # command's own (wait()), so the warning would only add a line to stderr, at times after a bad input's one line
-    logging.getLogger("ray._private.worker").addFilter(
-        lambda record: "SIGTERM handler is not set" not in record.getMessage())
+    logging.getLogger("ray._private.worker").addFilter(without_sigterm_warning)  # once per process: the same object
     try:
         ray.init(address=address, runtime_env={"env_vars": env}, log_to_driver=False,
                  logging_level="ERROR", configure_logging=True)
