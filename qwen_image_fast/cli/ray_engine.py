@@ -126,6 +126,9 @@ class Connecting:
         """Disconnects (a local cluster started for the command stops, and with it a stage still running)."""
         self.ready.wait()
         if self.ray is not None:
+            # a stage still running (a check failed, Ctrl-C) has Ray Data's executor in its own thread, which then
+            # logs, with tracebacks, that Ray is gone: after the command's last line, and nothing the command did
+            logging.getLogger("ray.data").setLevel(logging.CRITICAL)
             self.ray.shutdown()
         self.closed.set()
 
